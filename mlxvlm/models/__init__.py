@@ -1,0 +1,30 @@
+"""Registry: a checkpoint's ``model_type`` -> the family module that implements it.
+
+Each family module exposes ``Model`` (a ``VisionLanguageModel``) and
+``load_processor(model_path, config)`` returning the transformers processor built without
+torch/torchvision.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# model_type (as written in config.json) -> module name under mlxvlm.models
+FAMILIES: dict[str, str] = {
+    "qwen2_vl": "qwen2_vl",
+    "qwen2_5_vl": "qwen2_5_vl",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's model_type has no family module."""
+
+
+def get_family(model_type: str | None) -> ModuleType:
+    if model_type not in FAMILIES:
+        supported = ", ".join(sorted(FAMILIES))
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported by mlxvlm (supported: {supported})"
+        )
+    return importlib.import_module(f"mlxvlm.models.{FAMILIES[model_type]}")

@@ -1,0 +1,68 @@
+"""The contract every model family implements.
+
+A family module (``mlxvlm/models/<model_type>.py``) exposes a ``Model`` class derived from
+``VisionLanguageModel``. The shared generate loop only ever talks to a model through the
+methods below, so a family knows nothing about sampling, caches or streaming, and the loop
+knows nothing about any one family.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+
+class VisionLanguageModel(nn.Module):
+    """Base class of every family's ``Model``.
+
+    Subclasses implement:
+
+    ``from_config(config)``
+        Build the module tree from the checkpoint's ``config.json`` (either the Hub's older
+        layout or the one transformers 5's ``save_pretrained`` writes).
+    ``sanitize(weights)``
+        Map a Hugging Face checkpoint's tensor names and layouts onto this module's. It is
+        called only on Hugging Face checkpoints, never on ones already in MLX layout.
+    ``embed(input_ids, **features)``
+        Run the vision/audio towers on the processor's features, merge them at the
+        placeholder tokens and return ``(embeddings, state)``. ``state`` is whatever the
+        decoder needs per request besides the cache (e.g. M-RoPE position ids), or None.
+    ``__call__(input_ids, cache, *, embeddings=None, state=None)``
+        Logits for ``input_ids`` (or for ``embeddings`` when given). The decoder reads its
+        absolute position from the cache offset.
+    ``layers``
+        The language-model decoder blocks (LoRA and sharding walk these).
+    """
+
+    # Names of processor outputs (besides input_ids) that ``embed`` consumes.
+    feature_names: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, config: dict) -> "VisionLanguageModel":
+        raise NotImplementedError
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        return weights
+
+    def embed(self, input_ids: mx.array, **features: Any) -> tuple[mx.array, Any]:
+        raise NotImplementedError
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    @property
+    def max_context(self) -> int | None:
+        """Longest sequence the text model was trained for (None if unknown)."""
+        return None
+
+    @property
+    def placeholder_token_ids(self) -> set[int]:
+        """Token ids that stand for image/video/audio features in the prompt."""
+        return set()
+
+    def make_cache(self) -> list[Any]:
+        return [KVCache() for _ in self.layers]
