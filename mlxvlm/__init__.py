@@ -5,13 +5,33 @@
     print(mlxvlm.generate(model, processor, "Describe this image.", image="cat.jpg").text)
 """
 
+import warnings
+
 from mlxvlm import _backend
 
 # Must run before anything imports mlx.core (see _backend).
 _backend.preload_openblas()
 
-from mlxvlm.generate import GenerationResult, generate, stream_generate  # noqa: E402
+# `python -m mlxvlm.generate` runs a module this package already imported (to export the
+# `generate` function, as mlx-lm does); runpy's warning about that is harmless here.
+warnings.filterwarnings(
+    "ignore", message=r"'mlxvlm\.\w+' found in sys.modules", category=RuntimeWarning
+)
+
+from mlxvlm.generate import (  # noqa: E402
+    GenerationOutput,
+    GenerationResult,
+    generate,
+    stream_generate,
+)
 from mlxvlm.loading import load  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["load", "generate", "stream_generate", "GenerationResult", "__version__"]
+__all__ = [
+    "load",
+    "generate",
+    "stream_generate",
+    "GenerationResult",
+    "GenerationOutput",
+    "__version__",
+]

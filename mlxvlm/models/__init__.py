@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from mlxvlm.errors import MlxvlmError
+
 # model_type (as written in config.json) -> module name under mlxvlm.models
 FAMILIES: dict[str, str] = {
     "qwen2_vl": "qwen2_vl",
@@ -17,7 +19,7 @@ FAMILIES: dict[str, str] = {
 }
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(MlxvlmError, ValueError):
     """The checkpoint's model_type has no family module."""
 
 

@@ -1,0 +1,160 @@
+"""Command-line plumbing shared by the entry points, and the `generate` CLI itself.
+
+Flag names follow mlx-lm's where they exist. User errors (a missing image, an unknown
+model type, a prompt that does not fit) print one line to stderr and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
+
+from mlxvlm.errors import MlxvlmError
+
+EXIT_USAGE = 2
+
+
+def run_cli(body: Callable[[], int | None]) -> int:
+    """Run a CLI body, turning user errors into one line on stderr and exit code 2."""
+    try:
+        return body() or 0
+    except MlxvlmError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, help="Local checkpoint directory or Hugging Face repo id"
+    )
+    parser.add_argument("--revision", default=None, help="Hub revision (branch, tag, commit)")
+    parser.add_argument("--adapter-path", default=None, help="LoRA adapter (PEFT format) to apply")
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Also download the repo's *.py files (needed by some processors)",
+    )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", "-m", type=int, default=256, help="Maximum new tokens")
+    parser.add_argument(
+        "--temperature", "--temp", type=float, default=0.0, help="Sampling temperature (0 = greedy)"
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling threshold")
+    parser.add_argument("--top-k", type=int, default=0, help="Top-k sampling (0 = off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="Min-p sampling (0 = off)")
+    parser.add_argument("--repetition-penalty", type=float, default=None)
+    parser.add_argument("--repetition-context-size", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling")
+
+
+def build_generate_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mlxvlm.generate",
+        description="Generate text from a prompt and images with a vision-language model.",
+    )
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--image",
+        action="extend",
+        nargs="+",
+        default=[],
+        help="Image path, http(s) URL or data URL; repeat or list several",
+    )
+    parser.add_argument(
+        "--prompt", "-p", default=None, help="The prompt ('-' reads it from stdin)"
+    )
+    parser.add_argument("--system", default=None, help="System prompt")
+    add_sampling_arguments(parser)
+    parser.add_argument(
+        "--stop", action="append", default=None, help="Stop string (repeat for several)"
+    )
+    parser.add_argument(
+        "--max-kv-size",
+        type=int,
+        default=None,
+        help="Rotating KV cache of this many tokens (keeps the prompt's image tokens)",
+    )
+    parser.add_argument("--kv-bits", type=int, default=None, help="Quantize the KV cache to N bits")
+    parser.add_argument("--kv-group-size", type=int, default=64)
+    parser.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=5000,
+        help="Quantize the KV cache once it holds this many tokens (with --kv-bits)",
+    )
+    parser.add_argument("--prefill-step-size", type=int, default=2048)
+    parser.add_argument(
+        "--verbose", action="store_true", help="Print statistics and backend details to stderr"
+    )
+    return parser
+
+
+def _prompt_text(args: argparse.Namespace) -> str:
+    if args.prompt == "-":
+        return sys.stdin.read()
+    if args.prompt is not None:
+        return args.prompt
+    return "Describe this image." if args.image else "Hello"
+
+
+def run_generate_cli(argv: Sequence[str] | None = None) -> int:
+    parser = build_generate_parser()
+    args = parser.parse_args(argv)
+
+    def body() -> int:
+        import mlx.core as mx
+
+        from mlxvlm import _backend
+        from mlxvlm.generate import stream_generate
+        from mlxvlm.loading import load
+
+        if args.verbose:
+            print(f"[mlxvlm] device: {mx.default_device()}", file=sys.stderr)
+            print(f"[mlxvlm] OpenBLAS: {_backend.openblas_status}", file=sys.stderr)
+        model, processor = load(
+            args.model,
+            revision=args.revision,
+            adapter_path=args.adapter_path,
+            trust_remote_code=args.trust_remote_code,
+        )
+        last = None
+        for last in stream_generate(
+            model,
+            processor,
+            _prompt_text(args),
+            args.image,
+            system=args.system,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            repetition_context_size=args.repetition_context_size,
+            seed=args.seed,
+            stop=args.stop,
+            max_kv_size=args.max_kv_size,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+            quantized_kv_start=args.quantized_kv_start,
+            prefill_step_size=args.prefill_step_size,
+        ):
+            print(last.text, end="", flush=True)
+        print()
+        if args.verbose and last is not None:
+            print(
+                f"[mlxvlm] prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s\n"
+                f"[mlxvlm] generation: {last.generation_tokens} tokens, "
+                f"{last.generation_tps:.1f} tokens/s ({last.finish_reason})\n"
+                f"[mlxvlm] peak memory: {last.peak_memory:.3f} GB",
+                file=sys.stderr,
+            )
+        return 0
+
+    return run_cli(body)

@@ -1,0 +1,362 @@
+"""The shared generate loop, and ``python -m mlxvlm.generate``.
+
+One loop for every family: the family turns the prompt into embeddings (running its
+vision/audio towers) and embeddings into logits; the loop owns the KV cache, chunked
+prefill, sampling, stopping and streaming detokenization. Sampling, logits processors,
+detokenizers and caches come from mlx-lm.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Iterable, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from mlxvlm.errors import MlxvlmError, PromptTooLongError
+from mlxvlm.prompt import PreparedInputs, prepare_inputs
+from mlxvlm.tokenization import generation_tokenizer
+
+# A dedicated stream keeps generation work off the default stream other code may use.
+generation_stream = mx.new_stream(mx.default_device())
+
+# mlx-lm's default: quantize the KV cache only once it is long enough to matter.
+DEFAULT_QUANTIZED_KV_START = 5000
+# Tokens always kept at the start of a rotating cache (attention sinks), as mlx-lm does.
+ROTATING_KEEP = 4
+
+
+@dataclass
+class GenerationResult:
+    """One step of ``stream_generate``: the new text segment and running statistics."""
+
+    text: str
+    token: int | None
+    logprobs: mx.array | None
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None = None  # "stop" | "length" on the last result
+
+
+@dataclass
+class GenerationOutput:
+    """What ``generate`` returns: the whole text plus the final statistics."""
+
+    text: str
+    tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    peak_memory: float = 0.0
+    finish_reason: str | None = None
+
+
+def make_generation_cache(
+    model: nn.Module, inputs: PreparedInputs, max_kv_size: int | None
+) -> list[Any]:
+    """The family's cache; with ``max_kv_size``, full caches become rotating ones that
+    always keep the prompt's media tokens (and the first few tokens)."""
+    cache = model.make_cache()
+    if max_kv_size is None:
+        return cache
+    ids = inputs.input_ids[0].tolist()
+    placeholders = model.placeholder_token_ids
+    last_media = max((i for i, t in enumerate(ids) if t in placeholders), default=-1)
+    keep = max(ROTATING_KEEP, last_media + 1)
+    if keep >= max_kv_size:
+        raise PromptTooLongError(
+            f"--max-kv-size {max_kv_size} is too small: the prompt's images end at token "
+            f"{last_media + 1}, and a rotating cache must keep them all plus room for new "
+            f"tokens; use a --max-kv-size above {keep} (or fewer/smaller images)"
+        )
+    return [
+        RotatingKVCache(max_size=max_kv_size, keep=keep) if type(c) is KVCache else c
+        for c in cache
+    ]
+
+
+def _maybe_quantize_cache(cache, *, kv_bits, kv_group_size, quantized_kv_start):
+    if kv_bits is None:
+        return
+    for i, c in enumerate(cache):
+        if type(c) is KVCache and c.offset >= quantized_kv_start:
+            cache[i] = c.to_quantized(group_size=kv_group_size, bits=kv_bits)
+
+
+def generate_tokens(
+    model: nn.Module,
+    inputs: PreparedInputs,
+    *,
+    cache: list[Any],
+    max_tokens: int,
+    sampler: Callable[[mx.array], mx.array],
+    logits_processors: Sequence[Callable] = (),
+    prefill_step_size: int = 2048,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+) -> Generator[tuple[int, mx.array], None, None]:
+    """Yield ``(token, logprobs)``; prefill the prompt's embeddings in chunks first."""
+    progress = prompt_progress_callback or (lambda *_: None)
+    quantize = functools.partial(
+        _maybe_quantize_cache,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
+    )
+    input_ids = inputs.input_ids
+    history = input_ids[0] if logits_processors else None
+
+    with mx.stream(generation_stream):
+        embeddings, state = model.embed(input_ids, **inputs.features)
+        mx.eval(embeddings, state)
+
+    def step(tokens: mx.array, chunk_embeddings: mx.array | None = None):
+        nonlocal history
+        with mx.stream(generation_stream):
+            logits = model(tokens, cache, embeddings=chunk_embeddings, state=state)
+            logits = logits[:, -1, :]
+            if logits_processors:
+                if chunk_embeddings is None:
+                    history = mx.concatenate([history, tokens[0]])
+                for processor in logits_processors:
+                    logits = processor(history, logits)
+            quantize(cache)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return sampler(logprobs), logprobs.squeeze(0)
+
+    total = input_ids.shape[1]
+    done = 0
+    progress(done, total)
+    with mx.stream(generation_stream):
+        while total - done > 1:
+            n = min(prefill_step_size, total - done - 1)
+            model(
+                input_ids[:, done : done + n],
+                cache,
+                embeddings=embeddings[:, done : done + n],
+                state=state,
+            )
+            quantize(cache)
+            mx.eval([c.state for c in cache])
+            done += n
+            progress(done, total)
+            mx.clear_cache()
+
+    y, logprobs = step(input_ids[:, done:], embeddings[:, done:])
+    mx.async_eval(y, logprobs)
+    n = 0
+    while True:
+        if n != max_tokens:
+            next_y, next_logprobs = step(y.reshape(1, 1))
+            mx.async_eval(next_y, next_logprobs)
+        if n == 0:
+            mx.eval(y)
+            progress(total, total)
+        if n == max_tokens:
+            break
+        yield y.item(), logprobs
+        if n % 256 == 0:
+            mx.clear_cache()
+        y, logprobs = next_y, next_logprobs
+        n += 1
+
+
+class StopStrings:
+    """Cuts the stream at the first stop string, holding back text that may begin one."""
+
+    def __init__(self, stops: Iterable[str] | None):
+        self.stops = [s for s in (stops or []) if s]
+        self.held = ""
+
+    def push(self, segment: str) -> tuple[str, bool]:
+        text = self.held + segment
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return text[: min(hits)], True
+        hold = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        self.held = text[len(text) - hold :]
+        return text[: len(text) - hold], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+def _as_stop_list(stop: str | Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def stream_generate(
+    model: nn.Module,
+    processor: Any,
+    prompt: str | Sequence[dict],
+    image: Any = None,
+    *,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int = 20,
+    seed: int | None = None,
+    max_kv_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    prefill_step_size: int = 2048,
+    stop: str | Sequence[str] | None = None,
+    system: str | None = None,
+    raw_prompt: bool = False,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    logits_processors: Sequence[Callable] | None = None,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+    media_options: dict | None = None,
+) -> Generator[GenerationResult, None, None]:
+    """Generate text for a prompt (a string or chat messages) and images, step by step.
+
+    Each result carries the new text segment (possibly empty while a multi-byte character
+    or a possible stop string is pending), the token, its log-probabilities and running
+    statistics; the last one has ``finish_reason`` "stop" or "length".
+    """
+    if max_tokens < 1:
+        raise MlxvlmError(f"max_tokens must be at least 1, got {max_tokens}")
+    if prefill_step_size < 1:
+        raise MlxvlmError(f"prefill_step_size must be at least 1, got {prefill_step_size}")
+    if kv_bits is not None and max_kv_size is not None:
+        raise MlxvlmError(
+            "--kv-bits cannot be combined with --max-kv-size: mlx-lm's rotating KV cache "
+            "cannot be quantized; choose one"
+        )
+    if seed is not None:
+        mx.random.seed(seed)
+    tokenizer = generation_tokenizer(processor)
+    eos_token_ids = set(getattr(processor, "eos_token_ids", None) or tokenizer.eos_token_ids)
+
+    start = time.perf_counter()
+    mx.reset_peak_memory()
+    inputs = prepare_inputs(
+        processor,
+        prompt,
+        image,
+        system=system,
+        raw_prompt=raw_prompt,
+        feature_names=getattr(model, "feature_names", None),
+        media_options=media_options,
+    )
+    prompt_tokens = inputs.num_tokens
+    context = model.max_context
+    if context is not None and max_kv_size is None:
+        if prompt_tokens >= context:
+            raise PromptTooLongError(
+                f"the prompt is {prompt_tokens} tokens long but the model's context is "
+                f"{context} tokens; shorten the prompt or use fewer/smaller images"
+            )
+        max_tokens = min(max_tokens, context - prompt_tokens)
+
+    cache = make_generation_cache(model, inputs, max_kv_size)
+    if sampler is None:
+        sampler = make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+    if logits_processors is None:
+        logits_processors = make_logits_processors(
+            repetition_penalty=repetition_penalty,
+            repetition_context_size=repetition_context_size,
+        )
+
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    stops = StopStrings(_as_stop_list(stop))
+    tokens = generate_tokens(
+        model,
+        inputs,
+        cache=cache,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        logits_processors=logits_processors,
+        prefill_step_size=prefill_step_size,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
+        prompt_progress_callback=prompt_progress_callback,
+    )
+
+    prompt_tps = 0.0
+    decode_start = start
+    for n, (token, logprobs) in enumerate(tokens):
+        if n == 0:
+            decode_start = time.perf_counter()
+            prompt_tps = prompt_tokens / (decode_start - start)
+        finish_reason = None
+        if token in eos_token_ids:
+            finish_reason = "stop"
+        else:
+            detokenizer.add_token(token)
+            if n + 1 == max_tokens:
+                finish_reason = "length"
+        if finish_reason is not None:
+            detokenizer.finalize()
+        segment, hit_stop = stops.push(detokenizer.last_segment)
+        if hit_stop:
+            finish_reason = "stop"
+        elif finish_reason is not None:
+            segment += stops.flush()
+        elapsed = time.perf_counter() - decode_start
+        yield GenerationResult(
+            text=segment,
+            token=token,
+            logprobs=logprobs,
+            prompt_tokens=prompt_tokens,
+            prompt_tps=prompt_tps,
+            generation_tokens=n + 1,
+            generation_tps=(n + 1) / elapsed if elapsed > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish_reason,
+        )
+        if finish_reason is not None:
+            break
+
+
+def generate(model: nn.Module, processor: Any, prompt, image: Any = None, **kwargs) -> GenerationOutput:
+    """Generate the whole answer; same arguments as ``stream_generate``."""
+    output = GenerationOutput(text="")
+    pieces = []
+    for result in stream_generate(model, processor, prompt, image, **kwargs):
+        pieces.append(result.text)
+        output.tokens.append(result.token)
+        output.prompt_tokens = result.prompt_tokens
+        output.prompt_tps = result.prompt_tps
+        output.generation_tokens = result.generation_tokens
+        output.generation_tps = result.generation_tps
+        output.peak_memory = result.peak_memory
+        output.finish_reason = result.finish_reason
+    output.text = "".join(pieces)
+    return output
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from mlxvlm.cli import run_generate_cli
+
+    return run_generate_cli(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,218 @@
+"""Path or Hub repo -> (model, processor).
+
+The loader reads ``config.json``, picks the family from the registry, builds the module tree,
+loads the safetensors weights (mapping Hugging Face names onto ours only for Hugging Face
+checkpoints), applies the checkpoint's quantization, and builds the processor.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxvlm.errors import CheckpointError, ModelNotFoundError
+from mlxvlm.models import get_family
+
+# Files a checkpoint needs; code files only with trust_remote_code.
+_ALLOW_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "*.jinja",
+    "*.txt",
+    "*.model",
+    "*.tiktoken",
+    "tokenizer*",
+]
+
+# Written into config.json by `mlxvlm.convert`: the weights are already in MLX layout.
+CONVERTED_MARKER = "mlxvlm_format"
+
+
+def resolve_model_path(
+    path_or_repo: str | Path, revision: str | None = None, trust_remote_code: bool = False
+) -> Path:
+    """A local directory as is, or a Hub repo id downloaded (or found in the HF cache)."""
+    path = Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is a file; pass the checkpoint's directory")
+    repo = str(path_or_repo)
+    looks_local = repo.startswith((".", "/", "~")) or repo.count("/") > 1
+    if looks_local:
+        raise ModelNotFoundError(f"model directory {repo!r} does not exist")
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    patterns = _ALLOW_PATTERNS + (["*.py"] if trust_remote_code else [])
+    try:
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
+    except GatedRepoError:
+        raise ModelNotFoundError(
+            f"{repo} is gated: accept its licence on the Hub and log in with `hf auth login`"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(
+            f"no local directory or Hub repo named {repo!r} (check the spelling; private "
+            "repos need `hf auth login`)"
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelNotFoundError(f"{repo} has no revision {revision!r}") from None
+    except LocalEntryNotFoundError:
+        raise ModelNotFoundError(
+            f"{repo} is not in the local Hugging Face cache and could not be downloaded "
+            "(offline or HF_HUB_OFFLINE=1): connect to the internet once, or pass the path "
+            "of a local checkpoint directory"
+        ) from None
+    except HFValidationError:
+        raise ModelNotFoundError(
+            f"{repo!r} is neither a local directory nor a valid Hub repo id"
+        ) from None
+
+
+def read_config(model_path: Path) -> dict:
+    config_file = model_path / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"{model_path} has no config.json; is it a model checkpoint?")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from None
+
+
+def load_weights_files(model_path: Path) -> dict[str, mx.array]:
+    files = sorted(glob.glob(str(model_path / "*.safetensors")))
+    files = [f for f in files if not Path(f).name.startswith("adapter")]
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {model_path}")
+    weights: dict[str, mx.array] = {}
+    for file in files:
+        weights.update(mx.load(file))
+    return weights
+
+
+def _quantization_predicate(quantization: dict, weights: dict[str, mx.array]):
+    """mlx-lm's config layout: defaults plus per-module overrides (a dict, or False)."""
+
+    def predicate(path: str, module: nn.Module):
+        if not hasattr(module, "to_quantized"):
+            return False
+        override = quantization.get(path)
+        if override is False or f"{path}.scales" not in weights:
+            return False
+        if isinstance(override, dict):
+            return override
+        return True
+
+    return predicate
+
+
+def apply_quantization(model: nn.Module, config: dict, weights: dict[str, mx.array]) -> None:
+    quantization = config.get("quantization") or None
+    if quantization is None:
+        return
+    nn.quantize(
+        model,
+        group_size=quantization.get("group_size", 64),
+        bits=quantization.get("bits", 4),
+        mode=quantization.get("mode", "affine"),
+        class_predicate=_quantization_predicate(quantization, weights),
+    )
+
+
+def collect_eos_token_ids(model_path: Path, config: dict, tokenizer: Any) -> set[int]:
+    """Every end-of-sequence id the checkpoint names: config, generation_config, tokenizer."""
+    ids: set[int] = set()
+
+    def add(value):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(config.get("eos_token_id"))
+    add((config.get("text_config") or {}).get("eos_token_id"))
+    generation_config = model_path / "generation_config.json"
+    if generation_config.exists():
+        add(json.loads(generation_config.read_text()).get("eos_token_id"))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return ids
+
+
+def compute_dtype_for_device(requested: mx.Dtype | None) -> mx.Dtype | None:
+    """float16/bfloat16 matmuls are slower than float32 on MLX's CPU backend."""
+    if requested is not None:
+        return requested
+    return mx.float32 if mx.default_device() == mx.cpu else None
+
+
+def load_model(
+    model_path: Path, config: dict | None = None, dtype: mx.Dtype | None = None
+) -> nn.Module:
+    config = config if config is not None else read_config(model_path)
+    family = get_family(config.get("model_type"))
+    model = family.Model.from_config(config)
+    weights = load_weights_files(model_path)
+    if not config.get(CONVERTED_MARKER) and family.is_hf_checkpoint(weights.keys()):
+        weights = model.sanitize(weights)
+    apply_quantization(model, config, weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise CheckpointError(
+            f"the weights in {model_path} do not match the {config.get('model_type')} "
+            f"model built from its config.json: {exc}"
+        ) from None
+    dtype = compute_dtype_for_device(dtype)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    model.eval()
+    mx.eval(model.parameters())
+    model.config = config
+    return model
+
+
+def load(
+    path_or_repo: str | Path,
+    revision: str | None = None,
+    adapter_path: str | Path | None = None,
+    trust_remote_code: bool = False,
+    dtype: mx.Dtype | None = None,
+):
+    """Load a model and its processor from a local directory or a Hugging Face repo.
+
+    Returns ``(model, processor)``. The processor is the transformers processor of the
+    family (built without torch), with two attributes added for generation:
+    ``processor.detokenizer_tokenizer`` (mlx-lm's TokenizerWrapper, for streaming
+    detokenization) and ``processor.eos_token_ids``.
+
+    ``dtype``: compute dtype for floating weights; by default float32 on the CPU backend
+    (faster there than float16/bfloat16) and the checkpoint's own dtype elsewhere.
+    """
+    from mlxvlm.tokenization import attach_generation_tokenizer
+
+    model_path = resolve_model_path(path_or_repo, revision, trust_remote_code)
+    config = read_config(model_path)
+    family = get_family(config.get("model_type"))
+    model = load_model(model_path, config, dtype=dtype)
+    processor = family.load_processor(model_path, config)
+    attach_generation_tokenizer(
+        processor, model_path, collect_eos_token_ids(model_path, config, processor.tokenizer)
+    )
+    if adapter_path is not None:
+        from mlxvlm.adapters import load_adapter
+
+        load_adapter(model, adapter_path)
+    return model, processor
