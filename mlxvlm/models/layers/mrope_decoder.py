@@ -1,0 +1,315 @@
+"""The Qwen2 text decoder with multimodal rotary position embedding (M-RoPE).
+
+M-RoPE gives every token three position ids (temporal, height, width) and rotates each
+section of the head dimension (``mrope_section``, in rotary frequency pairs) by one of
+them. Text tokens carry the same id on all three axes, so for pure text M-RoPE is plain
+RoPE; vision tokens carry their grid coordinates. No mlx-lm model takes per-token
+position ids, so this decoder is written here.
+
+Positions are absolute: the decoder reads its offset from ``cache[0].offset`` and takes the
+position ids of the tokens at ``[offset, offset + n)`` from the request's ``MRopeState``
+(the prompt's ids while prefilling, ``offset + rope_delta`` on all axes after the prompt).
+That keeps chunked prefill of any chunk size, rotating caches (whose ``offset`` counts
+every token seen) and quantized caches correct.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+
+from mlxvlm.models.config_utils import text_config
+
+
+@dataclass
+class TextConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, config: dict, default_rope_theta: float = 1_000_000.0) -> "TextConfig":
+        """From a checkpoint's config.json, in either layout (see config_utils)."""
+        text = text_config(config, default_rope_theta)
+        rope = text["rope_parameters"]
+        if rope.get("rope_type") != "default":
+            raise NotImplementedError(
+                f"rope type {rope.get('rope_type')!r} is not supported with M-RoPE "
+                "(only the default rope per section, as in every released Qwen-VL model)"
+            )
+        if text.get("use_sliding_window"):
+            raise NotImplementedError(
+                "use_sliding_window=true is not supported for the Qwen-VL text decoder"
+            )
+        heads = text["num_attention_heads"]
+        return cls(
+            hidden_size=text["hidden_size"],
+            num_hidden_layers=text["num_hidden_layers"],
+            intermediate_size=text["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=text.get("num_key_value_heads") or heads,
+            vocab_size=text["vocab_size"],
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            rope_theta=rope["rope_theta"],
+            mrope_section=tuple(rope["mrope_section"]),
+            max_position_embeddings=text.get("max_position_embeddings", 32768),
+            tie_word_embeddings=text["tie_word_embeddings"],
+            # Qwen2 always has q/k/v biases; the key exists only in some fine-tunes' configs.
+            attention_bias=text.get("attention_bias", True),
+        )
+
+
+@dataclass
+class MRopeState:
+    """Per-request positions: the prompt's M-RoPE ids and how far text after it is shifted.
+
+    ``rope_delta`` is (largest prompt position + 1) - prompt length: a vision grid of
+    h x w tokens advances the positions by only max(h, w), so every token after the prompt
+    sits ``rope_delta`` away from its cache offset.
+    """
+
+    position_ids: mx.array  # (3, prompt_length) int32
+    rope_delta: int
+
+    def positions(self, offset: int, n: int) -> mx.array:
+        """The (3, n) position ids of the tokens at cache offsets ``[offset, offset + n)``."""
+        prompt_length = self.position_ids.shape[1]
+        parts = []
+        if offset < prompt_length:
+            parts.append(self.position_ids[:, offset : min(offset + n, prompt_length)])
+        start = max(offset, prompt_length)
+        if offset + n > start:
+            after = mx.arange(start, offset + n, dtype=mx.int32) + self.rope_delta
+            parts.append(mx.broadcast_to(after, (3, after.shape[0])))
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+
+def text_positions(offset: int, n: int) -> mx.array:
+    """Positions of plain text (no state): the cache offset on all three axes."""
+    return mx.broadcast_to(mx.arange(offset, offset + n, dtype=mx.int32), (3, n))
+
+
+@dataclass
+class VisionSpan:
+    """One image or video in the prompt, as the M-RoPE index sees it."""
+
+    grid_thw: tuple[int, int, int]  # in patches, as the processor reports it
+    time_interval: float = 1.0  # temporal position step per grid frame (videos)
+
+
+def mrope_position_ids(
+    input_ids: np.ndarray,
+    spans: dict[int, Sequence[VisionSpan]],
+    spatial_merge_size: int,
+) -> tuple[np.ndarray, int]:
+    """The prompt's (3, L) M-RoPE position ids and its rope delta.
+
+    ``spans`` maps each placeholder token id (image pad, video pad) to its images/videos
+    in prompt order. Text advances all three axes by one per token. A vision item of
+    t x h x w merged tokens placed at position p gets temporal ids p + floor(i *
+    time_interval), height ids p + row and width ids p + column, and the text after it
+    continues at p + max(h, w) (transformers' ``get_rope_index``).
+    """
+    input_ids = np.asarray(input_ids).reshape(-1)
+    pending = {token: list(items) for token, items in spans.items()}
+    pieces = []
+    position = 0
+    start = 0
+    for token, run in itertools.groupby(input_ids.tolist()):
+        length = len(list(run))
+        if token not in pending:
+            pieces.append(np.broadcast_to(np.arange(position, position + length), (3, length)))
+            position += length
+            start += length
+            continue
+        # Adjacent items of one kind form one run; consume grids until it is covered.
+        covered = 0
+        while covered < length:
+            if not pending[token]:
+                raise ValueError(
+                    f"the prompt has more placeholder tokens {token} than the features "
+                    "describe (image/video grids)"
+                )
+            span = pending[token].pop(0)
+            ids = _vision_position_ids(span, spatial_merge_size, position)
+            pieces.append(ids)
+            covered += ids.shape[1]
+            _, h, w = span.grid_thw
+            position += max(h, w) // spatial_merge_size
+        if covered != length:
+            raise ValueError(
+                f"a run of {length} placeholder tokens at {start} does not match the grids "
+                f"given for it ({covered} tokens)"
+            )
+        start += length
+    leftover = {token: len(items) for token, items in pending.items() if items}
+    if leftover:
+        raise ValueError(
+            f"features were given for more images/videos than the prompt has placeholders "
+            f"for (left over per placeholder token: {leftover})"
+        )
+    if not pieces:
+        return np.zeros((3, 0), dtype=np.int32), 0
+    position_ids = np.concatenate(pieces, axis=1).astype(np.int32)
+    return position_ids, int(position_ids.max()) + 1 - input_ids.shape[0]
+
+
+def _vision_position_ids(span: VisionSpan, merge: int, start: int) -> np.ndarray:
+    t, h, w = span.grid_thw
+    h, w = h // merge, w // merge
+    # float32 like the reference, so that truncation lands on the same integers
+    temporal = (np.arange(t, dtype=np.float32) * np.float32(span.time_interval)).astype(np.int64)
+    grid_t, grid_h, grid_w = np.meshgrid(temporal, np.arange(h), np.arange(w), indexing="ij")
+    return np.stack([grid_t, grid_h, grid_w]).reshape(3, -1) + start
+
+
+class MultimodalRotaryEmbedding:
+    """cos/sin tables for (3, L) position ids, each frequency driven by its section's axis."""
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: Sequence[int]):
+        if sum(mrope_section) != head_dim // 2:
+            raise ValueError(
+                f"mrope_section {list(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}"
+            )
+        exponents = mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim
+        self.inv_freq = 1.0 / (theta**exponents)
+        # Sections cycle through temporal, height, width: [t]*s0 + [h]*s1 + [w]*s2.
+        self.axis_of_frequency = mx.array(
+            [i % 3 for i, size in enumerate(mrope_section) for _ in range(size)]
+        )
+
+    def __call__(self, position_ids: mx.array) -> tuple[mx.array, mx.array]:
+        positions = position_ids[self.axis_of_frequency].T.astype(mx.float32)  # (L, hd/2)
+        angles = positions * self.inv_freq
+        angles = mx.concatenate([angles, angles], axis=-1)
+        return mx.cos(angles), mx.sin(angles)
+
+
+def rotate_half(x: mx.array) -> mx.array:
+    half = x.shape[-1] // 2
+    return mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    return (x * cos + rotate_half(x) * sin).astype(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        dim, head_dim = config.hidden_size, config.head_dim
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.scale = head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=False)
+
+    def __call__(self, x, rotary: tuple[mx.array, mx.array], mask, cache=None) -> mx.array:
+        B, L, _ = x.shape
+        queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        cos, sin = rotary
+        queries, keys = apply_rotary(queries, cos, sin), apply_rotary(keys, cos, sin)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        output = scaled_dot_product_attention(
+            queries, keys, values, cache=cache, scale=self.scale, mask=mask
+        )
+        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, x, rotary, mask, cache=None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), rotary, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen2MRopeModel(nn.Module):
+    """Embeddings, decoder blocks and final norm (``language_model.model`` in checkpoints)."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = [DecoderLayer(config) for _ in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary = MultimodalRotaryEmbedding(
+            config.head_dim, config.rope_theta, config.mrope_section
+        )
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: list[Any] | None = None,
+        embeddings: mx.array | None = None,
+        state: MRopeState | None = None,
+    ) -> mx.array:
+        h = self.embed_tokens(inputs) if embeddings is None else embeddings
+        if cache is None:
+            cache = [None] * len(self.layers)
+        offset = cache[0].offset if cache[0] is not None else 0
+        n = h.shape[1]
+        positions = state.positions(offset, n) if state is not None else text_positions(offset, n)
+        cos, sin = self.rotary(positions)
+        rotary = (cos.astype(h.dtype), sin.astype(h.dtype))
+        mask = create_attention_mask(h, cache[0])
+        for layer, layer_cache in zip(self.layers, cache):
+            h = layer(h, rotary, mask, layer_cache)
+        return self.norm(h)
+
+
+class LanguageModel(nn.Module):
+    """``language_model`` in checkpoints: the decoder plus its output head."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+        self.model = Qwen2MRopeModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def __call__(self, inputs, cache=None, embeddings=None, state=None) -> mx.array:
+        h = self.model(inputs, cache, embeddings, state)
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)

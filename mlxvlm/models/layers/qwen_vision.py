@@ -1,0 +1,303 @@
+"""The Qwen vision transformer shared by Qwen2-VL and Qwen2.5-VL.
+
+Images (and video frames) arrive from the processor already cut into flattened patches of
+``channels x temporal_patch_size x patch x patch`` values, ordered so that each
+``spatial_merge_size x spatial_merge_size`` block of neighbouring patches is contiguous.
+The tower embeds each patch, runs transformer blocks with a 2-D rotary embedding (row and
+column of the patch), and the merger folds every merge block into one token of the text
+model's width.
+
+The two families differ only in parts selected by ``VisionConfig``:
+
+=====================  ===========================  ===================================
+                       Qwen2-VL                     Qwen2.5-VL
+=====================  ===========================  ===================================
+norms (blocks, merger) LayerNorm                    RMSNorm
+block MLP              fc1 -> act -> fc2            SwiGLU: gate/up/down (with biases)
+attention              full attention per frame     windows of ``window_size`` pixels,
+                                                    full attention in
+                                                    ``fullatt_block_indexes``
+=====================  ===========================  ===================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+
+def quick_gelu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(1.702 * x)
+
+
+# transformers' ACT2FN names -> MLX functions (exact forms, not approximations of them)
+ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
+    "quick_gelu": quick_gelu,
+    "gelu": nn.gelu,
+    "gelu_pytorch_tanh": nn.gelu_approx,
+    "silu": nn.silu,
+}
+
+
+@dataclass
+class VisionConfig:
+    depth: int
+    hidden_size: int  # width of the blocks (Qwen2-VL calls it embed_dim)
+    num_heads: int
+    intermediate_size: int
+    out_hidden_size: int  # merger output: the text model's hidden size
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    in_channels: int = 3
+    spatial_merge_size: int = 2
+    hidden_act: str = "quick_gelu"
+    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
+    mlp: str = "fc"  # "fc" (fc1/fc2) | "gated" (gate_proj/up_proj/down_proj)
+    window_size: int | None = None  # pixels per window side; None: full attention only
+    fullatt_block_indexes: tuple[int, ...] = ()
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def make_norm(kind: str, dim: int) -> nn.Module:
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=1e-6)
+    if kind == "rmsnorm":
+        return nn.RMSNorm(dim, eps=1e-6)
+    raise ValueError(f"unknown vision norm {kind!r}")
+
+
+def activation(name: str) -> Callable[[mx.array], mx.array]:
+    if name not in ACTIVATIONS:
+        raise NotImplementedError(
+            f"vision activation {name!r} is not supported (supported: {sorted(ACTIVATIONS)})"
+        )
+    return ACTIVATIONS[name]
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d whose kernel equals its stride: one linear map per flattened patch."""
+
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.in_channels = config.in_channels
+        # Weight in MLX's channels-last layout: (out, t, h, w, in).
+        self.proj = nn.Conv3d(
+            config.in_channels, config.hidden_size, self.kernel, stride=self.kernel, bias=False
+        )
+
+    def __call__(self, pixel_values: mx.array) -> mx.array:
+        # The processor flattens each patch channels-first (C, T, P, P); the kernel covers
+        # the whole patch, so the convolution is a matmul over the channels-last patch.
+        patches = pixel_values.reshape(-1, self.in_channels, *self.kernel)
+        patches = patches.transpose(0, 2, 3, 4, 1).reshape(patches.shape[0], -1)
+        weight = self.proj.weight.reshape(self.proj.weight.shape[0], -1)
+        return patches.astype(weight.dtype) @ weight.T
+
+
+class VisionRotaryEmbedding:
+    """2-D rotary embedding: the first half of each rotary pair set turns with the
+    patch's row, the second half with its column (same frequencies for both)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        axis_dim = head_dim // 2
+        exponents = mx.arange(0, axis_dim, 2, dtype=mx.float32) / axis_dim
+        self.inv_freq = 1.0 / (theta**exponents)
+
+    def __call__(self, rows_cols: mx.array) -> tuple[mx.array, mx.array]:
+        """(N, 2) row/column ids -> cos, sin of shape (N, head_dim)."""
+        angles = rows_cols.astype(mx.float32)[:, :, None] * self.inv_freq  # (N, 2, hd/4)
+        angles = angles.reshape(angles.shape[0], -1)  # rows' angles, then columns'
+        angles = mx.concatenate([angles, angles], axis=-1)
+        return mx.cos(angles), mx.sin(angles)
+
+
+def rotate_half(x: mx.array) -> mx.array:
+    half = x.shape[-1] // 2
+    return mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    # In float32 whatever the weights' dtype, as the reference does.
+    x32 = x.astype(mx.float32)
+    return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.scale = config.head_dim**-0.5
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
+
+    def __call__(self, x: mx.array, rotary, segments: Sequence[int]) -> mx.array:
+        """Attention within each segment (a frame or a window) of ``x`` (N, D) only."""
+        N = x.shape[0]
+        qkv = self.qkv(x).reshape(N, 3, self.num_heads, -1).transpose(1, 2, 0, 3)
+        q, k, v = qkv[0], qkv[1], qkv[2]  # (heads, N, head_dim)
+        cos, sin = rotary
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # One attention call per segment: memory grows with the segments' sizes, not N^2.
+        bounds = np.cumsum(segments)[:-1].tolist()
+        outputs = [
+            mx.fast.scaled_dot_product_attention(
+                qs[None], ks[None], vs[None], scale=self.scale
+            )[0]
+            for qs, ks, vs in zip(
+                mx.split(q, bounds, axis=1), mx.split(k, bounds, axis=1), mx.split(v, bounds, axis=1)
+            )
+        ]
+        out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
+        return self.proj(out.transpose(1, 0, 2).reshape(N, -1))
+
+
+class VisionMLP(nn.Module):
+    """Qwen2-VL: fc1 -> activation -> fc2."""
+
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = activation(config.hidden_act)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionGatedMLP(nn.Module):
+    """Qwen2.5-VL: down(act(gate(x)) * up(x)), all with biases."""
+
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = activation(config.hidden_act)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+MLPS = {"fc": VisionMLP, "gated": VisionGatedMLP}
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.norm1 = make_norm(config.norm, config.hidden_size)
+        self.norm2 = make_norm(config.norm, config.hidden_size)
+        self.attn = VisionAttention(config)
+        self.mlp = MLPS[config.mlp](config)
+
+    def __call__(self, x: mx.array, rotary, segments: Sequence[int]) -> mx.array:
+        x = x + self.attn(self.norm1(x), rotary, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Normalize each patch, concatenate each merge block's patches, project to the text width."""
+
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.merged_dim = config.hidden_size * config.spatial_merge_size**2
+        self.ln_q = make_norm(config.norm, config.hidden_size)
+        # A list, so checkpoint names are mlp.0 / mlp.2 as in the reference's nn.Sequential.
+        self.mlp = [
+            nn.Linear(self.merged_dim, self.merged_dim),
+            nn.GELU(),
+            nn.Linear(self.merged_dim, config.out_hidden_size),
+        ]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = self.ln_q(x).reshape(-1, self.merged_dim)
+        for layer in self.mlp:
+            x = layer(x)
+        return x
+
+
+def patch_rows_cols(grid_thw: np.ndarray, merge: int) -> np.ndarray:
+    """(N, 2) row and column of every patch, in the processor's merge-block order."""
+    rows_cols = []
+    for t, h, w in grid_thw.tolist():
+        rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        # (h, w) -> (h/m, w/m, m, m): each merge block's patches become contiguous
+        rows = rows.reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3)
+        cols = cols.reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3)
+        frame = np.stack([rows.reshape(-1), cols.reshape(-1)], axis=-1)
+        rows_cols.append(np.tile(frame, (t, 1)))
+    return np.concatenate(rows_cols, axis=0)
+
+
+def frame_segments(grid_thw: np.ndarray) -> list[int]:
+    """Full attention runs within each frame: h*w patches, t times per image/video."""
+    return [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
+
+
+def window_partition(
+    grid_thw: np.ndarray, merge: int, window: int
+) -> tuple[np.ndarray, list[int]]:
+    """Reorder merge blocks window by window (``window`` x ``window`` merge blocks each,
+    row-major over each frame; edge windows are smaller). Returns the merge-block order
+    and each window's length in patches."""
+    order, lengths = [], []
+    first = 0
+    for t, h, w in grid_thw.tolist():
+        blocks = np.arange(t * (h // merge) * (w // merge)).reshape(t, h // merge, w // merge)
+        for frame in blocks + first:
+            for top in range(0, frame.shape[0], window):
+                for left in range(0, frame.shape[1], window):
+                    members = frame[top : top + window, left : left + window].reshape(-1)
+                    order.append(members)
+                    lengths.append(members.size * merge * merge)
+        first += blocks.size
+    return np.concatenate(order), lengths
+
+
+class QwenVisionTransformer(nn.Module):
+    """``vision_tower`` in checkpoints: pixels (N, C*T*P*P) and grids -> (N / merge^2, D_text)."""
+
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.config = config
+        self.patch_embed = PatchEmbed(config)
+        self.blocks = [VisionBlock(config) for _ in range(config.depth)]
+        self.merger = PatchMerger(config)
+        self.rotary = VisionRotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def __call__(self, pixel_values: mx.array, grid_thw: np.ndarray) -> mx.array:
+        config = self.config
+        grid_thw = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+        merge = config.spatial_merge_size
+        unit = merge * merge
+        x = self.patch_embed(pixel_values)
+        rows_cols = patch_rows_cols(grid_thw, merge)
+        full = frame_segments(grid_thw)
+
+        windowed = config.window_size is not None
+        if windowed:
+            window = config.window_size // merge // config.patch_size
+            order, windows = window_partition(grid_thw, merge, window)
+            # Move whole merge blocks so that every window is a contiguous segment.
+            patch_order = (order[:, None] * unit + np.arange(unit)).reshape(-1)
+            x = x[mx.array(patch_order)]
+            rows_cols = rows_cols[patch_order]
+        cos, sin = self.rotary(mx.array(rows_cols))
+        rotary = (cos[None], sin[None])  # broadcast over heads
+
+        for index, block in enumerate(self.blocks):
+            use_full = not windowed or index in config.fullatt_block_indexes
+            x = block(x, rotary, full if use_full else windows)
+
+        merged = self.merger(x)
+        if windowed:
+            merged = merged[mx.array(np.argsort(order))]
+        return merged

@@ -1,0 +1,45 @@
+"""Build transformers processors without torch or torchvision.
+
+``AutoProcessor`` fails for families whose video processor needs torchvision, and a
+processor class refuses ``video_processor=None`` (it checks every sub-processor against
+its expected base class). ``image_only`` returns a subclass that accepts a missing video
+processor, so the processor can be built from the tokenizer and the PIL image processor.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+
+@functools.cache
+def image_only(processor_class: type) -> type:
+    """``processor_class`` accepting ``video_processor=None`` (images and text only)."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument_name == "video_processor" and argument is None:
+            return None
+        return processor_class.check_argument_for_proper_class(self, argument_name, argument)
+
+    return type(
+        processor_class.__name__,
+        (processor_class,),
+        {
+            "check_argument_for_proper_class": check_argument_for_proper_class,
+            "__doc__": f"{processor_class.__name__} without a video processor (no torchvision).",
+        },
+    )
+
+
+def read_chat_template(model_path: str | Path) -> str | None:
+    """The checkpoint's chat template from chat_template.jinja (transformers 5) or
+    chat_template.json (older Hub checkpoints); None if neither exists."""
+    model_path = Path(model_path)
+    jinja = model_path / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    legacy = model_path / "chat_template.json"
+    if legacy.exists():
+        return json.loads(legacy.read_text()).get("chat_template")
+    return None

@@ -1,0 +1,345 @@
+"""Tiny Hugging Face checkpoints built offline, for parity tests against transformers.
+
+A checkpoint is a randomly initialised transformers model (float32), a byte-level BPE
+tokenizer made with the ``tokenizers`` library (with the Qwen special tokens and a
+Qwen-style chat template), and the PIL image processor with small pixel limits, saved
+into a directory in one of two layouts:
+
+``"transformers"``
+    ``config.json`` exactly as transformers 5's ``save_pretrained`` writes it
+    (``text_config`` with ``rope_parameters``, ``qwen2_vl_vision`` sub-config type) and
+    tensors named by the module tree (``model.language_model.*``, ``model.visual.*``,
+    ``lm_head.*``), as transformers 4.52-4.57 saved them. (transformers 5.24's
+    ``save_pretrained`` itself writes the legacy tensor names of the other layout.)
+``"hub"``
+    The older layout of the checkpoints on the Hub: text parameters at the top level,
+    ``rope_theta``, ``rope_scaling: {"type": "mrope", "mrope_section": [...]}``, a
+    ``vision_config`` with the family's own ``model_type`` and ``in_chans``, tensors
+    named ``model.layers.*``, ``model.embed_tokens.*``, ``visual.*``, ``lm_head.*``,
+    ``preprocessor_config.json`` with ``min_pixels``/``max_pixels`` and the chat
+    template in ``chat_template.json``.
+
+Tiny random models can lie: with transformers' default ``initializer_range`` (0.02) their
+output ignores both image and prompt. So weights use a large range, biases and norm
+weights are perturbed away from their constant init, and the text rope θ is not the
+default, so that a loader reading the wrong config key fails.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+LAYOUTS = ("transformers", "hub")
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Qwen-style: a default system turn, content either a string or a list of parts, one
+# vision block per image/video part.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Text the BPE merges are learned from (any English prose would do).
+_CORPUS = [
+    "You are a helpful assistant.",
+    "Describe this image in detail. What is in the picture?",
+    "A red cat sits on a blue mat next to a green plant and a yellow lamp.",
+    "Compare the two images and tell me what changed between them.",
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Here is a photo of my garden. What flowers are these, and when do they bloom?",
+    "Sure! The image shows a small house with a garden, trees and a road.",
+]
+
+# Text model: θ far from the default 1e6, so reading the wrong key changes the logits.
+TEXT_ROPE_THETA = 5000.0
+MIN_PIXELS = 56 * 56
+MAX_PIXELS = 112 * 112
+INIT_RANGE = 0.2
+
+
+@dataclass
+class TinyModel:
+    """A reference model and the pieces saved with it."""
+
+    family: str
+    model: object  # transformers *ForConditionalGeneration, float32, eval mode
+    tokenizer: object
+    image_processor: object
+
+
+# ------------------------------------------------------------------------------ tokenizer
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer with the Qwen special tokens, as a transformers tokenizer."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=360,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS * 4, trainer)
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        errors="replace",
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_image_processor():
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+
+
+# ---------------------------------------------------------------------------------- model
+
+
+def _special_ids(tokenizer) -> dict[str, int]:
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+
+
+def _text_config(tokenizer) -> dict:
+    ids = _special_ids(tokenizer)
+    return dict(
+        vocab_size=(len(tokenizer) + 15) // 16 * 16,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        # head_dim 16 -> 8 rotary frequencies split over (temporal, height, width)
+        rope_parameters={"rope_type": "default", "rope_theta": TEXT_ROPE_THETA,
+                         "mrope_section": [2, 3, 3]},
+        initializer_range=INIT_RANGE,
+        bos_token_id=ids["bos_token_id"],
+        eos_token_id=ids["eos_token_id"],
+        pad_token_id=ids["pad_token_id"],
+    )
+
+
+def _config(family: str, tokenizer):
+    ids = _special_ids(tokenizer)
+    token_ids = {k: ids[k] for k in
+                 ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    if family == "qwen2_vl":
+        from transformers import Qwen2VLConfig
+
+        # Tied embeddings, like Qwen2-VL-2B.
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2,
+                      initializer_range=INIT_RANGE)
+        return Qwen2VLConfig(text_config=_text_config(tokenizer), vision_config=vision,
+                             tie_word_embeddings=True, **token_ids)
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+
+        # Windows of 2x2 merged tokens (56 px), so small images span several windows;
+        # block 0 attends within windows, block 1 over the whole image.
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64,
+                      num_heads=2, window_size=56, fullatt_block_indexes=[1],
+                      tokens_per_second=2, initializer_range=INIT_RANGE)
+        return Qwen2_5_VLConfig(text_config=_text_config(tokenizer), vision_config=vision,
+                                tie_word_embeddings=False, **token_ids)
+    raise ValueError(f"unknown family {family!r}")
+
+
+def _perturb_constants(model, generator) -> None:
+    """Move biases and norm weights off their constant init (0 and 1)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            is_norm = "norm" in name or "ln_q" in name
+            if name.endswith(".bias") and not is_norm:
+                param.add_(0.2 * torch.randn(param.shape, generator=generator))
+            elif is_norm:  # weights (and LayerNorm biases)
+                param.add_(0.3 * torch.randn(param.shape, generator=generator))
+
+
+def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    tokenizer = build_tokenizer()
+    config = _config(family, tokenizer)
+    model_class = {
+        "qwen2_vl": Qwen2VLForConditionalGeneration,
+        "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+    }[family]
+    torch.manual_seed(seed)
+    model = model_class(config).float().eval()
+    _perturb_constants(model, torch.Generator().manual_seed(seed + 1))
+    ids = _special_ids(tokenizer)
+    model.generation_config.bos_token_id = ids["bos_token_id"]
+    model.generation_config.eos_token_id = ids["eos_token_id"]
+    model.generation_config.pad_token_id = ids["pad_token_id"]
+    return TinyModel(family, model, tokenizer, build_image_processor())
+
+
+# ---------------------------------------------------------------------------------- saving
+
+
+def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path:
+    """Write ``tiny`` into ``directory`` in ``layout`` ("transformers" or "hub")."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tiny.model.save_pretrained(directory)
+    weights = _module_tree_weights(tiny.model)
+    if layout == "transformers":
+        tiny.tokenizer.save_pretrained(directory)
+        tiny.image_processor.save_pretrained(directory)
+        (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    elif layout == "hub":
+        weights = {_legacy_name(name): value for name, value in weights.items()}
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps(hub_config(config), indent=2))
+        _save_hub_processor_files(tiny, directory)
+    else:
+        raise ValueError(f"unknown layout {layout!r} (choose from {LAYOUTS})")
+    _write_safetensors(weights, directory)
+    return directory
+
+
+def _module_tree_weights(model) -> dict[str, np.ndarray]:
+    """The state dict under module names, without the head when it is tied."""
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return {name: value.detach().cpu().numpy() for name, value in state.items()}
+
+
+def _legacy_name(name: str) -> str:
+    """Module name -> the name in the Hub's original Qwen2-VL/Qwen2.5-VL safetensors."""
+    if name.startswith("model.visual."):
+        return name[len("model.") :]
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model.") :]
+    return name
+
+
+def _write_safetensors(weights: dict[str, np.ndarray], directory: Path) -> None:
+    from safetensors.numpy import save_file
+
+    for old in directory.glob("*.safetensors"):
+        old.unlink()
+    (directory / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+# Keys real Hub configs carry in vision_config (Qwen/Qwen2-VL-*-Instruct,
+# Qwen/Qwen2.5-VL-*-Instruct), with their old spellings.
+_HUB_VISION_KEYS = {
+    "qwen2_vl": ("depth", "embed_dim", "mlp_ratio", "num_heads", "hidden_size", "patch_size",
+                 "spatial_merge_size", "temporal_patch_size"),
+    "qwen2_5_vl": ("depth", "hidden_act", "hidden_size", "intermediate_size", "num_heads",
+                   "out_hidden_size", "patch_size", "spatial_merge_size", "window_size",
+                   "fullatt_block_indexes", "tokens_per_second", "temporal_patch_size"),
+}
+_V5_ONLY_TEXT_KEYS = ("model_type", "rope_parameters", "layer_types", "dtype", "pad_token_id")
+
+
+def hub_config(config: dict) -> dict:
+    """transformers 5's config.json -> the layout of the Hub's original checkpoints."""
+    family = config["model_type"]
+    text = config["text_config"]
+    rope = text["rope_parameters"]
+    hub = {k: v for k, v in config.items()
+           if k not in ("text_config", "vision_config", "dtype", "transformers_version")}
+    hub.update({k: v for k, v in text.items() if k not in _V5_ONLY_TEXT_KEYS})
+    hub["rope_theta"] = rope["rope_theta"]
+    hub["rope_scaling"] = {"type": "mrope", "mrope_section": list(rope["mrope_section"])}
+    hub["sliding_window"] = 32768
+    hub["torch_dtype"] = "float32"
+    hub["transformers_version"] = "4.41.2"
+    vision = config["vision_config"]
+    hub_vision = {k: vision[k] for k in _HUB_VISION_KEYS[family] if k in vision}
+    hub_vision["in_chans"] = vision.get("in_channels", 3)
+    hub_vision["spatial_patch_size"] = vision["patch_size"]
+    hub_vision["model_type"] = family
+    hub["vision_config"] = hub_vision
+    return hub
+
+
+def _save_hub_processor_files(tiny: TinyModel, directory: Path) -> None:
+    processor_class = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+    image_processor = tiny.image_processor
+    preprocessor = {
+        "min_pixels": MIN_PIXELS,
+        "max_pixels": MAX_PIXELS,
+        "patch_size": image_processor.patch_size,
+        "temporal_patch_size": image_processor.temporal_patch_size,
+        "merge_size": image_processor.merge_size,
+        "image_mean": list(image_processor.image_mean),
+        "image_std": list(image_processor.image_std),
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": processor_class[tiny.family],
+    }
+    (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    tiny.tokenizer.save_pretrained(directory)
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    (directory / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+
+
+# ---------------------------------------------------------------------------------- images
+
+
+def make_image(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A smooth random colour field plus noise: distinct per seed, stable per seed."""
+    rng = np.random.default_rng(seed)
+    ys, xs = np.mgrid[0:height, 0:width] / max(width, height)
+    channels = []
+    for _ in range(3):
+        fx, fy, phase = rng.uniform(1, 6), rng.uniform(1, 6), rng.uniform(0, 2 * np.pi)
+        channels.append(np.sin(2 * np.pi * (fx * xs + fy * ys) + phase))
+    field = np.stack(channels, axis=-1) * 0.4 + 0.5 + rng.normal(0, 0.08, (height, width, 3))
+    return Image.fromarray((np.clip(field, 0, 1) * 255).astype(np.uint8))
