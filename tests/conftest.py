@@ -1,0 +1,15 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+# tests/ holds helper modules (factory.py) imported by the tests.
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """Tiny HF-format checkpoints (see tests/factory.py), each built once per session."""
+    from factory import TinyCheckpoints
+
+    return TinyCheckpoints(tmp_path_factory.mktemp("tiny-checkpoints"))
