@@ -14,7 +14,7 @@ import numpy as np
 from mlxvlm.models import qwen2_vl
 from mlxvlm.models.config_utils import rope_parameters, vision_config
 from mlxvlm.models.layers.qwen_vision import VisionConfig
-from mlxvlm.models.qwen2_vl import hf_to_mlx_name, is_hf_checkpoint  # noqa: F401 (contract)
+from mlxvlm.models.qwen2_vl import is_hf_checkpoint  # noqa: F401 (part of the contract)
 
 
 def vision_config_from_hf(config: dict) -> VisionConfig:
