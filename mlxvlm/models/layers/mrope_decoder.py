@@ -61,14 +61,15 @@ class TextConfig:
                 "use_sliding_window=true is not supported for the Qwen-VL text decoder"
             )
         heads = text["num_attention_heads"]
+        # Defaults where a key is missing are transformers' Qwen2VLTextConfig defaults.
         return cls(
             hidden_size=text["hidden_size"],
             num_hidden_layers=text["num_hidden_layers"],
             intermediate_size=text["intermediate_size"],
             num_attention_heads=heads,
-            num_key_value_heads=text.get("num_key_value_heads") or heads,
+            num_key_value_heads=text.get("num_key_value_heads", 8) or heads,
             vocab_size=text["vocab_size"],
-            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=text.get("rms_norm_eps", 1e-5),
             rope_theta=rope["rope_theta"],
             mrope_section=tuple(rope["mrope_section"]),
             max_position_embeddings=text.get("max_position_embeddings", 32768),
