@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import mlx.core as mx
@@ -180,7 +181,8 @@ def load_model(
         model.set_dtype(dtype)
     model.eval()
     mx.eval(model.parameters())
-    model.config = config
+    # A read-only view: a plain dict attribute would join the module's parameter tree.
+    model.config = MappingProxyType(config)
     return model
 
 
