@@ -3,13 +3,13 @@ from pathlib import Path
 
 import pytest
 
-# tests/ holds helper modules (factory.py) imported by the tests.
+# tests/ holds helper modules (tests/tiny/) imported by the tests.
 sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """Tiny HF-format checkpoints (see tests/factory.py), each built once per session."""
-    from factory import TinyCheckpoints
+    from tiny import TinyCheckpoints
 
     return TinyCheckpoints(tmp_path_factory.mktemp("tiny-checkpoints"))

@@ -1,7 +1,7 @@
 """Qwen2-VL and Qwen2.5-VL against transformers (float32), on tiny random checkpoints.
 
 Every family is loaded from both config layouts (transformers 5's and the Hub's older
-one, see factory.py) through ``mlxvlm.load`` and compared with the in-memory transformers
+one, see tests/tiny/) through ``mlxvlm.load`` and compared with the in-memory transformers
 model the checkpoint was saved from: logits of the first forward pass, and greedy tokens
 through ``mlxvlm.stream_generate`` — for text only, one image, two images of different
 sizes, and an image in a later user turn. Guards check that the tests can fail: another
@@ -20,7 +20,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import QuantizedKVCache
 
-from factory import FAMILIES, LAYOUTS, make_image
+from tiny import make_image
+from tiny.qwen import FAMILIES, LAYOUTS
 from mlxvlm import load, stream_generate
 from mlxvlm.models import get_family
 from mlxvlm.models.layers.mrope_decoder import MRopeState

@@ -28,11 +28,17 @@ default, so that a loader reading the wrong config key fails.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+
+from tiny.common import (
+    INIT_RANGE,
+    TinyModel,
+    build_bpe_tokenizer,
+    perturb_constants,
+    write_safetensors,
+)
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 LAYOUTS = ("transformers", "hub")
@@ -67,62 +73,21 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Text the BPE merges are learned from (any English prose would do).
-_CORPUS = [
-    "You are a helpful assistant.",
-    "Describe this image in detail. What is in the picture?",
-    "A red cat sits on a blue mat next to a green plant and a yellow lamp.",
-    "Compare the two images and tell me what changed between them.",
-    "The quick brown fox jumps over the lazy dog near the river bank.",
-    "Here is a photo of my garden. What flowers are these, and when do they bloom?",
-    "Sure! The image shows a small house with a garden, trees and a road.",
-]
-
 # Text model: θ far from the default 1e6, so reading the wrong key changes the logits.
 TEXT_ROPE_THETA = 5000.0
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 112 * 112
-INIT_RANGE = 0.2
-
-
-@dataclass
-class TinyModel:
-    """A reference model and the pieces saved with it."""
-
-    family: str
-    model: object  # transformers *ForConditionalGeneration, float32, eval mode
-    tokenizer: object
-    image_processor: object
 
 
 # ------------------------------------------------------------------------------ tokenizer
 
 
 def build_tokenizer():
-    """A byte-level BPE tokenizer with the Qwen special tokens, as a transformers tokenizer."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=360,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_CORPUS * 4, trainer)
-    tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
-    )
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
+    """A byte-level BPE tokenizer with the Qwen special tokens and chat template."""
+    return build_bpe_tokenizer(
+        SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE, eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        errors="replace",
     )
-    wrapped.chat_template = CHAT_TEMPLATE
-    return wrapped
 
 
 def build_image_processor():
@@ -194,19 +159,6 @@ def _config(family: str, tokenizer):
     raise ValueError(f"unknown family {family!r}")
 
 
-def _perturb_constants(model, generator) -> None:
-    """Move biases and norm weights off their constant init (0 and 1)."""
-    import torch
-
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            is_norm = "norm" in name or "ln_q" in name
-            if name.endswith(".bias") and not is_norm:
-                param.add_(0.2 * torch.randn(param.shape, generator=generator))
-            elif is_norm:  # weights (and LayerNorm biases)
-                param.add_(0.3 * torch.randn(param.shape, generator=generator))
-
-
 def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
@@ -219,7 +171,7 @@ def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
     }[family]
     torch.manual_seed(seed)
     model = model_class(config).float().eval()
-    _perturb_constants(model, torch.Generator().manual_seed(seed + 1))
+    perturb_constants(model, torch.Generator().manual_seed(seed + 1))
     ids = _special_ids(tokenizer)
     model.generation_config.bos_token_id = ids["bos_token_id"]
     model.generation_config.eos_token_id = ids["eos_token_id"]
@@ -247,7 +199,7 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
         _save_hub_processor_files(tiny, directory)
     else:
         raise ValueError(f"unknown layout {layout!r} (choose from {LAYOUTS})")
-    _write_safetensors(weights, directory)
+    write_safetensors(weights, directory)
     return directory
 
 
@@ -266,15 +218,6 @@ def _legacy_name(name: str) -> str:
     if name.startswith("model.language_model."):
         return "model." + name[len("model.language_model.") :]
     return name
-
-
-def _write_safetensors(weights: dict[str, np.ndarray], directory: Path) -> None:
-    from safetensors.numpy import save_file
-
-    for old in directory.glob("*.safetensors"):
-        old.unlink()
-    (directory / "model.safetensors.index.json").unlink(missing_ok=True)
-    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 # Keys real Hub configs carry in vision_config (Qwen/Qwen2-VL-*-Instruct,
@@ -329,46 +272,3 @@ def _save_hub_processor_files(tiny: TinyModel, directory: Path) -> None:
     tiny.tokenizer.save_pretrained(directory)
     (directory / "chat_template.jinja").unlink(missing_ok=True)
     (directory / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-
-
-# ---------------------------------------------------------------------------------- images
-
-
-def make_image(width: int, height: int, seed: int = 0) -> Image.Image:
-    """A smooth random colour field plus noise: distinct per seed, stable per seed."""
-    rng = np.random.default_rng(seed)
-    ys, xs = np.mgrid[0:height, 0:width] / max(width, height)
-    channels = []
-    for _ in range(3):
-        fx, fy, phase = rng.uniform(1, 6), rng.uniform(1, 6), rng.uniform(0, 2 * np.pi)
-        channels.append(np.sin(2 * np.pi * (fx * xs + fy * ys) + phase))
-    field = np.stack(channels, axis=-1) * 0.4 + 0.5 + rng.normal(0, 0.08, (height, width, 3))
-    return Image.fromarray((np.clip(field, 0, 1) * 255).astype(np.uint8))
-
-
-# ------------------------------------------------------------------------- session cache
-
-
-class TinyCheckpoints:
-    """Builds each family's model once and each (family, layout) directory once, on demand."""
-
-    # Seed 2 gives every parity prompt 24 greedy tokens before <|im_end|>, each chosen by
-    # a top-1/top-2 logit margin above 3e-3 (the MLX/torch difference is ~1e-5).
-    def __init__(self, root: str | Path, seed: int = 2):
-        self.root = Path(root)
-        self.seed = seed
-        self._models: dict[str, TinyModel] = {}
-        self._paths: dict[tuple[str, str], Path] = {}
-
-    def model(self, family: str) -> TinyModel:
-        if family not in self._models:
-            self._models[family] = build_tiny_model(family, self.seed)
-        return self._models[family]
-
-    def path(self, family: str, layout: str) -> Path:
-        key = (family, layout)
-        if key not in self._paths:
-            self._paths[key] = save_checkpoint(
-                self.model(family), self.root / f"{family}-{layout}", layout
-            )
-        return self._paths[key]
