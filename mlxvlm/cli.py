@@ -113,7 +113,10 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
         from mlxvlm import _backend
         from mlxvlm.generate import stream_generate
         from mlxvlm.loading import load
+        from mlxvlm.media import load_image
 
+        # Read the images first: a bad path should fail before a slow model load.
+        images = [load_image(source) for source in args.image]
         if args.verbose:
             print(f"[mlxvlm] device: {mx.default_device()}", file=sys.stderr)
             print(f"[mlxvlm] OpenBLAS: {_backend.openblas_status}", file=sys.stderr)
@@ -128,7 +131,7 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
             model,
             processor,
             _prompt_text(args),
-            args.image,
+            images,
             system=args.system,
             max_tokens=args.max_tokens,
             temperature=args.temperature,
