@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from mlxvlm.errors import CheckpointError, ModelNotFoundError
 from mlxvlm.models import get_family
+from mlxvlm.quantization import apply_quantization
 
 # Files a checkpoint needs; code files only with trust_remote_code.
 _ALLOW_PATTERNS = [
@@ -102,35 +103,6 @@ def load_weights_files(model_path: Path) -> dict[str, mx.array]:
     for file in files:
         weights.update(mx.load(file))
     return weights
-
-
-def _quantization_predicate(quantization: dict, weights: dict[str, mx.array]):
-    """mlx-lm's config layout: defaults plus per-module overrides (a dict, or False)."""
-
-    def predicate(path: str, module: nn.Module):
-        if not hasattr(module, "to_quantized"):
-            return False
-        override = quantization.get(path)
-        if override is False or f"{path}.scales" not in weights:
-            return False
-        if isinstance(override, dict):
-            return override
-        return True
-
-    return predicate
-
-
-def apply_quantization(model: nn.Module, config: dict, weights: dict[str, mx.array]) -> None:
-    quantization = config.get("quantization") or None
-    if quantization is None:
-        return
-    nn.quantize(
-        model,
-        group_size=quantization.get("group_size", 64),
-        bits=quantization.get("bits", 4),
-        mode=quantization.get("mode", "affine"),
-        class_predicate=_quantization_predicate(quantization, weights),
-    )
 
 
 def collect_eos_token_ids(model_path: Path, config: dict, tokenizer: Any) -> set[int]:
