@@ -92,6 +92,44 @@ def _maybe_quantize_cache(cache, *, kv_bits, kv_group_size, quantized_kv_start):
             cache[i] = c.to_quantized(group_size=kv_group_size, bits=kv_bits)
 
 
+def prefill_chunks(
+    model: nn.Module,
+    input_ids: mx.array,
+    embeddings: mx.array,
+    state: Any,
+    cache: list[Any],
+    *,
+    prefill_step_size: int,
+    quantize: Callable[[list[Any]], None] | None = None,
+) -> Generator[int, None, None]:
+    """Run the prompt, from the cache's current offset up to (not including) its last
+    token, through the model in chunks of ``prefill_step_size``; yield the number of
+    prompt tokens in the cache after each chunk.
+
+    The last token is left for the caller's first sampling step. ``embeddings`` cover the
+    whole prompt, so a cache that already holds a prefix (prompt-cache reuse) continues
+    where it stops. Shared by ``generate_tokens`` and the batching engine, so that a
+    request's prefill is the same computation in both.
+    """
+    total = input_ids.shape[1]
+    done = cache[0].offset if cache else 0
+    with mx.stream(generation_stream):
+        while total - done > 1:
+            n = min(prefill_step_size, total - done - 1)
+            model(
+                input_ids[:, done : done + n],
+                cache,
+                embeddings=embeddings[:, done : done + n],
+                state=state,
+            )
+            if quantize is not None:
+                quantize(cache)
+            mx.eval([c.state for c in cache])
+            done += n
+            mx.clear_cache()
+            yield done
+
+
 def generate_tokens(
     model: nn.Module,
     inputs: PreparedInputs,
@@ -136,22 +174,13 @@ def generate_tokens(
             return sampler(logprobs), logprobs.squeeze(0)
 
     total = input_ids.shape[1]
+    progress(0, total)
     done = 0
-    progress(done, total)
-    with mx.stream(generation_stream):
-        while total - done > 1:
-            n = min(prefill_step_size, total - done - 1)
-            model(
-                input_ids[:, done : done + n],
-                cache,
-                embeddings=embeddings[:, done : done + n],
-                state=state,
-            )
-            quantize(cache)
-            mx.eval([c.state for c in cache])
-            done += n
-            progress(done, total)
-            mx.clear_cache()
+    for done in prefill_chunks(
+        model, input_ids, embeddings, state, cache,
+        prefill_step_size=prefill_step_size, quantize=quantize,
+    ):
+        progress(done, total)
 
     y, logprobs = step(input_ids[:, done:], embeddings[:, done:])
     mx.async_eval(y, logprobs)
@@ -205,6 +234,68 @@ def _as_stop_list(stop: str | Sequence[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+class SequenceText:
+    """One sequence's generated tokens as text, and the reason it ends.
+
+    ``add(token)`` returns the new text segment (empty while a multi-byte character or a
+    possible stop string is pending) and ``"stop"`` (an end-of-sequence id or a stop
+    string), ``"length"`` (``max_tokens`` reached) or None. Shared by ``stream_generate``
+    and the batching engine, so that both end a sequence by the same rules.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        eos_token_ids: set[int],
+        stop: str | Sequence[str] | None,
+        max_tokens: int,
+    ):
+        self.detokenizer = tokenizer.detokenizer  # a fresh copy per sequence
+        self.detokenizer.reset()
+        self.eos_token_ids = eos_token_ids
+        self.stops = StopStrings(_as_stop_list(stop))
+        self.max_tokens = max_tokens
+        self.num_tokens = 0
+
+    def add(self, token: int) -> tuple[str, str | None]:
+        self.num_tokens += 1
+        finish_reason = None
+        if token in self.eos_token_ids:
+            finish_reason = "stop"
+        else:
+            self.detokenizer.add_token(token)
+            if self.num_tokens >= self.max_tokens:
+                finish_reason = "length"
+        if finish_reason is not None:
+            self.detokenizer.finalize()
+        segment, hit_stop = self.stops.push(self.detokenizer.last_segment)
+        if hit_stop:
+            finish_reason = "stop"
+        elif finish_reason is not None:
+            segment += self.stops.flush()
+        return segment, finish_reason
+
+
+def eos_token_ids(processor: Any) -> set[int]:
+    """Every end-of-sequence id (config.json, generation_config.json and tokenizer)."""
+    tokenizer = generation_tokenizer(processor)
+    return set(getattr(processor, "eos_token_ids", None) or tokenizer.eos_token_ids)
+
+
+def fit_to_context(model: nn.Module, prompt_tokens: int, max_tokens: int) -> int:
+    """``max_tokens`` cut to the room the model's context leaves after the prompt; a
+    prompt that fills the context is a ``PromptTooLongError`` naming both lengths."""
+    context = model.max_context
+    if context is None:
+        return max_tokens
+    if prompt_tokens >= context:
+        raise PromptTooLongError(
+            f"the prompt is {prompt_tokens} tokens long but the model's context is "
+            f"{context} tokens; shorten the prompt or use fewer/smaller images"
+        )
+    return min(max_tokens, context - prompt_tokens)
+
+
 def stream_generate(
     model: nn.Module,
     processor: Any,
@@ -250,7 +341,7 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
     tokenizer = generation_tokenizer(processor)
-    eos_token_ids = set(getattr(processor, "eos_token_ids", None) or tokenizer.eos_token_ids)
+    eos_ids = eos_token_ids(processor)
 
     start = time.perf_counter()
     mx.reset_peak_memory()
@@ -264,14 +355,8 @@ def stream_generate(
         media_options=media_options,
     )
     prompt_tokens = inputs.num_tokens
-    context = model.max_context
-    if context is not None and max_kv_size is None:
-        if prompt_tokens >= context:
-            raise PromptTooLongError(
-                f"the prompt is {prompt_tokens} tokens long but the model's context is "
-                f"{context} tokens; shorten the prompt or use fewer/smaller images"
-            )
-        max_tokens = min(max_tokens, context - prompt_tokens)
+    if max_kv_size is None:
+        max_tokens = fit_to_context(model, prompt_tokens, max_tokens)
 
     cache = make_generation_cache(model, inputs, max_kv_size)
     if sampler is None:
@@ -282,9 +367,7 @@ def stream_generate(
             repetition_context_size=repetition_context_size,
         )
 
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    stops = StopStrings(_as_stop_list(stop))
+    text = SequenceText(tokenizer, eos_ids, stop, max_tokens)
     tokens = generate_tokens(
         model,
         inputs,
@@ -305,20 +388,7 @@ def stream_generate(
         if n == 0:
             decode_start = time.perf_counter()
             prompt_tps = prompt_tokens / (decode_start - start)
-        finish_reason = None
-        if token in eos_token_ids:
-            finish_reason = "stop"
-        else:
-            detokenizer.add_token(token)
-            if n + 1 == max_tokens:
-                finish_reason = "length"
-        if finish_reason is not None:
-            detokenizer.finalize()
-        segment, hit_stop = stops.push(detokenizer.last_segment)
-        if hit_stop:
-            finish_reason = "stop"
-        elif finish_reason is not None:
-            segment += stops.flush()
+        segment, finish_reason = text.add(token)
         elapsed = time.perf_counter() - decode_start
         yield GenerationResult(
             text=segment,
