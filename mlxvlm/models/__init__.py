@@ -16,6 +16,8 @@ from mlxvlm.errors import MlxvlmError
 FAMILIES: dict[str, str] = {
     "qwen2_vl": "qwen2_vl",
     "qwen2_5_vl": "qwen2_5_vl",
+    "llava": "llava",
+    "llava_next": "llava_next",
 }
 
 

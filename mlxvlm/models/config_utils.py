@@ -81,3 +81,19 @@ def token_id(config: dict, name: str, default: int | None = None) -> Any:
         if config.get(key) is not None:
             return config[key]
     return default
+
+
+def as_transformers_reads_it(config: dict) -> dict:
+    """``config`` completed the way transformers reads it: sub-configs filled with their
+    class defaults, ``rope_parameters`` standardized, ``tie_word_embeddings`` resolved.
+
+    The Hub's older composite checkpoints (LLaVA and friends) store sub-configs as
+    transformers' ``to_diff_dict`` wrote them: only the values that differ from the
+    sub-model's defaults (``text_config`` of llava-1.5 holds no ``hidden_size``). Their
+    defaults live in transformers' config classes, so the config goes through the
+    family's own class, whose sub-configs resolve by their ``model_type``. Keys that
+    transformers does not know (``quantization``, ``mlxvlm_format``) are kept.
+    """
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[config["model_type"]](**config).to_dict()

@@ -17,6 +17,8 @@ from tiny.common import TinyModel, make_image  # noqa: F401  (re-exported for te
 BUILDERS = {
     "qwen2_vl": "tiny.qwen",
     "qwen2_5_vl": "tiny.qwen",
+    "llava": "tiny.llava",
+    "llava_next": "tiny.llava",
 }
 
 

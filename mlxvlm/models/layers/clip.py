@@ -1,0 +1,200 @@
+"""The CLIP vision transformer (Radford et al., 2021), as the LLaVA family uses it.
+
+Images are cut into ``patch_size`` squares by a strided convolution, a learned class
+token is prepended, learned absolute position embeddings are added, and pre-norm
+transformer blocks follow. Vision-language models read the hidden states of one or more
+blocks (not the pooled class token), so ``hidden_states`` returns those and runs only
+the blocks it needs.
+
+Module names follow the checkpoints mlx-community publishes:
+``vision_model.embeddings.{class_embedding,patch_embedding,position_embedding}``,
+``vision_model.pre_layrnorm`` (sic), ``vision_model.encoder.layers.N.*``,
+``vision_model.post_layernorm``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def quick_gelu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(1.702 * x)
+
+
+# transformers' ACT2FN names -> MLX functions (exact forms, not approximations of them)
+ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
+    "quick_gelu": quick_gelu,
+    "gelu": nn.gelu,
+    "gelu_pytorch_tanh": nn.gelu_approx,
+}
+
+
+def activation(name: str) -> Callable[[mx.array], mx.array]:
+    if name not in ACTIVATIONS:
+        raise NotImplementedError(
+            f"activation {name!r} is not supported (supported: {sorted(ACTIVATIONS)})"
+        )
+    return ACTIVATIONS[name]
+
+
+@dataclass(frozen=True)
+class CLIPVisionConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-5
+    hidden_act: str = "quick_gelu"
+
+    @classmethod
+    def from_hf(cls, vision: dict) -> "CLIPVisionConfig":
+        """From a complete ``clip_vision_model`` config (see config_utils)."""
+        return cls(
+            hidden_size=vision["hidden_size"],
+            intermediate_size=vision["intermediate_size"],
+            num_hidden_layers=vision["num_hidden_layers"],
+            num_attention_heads=vision["num_attention_heads"],
+            image_size=vision["image_size"],
+            patch_size=vision["patch_size"],
+            num_channels=vision.get("num_channels", 3),
+            layer_norm_eps=vision["layer_norm_eps"],
+            hidden_act=vision["hidden_act"],
+        )
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+
+class CLIPVisionEmbeddings(nn.Module):
+    def __init__(self, config: CLIPVisionConfig):
+        super().__init__()
+        self.config = config
+        self.class_embedding = mx.zeros((config.hidden_size,))
+        # Weight in MLX's channels-last layout: (out, kh, kw, in).
+        self.patch_embedding = nn.Conv2d(
+            config.num_channels,
+            config.hidden_size,
+            kernel_size=config.patch_size,
+            stride=config.patch_size,
+            bias=False,
+        )
+        self.position_embedding = nn.Embedding(config.patches_per_side**2 + 1, config.hidden_size)
+
+    def __call__(self, pixel_values: mx.array) -> mx.array:
+        """(B, H, W, C) channels-last pixels -> (B, 1 + patches, hidden)."""
+        batch, height, width, _ = pixel_values.shape
+        size = self.config.image_size
+        if (height, width) != (size, size):
+            raise ValueError(
+                f"the CLIP tower takes {size}x{size} images but got {height}x{width}; "
+                "use the checkpoint's own image processor"
+            )
+        patches = self.patch_embedding(pixel_values.astype(self.patch_embedding.weight.dtype))
+        patches = patches.reshape(batch, -1, patches.shape[-1])
+        cls = mx.broadcast_to(self.class_embedding, (batch, 1, patches.shape[-1]))
+        embeddings = mx.concatenate([cls.astype(patches.dtype), patches], axis=1)
+        # Looked up rather than read as `.weight`, which a quantized embedding packs.
+        return embeddings + self.position_embedding(mx.arange(embeddings.shape[1]))
+
+
+class CLIPAttention(nn.Module):
+    def __init__(self, config: CLIPVisionConfig):
+        super().__init__()
+        dim = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.scale = (dim // self.num_heads) ** -0.5
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim)
+        self.v_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        batch, length, _ = x.shape
+
+        def heads(t: mx.array) -> mx.array:
+            return t.reshape(batch, length, self.num_heads, -1).transpose(0, 2, 1, 3)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        return self.out_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+class CLIPMLP(nn.Module):
+    def __init__(self, config: CLIPVisionConfig):
+        super().__init__()
+        self.activation_fn = activation(config.hidden_act)
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.fc2(self.activation_fn(self.fc1(x)))
+
+
+class CLIPEncoderLayer(nn.Module):
+    def __init__(self, config: CLIPVisionConfig):
+        super().__init__()
+        self.self_attn = CLIPAttention(config)
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = CLIPMLP(config)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class CLIPEncoder(nn.Module):
+    def __init__(self, config: CLIPVisionConfig):
+        super().__init__()
+        self.layers = [CLIPEncoderLayer(config) for _ in range(config.num_hidden_layers)]
+
+
+class CLIPVisionTransformer(nn.Module):
+    def __init__(self, config: CLIPVisionConfig):
+        super().__init__()
+        self.embeddings = CLIPVisionEmbeddings(config)
+        self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.encoder = CLIPEncoder(config)
+        # Only the pooled class token passes through it; kept so checkpoints load whole.
+        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+
+class CLIPVisionModel(nn.Module):
+    """``vision_model`` wrapped once more, as the checkpoints name it."""
+
+    # The tower prepends a class token to the patch tokens.
+    has_class_token = True
+
+    def __init__(self, config: CLIPVisionConfig):
+        super().__init__()
+        self.config = config
+        self.vision_model = CLIPVisionTransformer(config)
+
+    def hidden_states(self, pixel_values: mx.array, layers: Sequence[int]) -> list[mx.array]:
+        """Hidden states at ``layers`` as transformers indexes ``hidden_states``: 0 is the
+        (pre-normed) embedding output, ``i`` the output of block ``i``, negatives count
+        from the end. Blocks after the last one asked for are not run."""
+        count = len(self.vision_model.encoder.layers) + 1
+        for layer in layers:
+            if not -count <= layer < count:
+                raise ValueError(f"vision feature layer {layer} is out of range for {count} states")
+        wanted = [layer % count for layer in layers]
+        x = self.vision_model.pre_layrnorm(self.vision_model.embeddings(pixel_values))
+        states = [x]
+        for block in self.vision_model.encoder.layers[: max(wanted)]:
+            x = block(x)
+            states.append(x)
+        return [states[i] for i in wanted]
+
+
+def sanitize_patch_embedding(weight: mx.array) -> mx.array:
+    """PyTorch Conv2d weight (out, in, kh, kw) -> MLX (out, kh, kw, in)."""
+    return weight.transpose(0, 2, 3, 1)

@@ -1,0 +1,315 @@
+"""LLaVA 1.5 (Liu et al., 2023): a CLIP vision tower, a two-layer MLP projector and a
+stock LLM decoder. The hidden states of one (or several, concatenated) vision block(s)
+are projected to the text width and replace the prompt's ``<image>`` placeholders,
+one token per patch (the class token is dropped under the ``"default"`` strategy).
+
+Checkpoint names (the Hub's original ones, which mlx-community's conversions keep):
+``vision_tower.vision_model.*``, ``multi_modal_projector.linear_{1,2}.*``,
+``language_model.model.*`` and ``language_model.lm_head.*`` (unless tied). LLaVA-NeXT and
+LLaVA-OneVision extend this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlxvlm.models.base import VisionLanguageModel
+from mlxvlm.models.config_utils import as_transformers_reads_it, rope_parameters
+from mlxvlm.models.layers import mlx_lm_backbone
+from mlxvlm.models.layers.clip import (
+    CLIPVisionConfig,
+    CLIPVisionModel,
+    activation,
+    sanitize_patch_embedding,
+)
+
+# --------------------------------------------------------------------------- checkpoints
+#
+# Three namings of the same tensors reach ``sanitize``:
+#   1. the Hub's original checkpoints (llava-hf/*), which are also mlx-community's names:
+#      language_model.model.*, language_model.lm_head.*, vision_tower.vision_model.*,
+#      multi_modal_projector.*, image_newline;
+#   2. transformers 5's save_pretrained: as 1, but the vision tower without its
+#      ``vision_model.`` level (vision_tower.embeddings.*, vision_tower.encoder.*);
+#   3. the module tree (transformers >= 4.52 saves): model.language_model.*, lm_head.*,
+#      model.vision_tower.*, model.multi_modal_projector.*, model.image_newline.
+# Names alone cannot tell 1 from an unquantized mlx-community conversion (only the patch
+# embedding's layout differs), so ``is_hf_checkpoint`` takes such names for the Hub's:
+# converted checkpoints are recognised by their quantized tensors, or marked in
+# config.json by mlxvlm.convert.
+
+HF_PREFIXES = (
+    ("model.language_model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.image_newline", "image_newline"),
+)
+TOWER = "vision_tower.vision_model."
+PATCH_EMBEDDING = TOWER + "embeddings.patch_embedding.weight"
+# Buffers some Hugging Face checkpoints carry and that are recomputed here.
+HF_ONLY_SUFFIXES = ("position_ids", "rotary_emb.inv_freq")
+# Tensors only quantized (converted) checkpoints have.
+QUANTIZED_SUFFIXES = (".scales", ".biases")
+
+
+def hf_to_mlx_name(name: str) -> str:
+    for prefix, replacement in HF_PREFIXES:
+        if name.startswith(prefix):
+            name = replacement + name[len(prefix) :]
+            break
+    if name.startswith("vision_tower.") and not name.startswith(TOWER):
+        name = TOWER + name[len("vision_tower.") :]
+    return name
+
+
+def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
+    """Whether tensors are named and laid out as in Hugging Face checkpoints (else: MLX's).
+
+    Quantized tensors mean an MLX conversion. Otherwise the names are Hugging Face's —
+    unmistakably (the module-tree or save_pretrained namings, buffers that conversions
+    drop) or as the Hub's original checkpoints, whose names conversions keep (see above)."""
+    names = list(weight_names)
+    quantized = [n for n in names if n.endswith(QUANTIZED_SUFFIXES)]
+    hf_only = [n for n in names if n.endswith(HF_ONLY_SUFFIXES) or hf_to_mlx_name(n) != n]
+    if quantized and hf_only:
+        raise ValueError(
+            f"the checkpoint mixes Hugging Face tensor names (e.g. {hf_only[0]!r}) with "
+            f"quantized MLX ones (e.g. {quantized[0]!r}); it is neither layout"
+        )
+    return not quantized
+
+
+# ------------------------------------------------------------------------------- config
+
+# vision_config's model_type -> (its config class, the tower)
+VISION_TOWERS: dict[str, tuple[type, type]] = {
+    "clip_vision_model": (CLIPVisionConfig, CLIPVisionModel),
+}
+
+
+def vision_config_from_hf(vision: dict):
+    model_type = vision.get("model_type")
+    if model_type not in VISION_TOWERS:
+        raise NotImplementedError(
+            f"vision tower {model_type!r} is not supported for LLaVA models "
+            f"(supported: {sorted(VISION_TOWERS)})"
+        )
+    return VISION_TOWERS[model_type][0].from_hf(vision)
+
+
+def vision_tower_class(vision_config) -> type:
+    for config_class, tower_class in VISION_TOWERS.values():
+        if isinstance(vision_config, config_class):
+            return tower_class
+    raise TypeError(f"no vision tower takes a {type(vision_config).__name__}")
+
+
+def text_config_from_hf(config: dict) -> dict:
+    """The text config of a config read by ``as_transformers_reads_it``, whose top-level
+    ``tie_word_embeddings`` is resolved (the composite's flag or the text model's own)."""
+    text = dict(config["text_config"])
+    text["rope_parameters"] = rope_parameters(text, 10000.0)
+    text["tie_word_embeddings"] = bool(config["tie_word_embeddings"])
+    return text
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    text: Any  # mlx-lm ModelArgs of the text model
+    vision: Any  # the vision tower's config (CLIPVisionConfig, ...)
+    image_token_id: int
+    vision_feature_layers: tuple[int, ...]
+    vision_feature_select_strategy: str  # "default": drop the class token; "full": keep it
+    projector_hidden_act: str = "gelu"
+    projector_bias: bool = True
+    max_context: int | None = None
+    # LLaVA-NeXT / OneVision only
+    image_grid_pinpoints: tuple[tuple[int, int], ...] = field(default=())
+    vision_aspect_ratio: str | None = None
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "ModelArgs":
+        config = as_transformers_reads_it(config)
+        text = text_config_from_hf(config)
+        vision = vision_config_from_hf(config["vision_config"])
+        layers = config["vision_feature_layer"]
+        strategy = config["vision_feature_select_strategy"]
+        if strategy not in ("default", "full"):
+            raise ValueError(f"unknown vision_feature_select_strategy {strategy!r}")
+        return cls(
+            text=mlx_lm_backbone.model_args(text),
+            vision=vision,
+            image_token_id=config["image_token_index"],
+            vision_feature_layers=(layers,) if isinstance(layers, int) else tuple(layers),
+            vision_feature_select_strategy=strategy,
+            projector_hidden_act=config["projector_hidden_act"],
+            projector_bias=config.get("multimodal_projector_bias", True),
+            max_context=mlx_lm_backbone.max_context(text),
+            image_grid_pinpoints=tuple(
+                tuple(p) for p in config.get("image_grid_pinpoints") or ()
+            ),
+            vision_aspect_ratio=config.get("vision_aspect_ratio"),
+        )
+
+
+# -------------------------------------------------------------------------------- model
+
+
+class MultiModalProjector(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        width = args.text.hidden_size
+        vision_width = args.vision.hidden_size * len(args.vision_feature_layers)
+        self.linear_1 = nn.Linear(vision_width, width, bias=args.projector_bias)
+        self.act = activation(args.projector_hidden_act)
+        self.linear_2 = nn.Linear(width, width, bias=args.projector_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class Model(VisionLanguageModel):
+    feature_names = ("pixel_values",)
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.vision_tower = vision_tower_class(args.vision)(args.vision)
+        self.multi_modal_projector = MultiModalProjector(args)
+        self.language_model = mlx_lm_backbone.text_model(args.text)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Model":
+        return cls(ModelArgs.from_hf(config))
+
+    # -- checkpoint -----------------------------------------------------------------
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        sanitized = {}
+        for name, value in weights.items():
+            if name.endswith(HF_ONLY_SUFFIXES):
+                continue
+            name = hf_to_mlx_name(name)
+            if name == PATCH_EMBEDDING:
+                value = sanitize_patch_embedding(value)
+            if name == "language_model.lm_head.weight" and self.args.text.tie_word_embeddings:
+                continue
+            sanitized[name] = value
+        return sanitized
+
+    # -- the contract -----------------------------------------------------------------
+
+    @property
+    def layers(self):
+        return self.language_model.layers
+
+    @property
+    def max_context(self) -> int | None:
+        return self.args.max_context
+
+    @property
+    def placeholder_token_ids(self) -> set[int]:
+        return {self.args.image_token_id}
+
+    def make_cache(self) -> list[Any]:
+        # mlx-lm's own: rotating caches for sliding-window layers.
+        if hasattr(self.language_model, "make_cache"):
+            return self.language_model.make_cache()
+        return super().make_cache()
+
+    def embed(self, input_ids: mx.array, pixel_values: Any = None, **features: Any):
+        ids = np.asarray(input_ids).reshape(-1)
+        h = self.language_model.model.embed_tokens(input_ids)
+        positions = np.flatnonzero(ids == self.args.image_token_id)
+        if pixel_values is None:
+            if positions.size:
+                raise ValueError(
+                    f"the prompt has {positions.size} image placeholder tokens but no pixel "
+                    "values were given for them"
+                )
+            return h, None
+        pixel_values = mx.array(pixel_values) if not isinstance(pixel_values, mx.array) else pixel_values
+        image_features = self.image_features(pixel_values, **features)
+        if image_features.shape[0] != positions.size:
+            raise ValueError(
+                f"the images give {image_features.shape[0]} feature tokens but the prompt has "
+                f"{positions.size} image placeholder tokens"
+            )
+        merged = h[0]
+        merged[mx.array(positions)] = image_features.astype(h.dtype)
+        return merged[None], None
+
+    def __call__(self, input_ids, cache=None, *, embeddings=None, state=None) -> mx.array:
+        return self.language_model(input_ids, cache=cache, input_embeddings=embeddings)
+
+    # -- image features ---------------------------------------------------------------
+
+    def tile_features(self, pixel_values: mx.array) -> mx.array:
+        """(N, C, H, W) tiles -> (N, tokens, text width) projected features."""
+        states = self.vision_tower.hidden_states(
+            pixel_values.transpose(0, 2, 3, 1), self.args.vision_feature_layers
+        )
+        selected = mx.concatenate(states, axis=-1)
+        if self.args.vision_feature_select_strategy == "default":
+            selected = selected[:, 1:]  # the class token
+        return self.multi_modal_projector(selected)
+
+    def image_features(self, pixel_values: mx.array, **features: Any) -> mx.array:
+        """All images' feature tokens, in prompt order: one per patch of each image."""
+        return self.tile_features(pixel_values).reshape(-1, self.args.text.hidden_size)
+
+
+# ---------------------------------------------------------------------------- processor
+
+
+def _processor_options(model_path: Path) -> dict:
+    """The processor's own settings (patch size, select strategy, ...) from
+    processor_config.json, where both layouts keep them."""
+    import json
+
+    path = model_path / "processor_config.json"
+    options = json.loads(path.read_text()) if path.exists() else {}
+    options.pop("image_processor", None)  # transformers 5 nests it there
+    options.pop("processor_class", None)
+    return options
+
+
+def load_processor(model_path: str | Path, config: dict, processor_class: type | None = None):
+    """The transformers processor (tokenizer + PIL image processor + chat template), built
+    without torch. Settings missing from processor_config.json (older Hub checkpoints)
+    come from the model's config, so that placeholders match the tower's output."""
+    from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor
+
+    from mlxvlm.models.processor_utils import image_only, read_chat_template
+
+    model_path = Path(model_path)
+    processor_class = processor_class or LlavaProcessor
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    image_processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
+    chat_template = read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)
+    options = default_processor_options(config)
+    options.update(_processor_options(model_path))
+    kwargs = dict(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+    if "video_processor" in processor_class.get_attributes():
+        processor_class = image_only(processor_class)
+        kwargs["video_processor"] = None
+    return processor_class(**kwargs, **options)
+
+
+def default_processor_options(config: dict) -> dict:
+    """What LlavaProcessor/LlavaNextProcessor need to count an image's placeholders."""
+    if not config:
+        return {}
+    args = ModelArgs.from_hf(config)
+    return {
+        "patch_size": args.vision.patch_size,
+        "vision_feature_select_strategy": args.vision_feature_select_strategy,
+        "num_additional_image_tokens": 1 if vision_tower_class(args.vision).has_class_token else 0,
+    }

@@ -1,0 +1,309 @@
+"""LLaVA 1.5 and LLaVA-NeXT against transformers (float32), on tiny random checkpoints.
+
+Every family is loaded from both config layouts (transformers 5's and llava-hf's older
+one, see tests/tiny/llava.py) through ``mlxvlm.load`` and compared with the in-memory
+transformers model the checkpoint was saved from, whose inputs come from a processor
+built independently of mlxvlm's: logits of the first forward pass, and greedy tokens
+through ``mlxvlm.stream_generate`` — for text only, one image, two images of different
+aspect ratios (so that AnyRes picks different tile grids), and an image in a later turn.
+Guards check that the tests can fail: another image changes the output, the wrong rope θ
+changes the logits, the AnyRes cases really unpad, and the reference's greedy steps are
+not decided by razor-thin logit margins.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from tiny import make_image
+from tiny.llava import FAMILIES, LAYOUTS, build_processor, hub_name
+from mlxvlm import load, stream_generate
+from mlxvlm.errors import CheckpointError
+from mlxvlm.models import get_family
+from mlxvlm.models.layers import anyres
+from mlxvlm.prompt import prepare_inputs
+
+torch = pytest.importorskip("torch")
+
+LOGITS_ATOL = 1e-4
+NEW_TOKENS = 24
+# Greedy parity is meaningful only if float32 rounding cannot flip a token.
+MIN_REFERENCE_MARGIN = 1e-3
+
+IMAGE_A = make_image(112, 84, seed=1)  # landscape: NeXT tiles it 2 x 2 and unpads rows
+IMAGE_B = make_image(40, 120, seed=2)  # tall: NeXT tiles it 3 x 1
+IMAGE_A2 = make_image(112, 84, seed=3)  # A's size, other content
+
+CASES = {
+    "text": ([{"role": "user", "content": "Tell me a story about a red cat."}], []),
+    "one_image": (
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}],
+        [IMAGE_A],
+    ),
+    "two_images": (
+        [{"role": "user", "content": [
+            {"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare the two images."},
+        ]}],
+        [IMAGE_A, IMAGE_B],
+    ),
+    "image_in_second_turn": (
+        [
+            {"role": "user", "content": "Hello! Who are you?"},
+            {"role": "assistant", "content": "I am a helpful assistant."},
+            {"role": "user", "content": [
+                {"type": "image"}, {"type": "text", "text": "What is in this picture?"},
+            ]},
+        ],
+        [IMAGE_B],
+    ),
+}
+# Not a parity case of its own: the guard that the image matters.
+ALL_CASES = {**CASES, "one_other_image": (CASES["one_image"][0], [IMAGE_A2])}
+FAMILY_LAYOUTS = [(f, layout) for f in FAMILIES for layout in LAYOUTS]
+
+
+# --------------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoints):
+    """(family, layout) -> (model, processor) through mlxvlm.load, each loaded once."""
+    return functools.cache(lambda family, layout: load(tiny_checkpoints.path(family, layout)))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoints):
+    """(family, case) -> transformers' prompt ids, first-pass logits, greedy tokens and
+    the thinnest top-1/top-2 margin of its greedy steps."""
+
+    @functools.cache
+    def run(family: str, case: str):
+        messages, images = ALL_CASES[case]
+        tiny = tiny_checkpoints.model(family)
+        processor = build_processor(tiny)
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        inputs = processor(text=[text], images=list(images) or None, return_tensors="pt")
+        with torch.no_grad():
+            logits = tiny.model(**inputs).logits[0].numpy()
+            out = tiny.model.generate(
+                **inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
+                output_scores=True, return_dict_in_generate=True,
+            )
+        tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+        return inputs["input_ids"][0].tolist(), logits, tokens, min(margins)
+
+    return run
+
+
+def parameter_list(model) -> list[tuple[str, mx.array]]:
+    return [(k, v) for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)]
+
+
+def our_logits(model, processor, case: str) -> tuple[list[int], np.ndarray]:
+    messages, images = ALL_CASES[case]
+    inputs = prepare_inputs(processor, messages, images, feature_names=model.feature_names)
+    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
+    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
+    return inputs.input_ids[0].tolist(), np.array(logits[0])
+
+
+def our_tokens(model, processor, case: str, **options) -> list[int]:
+    messages, images = ALL_CASES[case]
+    results = stream_generate(
+        model, processor, messages, image=images, max_tokens=NEW_TOKENS, temperature=0.0, **options
+    )
+    return [r.token for r in results]
+
+
+def read_config(tiny_checkpoints, family: str, layout: str) -> dict:
+    return json.loads((tiny_checkpoints.path(family, layout) / "config.json").read_text())
+
+
+# ----------------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
+def test_first_pass_logits_match_transformers(family, layout, case, loaded, reference):
+    model, processor = loaded(family, layout)
+    ref_ids, ref_logits, _, _ = reference(family, case)
+    ids, logits = our_logits(model, processor, case)
+    assert ids == ref_ids, "the processor built by mlxvlm tokenized the prompt differently"
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=LOGITS_ATOL)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
+def test_greedy_tokens_match_transformers(family, layout, case, loaded, reference):
+    model, processor = loaded(family, layout)
+    _, _, ref_tokens, margin = reference(family, case)
+    assert len(ref_tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
+    assert margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {margin:.2e} is too thin"
+    assert our_tokens(model, processor, case) == ref_tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_gives_the_same_tokens(family, loaded, reference):
+    """Chunks of 3 tokens split the images' placeholder runs."""
+    model, processor = loaded(family, "hub")
+    assert our_tokens(model, processor, "two_images", prefill_step_size=3) == (
+        reference(family, "two_images")[2]
+    )
+
+
+# ---------------------------------------------------------------- the tests can fail
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_another_image_changes_the_output(family, loaded, reference):
+    model, processor = loaded(family, "transformers")
+    tokens = our_tokens(model, processor, "one_image")
+    other_tokens = our_tokens(model, processor, "one_other_image")
+    assert tokens != other_tokens
+    assert other_tokens == reference(family, "one_other_image")[2]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_wrong_rope_theta_would_be_caught(family, tiny_checkpoints, loaded, reference):
+    """The fixture's θ is not the default, so a loader missing the hub's key fails parity."""
+    config = read_config(tiny_checkpoints, family, "hub")
+    del config["text_config"]["rope_theta"]
+    model, processor = loaded(family, "hub")
+    wrong = get_family(family).Model.from_config(config)
+    wrong.load_weights(parameter_list(model))
+    _, ref_logits, _, _ = reference(family, "image_in_second_turn")
+    _, logits = our_logits(wrong, processor, "image_in_second_turn")
+    assert np.abs(logits - ref_logits).max() > 100 * LOGITS_ATOL
+
+
+def test_anyres_cases_pick_different_grids_and_unpad(tiny_checkpoints):
+    """The two images of the AnyRes cases are tiled differently, and A's map loses rows."""
+    config = tiny_checkpoints.model("llava_next").model.config
+    tile, pinpoints = config.vision_config.image_size, config.image_grid_pinpoints
+    size_a, size_b = (IMAGE_A.height, IMAGE_A.width), (IMAGE_B.height, IMAGE_B.width)
+    assert anyres.tile_grid(size_a, pinpoints, tile) == (2, 2)
+    assert anyres.tile_grid(size_b, pinpoints, tile) == (3, 1)
+    side = tile // config.vision_config.patch_size
+    grid = mx.zeros((2 * side, 2 * side, 1))
+    assert anyres.unpad(grid, size_a).shape[:2] == (4, 2 * side)
+
+
+# -------------------------------------------------------------- checkpoints and names
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hub_layout_reads_the_same_in_transformers(family, tiny_checkpoints, reference):
+    """Both fixtures are faithful: transformers reads each into the same model."""
+    from transformers import AutoModelForImageTextToText
+
+    _, ref_logits, _, _ = reference(family, "one_image")
+    processor = build_processor(tiny_checkpoints.model(family))
+    messages, images = CASES["one_image"]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    for layout in LAYOUTS:
+        path = tiny_checkpoints.path(family, layout)
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        assert model.config.text_config.rope_parameters["rope_theta"] != 10000.0
+        with torch.no_grad():
+            np.testing.assert_array_equal(model(**inputs).logits[0].numpy(), ref_logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_both_config_layouts_build_the_same_model(family, tiny_checkpoints):
+    Model = get_family(family).Model
+    hub = Model.from_config(read_config(tiny_checkpoints, family, "hub")).args
+    assert hub == Model.from_config(read_config(tiny_checkpoints, family, "transformers")).args
+    # values the hub's sub-configs leave to the classes' defaults
+    assert hub.text.rms_norm_eps == 1e-6 and hub.vision.hidden_act == "quick_gelu"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sanitized_names_are_mlx_community_names(family, tiny_checkpoints, loaded):
+    """Every Hugging Face naming maps onto the names mlx-community's checkpoints use."""
+    module = get_family(family)
+    model, _ = loaded(family, "transformers")
+    expected = {name for name, _ in parameter_list(model)}
+    state = tiny_checkpoints.model(family).model.state_dict()
+    namings = {
+        "hub": mx.load(str(tiny_checkpoints.path(family, "hub") / "model.safetensors")),
+        "save_pretrained": mx.load(str(tiny_checkpoints.path(family, "transformers") / "model.safetensors")),
+        "module_tree": {name: mx.array(value.numpy()) for name, value in state.items()},
+    }
+    assert set(namings["hub"]) == {hub_name(n) for n in state}
+    for naming, weights in namings.items():
+        assert module.is_hf_checkpoint(weights.keys()), naming
+        sanitized = model.sanitize(weights)
+        assert set(sanitized) == expected, naming
+    for name in (
+        "language_model.model.embed_tokens.weight",
+        "language_model.model.layers.1.self_attn.q_proj.weight",
+        "language_model.lm_head.weight",
+        "multi_modal_projector.linear_1.bias",
+        "multi_modal_projector.linear_2.weight",
+        "vision_tower.vision_model.embeddings.class_embedding",
+        "vision_tower.vision_model.embeddings.position_embedding.weight",
+        "vision_tower.vision_model.pre_layrnorm.weight",
+        "vision_tower.vision_model.encoder.layers.2.self_attn.out_proj.bias",
+        "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
+        "vision_tower.vision_model.post_layernorm.bias",
+    ) + (("image_newline",) if family != "llava" else ()):
+        assert name in expected, name
+    v = model.args.vision
+    assert sanitized["vision_tower.vision_model.embeddings.patch_embedding.weight"].shape == (
+        v.hidden_size, v.patch_size, v.patch_size, v.num_channels
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mlx_community_checkpoints_load_unchanged(family, tiny_checkpoints, loaded, tmp_path):
+    """A quantized MLX conversion (mlx-community's: our names, the Hub's config, no marker)
+    loads as is; an unquantized one is indistinguishable by names from the Hub's
+    original and must be marked (mlxvlm.convert does), or it fails loudly, not silently."""
+    source = tiny_checkpoints.path(family, "hub")
+    model, processor = loaded(family, "hub")
+
+    def converted(name: str, weights: dict, config_changes: dict):
+        target = tmp_path / name
+        shutil.copytree(source, target)
+        mx.save_safetensors(str(target / "model.safetensors"), weights, metadata={"format": "mlx"})
+        config = {**json.loads((target / "config.json").read_text()), **config_changes}
+        (target / "config.json").write_text(json.dumps(config))
+        return target
+
+    quantized = get_family(family).Model.from_config(read_config(tiny_checkpoints, family, "hub"))
+    quantized.load_weights(parameter_list(model))
+    nn.quantize(quantized.language_model, group_size=32, bits=8)
+    quantization = {"group_size": 32, "bits": 8}
+    path = converted("quantized", dict(tree_flatten(quantized.parameters())), {"quantization": quantization})
+    again, again_processor = load(path)
+    _, expected = our_logits(quantized, processor, "one_image")
+    np.testing.assert_array_equal(our_logits(again, again_processor, "one_image")[1], expected)
+
+    plain = dict(tree_flatten(model.parameters()))
+    marked, marked_processor = load(converted("marked", plain, {"mlxvlm_format": 1}))
+    np.testing.assert_array_equal(
+        our_logits(marked, marked_processor, "one_image")[1], our_logits(model, processor, "one_image")[1]
+    )
+    with pytest.raises(CheckpointError):
+        load(converted("unmarked", plain, {}))
+
+
+def test_mistral_sliding_window_bounds_the_context(tiny_checkpoints):
+    """mlx-lm's llama cannot slide on every layer, so a Mistral window becomes the context
+    (full attention equals sliding attention while everything fits in the window)."""
+    config = read_config(tiny_checkpoints, "llava_next", "hub")
+    config["text_config"]["sliding_window"] = 40
+    model = get_family("llava_next").Model.from_config(config)
+    assert model.max_context == 40
+    config["text_config"].pop("sliding_window")  # the class default (4096) applies
+    assert get_family("llava_next").Model.from_config(config).max_context == 1024
