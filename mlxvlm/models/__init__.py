@@ -16,8 +16,11 @@ from mlxvlm.errors import MlxvlmError
 FAMILIES: dict[str, str] = {
     "qwen2_vl": "qwen2_vl",
     "qwen2_5_vl": "qwen2_5_vl",
+    "gemma3": "gemma3",
     "llava": "llava",
     "llava_next": "llava_next",
+    "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl_moe",
 }
 
 

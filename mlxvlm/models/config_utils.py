@@ -62,9 +62,12 @@ def rope_parameters(text: dict, default_rope_theta: float) -> dict:
 
 
 def tie_word_embeddings(config: dict) -> bool:
-    """True at the top level, or (checkpoints saved before transformers 5) in text_config."""
+    """The top level's value when it has one (transformers 5 writes it there, and may
+    leave a contradicting default in text_config), else text_config's (older checkpoints)."""
+    if config.get("tie_word_embeddings") is not None:
+        return bool(config["tie_word_embeddings"])
     text = config.get("text_config") or {}
-    return bool(config.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
+    return bool(text.get("tie_word_embeddings"))
 
 
 def vision_config(config: dict) -> dict:

@@ -17,8 +17,11 @@ from tiny.common import TinyModel, make_image  # noqa: F401  (re-exported for te
 BUILDERS = {
     "qwen2_vl": "tiny.qwen",
     "qwen2_5_vl": "tiny.qwen",
+    "gemma3": "tiny.gemma3",
     "llava": "tiny.llava",
     "llava_next": "tiny.llava",
+    "qwen3_vl": "tiny.qwen",
+    "qwen3_vl_moe": "tiny.qwen",
 }
 
 

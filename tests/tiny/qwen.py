@@ -19,6 +19,13 @@ into a directory in one of two layouts:
     ``preprocessor_config.json`` with ``min_pixels``/``max_pixels`` and the chat
     template in ``chat_template.json``.
 
+Qwen3-VL's Hub checkpoints (released with transformers 4.57) differ from that older
+layout: they keep ``text_config`` nested (with ``rope_scaling: {"mrope_interleaved": true,
+"mrope_section": [...], "rope_type": "default"}`` and ``rope_theta`` inside it), name
+tensors by the module tree, write the vision config's ``model_type`` as the family's, the
+image processor's limits as ``size: {"shortest_edge", "longest_edge"}``, and (MoE) store
+expert tensors as (experts, in, out) where transformers 5 writes (experts, out, in).
+
 Tiny random models can lie: with transformers' default ``initializer_range`` (0.02) their
 output ignores both image and prompt. So weights use a large range, biases and norm
 weights are perturbed away from their constant init, and the text rope θ is not the
@@ -41,6 +48,7 @@ from tiny.common import (
 )
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+QWEN3_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 LAYOUTS = ("transformers", "hub")
 
 SPECIAL_TOKENS = (
@@ -90,9 +98,19 @@ def build_tokenizer():
     )
 
 
-def build_image_processor():
+# Qwen3-VL: 16-pixel patches, so a 2x2 merge block covers 32 pixels.
+QWEN3_MIN_PIXELS = 64 * 64
+QWEN3_MAX_PIXELS = 128 * 128
+
+
+def build_image_processor(family: str = "qwen2_vl"):
     from transformers import Qwen2VLImageProcessorPil
 
+    if family in QWEN3_FAMILIES:
+        return Qwen2VLImageProcessorPil(
+            patch_size=16, min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS,
+            image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        )
     return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 
 
@@ -156,19 +174,56 @@ def _config(family: str, tokenizer):
                       tokens_per_second=2, initializer_range=INIT_RANGE)
         return Qwen2_5_VLConfig(text_config=_text_config(tokenizer), vision_config=vision,
                                 tie_word_embeddings=False, **token_ids)
+    if family in QWEN3_FAMILIES:
+        return _qwen3_config(family, tokenizer, token_ids)
     raise ValueError(f"unknown family {family!r}")
+
+
+def _qwen3_config(family: str, tokenizer, token_ids: dict):
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
+
+    # 4 heads of 32 (explicit head_dim, not hidden / heads); DeepStack taps after both
+    # vision blocks feed both decoder layers; a 4x4 learned position table is resampled.
+    text = dict(_text_config(tokenizer), num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32)
+    text["rope_parameters"] = dict(text["rope_parameters"], mrope_interleaved=True)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64,
+                  num_heads=2, patch_size=16, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0, 1], initializer_range=INIT_RANGE)
+    if family == "qwen3_vl":
+        # Tied embeddings, like Qwen3-VL-2B/4B.
+        return Qwen3VLConfig(text_config=text, vision_config=vision,
+                             tie_word_embeddings=True, **token_ids)
+    # 4 experts of width 16, 2 per token; layer 1 keeps a dense MLP (mlp_only_layers).
+    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                mlp_only_layers=[1])
+    return Qwen3VLMoeConfig(text_config=text, vision_config=vision,
+                            tie_word_embeddings=False, **token_ids)
+
+
+# Seed offsets per family, picked so that every parity prompt gets 24 greedy tokens with
+# clear top-1/top-2 margins (see TinyCheckpoints).
+_SEED_OFFSET = {"qwen3_vl": 0, "qwen3_vl_moe": 2}
 
 
 def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+    from transformers import (
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
+    )
 
     tokenizer = build_tokenizer()
     config = _config(family, tokenizer)
     model_class = {
         "qwen2_vl": Qwen2VLForConditionalGeneration,
         "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+        "qwen3_vl": Qwen3VLForConditionalGeneration,
+        "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
     }[family]
+    seed += _SEED_OFFSET.get(family, 0)
     torch.manual_seed(seed)
     model = model_class(config).float().eval()
     perturb_constants(model, torch.Generator().manual_seed(seed + 1))
@@ -176,7 +231,7 @@ def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
     model.generation_config.bos_token_id = ids["bos_token_id"]
     model.generation_config.eos_token_id = ids["eos_token_id"]
     model.generation_config.pad_token_id = ids["pad_token_id"]
-    return TinyModel(family, model, tokenizer, build_image_processor())
+    return TinyModel(family, model, tokenizer, build_image_processor(family))
 
 
 # ---------------------------------------------------------------------------------- saving
@@ -192,6 +247,11 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
         tiny.tokenizer.save_pretrained(directory)
         tiny.image_processor.save_pretrained(directory)
         (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    elif layout == "hub" and tiny.family in QWEN3_FAMILIES:
+        weights = {name: _qwen3_hub_tensor(name, value) for name, value in weights.items()}
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps(qwen3_hub_config(config), indent=2))
+        _save_hub_processor_files(tiny, directory)
     elif layout == "hub":
         weights = {_legacy_name(name): value for name, value in weights.items()}
         config = json.loads((directory / "config.json").read_text())
@@ -254,12 +314,46 @@ def hub_config(config: dict) -> dict:
     return hub
 
 
+def _qwen3_hub_tensor(name: str, value: np.ndarray) -> np.ndarray:
+    """The Hub's Qwen3-VL-MoE checkpoints store experts as (experts, in, out)."""
+    if ".mlp.experts." in name:
+        return np.ascontiguousarray(value.transpose(0, 2, 1))
+    return value
+
+
+def qwen3_hub_config(config: dict) -> dict:
+    """transformers 5's Qwen3-VL config.json -> the layout of Qwen/Qwen3-VL-*'s (4.57)."""
+    family = config["model_type"]
+    hub = {k: v for k, v in config.items() if k not in ("dtype", "transformers_version")}
+    text = {k: v for k, v in config["text_config"].items()
+            if k not in ("rope_parameters", "dtype", "num_local_experts")}
+    rope = config["text_config"]["rope_parameters"]
+    text["rope_scaling"] = {"mrope_interleaved": True,
+                            "mrope_section": list(rope["mrope_section"]), "rope_type": "default"}
+    text["rope_theta"] = rope["rope_theta"]
+    text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    if "num_local_experts" in config["text_config"]:
+        text["num_experts"] = config["text_config"]["num_local_experts"]
+        text["norm_topk_prob"] = True
+    hub["text_config"] = text
+    vision = {k: v for k, v in config["vision_config"].items() if k != "rope_parameters"}
+    vision["model_type"] = family
+    hub["vision_config"] = vision
+    hub["torch_dtype"] = "float32"
+    hub["transformers_version"] = "4.57.0.dev0"
+    return hub
+
+
 def _save_hub_processor_files(tiny: TinyModel, directory: Path) -> None:
-    processor_class = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+    processor_class = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                       "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor"}
     image_processor = tiny.image_processor
+    if tiny.family in QWEN3_FAMILIES:
+        limits = {"size": {"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS}}
+    else:
+        limits = {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS}
     preprocessor = {
-        "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
+        **limits,
         "patch_size": image_processor.patch_size,
         "temporal_patch_size": image_processor.temporal_patch_size,
         "merge_size": image_processor.merge_size,

@@ -1,10 +1,17 @@
-"""The Qwen2 text decoder with multimodal rotary position embedding (M-RoPE).
+"""The Qwen2 / Qwen3 text decoder with multimodal rotary position embedding (M-RoPE).
 
 M-RoPE gives every token three position ids (temporal, height, width) and rotates each
 section of the head dimension (``mrope_section``, in rotary frequency pairs) by one of
 them. Text tokens carry the same id on all three axes, so for pure text M-RoPE is plain
 RoPE; vision tokens carry their grid coordinates. No mlx-lm model takes per-token
 position ids, so this decoder is written here.
+
+Qwen3-VL's decoder is the same loop with a few switches in ``TextConfig``: per-head
+RMSNorm on queries and keys, an explicit head size, interleaved M-RoPE sections
+(``mrope_interleaved``: frequencies cycle t, h, w instead of coming in three blocks), an
+optional sparse-MoE MLP (mlx-lm's ``Qwen3MoeSparseMoeBlock``), and DeepStack: vision
+features added to the hidden states of the image tokens after each of the first layers
+(``DeepstackFeatures`` in the request state).
 
 Positions are absolute: the decoder reads its offset from ``cache[0].offset`` and takes the
 position ids of the tokens at ``[offset, offset + n)`` from the request's ``MRopeState``
@@ -23,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from mlxvlm.models.config_utils import text_config
 
@@ -41,10 +49,29 @@ class TextConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = True
+    # Qwen3-VL switches (defaults: Qwen2-VL).
+    explicit_head_dim: int | None = None  # None: hidden_size / num_attention_heads
+    qk_norm: bool = False  # RMSNorm over each head of the queries and keys
+    o_proj_bias: bool = False
+    mrope_interleaved: bool = False
+    # Sparse MoE MLP (Qwen3-VL-MoE); num_experts 0: dense MLP everywhere.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = True
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        return (
+            self.num_experts > 0
+            and index not in self.mlp_only_layers
+            and (index + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_hf(cls, config: dict, default_rope_theta: float = 1_000_000.0) -> "TextConfig":
@@ -80,6 +107,28 @@ class TextConfig:
 
 
 @dataclass
+class DeepstackFeatures:
+    """Vision features added to the image/video tokens' hidden states after the first
+    ``len(layers)`` decoder layers (DeepStack, Qwen3-VL).
+
+    ``positions`` are the prompt indices of the vision tokens (ascending) and
+    ``layers[i]`` holds one row per position. Any prefill chunk takes the rows of the
+    positions it covers, so chunked prefill injects exactly what one pass would.
+    """
+
+    positions: np.ndarray  # (V,) int
+    layers: list[mx.array]  # each (V, hidden_size)
+
+    def window(self, offset: int, n: int) -> tuple[mx.array, list[mx.array]] | None:
+        """Chunk-local indices and per-layer rows for cache offsets [offset, offset + n)."""
+        first, last = np.searchsorted(self.positions, [offset, offset + n])
+        if first == last:
+            return None
+        local = mx.array(self.positions[first:last] - offset)
+        return local, [features[first:last] for features in self.layers]
+
+
+@dataclass
 class MRopeState:
     """Per-request positions: the prompt's M-RoPE ids and how far text after it is shifted.
 
@@ -90,6 +139,7 @@ class MRopeState:
 
     position_ids: mx.array  # (3, prompt_length) int32
     rope_delta: int
+    deepstack: DeepstackFeatures | None = None
 
     def positions(self, offset: int, n: int) -> mx.array:
         """The (3, n) position ids of the tokens at cache offsets ``[offset, offset + n)``."""
@@ -102,6 +152,35 @@ class MRopeState:
             after = mx.arange(start, offset + n, dtype=mx.int32) + self.rope_delta
             parts.append(mx.broadcast_to(after, (3, after.shape[0])))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+    def prefix(self, length: int) -> "MRopeState":
+        """The state of a prompt that shares this one's first ``length`` tokens and goes on
+        with text only (prompt-cache reuse): its text continues after the largest position
+        among those tokens."""
+        if length >= self.position_ids.shape[1]:
+            return MRopeState(self.position_ids, self.rope_delta)
+        ids = self.position_ids[:, :length]
+        return MRopeState(ids, int(ids.max()) + 1 - length if length else 0)
+
+    @staticmethod
+    def batch(states: Sequence["MRopeState | None"]) -> "MRopeBatchState":
+        """The decode-time state of requests batched one per row (None: plain text)."""
+        deltas = [0 if s is None else s.rope_delta for s in states]
+        return MRopeBatchState(mx.array(deltas, dtype=mx.int32))
+
+
+@dataclass
+class MRopeBatchState:
+    """Positions while decoding a batch, one request per row: after its prompt, a row's
+    next token sits at its own cache offset plus its own ``rope_delta``."""
+
+    rope_deltas: mx.array  # (B,) int32
+    deepstack = None  # vision features only enter during a request's own prefill
+
+    def positions(self, offset: mx.array, n: int) -> mx.array:
+        """The (B, 3, n) position ids of each row's tokens at ``[offset[b], offset[b] + n)``."""
+        rows = offset[:, None] + mx.arange(n, dtype=mx.int32) + self.rope_deltas[:, None]
+        return mx.broadcast_to(rows[:, None, :], (rows.shape[0], 3, n))
 
 
 def text_positions(offset: int, n: int) -> mx.array:
@@ -183,25 +262,52 @@ def _vision_position_ids(span: VisionSpan, merge: int, start: int) -> np.ndarray
     return np.stack([grid_t, grid_h, grid_w]).reshape(3, -1) + start
 
 
+def frequency_axes(mrope_section: Sequence[int], interleaved: bool) -> list[int]:
+    """Which position axis (0 temporal, 1 height, 2 width) drives each rotary frequency.
+
+    Blocked (Qwen2-VL): [t]*s0 + [h]*s1 + [w]*s2. Interleaved (Qwen3-VL): frequency i
+    follows height if i % 3 == 1 and i < 3*s1, width if i % 3 == 2 and i < 3*s2, else time.
+    """
+    if not interleaved:
+        return [i % 3 for i, size in enumerate(mrope_section) for _ in range(size)]
+    _, height, width = mrope_section
+    axes = []
+    for i in range(sum(mrope_section)):
+        if i % 3 == 1 and i < 3 * height:
+            axes.append(1)
+        elif i % 3 == 2 and i < 3 * width:
+            axes.append(2)
+        else:
+            axes.append(0)
+    return axes
+
+
 class MultimodalRotaryEmbedding:
     """cos/sin tables for (3, L) position ids, each frequency driven by its section's axis."""
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: Sequence[int]):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        mrope_section: Sequence[int],
+        interleaved: bool = False,
+    ):
         if sum(mrope_section) != head_dim // 2:
             raise ValueError(
                 f"mrope_section {list(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}"
             )
         exponents = mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim
         self.inv_freq = 1.0 / (theta**exponents)
-        # Sections cycle through temporal, height, width: [t]*s0 + [h]*s1 + [w]*s2.
-        self.axis_of_frequency = mx.array(
-            [i % 3 for i, size in enumerate(mrope_section) for _ in range(size)]
-        )
+        self.axis_of_frequency = mx.array(frequency_axes(mrope_section, interleaved))
 
     def __call__(self, position_ids: mx.array) -> tuple[mx.array, mx.array]:
-        positions = position_ids[self.axis_of_frequency].T.astype(mx.float32)  # (L, hd/2)
-        angles = positions * self.inv_freq
+        """(3, L) ids -> (L, head_dim) tables; a batch's (B, 3, L) -> (B, 1, L, head_dim),
+        which broadcast over the attention heads."""
+        positions = mx.take(position_ids, self.axis_of_frequency, axis=-2)  # (..., hd/2, L)
+        angles = mx.swapaxes(positions, -1, -2).astype(mx.float32) * self.inv_freq
         angles = mx.concatenate([angles, angles], axis=-1)
+        if angles.ndim == 3:
+            angles = angles[:, None]
         return mx.cos(angles), mx.sin(angles)
 
 
@@ -225,12 +331,19 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(head_dim, eps=config.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=config.rms_norm_eps)
 
     def __call__(self, x, rotary: tuple[mx.array, mx.array], mask, cache=None) -> mx.array:
         B, L, _ = x.shape
-        queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries = self.q_proj(x).reshape(B, L, self.n_heads, -1)
+        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        if "q_norm" in self:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        queries = queries.transpose(0, 2, 1, 3)
+        keys = keys.transpose(0, 2, 1, 3)
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         cos, sin = rotary
         queries, keys = apply_rotary(queries, cos, sin), apply_rotary(keys, cos, sin)
@@ -254,10 +367,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: TextConfig):
+    def __init__(self, config: TextConfig, index: int = 0):
         super().__init__()
         self.self_attn = Attention(config)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        if config.is_moe_layer(index):
+            self.mlp = Qwen3MoeSparseMoeBlock(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -272,10 +388,10 @@ class Qwen2MRopeModel(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = [DecoderLayer(config) for _ in range(config.num_hidden_layers)]
+        self.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary = MultimodalRotaryEmbedding(
-            config.head_dim, config.rope_theta, config.mrope_section
+            config.head_dim, config.rope_theta, config.mrope_section, config.mrope_interleaved
         )
 
     def __call__(
@@ -294,8 +410,14 @@ class Qwen2MRopeModel(nn.Module):
         cos, sin = self.rotary(positions)
         rotary = (cos.astype(h.dtype), sin.astype(h.dtype))
         mask = create_attention_mask(h, cache[0])
-        for layer, layer_cache in zip(self.layers, cache):
+        deepstack = None
+        if state is not None and state.deepstack is not None:
+            deepstack = state.deepstack.window(offset, n)
+        for index, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             h = layer(h, rotary, mask, layer_cache)
+            if deepstack is not None and index < len(deepstack[1]):
+                local, features = deepstack
+                h = h.at[:, local].add(features[index][None].astype(h.dtype))
         return self.norm(h)
 
 

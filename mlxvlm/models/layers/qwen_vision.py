@@ -1,4 +1,4 @@
-"""The Qwen vision transformer shared by Qwen2-VL and Qwen2.5-VL.
+"""The Qwen vision transformer shared by Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
 
 Images (and video frames) arrive from the processor already cut into flattened patches of
 ``channels x temporal_patch_size x patch x patch`` values, ordered so that each
@@ -7,17 +7,25 @@ The tower embeds each patch, runs transformer blocks with a 2-D rotary embedding
 column of the patch), and the merger folds every merge block into one token of the text
 model's width.
 
-The two families differ only in parts selected by ``VisionConfig``:
+The families differ only in parts selected by ``VisionConfig``:
 
-=====================  ===========================  ===================================
-                       Qwen2-VL                     Qwen2.5-VL
-=====================  ===========================  ===================================
-norms (blocks, merger) LayerNorm                    RMSNorm
-block MLP              fc1 -> act -> fc2            SwiGLU: gate/up/down (with biases)
-attention              full attention per frame     windows of ``window_size`` pixels,
-                                                    full attention in
-                                                    ``fullatt_block_indexes``
-=====================  ===========================  ===================================
+=====================  ==================  ==========================  ====================
+                       Qwen2-VL            Qwen2.5-VL                  Qwen3-VL
+=====================  ==================  ==========================  ====================
+norms (blocks, merger) LayerNorm           RMSNorm                     LayerNorm
+block MLP              fc1 -> act -> fc2   SwiGLU: gate/up/down        linear_fc1 -> act ->
+                                           (with biases)               linear_fc2
+attention              full per frame      windows of ``window_size``  full per frame
+                                           pixels, full in
+                                           ``fullatt_block_indexes``
+patch embedding        no bias             no bias                     bias, plus a learned
+                                                                       position table
+                                                                       resampled to the grid
+merger names           ln_q, mlp.0, mlp.2  ln_q, mlp.0, mlp.2          norm, linear_fc1,
+                                                                       linear_fc2
+DeepStack              -                   -                           extra mergers after
+                                                                       some blocks
+=====================  ==================  ==========================  ====================
 """
 
 from __future__ import annotations
@@ -60,6 +68,13 @@ class VisionConfig:
     window_size: int | None = None  # pixels per window side; None: full attention only
     fullatt_block_indexes: tuple[int, ...] = ()
     rope_theta: float = 10000.0
+    patch_bias: bool = False
+    merger: str = "mlp"  # "mlp" (ln_q, mlp.0/mlp.2) | "linear_fc" (norm, linear_fc1/2)
+    # Learned absolute positions on a square grid of this many cells, bilinearly resampled
+    # to every image's patch grid (Qwen3-VL); None: rotary positions only.
+    num_position_embeddings: int | None = None
+    # Blocks after which an extra merger taps the hidden states (Qwen3-VL's DeepStack).
+    deepstack_visual_indexes: tuple[int, ...] = ()
 
     @property
     def head_dim(self) -> int:
@@ -91,7 +106,11 @@ class PatchEmbed(nn.Module):
         self.in_channels = config.in_channels
         # Weight in MLX's channels-last layout: (out, t, h, w, in).
         self.proj = nn.Conv3d(
-            config.in_channels, config.hidden_size, self.kernel, stride=self.kernel, bias=False
+            config.in_channels,
+            config.hidden_size,
+            self.kernel,
+            stride=self.kernel,
+            bias=config.patch_bias,
         )
 
     def __call__(self, pixel_values: mx.array) -> mx.array:
@@ -100,7 +119,10 @@ class PatchEmbed(nn.Module):
         patches = pixel_values.reshape(-1, self.in_channels, *self.kernel)
         patches = patches.transpose(0, 2, 3, 4, 1).reshape(patches.shape[0], -1)
         weight = self.proj.weight.reshape(self.proj.weight.shape[0], -1)
-        return patches.astype(weight.dtype) @ weight.T
+        out = patches.astype(weight.dtype) @ weight.T
+        if "bias" in self.proj:
+            out = out + self.proj.bias
+        return out
 
 
 class VisionRotaryEmbedding:
@@ -187,7 +209,20 @@ class VisionGatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-MLPS = {"fc": VisionMLP, "gated": VisionGatedMLP}
+class VisionLinearFcMLP(nn.Module):
+    """Qwen3-VL: linear_fc1 -> activation -> linear_fc2 (Qwen2-VL's MLP, renamed)."""
+
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = activation(config.hidden_act)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+MLPS = {"fc": VisionMLP, "gated": VisionGatedMLP, "linear_fc": VisionLinearFcMLP}
 
 
 class VisionBlock(nn.Module):
@@ -224,6 +259,36 @@ class PatchMerger(nn.Module):
         return x
 
 
+class LinearFcPatchMerger(nn.Module):
+    """Qwen3-VL's merger: the same maths under other names, and (``postshuffle_norm``,
+    DeepStack's mergers) the norm taken over each merged block instead of each patch."""
+
+    def __init__(self, config: VisionConfig, postshuffle_norm: bool = False):
+        super().__init__()
+        self.merged_dim = config.hidden_size * config.spatial_merge_size**2
+        self.postshuffle_norm = postshuffle_norm
+        self.norm = nn.LayerNorm(
+            self.merged_dim if postshuffle_norm else config.hidden_size, eps=1e-6
+        )
+        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim)
+        self.linear_fc2 = nn.Linear(self.merged_dim, config.out_hidden_size)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.postshuffle_norm:
+            x = self.norm(x.reshape(-1, self.merged_dim))
+        else:
+            x = self.norm(x).reshape(-1, self.merged_dim)
+        return self.linear_fc2(nn.gelu(self.linear_fc1(x)))
+
+
+def make_merger(config: VisionConfig, postshuffle_norm: bool = False) -> nn.Module:
+    if config.merger == "linear_fc":
+        return LinearFcPatchMerger(config, postshuffle_norm)
+    if config.merger == "mlp" and not postshuffle_norm:
+        return PatchMerger(config)
+    raise ValueError(f"unknown vision merger {config.merger!r}")
+
+
 def patch_rows_cols(grid_thw: np.ndarray, merge: int) -> np.ndarray:
     """(N, 2) row and column of every patch, in the processor's merge-block order."""
     rows_cols = []
@@ -235,6 +300,31 @@ def patch_rows_cols(grid_thw: np.ndarray, merge: int) -> np.ndarray:
         frame = np.stack([rows.reshape(-1), cols.reshape(-1)], axis=-1)
         rows_cols.append(np.tile(frame, (t, 1)))
     return np.concatenate(rows_cols, axis=0)
+
+
+def bilinear_position_taps(
+    grid_thw: np.ndarray, merge: int, side: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per patch (processor order): the 4 cells of a ``side`` x ``side`` learned position
+    table and their weights that resample it bilinearly (corners aligned) to the image's
+    patch grid. Returns (N, 4) int indices and (N, 4) float32 weights."""
+    rows_cols = patch_rows_cols(grid_thw, merge).astype(np.float32)
+    sizes = np.concatenate(
+        [np.tile([[h, w]], (t * h * w, 1)) for t, h, w in grid_thw.tolist()]
+    ).astype(np.float32)
+    # Each axis: source coordinate, its floor/ceil cells and linear weights.
+    src = rows_cols * np.float32(side - 1) / np.maximum(sizes - 1, 1)
+    lower = np.floor(src)
+    frac = (src - lower).astype(np.float32)
+    lower = lower.astype(np.int64)
+    upper = np.minimum(lower + 1, side - 1)
+    (r0, c0), (r1, c1) = lower.T, upper.T
+    (fr, fc) = frac.T
+    indices = np.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], -1)
+    weights = np.stack(
+        [(1 - fr) * (1 - fc), (1 - fr) * fc, fr * (1 - fc), fr * fc], -1
+    ).astype(np.float32)
+    return indices, weights
 
 
 def frame_segments(grid_thw: np.ndarray) -> list[int]:
@@ -269,16 +359,35 @@ class QwenVisionTransformer(nn.Module):
         super().__init__()
         self.config = config
         self.patch_embed = PatchEmbed(config)
+        if config.num_position_embeddings is not None:
+            self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = [VisionBlock(config) for _ in range(config.depth)]
-        self.merger = PatchMerger(config)
+        self.merger = make_merger(config)
+        if config.deepstack_visual_indexes:
+            self.deepstack_merger_list = [
+                make_merger(config, postshuffle_norm=True)
+                for _ in config.deepstack_visual_indexes
+            ]
         self.rotary = VisionRotaryEmbedding(config.head_dim, config.rope_theta)
 
     def __call__(self, pixel_values: mx.array, grid_thw: np.ndarray) -> mx.array:
+        return self.encode(pixel_values, grid_thw)[0]
+
+    def encode(
+        self, pixel_values: mx.array, grid_thw: np.ndarray
+    ) -> tuple[mx.array, list[mx.array]]:
+        """The merged tokens (N / merge^2, D_text) and, per DeepStack tap, the same-shaped
+        tokens merged from that block's output (empty without DeepStack)."""
         config = self.config
         grid_thw = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
         merge = config.spatial_merge_size
         unit = merge * merge
         x = self.patch_embed(pixel_values)
+        if config.num_position_embeddings is not None:
+            side = int(config.num_position_embeddings**0.5)
+            indices, weights = bilinear_position_taps(grid_thw, merge, side)
+            table = self.pos_embed(mx.array(indices))  # (N, 4, D)
+            x = x + (table * mx.array(weights)[:, :, None]).sum(axis=1).astype(x.dtype)
         rows_cols = patch_rows_cols(grid_thw, merge)
         full = frame_segments(grid_thw)
 
@@ -293,11 +402,16 @@ class QwenVisionTransformer(nn.Module):
         cos, sin = self.rotary(mx.array(rows_cols))
         rotary = (cos[None], sin[None])  # broadcast over heads
 
+        deepstack = []
         for index, block in enumerate(self.blocks):
             use_full = not windowed or index in config.fullatt_block_indexes
             x = block(x, rotary, full if use_full else windows)
+            if index in config.deepstack_visual_indexes:
+                tap = config.deepstack_visual_indexes.index(index)
+                deepstack.append(self.deepstack_merger_list[tap](x))
 
-        merged = self.merger(x)
+        merged = [self.merger(x), *deepstack]
         if windowed:
-            merged = merged[mx.array(np.argsort(order))]
-        return merged
+            restore = mx.array(np.argsort(order))
+            merged = [m[restore] for m in merged]
+        return merged[0], merged[1:]

@@ -1,0 +1,190 @@
+"""Qwen3-VL (Qwen team, 2025): Qwen2-VL's design with three changes.
+
+- The ViT adds a learned absolute position table, bilinearly resampled to each image's
+  patch grid, and taps its hidden states after a few blocks (``deepstack_visual_indexes``)
+  through extra mergers: DeepStack adds those features to the image tokens' hidden
+  states after the first decoder layers.
+- The decoder is Qwen3's (per-head q/k RMSNorm, explicit head size) with *interleaved*
+  M-RoPE: rotary frequencies cycle through time, height and width.
+- Videos are prompted frame by frame, each frame's tokens preceded by a text timestamp
+  ("<1.5 seconds>"), so M-RoPE sees every frame as its own 1 x h x w grid and time is
+  carried by the timestamp text rather than by the temporal axis.
+
+Checkpoint names (mlx-community's): ``vision_tower.*`` (``patch_embed``, ``pos_embed``,
+``blocks``, ``merger``, ``deepstack_merger_list``), ``language_model.model.*`` and
+``language_model.lm_head`` unless tied — the Qwen2-VL names, so its ``sanitize`` applies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxvlm.models import qwen2_vl
+from mlxvlm.models.config_utils import rope_parameters, text_config, token_id, vision_config
+from mlxvlm.models.layers.mrope_decoder import (
+    DeepstackFeatures,
+    MRopeState,
+    TextConfig,
+    VisionSpan,
+    mrope_position_ids,
+)
+from mlxvlm.models.layers.qwen_vision import VisionConfig
+from mlxvlm.models.qwen2_vl import ModelArgs, is_hf_checkpoint  # noqa: F401 (the contract)
+
+# transformers' Qwen3VLTextConfig.default_theta
+DEFAULT_ROPE_THETA = 500_000.0
+
+
+def text_config_from_hf(config: dict) -> TextConfig:
+    """The decoder's switches from either config layout (defaults: transformers')."""
+    text = text_config(config, DEFAULT_ROPE_THETA)
+    rope = text["rope_parameters"]
+    if rope.get("rope_type") != "default":
+        raise NotImplementedError(
+            f"rope type {rope.get('rope_type')!r} is not supported with Qwen3-VL's M-RoPE "
+            "(only the default rope per section, as in every released Qwen3-VL model)"
+        )
+    heads = text["num_attention_heads"]
+    # transformers 5 writes the expert count as num_local_experts
+    moe = text.get("num_experts") or text.get("num_local_experts") or 0
+    return TextConfig(
+        hidden_size=text["hidden_size"],
+        num_hidden_layers=text["num_hidden_layers"],
+        intermediate_size=text["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=text.get("num_key_value_heads") or heads,
+        vocab_size=text["vocab_size"],
+        rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+        rope_theta=rope["rope_theta"],
+        mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))),
+        max_position_embeddings=text.get("max_position_embeddings", 128_000),
+        tie_word_embeddings=text["tie_word_embeddings"],
+        attention_bias=text.get("attention_bias", False),
+        explicit_head_dim=text.get("head_dim") or None,
+        qk_norm=True,
+        o_proj_bias=text.get("attention_bias", False),
+        # transformers interleaves whatever the config's "mrope_interleaved" says.
+        mrope_interleaved=True,
+        num_experts=moe,
+        num_experts_per_tok=text.get("num_experts_per_tok", 0) if moe else 0,
+        moe_intermediate_size=text.get("moe_intermediate_size", 0) if moe else 0,
+        decoder_sparse_step=text.get("decoder_sparse_step", 1) or 1,
+        mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
+        # Qwen3-VL-MoE's router always renormalizes its top-k weights.
+        norm_topk_prob=True,
+    )
+
+
+def vision_config_from_hf(config: dict) -> VisionConfig:
+    vision = vision_config(config)
+    return VisionConfig(
+        depth=vision["depth"],
+        hidden_size=vision["hidden_size"],
+        num_heads=vision["num_heads"],
+        intermediate_size=vision["intermediate_size"],
+        out_hidden_size=vision["out_hidden_size"],
+        patch_size=vision.get("patch_size", 16),
+        temporal_patch_size=vision.get("temporal_patch_size", 2),
+        in_channels=vision.get("in_channels", 3),
+        spatial_merge_size=vision.get("spatial_merge_size", 2),
+        hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
+        norm="layernorm",
+        mlp="linear_fc",
+        rope_theta=rope_parameters(vision, 10000.0)["rope_theta"],
+        patch_bias=True,
+        merger="linear_fc",
+        num_position_embeddings=vision.get("num_position_embeddings", 2304),
+        deepstack_visual_indexes=tuple(vision.get("deepstack_visual_indexes", (8, 16, 24))),
+    )
+
+
+def frame_grids(video_grids: np.ndarray) -> np.ndarray:
+    """Each video's (t, h, w) as t grids of (1, h, w): frames are prompted one by one."""
+    return np.repeat(video_grids, video_grids[:, 0], axis=0) * np.array([0, 1, 1]) + [1, 0, 0]
+
+
+class Model(qwen2_vl.Model):
+    feature_names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Model":
+        return cls(
+            ModelArgs(
+                text=text_config_from_hf(config),
+                vision=vision_config_from_hf(config),
+                image_token_id=token_id(config, "image_token", 151655),
+                video_token_id=token_id(config, "video_token", 151656),
+            )
+        )
+
+    def embed(
+        self,
+        input_ids: mx.array,
+        pixel_values: Any = None,
+        image_grid_thw: Any = None,
+        pixel_values_videos: Any = None,
+        video_grid_thw: Any = None,
+    ) -> tuple[mx.array, MRopeState]:
+        ids = np.asarray(input_ids).reshape(-1)
+        h = self.language_model.model.embed_tokens(input_ids)
+        image_grids = qwen2_vl._grids(image_grid_thw)
+        video_grids = qwen2_vl._grids(video_grid_thw)
+        taps = []  # (prompt positions, per-layer DeepStack rows) per modality
+        for token, pixels, grids in (
+            (self.args.image_token_id, pixel_values, image_grids),
+            (self.args.video_token_id, pixel_values_videos, video_grids),
+        ):
+            h, tap = self._merge_with_deepstack(h, ids, token, pixels, grids)
+            if tap is not None:
+                taps.append(tap)
+
+        spans = {
+            self.args.image_token_id: [VisionSpan(tuple(g)) for g in image_grids],
+            self.args.video_token_id: [VisionSpan(tuple(g)) for g in frame_grids(video_grids)],
+        }
+        position_ids, delta = mrope_position_ids(ids, spans, self.args.vision.spatial_merge_size)
+        return h, MRopeState(mx.array(position_ids), delta, _join_deepstack(taps))
+
+    def _merge_with_deepstack(self, h, ids, token, pixels, grids):
+        """Put the tower's tokens at the placeholders; return the DeepStack rows with them."""
+        positions = np.flatnonzero(ids == token)
+        if pixels is None:
+            if positions.size:
+                raise ValueError(
+                    f"the prompt has {positions.size} placeholder tokens (id {token}) but no "
+                    "pixel values were given for them"
+                )
+            return h, None
+        pixels = mx.array(pixels) if not isinstance(pixels, mx.array) else pixels
+        features, deepstack = self.vision_tower.encode(pixels, grids)
+        if features.shape[0] != positions.size:
+            raise ValueError(
+                f"the vision tower produced {features.shape[0]} tokens but the prompt has "
+                f"{positions.size} placeholder tokens (id {token}) for them"
+            )
+        merged = h[0]
+        merged[mx.array(positions)] = features.astype(h.dtype)
+        return merged[None], (positions, deepstack)
+
+
+def _join_deepstack(taps) -> DeepstackFeatures | None:
+    """Images' and videos' DeepStack rows in prompt order (as transformers joins them)."""
+    if not taps or not taps[0][1]:
+        return None
+    positions = np.concatenate([p for p, _ in taps])
+    order = np.argsort(positions, kind="stable")
+    layers = [mx.concatenate([rows[i] for _, rows in taps])[mx.array(order)]
+              for i in range(len(taps[0][1]))]
+    mx.eval(layers)  # the loop evaluates embeddings and arrays, not this dataclass
+    return DeepstackFeatures(positions[order], layers)
+
+
+def load_processor(model_path: str | Path, config: dict):
+    """Tokenizer + Qwen2-VL's PIL image processor + chat template (video not wired yet)."""
+    from transformers import Qwen3VLProcessor
+
+    return qwen2_vl.load_processor(model_path, config, processor_class=Qwen3VLProcessor)
