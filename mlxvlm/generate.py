@@ -102,17 +102,16 @@ def prefill_chunks(
     prefill_step_size: int,
     quantize: Callable[[list[Any]], None] | None = None,
 ) -> Generator[int, None, None]:
-    """Run the prompt, from the cache's current offset up to (not including) its last
-    token, through the model in chunks of ``prefill_step_size``; yield the number of
-    prompt tokens in the cache after each chunk.
+    """Run all but the last of ``input_ids`` (and their ``embeddings``) through the model
+    into ``cache``, in chunks of ``prefill_step_size``; yield how many are done after each.
 
-    The last token is left for the caller's first sampling step. ``embeddings`` cover the
-    whole prompt, so a cache that already holds a prefix (prompt-cache reuse) continues
-    where it stops. Shared by ``generate_tokens`` and the batching engine, so that a
-    request's prefill is the same computation in both.
+    The last token is left for the caller's first sampling step. The tokens are the part
+    of the prompt not yet in ``cache``: all of it, or what follows a reused prefix.
+    Shared by ``generate_tokens`` and the batching engine, so that a request's prefill is
+    the same computation in both.
     """
     total = input_ids.shape[1]
-    done = cache[0].offset if cache else 0
+    done = 0
     with mx.stream(generation_stream):
         while total - done > 1:
             n = min(prefill_step_size, total - done - 1)

@@ -8,7 +8,7 @@ knows nothing about any one family.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,6 +35,19 @@ class VisionLanguageModel(nn.Module):
         absolute position from the cache offset.
     ``layers``
         The language-model decoder blocks (LoRA and sharding walk these).
+
+    For the batching engine (``mlxvlm.batching``), which decodes many requests together in
+    one batched cache (mlx-lm's ``BatchKVCache``: per-row offsets, left padding):
+
+    ``batch_states(states)``
+        One decode-time state for requests batched one per row, from their ``embed``
+        states. ``__call__`` then gets a batched cache and this state.
+    ``prefix_state(state, length)``
+        The state for a new prompt that shares the first ``length`` tokens of the one
+        ``state`` was made for and goes on with text only (prompt-cache reuse).
+
+    Both have defaults: no state stays None, and a state object may provide
+    ``batch(states)`` (static) and ``prefix(length)`` itself, as ``MRopeState`` does.
     """
 
     # Names of processor outputs (besides input_ids) that ``embed`` consumes.
@@ -66,3 +79,26 @@ class VisionLanguageModel(nn.Module):
 
     def make_cache(self) -> list[Any]:
         return [KVCache() for _ in self.layers]
+
+    def batch_states(self, states: Sequence[Any]) -> Any:
+        present = [s for s in states if s is not None]
+        if not present:
+            return None
+        batch = getattr(type(present[0]), "batch", None)
+        if batch is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot decode requests in a batch: its "
+                f"{type(present[0]).__name__} state has no batch(states)"
+            )
+        return batch(states)
+
+    def prefix_state(self, state: Any, length: int) -> Any:
+        """Raises NotImplementedError when the family cannot say (reuse is then off)."""
+        if state is None:
+            return None
+        prefix = getattr(state, "prefix", None)
+        if prefix is None:
+            raise NotImplementedError(
+                f"{type(state).__name__} has no prefix(length) for prompt-cache reuse"
+            )
+        return prefix(length)

@@ -1,0 +1,156 @@
+"""Prompt-cache reuse across requests: a follow-up turn in a conversation continues from
+the KV cache its earlier turns left, instead of prefilling (and re-encoding the images
+of) the shared prefix again.
+
+Two prompts share a prefix only if their tokens *and the images behind their
+placeholder tokens* are equal: the placeholder tokens of two different images of the
+same size are identical, so every placeholder token is keyed by a hash of the image
+content (see ``prompt_key``).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from PIL import Image
+
+
+def image_hash(image: Image.Image) -> str:
+    """A hash of an image's decoded pixels (so a PNG and a lossless WebP of the same
+    picture, or one image sent twice, hash the same)."""
+    digest = hashlib.sha256()
+    digest.update(f"{image.mode}:{image.width}x{image.height}:".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def _placeholder_runs(ids: np.ndarray, placeholders: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of each maximal run of one placeholder token id."""
+    is_placeholder = np.isin(ids, placeholders)
+    runs = []
+    i, n = 0, ids.shape[0]
+    while i < n:
+        if not is_placeholder[i]:
+            i += 1
+            continue
+        j = i + 1
+        while j < n and ids[j] == ids[i]:
+            j += 1
+        runs.append((i, j))
+        i = j
+    return runs
+
+
+def prompt_key(
+    input_ids: Sequence[int] | np.ndarray,
+    placeholder_ids: Iterable[int],
+    image_hashes: Sequence[str],
+) -> np.ndarray:
+    """The prompt's tokens with each placeholder token replaced by a (negative) key of the
+    images it may depend on.
+
+    When the prompt has one placeholder run per image (Qwen-VL, Gemma 3 ...), run ``j``
+    belongs to image ``j`` and is keyed by the images up to it, so a later turn that adds
+    an image still shares everything before it. Otherwise (images whose placeholders
+    merge into one run, or tiled images with several runs) every run is keyed by all the
+    images, which is always safe.
+    """
+    ids = np.asarray(input_ids, dtype=np.int64).reshape(-1).copy()
+    placeholders = np.fromiter(placeholder_ids, dtype=np.int64)
+    runs = _placeholder_runs(ids, placeholders) if placeholders.size else []
+    if not runs:
+        return ids
+    per_image = len(runs) == len(image_hashes)
+    for j, (start, end) in enumerate(runs):
+        images = image_hashes[: j + 1] if per_image else image_hashes
+        digest = hashlib.sha256("|".join([str(ids[start]), *images]).encode()).digest()
+        # Negative, so that it never equals a token id.
+        ids[start:end] = -1 - (int.from_bytes(digest[:8], "little") >> 2)
+    return ids
+
+
+def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.shape[0], b.shape[0])
+    differs = np.flatnonzero(a[:n] != b[:n])
+    return int(differs[0]) if differs.size else n
+
+
+@dataclass
+class _Entry:
+    key: np.ndarray  # the keys of the tokens whose keys/values ``cache`` holds
+    cache: list[Any]  # per layer, B=1
+    state: Any  # the decode-time state made for those tokens (from ``embed``)
+    nbytes: int
+
+
+@dataclass
+class PrefixHit:
+    """A reusable prefix: a private copy of the cache holding the first ``length`` tokens of
+    the new prompt, and the state the entry was made with."""
+
+    cache: list[Any]
+    state: Any
+    length: int
+
+
+class PrefixCache:
+    """The KV caches of recent finished requests, least recently used out first.
+
+    Thread-safe; the caches it returns are copies, trimmed to the shared prefix, that the
+    caller may extend.
+    """
+
+    def __init__(self, max_entries: int = 8, max_bytes: int = 2 << 30):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._next_id = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def insert(self, key: np.ndarray, cache: list[Any], state: Any) -> None:
+        if self.max_entries <= 0 or not can_trim_prompt_cache(cache):
+            return
+        entry = _Entry(np.asarray(key), cache, state, sum(c.nbytes for c in cache))
+        with self._lock:
+            # An entry that the new one extends is no longer needed.
+            for entry_id, old in list(self._entries.items()):
+                if common_prefix_length(old.key, entry.key) == old.key.shape[0]:
+                    del self._entries[entry_id]
+            self._entries[self._next_id] = entry
+            self._next_id += 1
+            while self._entries and (
+                len(self._entries) > self.max_entries or self.nbytes > self.max_bytes
+            ):
+                self._entries.popitem(last=False)
+
+    def lookup(self, key: np.ndarray) -> PrefixHit | None:
+        """The entry sharing the longest prefix with ``key``, cut to leave at least the
+        last token of ``key`` to be computed (it gives the first new token's logits)."""
+        with self._lock:
+            best_id, best_length = None, 0
+            for entry_id, entry in self._entries.items():
+                length = min(common_prefix_length(entry.key, key), key.shape[0] - 1)
+                if length > best_length:
+                    best_id, best_length = entry_id, length
+            if best_id is None:
+                return None
+            self._entries.move_to_end(best_id)
+            entry = self._entries[best_id]
+        # Entries are never changed once inserted, so the copy needs no lock.
+        cache = copy.deepcopy(entry.cache)
+        trim_prompt_cache(cache, entry.key.shape[0] - best_length)
+        return PrefixHit(cache, entry.state, best_length)
