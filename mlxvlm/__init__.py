@@ -25,12 +25,14 @@ from mlxvlm.generate import (  # noqa: E402
     stream_generate,
 )
 from mlxvlm.loading import load  # noqa: E402
+from mlxvlm.batching import batch_generate  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
     "load",
     "generate",
     "stream_generate",
+    "batch_generate",
     "GenerationResult",
     "GenerationOutput",
     "__version__",
