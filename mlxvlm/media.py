@@ -41,6 +41,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.public_net import BlockedAddressError, public_only_handlers
 
 __all__ = ["MediaError", "ImageSource", "load_image", "load_images", "describe_source"]
 
@@ -246,16 +247,19 @@ def _user_agent() -> str:
 
 
 def _fetch_url(url: str, *, timeout: float | None, max_bytes: int, kind: str,
-               name: str) -> tuple[bytes, str]:
+               name: str, public_only: bool = False) -> tuple[bytes, str]:
     """GET ``url``; returns ``(body, content_type)``.
 
     ``timeout`` bounds each socket operation *and* the whole download, so a server that
     trickles bytes cannot hold the caller for longer than about ``2 * timeout``. At most
     ``max_bytes + 1`` bytes are read, so an oversized body is refused without reading it.
+    With ``public_only`` every connection, redirects included, must go to a public
+    internet address (see ``mlxvlm.public_net``).
     """
     fix_net = "check the URL and your network, or download the file and pass its path"
     request = urllib.request.Request(url, headers={"User-Agent": _user_agent(), "Accept": "*/*"})
-    opener = urllib.request.build_opener(_HttpOnlyRedirects)
+    handlers = public_only_handlers() if public_only else []
+    opener = urllib.request.build_opener(_HttpOnlyRedirects, *handlers)
     deadline = None if timeout is None else _clock() + timeout
 
     def timed_out() -> MediaError:
@@ -274,6 +278,9 @@ def _fetch_url(url: str, *, timeout: float | None, max_bytes: int, kind: str,
     except urllib.error.URLError as e:
         if isinstance(e.reason, (TimeoutError, socket.timeout)):
             raise timed_out() from e
+        if isinstance(e.reason, BlockedAddressError):
+            raise _error(kind, name, f"refused to connect: {e.reason}",
+                         "send the file as a data URL") from e
         raise _error(kind, name, f"could not connect ({e.reason})", fix_net) from e
     except (TimeoutError, socket.timeout) as e:
         raise timed_out() from e
@@ -347,7 +354,7 @@ def _decode_data_url(url: str, *, max_bytes: int, kind: str, name: str) -> bytes
 def _read_source_bytes(source: str | os.PathLike | bytes | bytearray | memoryview, *,
                        kind: str, allow_remote: bool, allow_local: bool,
                        allowed_dir: str | os.PathLike | None, timeout: float | None,
-                       max_bytes: int) -> tuple[bytes, str]:
+                       max_bytes: int, public_only: bool = False) -> tuple[bytes, str]:
     """The encoded bytes of a path, http(s) URL, data URL or bytes source.
 
     Returns ``(data, hint)``, where ``hint`` is extra context for a decoding error (e.g.
@@ -376,7 +383,7 @@ def _read_source_bytes(source: str | os.PathLike | bytes | bytearray | memoryvie
                              "enable it with allow_remote=True (on the server: its "
                              "allow-remote option), or send the file as a data URL")
             data, content_type = _fetch_url(text, timeout=timeout, max_bytes=max_bytes,
-                                            kind=kind, name=name)
+                                            kind=kind, name=name, public_only=public_only)
             hint = f"the server sent Content-Type {content_type!r}" if content_type else ""
             return data, hint
     if not allow_local:
@@ -488,6 +495,7 @@ def load_image(
     timeout: float | None = DEFAULT_TIMEOUT,
     max_bytes: int = DEFAULT_MAX_BYTES,
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    public_only: bool = False,
 ) -> Image.Image:
     """Load an image as an RGB ``PIL.Image.Image``, upright and without transparency.
 
@@ -506,6 +514,9 @@ def load_image(
     - ``max_pixels``: the largest ``width * height`` accepted, checked from the image
       header before any pixels are decoded. Pillow's own limit
       (``PIL.Image.MAX_IMAGE_PIXELS``) applies as well.
+    - ``public_only``: URLs may only lead (redirects included) to public internet
+      addresses, checked after DNS resolution and before connecting; private, loopback
+      and link-local targets are refused (the server sets it).
 
     The EXIF orientation is applied, pixels with alpha are composited over white, and an
     animated image gives its first frame. The caller's image or array is never modified
@@ -527,6 +538,7 @@ def load_image(
         data, hint = _read_source_bytes(
             source, kind="image", allow_remote=allow_remote, allow_local=allow_local,
             allowed_dir=allowed_dir, timeout=timeout, max_bytes=max_bytes,
+            public_only=public_only,
         )
         image = _decode_image(data, max_pixels=max_pixels, name=name, hint=hint)
     else:
