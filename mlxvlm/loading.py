@@ -164,6 +164,7 @@ def load(
     adapter_path: str | Path | None = None,
     trust_remote_code: bool = False,
     dtype: mx.Dtype | None = None,
+    cpu_fast_paths: bool = True,
 ):
     """Load a model and its processor from a local directory or a Hugging Face repo.
 
@@ -174,6 +175,10 @@ def load(
 
     ``dtype``: compute dtype for floating weights; by default float32 on the CPU backend
     (faster there than float16/bfloat16) and the checkpoint's own dtype elsewhere.
+
+    ``cpu_fast_paths``: on the CPU backend, run quantized layers through BLAS (see
+    ``mlxvlm.cpu_fast_paths``; ``model.cpu_fast_paths`` reports what was done). Pass False
+    to keep MLX's quantized kernels, e.g. for QLoRA training on the quantized weights.
     """
     from mlxvlm.tokenization import attach_generation_tokenizer
 
@@ -181,6 +186,10 @@ def load(
     config = read_config(model_path)
     family = get_family(config.get("model_type"))
     model = load_model(model_path, config, dtype=dtype)
+    if cpu_fast_paths:
+        from mlxvlm.cpu_fast_paths import apply_cpu_fast_paths
+
+        model.cpu_fast_paths = apply_cpu_fast_paths(model)
     processor = family.load_processor(model_path, config)
     attach_generation_tokenizer(
         processor, model_path, collect_eos_token_ids(model_path, config, processor.tokenizer)

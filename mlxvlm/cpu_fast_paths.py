@@ -1,0 +1,158 @@
+"""Fast paths for quantized layers on MLX's CPU backend.
+
+Measured on a 2-core x86-64 machine (mlx 0.32.4, OpenBLAS loaded, see ``_backend``):
+``mx.quantized_matmul`` for a 4-bit 1x1536x8960 product takes 0.16 s, a float32 gemv of
+the same shape 0.011 s, and for 256 rows 41 s against 0.23 s. The quantized kernel costs
+about as much per row as dequantizing the whole matrix, so on the CPU:
+
+- if the model's quantized layers fit in memory as float32 (within a budget: half of the
+  machine's RAM by default, ``MLXVLM_CPU_DEQUANTIZE_MAX_GB`` to change it), they are
+  dequantized once at load and run as plain float32 layers through BLAS — the fastest
+  decode and prefill there is;
+- otherwise they stay quantized, and a product over more than one row (prefill, batched
+  decode) dequantizes the layer's weight for that call and uses BLAS, while a single row
+  (decode) uses the quantized kernel. Memory stays at the quantized size plus one layer.
+
+Metal (and CUDA) keep MLX's own quantized kernels: nothing here runs off the CPU backend.
+``MLXVLM_NO_CPU_FAST_PATHS=1`` (or ``load(..., cpu_fast_paths=False)``) turns this off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+DISABLE_ENV = "MLXVLM_NO_CPU_FAST_PATHS"
+BUDGET_ENV = "MLXVLM_CPU_DEQUANTIZE_MAX_GB"
+
+
+@dataclass
+class FastPathReport:
+    """What ``apply_cpu_fast_paths`` did, for ``--verbose``."""
+
+    dequantized: int = 0  # layers turned into float32 layers
+    dequantized_bytes: int = 0
+    streamed: int = 0  # layers kept quantized, dequantized per multi-row call
+    reason: str = ""
+
+    def describe(self) -> str:
+        if self.reason:
+            return self.reason
+        if self.dequantized:
+            gb = self.dequantized_bytes / 1e9
+            return f"{self.dequantized} quantized layers dequantized to float32 ({gb:.2f} GB)"
+        if self.streamed:
+            return (
+                f"{self.streamed} quantized layers kept quantized (float32 would exceed the "
+                f"budget); multi-row products dequantize per layer"
+            )
+        return "no quantized layers"
+
+
+def fast_paths_enabled() -> bool:
+    return mx.default_device() == mx.cpu and os.environ.get(DISABLE_ENV, "") in ("", "0")
+
+
+def dequantize_budget_bytes() -> int:
+    if os.environ.get(BUDGET_ENV):
+        return int(float(os.environ[BUDGET_ENV]) * 1e9)
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+    return total // 2
+
+
+def _dequantized_weight(layer: nn.Module) -> mx.array:
+    return mx.dequantize(
+        layer.weight,
+        layer.scales,
+        layer.get("biases"),
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=layer.mode,
+    ).astype(mx.float32)
+
+
+class CPUQuantizedLinear(nn.QuantizedLinear):
+    """A quantized linear layer that uses BLAS for products over several rows.
+
+    A QuantizedLinear (LoRA wrapping, fusing and saving treat it as one), built from an
+    existing layer without re-quantizing anything.
+    """
+
+    def __init__(self, layer: nn.QuantizedLinear):
+        nn.Module.__init__(self)
+        self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
+        self.weight, self.scales = layer.weight, layer.scales
+        if "biases" in layer:
+            self.biases = layer.biases
+        if "bias" in layer:
+            self.bias = layer.bias
+        self.freeze()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1]
+        if rows > 1:
+            y = x @ _dequantized_weight(self).T
+        else:
+            y = mx.quantized_matmul(
+                x,
+                self.weight,
+                self.scales,
+                self.get("biases"),
+                transpose=True,
+                group_size=self.group_size,
+                bits=self.bits,
+                mode=self.mode,
+            )
+        if "bias" in self:
+            y = y + self.bias
+        return y
+
+
+def _as_float_module(layer: nn.Module) -> nn.Module:
+    weight = _dequantized_weight(layer)
+    if isinstance(layer, nn.QuantizedEmbedding):
+        module = nn.Embedding(*weight.shape)
+        module.weight = weight
+        return module
+    module = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in layer)
+    module.weight = weight
+    if "bias" in layer:
+        module.bias = layer.bias.astype(mx.float32)
+    return module
+
+
+def apply_cpu_fast_paths(model: nn.Module) -> FastPathReport:
+    """Rewrite the model's quantized layers for the CPU backend, in place."""
+    if not fast_paths_enabled():
+        return FastPathReport(reason="off (not on the CPU backend, or disabled)")
+    quantized = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    ]
+    if not quantized:
+        return FastPathReport()
+    float_bytes = sum(
+        m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits * 4 for _, m in quantized
+    )
+    report = FastPathReport()
+    replacements = []
+    if float_bytes <= dequantize_budget_bytes():
+        for name, layer in quantized:
+            replacements.append((name, _as_float_module(layer)))
+        report.dequantized, report.dequantized_bytes = len(quantized), float_bytes
+    else:
+        for name, layer in quantized:
+            if isinstance(layer, nn.QuantizedLinear):
+                replacements.append((name, CPUQuantizedLinear(layer)))
+        report.streamed = len(replacements)
+    model.update_modules(tree_unflatten(replacements))
+    mx.eval(model.parameters())
+    return report

@@ -1,0 +1,131 @@
+"""The CPU backend's fast paths give the standard MLX path's results, and can be turned off.
+
+- quantized layers dequantized to float32 at load, or kept quantized and dequantized per
+  multi-row product (when float32 would not fit the memory budget), against MLX's own
+  quantized kernels;
+- the system OpenBLAS preloaded before mlx.core, or not (MLXVLM_NO_OPENBLAS=1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from tiny import make_image
+from mlxvlm import generate, load
+from mlxvlm.cpu_fast_paths import BUDGET_ENV, DISABLE_ENV, CPUQuantizedLinear
+from mlxvlm.loading import CONVERTED_MARKER
+from mlxvlm.prompt import prepare_inputs
+
+IMAGE = make_image(112, 84, seed=1)
+PROMPT = "Describe this image."
+
+
+@pytest.fixture(scope="module")
+def quantized_checkpoint(tiny_checkpoints, tmp_path_factory):
+    """The tiny Qwen2-VL with its text decoder in 4-bit (group size 32), in MLX layout."""
+    source = tiny_checkpoints.path("qwen2_vl", "hub")
+    model, _ = load(source, cpu_fast_paths=False)
+    nn.quantize(model.language_model, group_size=32, bits=4)
+    target = tmp_path_factory.mktemp("quantized") / "qwen2_vl-4bit"
+    shutil.copytree(source, target)
+    for f in target.glob("*.safetensors"):
+        f.unlink()
+    mx.save_safetensors(str(target / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = json.loads((target / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4, "mode": "affine"}
+    config[CONVERTED_MARKER] = "mlx"
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def logits_and_tokens(model, processor):
+    inputs = prepare_inputs(processor, PROMPT, IMAGE, feature_names=model.feature_names)
+    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
+    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
+    tokens = generate(model, processor, PROMPT, IMAGE, max_tokens=24).tokens
+    return np.array(logits[0]), tokens
+
+
+def quantized_types(model):
+    return {type(m) for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+
+
+@pytest.fixture(scope="module")
+def standard(quantized_checkpoint):
+    model, processor = load(quantized_checkpoint, cpu_fast_paths=False)
+    assert quantized_types(model) == {nn.QuantizedLinear}
+    return logits_and_tokens(model, processor)
+
+
+def test_dequantized_at_load_matches_quantized_kernels(quantized_checkpoint, standard):
+    model, processor = load(quantized_checkpoint)
+    assert quantized_types(model) == set()
+    assert model.cpu_fast_paths.dequantized > 0
+    logits, tokens = logits_and_tokens(model, processor)
+    np.testing.assert_allclose(logits, standard[0], atol=1e-4, rtol=0)
+    assert tokens == standard[1]
+
+
+def test_kept_quantized_over_budget_matches_quantized_kernels(quantized_checkpoint, standard, monkeypatch):
+    monkeypatch.setenv(BUDGET_ENV, "0")
+    model, processor = load(quantized_checkpoint)
+    assert quantized_types(model) == {CPUQuantizedLinear}
+    assert model.cpu_fast_paths.streamed > 0
+    logits, tokens = logits_and_tokens(model, processor)
+    np.testing.assert_allclose(logits, standard[0], atol=1e-4, rtol=0)
+    assert tokens == standard[1]
+
+
+def test_opt_out_keeps_mlx_quantized_kernels(quantized_checkpoint, monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    model, _ = load(quantized_checkpoint)
+    assert quantized_types(model) == {nn.QuantizedLinear}
+    assert "off" in model.cpu_fast_paths.describe()
+
+
+def test_quantized_model_really_differs_from_float(tiny_checkpoints, standard):
+    """Guards the comparison above: the checkpoint is really quantized."""
+    model, processor = load(tiny_checkpoints.path("qwen2_vl", "hub"))
+    logits, _ = logits_and_tokens(model, processor)
+    assert np.abs(logits - standard[0]).max() > 1e-3
+
+
+OPENBLAS_PROBE = """
+import numpy as np
+import mlxvlm
+from mlxvlm import _backend
+import mlx.core as mx
+a = np.random.default_rng(0).normal(size=(96, 80)).astype(np.float32)
+b = np.random.default_rng(1).normal(size=(80, 72)).astype(np.float32)
+err = float(np.abs(np.array(mx.array(a) @ mx.array(b)) - a @ b).max())
+print(_backend.openblas_status, "|", err)
+"""
+
+
+def run_probe(env_extra):
+    env = {**os.environ, **env_extra}
+    out = subprocess.run([sys.executable, "-c", OPENBLAS_PROBE], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    status, err = (part.strip() for part in out.stdout.split("|"))
+    return status, float(err)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the OpenBLAS preload is for Linux")
+def test_openblas_preload_and_opt_out():
+    status, err = run_probe({"MLXVLM_NO_OPENBLAS": ""})
+    assert status.startswith("loaded"), status
+    assert err < 1e-3
+    status, err = run_probe({"MLXVLM_NO_OPENBLAS": "1"})
+    assert status == "disabled by MLXVLM_NO_OPENBLAS"
+    assert err < 1e-3
