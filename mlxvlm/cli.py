@@ -126,6 +126,12 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
             adapter_path=args.adapter_path,
             trust_remote_code=args.trust_remote_code,
         )
+        if args.verbose:
+            report = getattr(model, "cpu_fast_paths", None)
+            if report is not None:
+                print(f"[mlxvlm] quantized layers: {report.describe()}", file=sys.stderr)
+            if mx.default_device() == mx.cpu:
+                print("[mlxvlm] compute dtype: float32 (fastest on the CPU backend)", file=sys.stderr)
         last = None
         for last in stream_generate(
             model,
