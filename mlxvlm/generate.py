@@ -92,6 +92,15 @@ def _maybe_quantize_cache(cache, *, kv_bits, kv_group_size, quantized_kv_start):
             cache[i] = c.to_quantized(group_size=kv_group_size, bits=kv_bits)
 
 
+def _chunk_length(done: int, n: int, spans: list[tuple[int, int]]) -> int:
+    """``n``, or more so that the chunk starting at ``done`` ends at the end of the span
+    it would otherwise cut."""
+    for span_start, span_end in spans:
+        if span_start < done + n < span_end:
+            n = span_end - done
+    return n
+
+
 def prefill_chunks(
     model: nn.Module,
     input_ids: mx.array,
@@ -112,9 +121,15 @@ def prefill_chunks(
     """
     total = input_ids.shape[1]
     done = 0
+    # The model's bidirectional spans, made relative to input_ids (which start at the
+    # cache's offset): a chunk never ends inside one.
+    start = cache[0].offset if cache else 0
+    spans = [(s - start, e - start) for s, e in model.bidirectional_spans(state)]
     with mx.stream(generation_stream):
         while total - done > 1:
-            n = min(prefill_step_size, total - done - 1)
+            n = _chunk_length(done, min(prefill_step_size, total - done - 1), spans)
+            if done + n >= total:
+                break  # a span reaches the prompt's end: the first sampling step takes it
             model(
                 input_ids[:, done : done + n],
                 cache,

@@ -80,6 +80,12 @@ class VisionLanguageModel(nn.Module):
     def make_cache(self) -> list[Any]:
         return [KVCache() for _ in self.layers]
 
+    def bidirectional_spans(self, state: Any) -> list[tuple[int, int]]:
+        """Prompt ranges ``[start, end)`` (from ``embed``'s ``state``) whose tokens attend
+        to each other in both directions, such as Gemma 3's image tokens. The generate loop
+        never ends a prefill chunk inside one: its first tokens would miss the later ones."""
+        return []
+
     def batch_states(self, states: Sequence[Any]) -> Any:
         present = [s for s in states if s is not None]
         if not present:

@@ -1,0 +1,400 @@
+"""Gemma 3 (Gemma Team, 2025): a SigLIP vision tower whose 64x64 patch grid is average-pooled
+to 16x16 soft tokens, RMS-normed and projected into the Gemma 3 text model, whose layers
+alternate between sliding-window (local) and global attention.
+
+Two things set the decoder apart from mlx-lm's ``gemma3_text``, whose blocks are reused:
+the image tokens of one image attend to each other bidirectionally (as transformers does
+with ``token_type_ids``), and image features enter unscaled while token embeddings are
+multiplied by sqrt(hidden_size). The decoder loop and its masks are therefore written here.
+
+Checkpoint names (as mlx-community publishes them): ``vision_tower.vision_model.*``,
+``multi_modal_projector.*``, ``language_model.model.*`` and ``language_model.lm_head``
+(always present: mlx-community's conversions store the head even though Gemma 3 ties it to
+the embeddings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models import gemma3_text
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from mlxvlm.models.base import VisionLanguageModel
+from mlxvlm.models.config_utils import text_config, token_id, vision_config
+from mlxvlm.models.layers import siglip
+
+# transformers' Gemma3TextConfig defaults, for the keys the Hub's config.json leaves out
+# (google/gemma-3-4b-it's text_config names only sizes, rope_scaling and sliding_window).
+TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "rope_local_base_freq": 10_000.0,
+}
+GLOBAL_ROPE_THETA = 1_000_000.0
+
+# Hugging Face name prefix -> ours, first match wins. The Hub's original checkpoints
+# (transformers 4.50) already use our names; transformers 4.52+ nest the modules under
+# `model.`, and transformers 5 drops the SigLIP tower's `vision_model.` level.
+HF_PREFIXES = (
+    ("model.language_model.", "language_model.model."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.vision_tower.vision_model.", "vision_tower.vision_model."),
+    ("model.vision_tower.", "vision_tower.vision_model."),
+    ("vision_tower.vision_model.", "vision_tower.vision_model."),
+    ("vision_tower.", "vision_tower.vision_model."),
+    ("lm_head.", "language_model.lm_head."),
+)
+VISION_TOWER = "vision_tower.vision_model."
+LM_HEAD = "language_model.lm_head.weight"
+EMBED_TOKENS = "language_model.model.embed_tokens.weight"
+
+
+def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
+    """Whether tensors are named as in Hugging Face checkpoints (else: already ours).
+
+    transformers 4.52+ names start with ``model.`` or ``lm_head.``, transformers 5's
+    saved SigLIP tower lacks ``vision_model.``. The Hub's original names are ours, except
+    that they omit the tied LM head, which mlx-community's conversions always store.
+    """
+    names = set(weight_names)
+    if any(n.startswith(("model.", "lm_head.")) for n in names):
+        return True
+    if any(n.startswith("vision_tower.") and not n.startswith(VISION_TOWER) for n in names):
+        return True
+    return LM_HEAD not in names
+
+
+def hf_to_mlx_name(name: str) -> str:
+    for prefix, replacement in HF_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def text_args(config: dict) -> gemma3_text.ModelArgs:
+    """mlx-lm's Gemma 3 arguments from either config layout, checked against what its
+    blocks implement."""
+    text = {**TEXT_DEFAULTS, **text_config(config, GLOBAL_ROPE_THETA)}
+    n = text["num_hidden_layers"]
+    rope = text["rope_parameters"]
+    if "full_attention" in rope:  # transformers 5: one entry per layer type
+        global_rope, local_rope = rope["full_attention"], rope["sliding_attention"]
+    else:  # Hub: rope_scaling/rope_theta for global layers, rope_local_base_freq
+        global_rope = rope
+        local_rope = {"rope_type": "default", "rope_theta": text["rope_local_base_freq"]}
+
+    layer_types = text.get("layer_types") or [
+        "full_attention" if (i + 1) % text["sliding_window_pattern"] == 0 else "sliding_attention"
+        for i in range(n)
+    ]
+    # mlx-lm's blocks place global layers every `pattern` layers; check that is the case.
+    pattern = layer_types.index("full_attention") + 1 if "full_attention" in layer_types else n + 1
+    expected = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    unsupported = {
+        "layer_types that are not periodic": layer_types != expected,
+        "use_bidirectional_attention": bool(text.get("use_bidirectional_attention")),
+        "attention_bias": bool(text.get("attention_bias")),
+        f"hidden_activation {text['hidden_activation']!r}": (
+            text["hidden_activation"] != "gelu_pytorch_tanh"
+        ),
+        f"local rope type {local_rope.get('rope_type')!r}": local_rope.get("rope_type") != "default",
+    }
+    for what, present in unsupported.items():
+        if present:
+            raise NotImplementedError(f"Gemma 3 with {what} is not supported")
+
+    scaling = {k: v for k, v in global_rope.items() if k != "rope_theta"}
+    return gemma3_text.ModelArgs(
+        model_type="gemma3_text",
+        hidden_size=text["hidden_size"],
+        num_hidden_layers=n,
+        intermediate_size=text["intermediate_size"],
+        num_attention_heads=text["num_attention_heads"],
+        head_dim=text["head_dim"],
+        rms_norm_eps=text["rms_norm_eps"],
+        vocab_size=text["vocab_size"],
+        num_key_value_heads=text["num_key_value_heads"],
+        rope_theta=float(global_rope["rope_theta"]),
+        rope_local_base_freq=float(local_rope["rope_theta"]),
+        query_pre_attn_scalar=text["query_pre_attn_scalar"],
+        sliding_window=text["sliding_window"],
+        sliding_window_pattern=pattern,
+        max_position_embeddings=text["max_position_embeddings"],
+        rope_scaling=None if scaling.get("rope_type", "default") == "default" else scaling,
+    )
+
+
+@dataclass
+class ModelArgs:
+    text: gemma3_text.ModelArgs
+    vision: siglip.SiglipVisionConfig
+    mm_tokens_per_image: int
+    image_token_id: int
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "ModelArgs":
+        return cls(
+            text=text_args(config),
+            vision=siglip.SiglipVisionConfig.from_hf(vision_config(config)),
+            mm_tokens_per_image=config.get("mm_tokens_per_image", 256),
+            image_token_id=token_id(config, "image_token", 262_144),
+        )
+
+
+# ------------------------------------------------------------------------ projector
+
+
+class MultiModalProjector(nn.Module):
+    """Average-pools the patch grid to ``mm_tokens_per_image`` tokens, RMS-norms them and
+    projects them to the text width."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        vision = args.vision
+        self.patches_per_side = vision.patches_per_side
+        tokens_per_side = int(args.mm_tokens_per_image**0.5)
+        self.pool = self.patches_per_side // tokens_per_side
+        self.mm_input_projection_weight = mx.zeros((vision.hidden_size, args.text.hidden_size))
+        # Gemma's RMSNorm, scaling by (1 + weight)
+        self.mm_soft_emb_norm = gemma3_text.RMSNorm(vision.hidden_size, eps=vision.layer_norm_eps)
+
+    def __call__(self, patches: mx.array) -> mx.array:
+        B, _, D = patches.shape
+        side, k = self.patches_per_side, self.pool
+        grid = patches.reshape(B, side // k, k, side // k, k, D)
+        pooled = grid.mean(axis=(2, 4)).reshape(B, -1, D)
+        return self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight
+
+
+# -------------------------------------------------------------------------- decoder
+
+
+@dataclass
+class ImageBlocks:
+    """Which image each prompt token belongs to (-1: text). The tokens of one image
+    attend to each other in both directions."""
+
+    ids: np.ndarray  # (prompt_length,) int
+
+    @classmethod
+    def from_input_ids(cls, ids: np.ndarray, image_token_id: int) -> "ImageBlocks":
+        is_image = ids == image_token_id
+        starts = is_image & ~np.concatenate([[False], is_image[:-1]])
+        return cls(np.where(is_image, np.cumsum(starts) - 1, -1))
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """``[start, end)`` of each image's tokens."""
+        is_image = np.concatenate([[False], self.ids >= 0, [False]]).astype(np.int8)
+        edges = np.flatnonzero(np.diff(is_image))
+        return [(int(s), int(e)) for s, e in zip(edges[::2], edges[1::2])]
+
+    def splits_an_image(self, position: int) -> bool:
+        """Whether a cut before prompt token ``position`` falls inside an image."""
+        if not 0 < position < len(self.ids):
+            return False
+        return self.ids[position] >= 0 and self.ids[position - 1] == self.ids[position]
+
+    @staticmethod
+    def batch(states) -> None:
+        """Decoding needs no image blocks: generated tokens are text."""
+        return None
+
+    def prefix(self, length: int) -> "ImageBlocks":
+        """The blocks of a prompt sharing the first ``length`` tokens (prompt-cache reuse)."""
+        if self.splits_an_image(length):
+            raise NotImplementedError("a reused prompt prefix cannot end inside an image")
+        return ImageBlocks(self.ids[:length])
+
+    def chunk(self, offset: int, n: int) -> np.ndarray | None:
+        """Block ids of the tokens at ``[offset, offset + n)``; None if they hold no image.
+        Refuses a chunk boundary that falls inside an image."""
+        ids = self.ids[offset : offset + n]
+        if not (ids >= 0).any():
+            return None
+        for boundary in (offset, offset + n):
+            if self.splits_an_image(boundary):
+                raise ValueError(
+                    f"a chunk boundary at prompt token {boundary} splits an image, whose "
+                    "tokens attend to each other; chunk at the model's bidirectional_spans"
+                )
+        return ids
+
+
+def attention_mask(h: mx.array, cache: Any, window: int | None, blocks: np.ndarray | None):
+    """The causal (sliding-window) mask, opened up so that each image's tokens also see
+    the later tokens of the same image. ``blocks``: block ids of the tokens in ``h``."""
+    if blocks is None or len(blocks) == 1:
+        return create_attention_mask(h, cache, window_size=window)
+    causal = create_attention_mask(h, cache, window_size=window, return_array=True)
+    n = len(blocks)
+    block = mx.array(blocks)
+    later = mx.arange(n)[None, :] > mx.arange(n)[:, None]
+    same_image = (block[:, None] == block[None, :]) & (block[:, None] >= 0) & later
+    # The chunk's own keys are the last n of the cache's keys.
+    return mx.concatenate([causal[:, :-n], causal[:, -n:] | same_image], axis=1)
+
+
+class TextModel(nn.Module):
+    """Embeddings, mlx-lm's Gemma 3 blocks and the final norm."""
+
+    def __init__(self, args: gemma3_text.ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [gemma3_text.TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = gemma3_text.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def embed(self, input_ids: mx.array) -> mx.array:
+        """Token embeddings times sqrt(hidden_size), the scale held in the compute dtype
+        as transformers holds it."""
+        h = self.embed_tokens(input_ids)
+        return h * mx.array(self.args.hidden_size**0.5, dtype=h.dtype)
+
+    def __call__(self, h: mx.array, cache: list[Any], blocks: np.ndarray | None) -> mx.array:
+        is_sliding = [layer.self_attn.is_sliding for layer in self.layers]
+        masks = {}
+        for sliding in set(is_sliding):
+            c = cache[is_sliding.index(sliding)]
+            masks[sliding] = attention_mask(
+                h, c, self.args.sliding_window if sliding else None, blocks
+            )
+        for layer, c, sliding in zip(self.layers, cache, is_sliding):
+            h = layer(h, masks[sliding], c)
+        return self.norm(h)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, args: gemma3_text.ModelArgs):
+        super().__init__()
+        self.model = TextModel(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+
+# ---------------------------------------------------------------------------- model
+
+
+class Model(VisionLanguageModel):
+    feature_names = ("pixel_values",)
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.vision_tower = siglip.SiglipVisionModel(args.vision)
+        self.multi_modal_projector = MultiModalProjector(args)
+        self.language_model = LanguageModel(args.text)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Model":
+        return cls(ModelArgs.from_hf(config))
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        sanitized = {}
+        for name, value in weights.items():
+            name = hf_to_mlx_name(name)
+            if name.startswith(VISION_TOWER):
+                value = siglip.convert_hf_weight(name[len(VISION_TOWER) :], value)
+            if value is not None and not name.endswith("inv_freq"):
+                sanitized[name] = value
+        if LM_HEAD not in sanitized and EMBED_TOKENS in sanitized:
+            # Tied head: the embedding's array (shared, not copied) under the head's name.
+            sanitized[LM_HEAD] = sanitized[EMBED_TOKENS]
+        return sanitized
+
+    # -- the contract -----------------------------------------------------------------
+
+    @property
+    def layers(self):
+        return self.language_model.model.layers
+
+    @property
+    def max_context(self) -> int:
+        return self.args.text.max_position_embeddings
+
+    @property
+    def placeholder_token_ids(self) -> set[int]:
+        return {self.args.image_token_id}
+
+    def make_cache(self) -> list[Any]:
+        return [
+            RotatingKVCache(max_size=self.args.text.sliding_window)
+            if layer.self_attn.is_sliding
+            else KVCache()
+            for layer in self.layers
+        ]
+
+    def bidirectional_spans(self, state: ImageBlocks | None) -> list[tuple[int, int]]:
+        return state.spans if state is not None else []
+
+    def embed(self, input_ids: mx.array, pixel_values: Any = None) -> tuple[mx.array, ImageBlocks]:
+        ids = np.asarray(input_ids).reshape(-1)
+        image_token = self.args.image_token_id
+        # The image token may lie past the vocabulary; its embedding is replaced anyway.
+        lookup = np.where(ids == image_token, 0, ids) if image_token >= self.args.text.vocab_size else ids
+        h = self.language_model.model.embed(mx.array(lookup.reshape(input_ids.shape)))
+        positions = np.flatnonzero(ids == image_token)
+        if pixel_values is None:
+            if positions.size:
+                raise ValueError(
+                    f"the prompt has {positions.size} image tokens but no pixel values were "
+                    "given for them"
+                )
+        else:
+            features = self.image_features(pixel_values).reshape(-1, h.shape[-1])
+            if features.shape[0] != positions.size:
+                raise ValueError(
+                    f"the images give {features.shape[0]} tokens but the prompt has "
+                    f"{positions.size} image tokens for them"
+                )
+            merged = h[0]
+            merged[mx.array(positions)] = features.astype(h.dtype)
+            h = merged[None]
+        return h, ImageBlocks.from_input_ids(ids, image_token)
+
+    def image_features(self, pixel_values: Any) -> mx.array:
+        """(images, mm_tokens_per_image, hidden) from the processor's (images, C, H, W)."""
+        pixels = mx.array(pixel_values) if not isinstance(pixel_values, mx.array) else pixel_values
+        dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
+        patches = self.vision_tower(pixels.transpose(0, 2, 3, 1).astype(dtype))
+        return self.multi_modal_projector(patches)
+
+    def __call__(self, input_ids, cache=None, *, embeddings=None, state=None) -> mx.array:
+        h = embeddings if embeddings is not None else self.language_model.model.embed(input_ids)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        offset = cache[0].offset if cache[0] is not None else 0
+        blocks = state.chunk(offset, h.shape[1]) if state is not None else None
+        h = self.language_model.model(h, cache, blocks)
+        return self.language_model.lm_head(h)
+
+
+def load_processor(model_path: str | Path, config: dict):
+    """transformers' Gemma3Processor with the PIL image processor (no torchvision)."""
+    from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor
+
+    return Gemma3Processor.from_pretrained(
+        model_path,
+        tokenizer=AutoTokenizer.from_pretrained(model_path),
+        image_processor=Gemma3ImageProcessorPil.from_pretrained(model_path),
+    )

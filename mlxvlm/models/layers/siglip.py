@@ -1,0 +1,236 @@
+"""The SigLIP vision encoder (Zhai et al., 2023): a ViT over fixed-size square patches with
+learned absolute position embeddings, pre-norm encoder blocks and a final LayerNorm.
+
+Shared by every family whose vision tower is SigLIP or a variant of it:
+
+- Gemma 3, PaliGemma, LLaVA-OneVision: ``SiglipVisionModel`` (checkpoint names
+  ``vision_tower.vision_model.*``), positions ``0 .. num_patches - 1``.
+- Idefics3 / SmolVLM: ``SiglipVisionTransformer`` directly (names ``vision_model.*``) with a
+  per-image ``patch_mask``: images smaller than the encoder's square are padded, padding
+  patches are never attended to, and each real patch takes the position its fractional
+  (row, column) falls in on the full grid (NaViT-style "Patch n' Pack" positions).
+
+The attention-pooling head (``vision_use_head``) is not built: no vision-language model
+uses the pooled output, only the patch features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+# Activations by their transformers names (ACT2FN).
+ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
+    "gelu_pytorch_tanh": nn.gelu_approx,
+    "gelu_new": nn.gelu_approx,
+    "gelu": nn.gelu,
+    "quick_gelu": nn.gelu_fast_approx,
+}
+
+# transformers' SiglipVisionConfig defaults, for keys a checkpoint's config leaves out.
+SIGLIP_DEFAULTS = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_channels": 3,
+    "image_size": 224,
+    "patch_size": 16,
+    "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-6,
+}
+
+
+@dataclass(frozen=True)
+class SiglipVisionConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int = 3
+    hidden_act: str = "gelu_pytorch_tanh"
+    layer_norm_eps: float = 1e-6
+
+    @classmethod
+    def from_hf(cls, vision: dict, **defaults) -> "SiglipVisionConfig":
+        """From a ``vision_config`` dict; missing keys take ``defaults`` (the family's
+        config class defaults where they differ from SigLIP's), then SigLIP's."""
+        values = {**SIGLIP_DEFAULTS, **defaults}
+        values.update({k: v for k, v in vision.items() if k in SIGLIP_DEFAULTS})
+        if values["hidden_act"] not in ACTIVATIONS:
+            raise NotImplementedError(
+                f"vision activation {values['hidden_act']!r} is not supported "
+                f"(supported: {', '.join(ACTIVATIONS)})"
+            )
+        return cls(**{f.name: values[f.name] for f in fields(cls)})
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+
+class VisionEmbeddings(nn.Module):
+    def __init__(self, config: SiglipVisionConfig):
+        super().__init__()
+        self.config = config
+        self.patch_embedding = nn.Conv2d(
+            config.num_channels, config.hidden_size, config.patch_size, stride=config.patch_size
+        )
+        self.position_embedding = nn.Embedding(config.patches_per_side**2, config.hidden_size)
+
+    def __call__(self, pixels: mx.array, position_ids: mx.array | None) -> mx.array:
+        """``pixels``: (B, H, W, C); ``position_ids``: (B, patches) or None for 0, 1, ..."""
+        patches = self.patch_embedding(pixels)  # (B, H/p, W/p, D), row-major like PyTorch
+        patches = patches.reshape(patches.shape[0], -1, patches.shape[-1])
+        if position_ids is None:
+            position_ids = mx.arange(patches.shape[1])[None]
+        return patches + self.position_embedding(position_ids)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: SiglipVisionConfig):
+        super().__init__()
+        dims = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.scale = (dims // self.num_heads) ** -0.5
+        self.q_proj = nn.Linear(dims, dims)
+        self.k_proj = nn.Linear(dims, dims)
+        self.v_proj = nn.Linear(dims, dims)
+        self.out_proj = nn.Linear(dims, dims)
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
+        B, L, _ = x.shape
+
+        def heads(t):
+            return t.reshape(B, L, self.num_heads, -1).transpose(0, 2, 1, 3)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: SiglipVisionConfig):
+        super().__init__()
+        self.activation = ACTIVATIONS[config.hidden_act]
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.fc2(self.activation(self.fc1(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config: SiglipVisionConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
+        x = x + self.self_attn(self.layer_norm1(x), mask)
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: SiglipVisionConfig):
+        super().__init__()
+        self.layers = [EncoderLayer(config) for _ in range(config.num_hidden_layers)]
+
+
+class SiglipVisionTransformer(nn.Module):
+    """Embeddings, encoder and post-LayerNorm (transformers' ``SiglipVisionTransformer``)."""
+
+    def __init__(self, config: SiglipVisionConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = VisionEmbeddings(config)
+        self.encoder = Encoder(config)
+        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def __call__(
+        self,
+        pixels: mx.array,
+        patch_mask: np.ndarray | None = None,
+        output_hidden_states: bool = False,
+    ):
+        """Patch features of ``pixels`` (B, H, W, C), after the final LayerNorm.
+
+        ``patch_mask`` (B, H/p, W/p) bool marks real (not padding) patches; with it,
+        positions follow the NaViT fractional-coordinate scheme and padding patches are
+        masked out of attention. With ``output_hidden_states`` also returns the hidden
+        states as transformers numbers them: ``[0]`` the embeddings, ``[i]`` the output of
+        encoder layer ``i`` (so ``[-1]`` is the last layer's, before the final LayerNorm).
+        """
+        position_ids = mask = None
+        if patch_mask is not None:
+            patch_mask = np.asarray(patch_mask, dtype=bool)
+            position_ids = mx.array(navit_position_ids(patch_mask, self.config.patches_per_side))
+            keys_valid = patch_mask.reshape(patch_mask.shape[0], 1, 1, -1)
+            if not keys_valid.all():
+                mask = mx.array(keys_valid)
+        h = self.embeddings(pixels, position_ids)
+        hidden_states = [h]
+        for layer in self.encoder.layers:
+            h = layer(h, mask)
+            hidden_states.append(h)
+        out = self.post_layernorm(h)
+        return (out, hidden_states) if output_hidden_states else out
+
+
+class SiglipVisionModel(nn.Module):
+    """The wrapper transformers' ``SiglipVisionModel`` adds (checkpoint names
+    ``<tower>.vision_model.*``)."""
+
+    def __init__(self, config: SiglipVisionConfig):
+        super().__init__()
+        self.vision_model = SiglipVisionTransformer(config)
+
+    def __call__(self, pixels: mx.array, patch_mask=None, output_hidden_states: bool = False):
+        return self.vision_model(pixels, patch_mask, output_hidden_states)
+
+
+def navit_position_ids(patch_mask: np.ndarray, patches_per_side: int) -> np.ndarray:
+    """Position ids (B, h*w) for the real patches of each image in ``patch_mask`` (B, h, w).
+
+    A real patch at (row, column) of an image with ``rows x columns`` real patches takes
+    the position of the cell that (row / rows, column / columns) falls in on the
+    ``patches_per_side``-square grid the position embeddings were trained on; padding
+    patches take position 0. The arithmetic is transformers' (float64 boundaries rounded to
+    float32, float32 coordinates), so the buckets agree with it to the last bit.
+    """
+    B, h, w = patch_mask.shape
+    n = patches_per_side
+    step = 1.0 / n
+    count = int(np.ceil((1.0 - step) / step))  # torch.arange(step, 1.0, step), in float64
+    boundaries = (step + np.arange(count) * step).astype(np.float32)
+    limit = np.float32(1.0 - 1e-6)
+    ids = np.zeros((B, h * w), dtype=np.int32)
+    for b in range(B):
+        rows = max(int(patch_mask[b, :, 0].sum()), 1)
+        columns = max(int(patch_mask[b, 0, :].sum()), 1)
+        row_coords = np.arange(h, dtype=np.float32) * (np.float32(1.0) / np.float32(rows))
+        column_coords = np.arange(w, dtype=np.float32) * (np.float32(1.0) / np.float32(columns))
+        row_bucket = np.searchsorted(boundaries, np.minimum(row_coords, limit), side="right")
+        column_bucket = np.searchsorted(boundaries, np.minimum(column_coords, limit), side="right")
+        grid = row_bucket[:, None] * n + column_bucket[None, :]
+        ids[b] = np.where(patch_mask[b].reshape(-1), grid.reshape(-1), 0)
+    return ids
+
+
+def convert_hf_weight(name: str, value: mx.array) -> mx.array | None:
+    """A SigLIP tensor of a PyTorch checkpoint (``name`` relative to the encoder, e.g.
+    ``embeddings.patch_embedding.weight``) in this module's layout; None for tensors this
+    port does not use (position-id buffers, the attention-pooling head)."""
+    if name.endswith("position_ids") or name.startswith("head."):
+        return None
+    if name == "embeddings.patch_embedding.weight":
+        return value.transpose(0, 2, 3, 1)  # PyTorch Conv2d (O, I, kh, kw) -> MLX (O, kh, kw, I)
+    return value

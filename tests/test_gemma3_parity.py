@@ -1,0 +1,258 @@
+"""Gemma 3 against transformers (float32), on tiny random checkpoints.
+
+The model is loaded from both config layouts (transformers 5's and google/gemma-3-*-it's,
+see tests/tiny/gemma3.py) through ``mlxvlm.load`` and compared with the in-memory
+transformers model: logits of the first forward pass and greedy tokens through
+``mlxvlm.stream_generate``, for text only, one image, two images of different sizes and
+an image in a later turn. Every prompt is longer than the 16-token sliding window, and
+generation runs past it. Guards check that the tests can fail: another image changes the
+output, and dropping the bidirectional attention among image tokens, the sliding window
+or the local rope θ changes the logits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from parity import (
+    LOGITS_ATOL,
+    MIN_REFERENCE_MARGIN,
+    NEW_TOKENS,
+    loaded,  # noqa: F401 (fixture)
+    our_logits,
+    our_tokens,
+    parameter_list,
+    reference,  # noqa: F401 (fixture)
+)
+from tiny import make_image
+from tiny.gemma3 import LAYOUTS, SLIDING_WINDOW, hub_weights
+from mlxvlm import load
+from mlxvlm.models import gemma3
+from mlxvlm.prompt import prepare_inputs
+
+torch = pytest.importorskip("torch")
+
+FAMILY = "gemma3"
+IMAGE_A = make_image(112, 84, seed=1)
+IMAGE_B = make_image(84, 56, seed=2)
+IMAGE_A2 = make_image(112, 84, seed=3)  # A's size, other content
+
+CASES = {
+    "text": ([{"role": "user", "content": "Tell me a story about a red cat on a blue mat."}], []),
+    "one_image": (
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}],
+        [IMAGE_A],
+    ),
+    "two_images": (
+        [{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
+            {"type": "text", "text": "Compare the two images."},
+        ]}],
+        [IMAGE_A, IMAGE_B],
+    ),
+    "image_in_second_turn": (
+        [
+            {"role": "user", "content": "Hello! Who are you?"},
+            {"role": "assistant", "content": "I am a helpful assistant."},
+            {"role": "user", "content": [
+                {"type": "image"}, {"type": "text", "text": "What is in this picture?"},
+            ]},
+        ],
+        [IMAGE_B],
+    ),
+}
+ALL_CASES = {**CASES, "one_other_image": (CASES["one_image"][0], [IMAGE_A2])}
+
+
+def logits_of(model, processor, case):
+    return our_logits(model, processor, *ALL_CASES[case])
+
+
+def tokens_of(model, processor, case, **options):
+    return our_tokens(model, processor, *ALL_CASES[case], **options)
+
+
+# ----------------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_first_pass_logits_match_transformers(layout, case, loaded, reference):
+    model, processor = loaded(FAMILY, layout)
+    ref = reference(FAMILY, case)
+    ids, logits = logits_of(model, processor, case)
+    assert ids == ref.input_ids, "the processor built by mlxvlm tokenized the prompt differently"
+    assert len(ids) > SLIDING_WINDOW
+    np.testing.assert_allclose(logits, ref.logits, rtol=0, atol=LOGITS_ATOL)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_greedy_tokens_match_transformers(layout, case, loaded, reference):
+    model, processor = loaded(FAMILY, layout)
+    ref = reference(FAMILY, case)
+    assert len(ref.tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
+    assert ref.margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {ref.margin:.2e} is too thin"
+    assert tokens_of(model, processor, case) == ref.tokens
+
+
+def test_chunked_prefill_keeps_images_whole(loaded, reference):
+    """Chunks of 3 or 5 tokens would cut the 16-token images; the loop extends a chunk to
+    the end of an image so that its tokens still see each other."""
+    model, processor = loaded(FAMILY, "hub")
+    assert tokens_of(model, processor, "two_images", prefill_step_size=3) == (
+        reference(FAMILY, "two_images").tokens
+    )
+    assert tokens_of(model, processor, "image_in_second_turn", prefill_step_size=5) == (
+        reference(FAMILY, "image_in_second_turn").tokens
+    )
+
+
+def test_a_chunk_that_splits_an_image_is_refused(loaded):
+    model, processor = loaded(FAMILY, "hub")
+    inputs = prepare_inputs(processor, *CASES["one_image"], feature_names=model.feature_names)
+    ids = inputs.input_ids
+    embeddings, state = model.embed(ids, **inputs.features)
+    (start, end), = state.spans
+    assert end - start == 16
+    with pytest.raises(ValueError, match="splits an image"):
+        model(ids[:, : start + 3], model.make_cache(), embeddings=embeddings[:, : start + 3],
+              state=state)
+
+
+def test_rotating_cache_keeps_the_images(loaded, reference):
+    """With --max-kv-size the global layers' caches rotate but keep the prompt's image
+    tokens; until anything is evicted the tokens are the reference's."""
+    model, processor = loaded(FAMILY, "transformers")
+    ref = reference(FAMILY, "one_image")
+    max_kv_size = len(ref.input_ids) + NEW_TOKENS // 2
+    tokens = tokens_of(model, processor, "one_image", max_kv_size=max_kv_size)
+    assert len(tokens) == NEW_TOKENS
+    assert tokens[: NEW_TOKENS // 2] == ref.tokens[: NEW_TOKENS // 2]
+
+
+def test_quantized_cache_runs_to_the_end(loaded, reference):
+    """An 8-bit cache for the global layers (the sliding ones keep rotating)."""
+    model, processor = loaded(FAMILY, "transformers")
+    tokens = tokens_of(model, processor, "two_images", kv_bits=8, kv_group_size=32,
+                       quantized_kv_start=0)
+    assert len(tokens) == NEW_TOKENS
+    assert tokens[:4] == reference(FAMILY, "two_images").tokens[:4]
+
+
+# ---------------------------------------------------------------- the tests can fail
+
+
+def test_another_image_changes_the_output(loaded, reference):
+    model, processor = loaded(FAMILY, "transformers")
+    other = tokens_of(model, processor, "one_other_image")
+    assert other != reference(FAMILY, "one_image").tokens
+    assert other == reference(FAMILY, "one_other_image").tokens
+
+
+def test_bidirectional_image_attention_matters(loaded, reference):
+    """Run the prompt causally (no image blocks in the state): far off the reference."""
+    model, processor = loaded(FAMILY, "transformers")
+    inputs = prepare_inputs(processor, *CASES["one_image"], feature_names=model.feature_names)
+    embeddings, _ = model.embed(inputs.input_ids, **inputs.features)
+    logits = np.array(model(inputs.input_ids, model.make_cache(), embeddings=embeddings)[0])
+    assert np.abs(logits - reference(FAMILY, "one_image").logits).max() > 100 * LOGITS_ATOL
+
+
+@pytest.mark.parametrize("change", ["no_sliding_window", "default_local_theta", "no_rope_scaling"])
+def test_config_errors_would_be_caught(change, tiny_checkpoints, loaded, reference):
+    """A loader that ignored the window or read the wrong rope key would fail parity."""
+    config = json.loads((tiny_checkpoints.path(FAMILY, "hub") / "config.json").read_text())
+    text = config["text_config"]
+    if change == "no_sliding_window":
+        text["sliding_window"] = 4096
+    elif change == "default_local_theta":
+        del text["rope_local_base_freq"]
+    else:
+        del text["rope_scaling"]
+    model, processor = loaded(FAMILY, "hub")
+    wrong = gemma3.Model.from_config(config)
+    wrong.load_weights(parameter_list(model))
+    _, logits = logits_of(wrong, processor, "image_in_second_turn")
+    assert np.abs(logits - reference(FAMILY, "image_in_second_turn").logits).max() > 100 * LOGITS_ATOL
+
+
+# -------------------------------------------------------------- checkpoints and names
+
+
+def test_hub_layout_reads_the_same_in_transformers(tiny_checkpoints, reference):
+    """The Hub-layout fixture is faithful: transformers reads it into the same model."""
+    from transformers import AutoModelForImageTextToText
+
+    messages, images = CASES["one_image"]
+    ref = reference(FAMILY, "one_image")
+    for layout in LAYOUTS:
+        path = tiny_checkpoints.path(FAMILY, layout)
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        processor = gemma3.load_processor(path, {})
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        inputs = processor(text=[text], images=images, return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**inputs).logits[0].numpy()
+        np.testing.assert_array_equal(logits, ref.logits)
+
+
+def test_both_config_layouts_build_the_same_model(tiny_checkpoints):
+    def read(layout):
+        return json.loads((tiny_checkpoints.path(FAMILY, layout) / "config.json").read_text())
+
+    assert gemma3.ModelArgs.from_hf(read("hub")) == gemma3.ModelArgs.from_hf(read("transformers"))
+
+
+def test_sanitized_names_are_mlx_community_names(tiny_checkpoints, loaded):
+    """Every Hugging Face naming (transformers 5's saved names, the Hub's original ones,
+    transformers 4.52+'s module tree) maps onto the names mlx-community's checkpoints use."""
+    model, _ = loaded(FAMILY, "transformers")
+    expected = {name for name, _ in parameter_list(model)}
+    reference_model = tiny_checkpoints.model(FAMILY).model
+    namings = {
+        "transformers 5": mx.load(str(tiny_checkpoints.path(FAMILY, "transformers") / "model.safetensors")),
+        "hub": {k: mx.array(v) for k, v in hub_weights(reference_model).items()},
+        "module tree": {k: mx.array(v.numpy()) for k, v in reference_model.state_dict().items()},
+    }
+    for naming, weights in namings.items():
+        assert gemma3.is_hf_checkpoint(weights.keys()), naming
+        sanitized = model.sanitize(weights)
+        assert set(sanitized) == expected, naming
+        assert not gemma3.is_hf_checkpoint(sanitized.keys()), naming
+    for name in (
+        "vision_tower.vision_model.embeddings.patch_embedding.weight",
+        "vision_tower.vision_model.encoder.layers.1.self_attn.out_proj.weight",
+        "vision_tower.vision_model.post_layernorm.weight",
+        "multi_modal_projector.mm_input_projection_weight",
+        "multi_modal_projector.mm_soft_emb_norm.weight",
+        "language_model.model.embed_tokens.weight",
+        "language_model.model.layers.5.self_attn.q_norm.weight",
+        "language_model.model.layers.5.pre_feedforward_layernorm.weight",
+        "language_model.model.norm.weight",
+        "language_model.lm_head.weight",
+    ):
+        assert name in expected, name
+    v = model.args.vision
+    assert sanitized["vision_tower.vision_model.embeddings.patch_embedding.weight"].shape == (
+        v.hidden_size, v.patch_size, v.patch_size, v.num_channels
+    )
+
+
+def test_an_mlx_layout_checkpoint_loads_unchanged(tmp_path, tiny_checkpoints, loaded, reference):
+    """A checkpoint saved in our names (as mlx-community's, head included) is not sanitized
+    again and gives the same logits."""
+    model, _ = loaded(FAMILY, "hub")
+    source = tiny_checkpoints.path(FAMILY, "hub")
+    for item in source.iterdir():
+        if item.suffix != ".safetensors":
+            (tmp_path / item.name).write_bytes(item.read_bytes())
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(parameter_list(model)),
+                        metadata={"format": "mlx"})
+    mlx_model, processor = load(tmp_path)
+    _, logits = logits_of(mlx_model, processor, "two_images")
+    np.testing.assert_allclose(logits, reference(FAMILY, "two_images").logits, rtol=0, atol=LOGITS_ATOL)
