@@ -23,7 +23,9 @@ from mlxvlm.prompt import PreparedInputs, prepare_inputs
 from mlxvlm.tokenization import generation_tokenizer
 
 # A dedicated stream keeps generation work off the default stream other code may use.
-generation_stream = mx.new_stream(mx.default_device())
+# Thread-local (as mlx-lm's), since MLX streams belong to the thread that made them: the
+# server's engine thread and the UI's worker threads each get their own.
+generation_stream = mx.new_thread_local_stream(mx.default_device())
 
 # mlx-lm's default: quantize the KV cache only once it is long enough to matter.
 DEFAULT_QUANTIZED_KV_START = 5000
