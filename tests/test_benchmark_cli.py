@@ -1,0 +1,31 @@
+"""`python -m mlxvlm.benchmark` reports every statistic, per run with --json."""
+
+from __future__ import annotations
+
+import json
+
+from tiny import make_image
+from mlxvlm.benchmark import main
+
+
+def test_benchmark_json_and_summary(tiny_checkpoints, tmp_path, capsys):
+    image = tmp_path / "image.png"
+    make_image(112, 84, seed=1).save(image)
+    model = str(tiny_checkpoints.path("qwen2_vl", "hub"))
+    args = ["--model", model, "--image", str(image), "--max-tokens", "6", "--ignore-eos"]
+    assert main([*args, "--runs", "2", "--json"]) == 0
+    runs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(runs) == 2
+    for run in runs:
+        assert run["engine"] == "mlxvlm" and run["decode_tokens"] == 6
+        assert run["prompt_tokens"] > 12 and run["ttft_s"] > 0 and run["decode_tps"] > 0
+        assert run["peak_memory_gb"] > 0 and run["max_rss_gb"] > 0
+    assert main([*args, "--runs", "1"]) == 0
+    summary = capsys.readouterr().out
+    for label in ("time to first token", "decode tokens/s", "peak memory", "median"):
+        assert label in summary
+
+
+def test_benchmark_bad_model_is_a_one_line_error(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "missing"), "--runs", "1"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
