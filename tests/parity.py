@@ -71,6 +71,25 @@ def reference_run(model, processor, messages, images, new_tokens: int = NEW_TOKE
     return Reference(inputs["input_ids"][0].tolist(), logits, tokens, min(margins))
 
 
+def reference_forward(model, processor, messages, images, continuation: list[int]) -> np.ndarray:
+    """transformers' logits over the prompt followed by ``continuation``, in one forward
+    pass: what the decode steps must reproduce one token at a time."""
+    import torch
+
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=list(images) or None, return_tensors="pt")
+    length = inputs["input_ids"].shape[1]
+    extra = torch.tensor([continuation])
+    for key, value in list(inputs.items()):
+        if value.ndim == 2 and value.shape[1] == length:  # per-token: ids, masks, types
+            fill = {"input_ids": extra, "attention_mask": torch.ones_like(extra)}.get(
+                key, torch.zeros_like(extra)
+            )
+            inputs[key] = torch.cat([value, fill], dim=1)
+    with torch.no_grad():
+        return model(**inputs).logits[0].numpy()
+
+
 def parameter_list(model) -> list[tuple[str, mx.array]]:
     return [(k, v) for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)]
 
@@ -81,6 +100,18 @@ def our_logits(model, processor, messages, images) -> tuple[list[int], np.ndarra
     embeddings, state = model.embed(inputs.input_ids, **inputs.features)
     logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
     return inputs.input_ids[0].tolist(), np.array(logits[0])
+
+
+def our_decode_logits(model, processor, messages, images, continuation: list[int], cache=None) -> np.ndarray:
+    """Logits for the prompt's last token, then for each token of ``continuation`` fed one
+    at a time through the cache (the decode path): (1 + len(continuation), vocab)."""
+    inputs = prepare_inputs(processor, messages, images, feature_names=model.feature_names)
+    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
+    cache = model.make_cache() if cache is None else cache
+    steps = [model(inputs.input_ids, cache, embeddings=embeddings, state=state)[0, -1]]
+    for token in continuation:
+        steps.append(model(mx.array([[token]]), cache, state=state)[0, -1])
+    return np.array(mx.stack(steps))
 
 
 def our_tokens(model, processor, messages, images, max_tokens: int = NEW_TOKENS, **options) -> list[int]:

@@ -23,10 +23,12 @@ from parity import (
     MIN_REFERENCE_MARGIN,
     NEW_TOKENS,
     loaded,  # noqa: F401 (fixture)
+    our_decode_logits,
     our_logits,
     our_tokens,
     parameter_list,
     reference,  # noqa: F401 (fixture)
+    reference_forward,
 )
 from tiny import make_image
 from tiny.gemma3 import LAYOUTS, SLIDING_WINDOW, hub_weights
@@ -98,6 +100,18 @@ def test_greedy_tokens_match_transformers(layout, case, loaded, reference):
     assert len(ref.tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
     assert ref.margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {ref.margin:.2e} is too thin"
     assert tokens_of(model, processor, case) == ref.tokens
+
+
+def test_decode_steps_match_transformers(tiny_checkpoints, loaded, reference):
+    """Teacher-forced on the reference's answer, every decode step (through the rotating
+    sliding-window caches, well past the window) gives transformers' logits."""
+    model, processor = loaded(FAMILY, "hub")
+    messages, images = CASES["image_in_second_turn"]
+    ref = reference(FAMILY, "image_in_second_turn")
+    expected = reference_forward(tiny_checkpoints.model(FAMILY).model, processor, messages,
+                                 images, ref.tokens)
+    steps = our_decode_logits(model, processor, messages, images, ref.tokens)
+    np.testing.assert_allclose(steps, expected[len(ref.input_ids) - 1 :], rtol=0, atol=LOGITS_ATOL)
 
 
 def test_chunked_prefill_keeps_images_whole(loaded, reference):

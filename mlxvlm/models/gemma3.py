@@ -27,28 +27,8 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlxvlm.models.base import VisionLanguageModel
-from mlxvlm.models.config_utils import text_config, token_id, vision_config
+from mlxvlm.models.config_utils import as_transformers_reads_it
 from mlxvlm.models.layers import siglip
-
-# transformers' Gemma3TextConfig defaults, for the keys the Hub's config.json leaves out
-# (google/gemma-3-4b-it's text_config names only sizes, rope_scaling and sliding_window).
-TEXT_DEFAULTS = {
-    "vocab_size": 262_208,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131_072,
-    "rms_norm_eps": 1e-6,
-    "query_pre_attn_scalar": 256,
-    "sliding_window": 4096,
-    "sliding_window_pattern": 6,
-    "rope_local_base_freq": 10_000.0,
-}
-GLOBAL_ROPE_THETA = 1_000_000.0
 
 # Hugging Face name prefix -> ours, first match wins. The Hub's original checkpoints
 # (transformers 4.50) already use our names; transformers 4.52+ nest the modules under
@@ -92,23 +72,14 @@ def hf_to_mlx_name(name: str) -> str:
 # ----------------------------------------------------------------------------- config
 
 
-def text_args(config: dict) -> gemma3_text.ModelArgs:
-    """mlx-lm's Gemma 3 arguments from either config layout, checked against what its
-    blocks implement."""
-    text = {**TEXT_DEFAULTS, **text_config(config, GLOBAL_ROPE_THETA)}
+def text_args(text: dict) -> gemma3_text.ModelArgs:
+    """mlx-lm's Gemma 3 arguments from the text config as transformers reads it (see
+    ``ModelArgs.from_hf``), checked against what mlx-lm's blocks implement."""
     n = text["num_hidden_layers"]
-    rope = text["rope_parameters"]
-    if "full_attention" in rope:  # transformers 5: one entry per layer type
-        global_rope, local_rope = rope["full_attention"], rope["sliding_attention"]
-    else:  # Hub: rope_scaling/rope_theta for global layers, rope_local_base_freq
-        global_rope = rope
-        local_rope = {"rope_type": "default", "rope_theta": text["rope_local_base_freq"]}
-
-    layer_types = text.get("layer_types") or [
-        "full_attention" if (i + 1) % text["sliding_window_pattern"] == 0 else "sliding_attention"
-        for i in range(n)
-    ]
-    # mlx-lm's blocks place global layers every `pattern` layers; check that is the case.
+    global_rope = text["rope_parameters"]["full_attention"]
+    local_rope = text["rope_parameters"]["sliding_attention"]
+    layer_types = text["layer_types"]
+    # mlx-lm's blocks place a global layer every `pattern` layers; check that is the case.
     pattern = layer_types.index("full_attention") + 1 if "full_attention" in layer_types else n + 1
     expected = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
     unsupported = {
@@ -154,11 +125,15 @@ class ModelArgs:
 
     @classmethod
     def from_hf(cls, config: dict) -> "ModelArgs":
+        """From either config layout. The Hub's config.json names only what differs from
+        transformers' defaults (and the rope in its older keys), so it is read through
+        transformers' own config classes."""
+        config = as_transformers_reads_it(config)
         return cls(
-            text=text_args(config),
-            vision=siglip.SiglipVisionConfig.from_hf(vision_config(config)),
-            mm_tokens_per_image=config.get("mm_tokens_per_image", 256),
-            image_token_id=token_id(config, "image_token", 262_144),
+            text=text_args(config["text_config"]),
+            vision=siglip.SiglipVisionConfig.from_hf(config["vision_config"]),
+            mm_tokens_per_image=config["mm_tokens_per_image"],
+            image_token_id=config["image_token_index"],
         )
 
 
