@@ -1,0 +1,208 @@
+"""Build the benchmark checkpoints offline: real model shapes, random weights.
+
+    python benchmarks/checkpoints.py [--only smolvlm-256m] [--no-quantized]
+
+Writes under benchmarks/checkpoints/ (git-ignored):
+
+- ``smolvlm-256m-bf16``: SmolVLM-256M-Instruct's shapes (Idefics3: SigLIP 12x768 at
+  512 px, pixel shuffle 4, a 30-layer 576-wide Llama), bfloat16;
+- ``qwen2vl-2b-bf16``: Qwen2-VL-2B-Instruct's shapes (32-layer 1280-wide ViT, 28-layer
+  1536-wide Qwen2 with M-RoPE), bfloat16;
+- ``*-4bit`` and ``*-8bit`` of each, made with ``python -m mlxvlm.convert``.
+
+Each is a Hugging Face checkpoint (config.json in the Hub's layout, safetensors,
+tokenizer, processor and chat template) that transformers, mlx-vlm and mlxvlm all load.
+The tokenizer is a word-level vocabulary as large as the model's, so every sampled id
+decodes. The end-of-sequence rows of the output head are zero, so greedy decoding of the
+random model never stops early and every engine generates the same number of tokens. A
+448x448 image and a prompt are saved beside the weights (``benchmark.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "checkpoints"
+
+# The prompt: 80 words of one token each under the word-level tokenizer.
+PROMPT = " ".join(f"w{i}" for i in range(80))
+
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+QWEN_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class Parts:
+    """The processor's pieces, saved the way Hub checkpoints carry them."""
+
+    tokenizer: object
+    image_processor: object
+    chat_template: str
+    processor_config: dict
+    image_processor_type: str  # the name Hub checkpoints record
+
+    def save(self, target: Path) -> None:
+        self.tokenizer.save_pretrained(target)
+        self.image_processor.save_pretrained(target)
+        preprocessor = target / "preprocessor_config.json"
+        settings = json.loads(preprocessor.read_text())
+        settings["image_processor_type"] = self.image_processor_type
+        settings["processor_class"] = self.processor_config["processor_class"]
+        preprocessor.write_text(json.dumps(settings, indent=2))
+        (target / "processor_config.json").write_text(json.dumps(self.processor_config, indent=2))
+        (target / "chat_template.jinja").write_text(self.chat_template)
+
+
+def word_level_tokenizer(vocab_size: int, special: dict[str, int], eos: str, pad: str, bos=None):
+    """A word-level tokenizer with ``vocab_size`` entries and the specials at their ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    names = [None] * vocab_size
+    for token, index in special.items():
+        names[index] = token
+    if names[0] is None:
+        names[0] = "<unk>"
+    words = iter(range(vocab_size))
+    names = [name if name is not None else f"w{next(words)}" for name in names]
+    vocab = {name: index for index, name in enumerate(names)}
+    unk = names[0]
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, pad_token=pad,
+                                   bos_token=bos, unk_token=unk)
+
+
+def smolvlm_256m():
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration,
+                              Idefics3ImageProcessorPil)
+
+    special = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2,
+               "<fake_token_around_image>": 49189, "<image>": 49190, "<global-img>": 49152,
+               "<end_of_utterance>": 49279}
+    special.update({f"<row_{r}_col_{c}>": 49153 + (r - 1) * 6 + (c - 1)
+                    for r in range(1, 7) for c in range(1, 7)})
+    tokenizer = word_level_tokenizer(49280, special, eos="<end_of_utterance>",
+                                     pad="<|im_end|>", bos="<|im_start|>")
+    config = Idefics3Config(
+        image_token_id=49190, scale_factor=4, tie_word_embeddings=False,
+        text_config=dict(model_type="llama", hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         vocab_size=49280, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                         rope_theta=100000.0, bos_token_id=1, eos_token_id=49279, pad_token_id=2,
+                         tie_word_embeddings=False),
+        vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                           num_attention_heads=12, image_size=512, patch_size=16),
+    )
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 2048},
+                                                max_image_size={"longest_edge": 512})
+    parts = Parts(tokenizer, image_processor, SMOLVLM_TEMPLATE,
+                  {"processor_class": "Idefics3Processor", "image_seq_len": 64},
+                  "Idefics3ImageProcessor")
+    return Idefics3ForConditionalGeneration, config, parts, [49279]
+
+
+def qwen2vl_2b():
+    from transformers import (Qwen2VLConfig, Qwen2VLForConditionalGeneration,
+                              Qwen2VLImageProcessorPil)
+
+    special = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+               "<|vision_start|>": 151652, "<|vision_end|>": 151653,
+               "<|image_pad|>": 151655, "<|video_pad|>": 151656}
+    tokenizer = word_level_tokenizer(151936, special, eos="<|im_end|>", pad="<|endoftext|>")
+    config = Qwen2VLConfig(
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+        vision_end_token_id=151653, tie_word_embeddings=True,
+        text_config=dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=32768, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                          "mrope_section": [16, 24, 24]},
+                         bos_token_id=151643, eos_token_id=151645),
+        vision_config=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16,
+                           mlp_ratio=4, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2),
+    )
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+    parts = Parts(tokenizer, image_processor, QWEN_TEMPLATE,
+                  {"processor_class": "Qwen2VLProcessor"}, "Qwen2VLImageProcessor")
+    return Qwen2VLForConditionalGeneration, config, parts, [151645, 151643]
+
+
+BUILDERS = {"smolvlm-256m": smolvlm_256m, "qwen2vl-2b": qwen2vl_2b}
+
+
+def benchmark_image(size: int = 448) -> Image.Image:
+    rng = np.random.default_rng(0)
+    ys, xs = np.mgrid[0:size, 0:size] / size
+    rgb = np.stack([np.sin(6 * xs + 1), np.cos(5 * ys), np.sin(4 * (xs + ys))], -1) * 0.4 + 0.5
+    rgb += rng.normal(0, 0.05, rgb.shape)
+    return Image.fromarray((np.clip(rgb, 0, 1) * 255).astype(np.uint8))
+
+
+def build(name: str, target: Path) -> None:
+    import torch
+
+    model_class, config, parts, eos_ids = BUILDERS[name]()
+    torch.manual_seed(0)
+    model = model_class._from_config(config, dtype=torch.bfloat16).eval()
+    with torch.no_grad():  # greedy decoding of a random model must never pick EOS
+        model.get_output_embeddings().weight[eos_ids] = 0
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target)
+    parts.save(target)
+    benchmark_image().save(target / "image.png")
+    (target / "benchmark.json").write_text(json.dumps({"image": "image.png", "prompt": PROMPT}))
+    print(f"wrote {target}", file=sys.stderr)
+
+
+def convert(source: Path, bits: int) -> None:
+    target = source.with_name(source.name.replace("-bf16", f"-{bits}bit"))
+    subprocess.run([sys.executable, "-m", "mlxvlm.convert", "--hf-path", str(source),
+                    "--mlx-path", str(target), "-q", "--q-bits", str(bits), "--force"],
+                   check=True)
+    for extra in ("image.png", "benchmark.json"):
+        (target / extra).write_bytes((source / extra).read_bytes())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", choices=sorted(BUILDERS), action="append")
+    parser.add_argument("--no-quantized", action="store_true")
+    args = parser.parse_args()
+    for name in args.only or sorted(BUILDERS):
+        source = OUT / f"{name}-bf16"
+        build(name, source)
+        if not args.no_quantized:
+            for bits in (4, 8):
+                convert(source, bits)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""transformers + PyTorch (CPU, float32) on the benchmark checkpoint."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from common import Stopwatch, parse_args
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers.generation.streamers import BaseStreamer
+
+
+class TokenTimes(BaseStreamer):
+    """generate() calls put() once with the prompt, then once per new token."""
+
+    def __init__(self, watch: Stopwatch):
+        self.watch, self.seen_prompt = watch, False
+
+    def put(self, value):
+        if self.seen_prompt:
+            self.watch.token()
+        self.seen_prompt = True
+
+    def end(self):
+        pass
+
+
+args = parse_args()
+torch.set_grad_enabled(False)
+start = time.perf_counter()
+processor = AutoProcessor.from_pretrained(args.model, use_fast=False)
+model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=torch.float32).eval()
+load_s = time.perf_counter() - start
+image = Image.open(args.image).convert("RGB")
+messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": args.prompt}]}]
+for _ in range(args.runs):
+    watch = Stopwatch()
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    model.generate(**inputs, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
+                   do_sample=False, streamer=TokenTimes(watch))
+    watch.report("transformers", load_s, int(inputs["input_ids"].shape[1]), 0.0)

@@ -1,0 +1,127 @@
+"""Side-by-side benchmark: mlxvlm against mlx-vlm and transformers on the same checkpoint.
+
+    python benchmarks/checkpoints.py                        # build the checkpoints once
+    python benchmarks/run.py --checkpoint smolvlm-256m-bf16 --runs 3 \
+        --mlx-vlm-python /path/to/venv-with-mlx-vlm/bin/python
+
+Every run is a fresh process (so load time and memory are measured from a cold start)
+and the engines alternate run by run, so that a slower or faster stretch of the machine
+falls on all of them alike. Prints median/min/max of each statistic and mlxvlm's ratios to
+the other engines; ``--output`` also writes the raw runs as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ENGINES = HERE / "engines"
+CHECKPOINTS = HERE / "checkpoints"
+
+# (label, key, format, higher is better)
+METRICS = [
+    ("load time (s)", "load_s", ".2f", False),
+    ("time to first token (s)", "ttft_s", ".2f", False),
+    ("prompt tokens/s", "prompt_tps", ".1f", True),
+    ("decode tokens/s", "decode_tps", ".2f", True),
+    ("peak RSS (GB)", "max_rss_gb", ".2f", False),
+]
+
+
+def engine_command(engine: str, python: str, checkpoint: Path, image: Path, prompt: str,
+                   max_tokens: int) -> list[str]:
+    script = ENGINES / f"{engine.replace('-', '_')}_engine.py"
+    return [python, str(script), "--model", str(checkpoint), "--image", str(image),
+            "--prompt", prompt, "--max-tokens", str(max_tokens)]
+
+
+def run_once(command: list[str], timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ENGINES), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:2])} failed:\n{out.stderr[-3000:]}")
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1])
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    engines = list(results)
+    header = "| metric | " + " | ".join(f"{e} median (min–max)" for e in engines)
+    others = [e for e in engines if e != "mlxvlm"]
+    header += "".join(f" | mlxvlm ÷ {e}" for e in others) + " |"
+    lines = [header, "|" + " --- |" * (1 + len(engines) + len(others))]
+    for label, key, fmt, _ in METRICS:
+        cells = []
+        medians = {}
+        for engine in engines:
+            values = [run[key] for run in results[engine]]
+            medians[engine] = statistics.median(values)
+            cells.append(f"{medians[engine]:{fmt}} ({min(values):{fmt}}–{max(values):{fmt}})")
+        for other in others:
+            ratio = medians["mlxvlm"] / medians[other] if medians[other] else float("nan")
+            cells.append(f"{ratio:.2f}×")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", required=True,
+                        help="A directory, or a name under benchmarks/checkpoints/")
+    parser.add_argument("--image", type=Path, default=None,
+                        help="Default: the checkpoint's benchmark image (448x448)")
+    parser.add_argument("--prompt", default=None, help="Default: the checkpoint's 87-token prompt")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--engines", nargs="+", default=["mlxvlm", "mlx-vlm", "transformers"])
+    parser.add_argument("--mlx-vlm-python", default=None,
+                        help="Interpreter with mlx-vlm installed (skipped when not given)")
+    parser.add_argument("--transformers-python", default=sys.executable,
+                        help="Interpreter with transformers + torch (default: this one)")
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--output", type=Path, default=None, help="Write the raw runs as JSON")
+    args = parser.parse_args()
+
+    checkpoint = Path(args.checkpoint)
+    if not checkpoint.is_dir():
+        checkpoint = CHECKPOINTS / args.checkpoint
+    bench = json.loads((checkpoint / "benchmark.json").read_text()) if (
+        checkpoint / "benchmark.json").exists() else {}
+    image = args.image or checkpoint / bench.get("image", "image.png")
+    prompt = args.prompt or bench.get("prompt") or "Describe this image in detail."
+
+    pythons = {"mlxvlm": sys.executable, "mlx-vlm": args.mlx_vlm_python,
+               "transformers": args.transformers_python}
+    engines = [e for e in args.engines if pythons.get(e)]
+    skipped = [e for e in args.engines if e not in engines]
+    if skipped:
+        print(f"skipping (no interpreter given): {', '.join(skipped)}", file=sys.stderr)
+
+    results: dict[str, list[dict]] = {e: [] for e in engines}
+    for index in range(args.runs):
+        for engine in engines:
+            command = engine_command(engine, pythons[engine], checkpoint, image, prompt,
+                                     args.max_tokens)
+            run = run_once(command, args.timeout)
+            results[engine].append(run)
+            print(f"run {index + 1}/{args.runs} {engine}: ttft {run['ttft_s']:.2f} s, "
+                  f"decode {run['decode_tps']:.2f} tok/s, rss {run['max_rss_gb']:.2f} GB",
+                  file=sys.stderr, flush=True)
+
+    print(f"checkpoint: {checkpoint.name}, prompt tokens (mlxvlm): "
+          f"{results['mlxvlm'][0]['prompt_tokens'] if 'mlxvlm' in results else '?'}, "
+          f"new tokens: {args.max_tokens}, runs: {args.runs}\n")
+    print(table(results))
+    if args.output:
+        args.output.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
