@@ -21,6 +21,8 @@ FAMILIES: dict[str, str] = {
     "llava_next": "llava_next",
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl_moe",
+    "mistral3": "mistral3",
+    "pixtral": "pixtral",
 }
 
 

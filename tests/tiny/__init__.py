@@ -22,6 +22,8 @@ BUILDERS = {
     "llava_next": "tiny.llava",
     "qwen3_vl": "tiny.qwen",
     "qwen3_vl_moe": "tiny.qwen",
+    "mistral3": "tiny.pixtral",
+    "pixtral": "tiny.pixtral",
 }
 
 

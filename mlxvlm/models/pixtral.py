@@ -1,0 +1,303 @@
+"""Pixtral (Mistral AI, 2024): the Pixtral vision transformer, LLaVA's two-layer projector
+and a Mistral decoder (mlx-lm's, through ``input_embeddings``).
+
+On the Hub (mistral-community/pixtral-12b) the checkpoint is a ``llava`` config whose
+``vision_config.model_type`` is ``pixtral``; mlx-community's conversions are registered
+here as ``pixtral``. ``Model.from_config`` reads either.
+
+Each image becomes rows of ``[IMG]`` tokens, one per patch, each row closed by
+``[IMG_BREAK]`` and the last by ``[IMG_END]``; only the ``[IMG]`` tokens carry image
+features. transformers' ``PixtralProcessor`` cannot be imported without torchvision, so
+``PixtralProcessor`` below is the same expansion over the tokenizer and transformers' PIL
+image processor (tests check it against transformers' own).
+
+Checkpoint names (mlx-community's): ``vision_tower.vision_model.*``,
+``multi_modal_projector.linear_{1,2}``, ``language_model.model.*``,
+``language_model.lm_head`` unless tied.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from transformers import ProcessorMixin
+
+from mlxvlm.models.base import VisionLanguageModel
+from mlxvlm.models.config_utils import text_config, token_id, vision_config
+from mlxvlm.models.layers import mlx_lm_backbone
+from mlxvlm.models.layers.pixtral_vision import (
+    PixtralVisionConfig,
+    PixtralVisionTower,
+    hf_vision_name_to_mlx,
+    sanitize_vision_tensor,
+)
+from mlxvlm.models.layers.qwen_vision import activation
+
+# Hugging Face name prefix -> ours, first match wins; the vision tower's names are mapped
+# by ``hf_vision_name_to_mlx``. Hub checkpoints (transformers 4.4x-4.5x) already use
+# ``language_model.model.*`` / ``multi_modal_projector.*``; transformers 5 nests them
+# under ``model.``.
+HF_PREFIXES = (
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.language_model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+)
+
+# Mistral's default rope θ and, for keys a Hub config leaves out (mistral-community/
+# pixtral-12b's has no num_attention_heads), transformers' MistralConfig defaults.
+DEFAULT_TEXT_ROPE_THETA = 10000.0
+MISTRAL_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096 * 32,
+    "rms_norm_eps": 1e-6,
+}
+
+
+def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
+    """Hugging Face names: the tower directly under ``vision_tower.`` (ours nest it under
+    ``vision_tower.vision_model.``), or transformers 5's ``model.`` / ``lm_head.``."""
+    for name in weight_names:
+        if name.startswith(("model.", "lm_head.")):
+            return True
+        if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+            return True
+    return False
+
+
+def hf_to_mlx_name(name: str) -> str:
+    mapped = hf_vision_name_to_mlx(name)
+    if mapped != name:
+        return mapped
+    for prefix, replacement in HF_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name
+
+
+def text_config_for_mlx_lm(config: dict) -> dict:
+    """The text config, complete for mlx-lm's Mistral/Llama (either layout)."""
+    text = {**MISTRAL_DEFAULTS, **text_config(config, DEFAULT_TEXT_ROPE_THETA)}
+    text["model_type"] = (config.get("text_config") or {}).get("model_type", "mistral")
+    return text
+
+
+@dataclass
+class ModelArgs:
+    vision: PixtralVisionConfig
+    text: Any  # mlx-lm's ModelArgs
+    image_token_id: int
+    vision_feature_layer: int | tuple[int, ...]
+    projector_hidden_act: str
+    projector_bias: bool
+    max_context: int | None
+
+
+class PixtralFamilyModel(VisionLanguageModel):
+    """Pixtral tower + a projector + an mlx-lm text model; subclasses add the projector."""
+
+    feature_names = ("pixel_values", "image_sizes")
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.vision_tower = PixtralVisionTower(args.vision)
+        self.language_model = mlx_lm_backbone.text_model(args.text)
+
+    # -- checkpoint -----------------------------------------------------------------
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        sanitized = {}
+        for name, value in weights.items():
+            if name.endswith("inv_freq"):  # rotary tables, recomputed from the config
+                continue
+            value = sanitize_vision_tensor(name, value)
+            name = hf_to_mlx_name(name)
+            if name == "language_model.lm_head.weight" and self.args.text.tie_word_embeddings:
+                continue
+            sanitized[name] = value
+        return sanitized
+
+    # -- the contract -----------------------------------------------------------------
+
+    @property
+    def layers(self):
+        return self.language_model.model.layers
+
+    @property
+    def max_context(self) -> int | None:
+        return self.args.max_context
+
+    @property
+    def placeholder_token_ids(self) -> set[int]:
+        return {self.args.image_token_id}
+
+    def make_cache(self) -> list[Any]:
+        if hasattr(self.language_model, "make_cache"):
+            return self.language_model.make_cache()
+        return super().make_cache()
+
+    def embed(self, input_ids: mx.array, pixel_values: Any = None, image_sizes: Any = None):
+        ids = np.asarray(input_ids).reshape(-1)
+        h = self.language_model.model.embed_tokens(input_ids)
+        positions = np.flatnonzero(ids == self.args.image_token_id)
+        if pixel_values is None:
+            if positions.size:
+                raise ValueError(
+                    f"the prompt has {positions.size} image tokens but no pixel values"
+                )
+            return h, None
+        pixels = pixel_values if isinstance(pixel_values, mx.array) else mx.array(pixel_values)
+        sizes = np.asarray(image_sizes).reshape(-1, 2)
+        per_image = self.vision_tower(pixels, sizes, self.args.vision_feature_layer)
+        features = mx.concatenate(self.project(per_image, sizes), axis=0)
+        if features.shape[0] != positions.size:
+            raise ValueError(
+                f"the images give {features.shape[0]} feature tokens but the prompt has "
+                f"{positions.size} image tokens for them"
+            )
+        merged = h[0]
+        merged[mx.array(positions)] = features.astype(h.dtype)
+        return merged[None], None
+
+    def project(self, per_image: list[mx.array], image_sizes: np.ndarray) -> list[mx.array]:
+        raise NotImplementedError
+
+    def __call__(self, input_ids, cache=None, *, embeddings=None, state=None) -> mx.array:
+        return self.language_model(input_ids, cache=cache, input_embeddings=embeddings)
+
+    @classmethod
+    def model_args(cls, config: dict) -> ModelArgs:
+        text = text_config_for_mlx_lm(config)
+        feature_layer = config.get("vision_feature_layer", -1)
+        return ModelArgs(
+            vision=PixtralVisionConfig.from_hf(vision_config(config)),
+            text=mlx_lm_backbone.model_args(text),
+            image_token_id=token_id(config, "image_token", 10),
+            vision_feature_layer=feature_layer if isinstance(feature_layer, int) else tuple(feature_layer),
+            projector_hidden_act=config.get("projector_hidden_act", "gelu"),
+            projector_bias=config.get("multimodal_projector_bias", True),
+            max_context=mlx_lm_backbone.max_context(text),
+        )
+
+
+class LlavaProjector(nn.Module):
+    """LLaVA's ``multi_modal_projector``: linear -> activation -> linear."""
+
+    def __init__(self, vision_width: int, text_width: int, act: str, bias: bool):
+        super().__init__()
+        self.linear_1 = nn.Linear(vision_width, text_width, bias=bias)
+        self.linear_2 = nn.Linear(text_width, text_width, bias=bias)
+        self.act = activation(act)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+def num_feature_layers(feature_layer: int | tuple[int, ...]) -> int:
+    return 1 if isinstance(feature_layer, int) else len(feature_layer)
+
+
+class Model(PixtralFamilyModel):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        width = args.vision.hidden_size * num_feature_layers(args.vision_feature_layer)
+        self.multi_modal_projector = LlavaProjector(
+            width, args.text.hidden_size, args.projector_hidden_act, args.projector_bias
+        )
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Model":
+        strategy = config.get("vision_feature_select_strategy", "full")
+        if strategy != "full":
+            raise NotImplementedError(
+                f"vision_feature_select_strategy {strategy!r} with a Pixtral tower (which has "
+                "no CLS token to drop) is not supported; Pixtral checkpoints use 'full'"
+            )
+        return cls(cls.model_args(config))
+
+    def project(self, per_image, image_sizes):
+        return [self.multi_modal_projector(f) for f in per_image]
+
+
+# ---------------------------------------------------------------------------- processor
+
+
+class PixtralProcessor(ProcessorMixin):
+    """transformers' PixtralProcessor (its module needs torchvision): each image in the
+    text becomes rows of ``[IMG]`` * (width / unit) + ``[IMG_BREAK]``, the last break
+    replaced by ``[IMG_END]``, where unit = patch_size * spatial_merge_size pixels."""
+
+    def __init__(
+        self,
+        image_processor=None,
+        tokenizer=None,
+        patch_size: int = 16,
+        spatial_merge_size: int = 1,
+        chat_template=None,
+        image_token: str = "[IMG]",
+        image_break_token: str = "[IMG_BREAK]",
+        image_end_token: str = "[IMG_END]",
+        **kwargs,
+    ):
+        super().__init__(image_processor, tokenizer, chat_template=chat_template)
+        self.patch_size = patch_size
+        self.spatial_merge_size = spatial_merge_size
+        self.image_token = image_token
+        self.image_break_token = image_break_token
+        self.image_end_token = image_end_token
+        self.image_token_id = tokenizer.convert_tokens_to_ids(image_token)
+
+    def _process_images(self, images, **images_kwargs):
+        # The image processor sizes images in whole merged tokens.
+        images_kwargs["patch_size"] = self.patch_size * self.spatial_merge_size
+        return super()._process_images(images, **images_kwargs)
+
+    def replace_image_token(self, image_inputs: dict, image_idx: int, **kwargs) -> str:
+        unit = self.patch_size * self.spatial_merge_size
+        height, width = image_inputs["image_sizes"][image_idx]
+        row = self.image_token * (int(width) // unit) + self.image_break_token
+        tokens = row * (int(height) // unit)
+        return tokens[: -len(self.image_break_token)] + self.image_end_token
+
+    @property
+    def model_input_names(self):
+        return self.tokenizer.model_input_names + self.image_processor.model_input_names
+
+
+def load_processor(model_path: str | Path, config: dict):
+    """Tokenizer + transformers' PIL Pixtral image processor + the checkpoint's token
+    expansion settings (processor_config.json) and chat template."""
+    from transformers import AutoTokenizer, PixtralImageProcessorPil
+
+    from mlxvlm.models.processor_utils import read_chat_template
+
+    model_path = Path(model_path)
+    settings = {}
+    processor_config = model_path / "processor_config.json"
+    if processor_config.exists():
+        settings = json.loads(processor_config.read_text())
+    vision = vision_config(config)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    image_processor = PixtralImageProcessorPil.from_pretrained(model_path)
+    chat_template = read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)
+    return PixtralProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=settings.get("patch_size", vision.get("patch_size", 16)),
+        spatial_merge_size=settings.get("spatial_merge_size", config.get("spatial_merge_size", 1)),
+        chat_template=chat_template,
+        image_token=settings.get("image_token", "[IMG]"),
+        image_break_token=settings.get("image_break_token", "[IMG_BREAK]"),
+        image_end_token=settings.get("image_end_token", "[IMG_END]"),
+    )

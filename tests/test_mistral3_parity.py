@@ -1,0 +1,255 @@
+"""Mistral 3 and Pixtral (LLaVA layout) against transformers (float32), on tiny checkpoints.
+
+Both families load from both config layouts (transformers 5's and the Hub's, see
+tests/tiny/pixtral.py) through ``mlxvlm.load``. The reference runs transformers' own
+``PixtralProcessor`` (imported for the test, see ``transformers_processor``) and model;
+mlxvlm runs its torch-free processor: prompt ids and pixels must be identical, first-pass
+logits within 1e-4, greedy tokens equal for 24 steps — text only, one image, two images
+of different sizes (padded into one batch, each run at its own size), an image in a later
+turn. Guards: another image changes the output, wrong rope θs are caught, margins are
+not razor-thin.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from tiny import make_image
+from tiny.pixtral import FAMILIES, LAYOUTS, llava_config, transformers_processor
+from mlxvlm import load, stream_generate
+from mlxvlm.loading import load_weights_files
+from mlxvlm.models import get_family, pixtral
+from mlxvlm.prompt import prepare_inputs
+
+torch = pytest.importorskip("torch")
+
+LOGITS_ATOL = 1e-4
+NEW_TOKENS = 24
+MIN_REFERENCE_MARGIN = 1e-3
+
+IMAGE_A = make_image(112, 84, seed=1)
+IMAGE_B = make_image(84, 56, seed=2)
+IMAGE_A2 = make_image(112, 84, seed=3)
+
+CASES = {
+    "text": ([{"role": "user", "content": "Tell me a story about a red cat."}], []),
+    "one_image": (
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}],
+        [IMAGE_A],
+    ),
+    "two_images": (
+        [{"role": "user", "content": [
+            {"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare the two images."},
+        ]}],
+        [IMAGE_A, IMAGE_B],
+    ),
+    "image_in_second_turn": (
+        [
+            {"role": "user", "content": "Hello! Who are you?"},
+            {"role": "assistant", "content": "I am a helpful assistant."},
+            {"role": "user", "content": [
+                {"type": "image"}, {"type": "text", "text": "What is in this picture?"},
+            ]},
+        ],
+        [IMAGE_B],
+    ),
+}
+ALL_CASES = {**CASES, "one_other_image": (CASES["one_image"][0], [IMAGE_A2])}
+FAMILY_LAYOUTS = [(f, layout) for f in FAMILIES for layout in LAYOUTS]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoints):
+    return functools.cache(lambda family, layout: load(tiny_checkpoints.path(family, layout)))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoints):
+    """(family, case) -> transformers' processor outputs (numpy), first-pass logits,
+    greedy tokens and the thinnest top-1/top-2 margin of its greedy steps."""
+
+    @functools.cache
+    def run(family: str, case: str):
+        messages, images = ALL_CASES[case]
+        tiny = tiny_checkpoints.model(family)
+        processor = transformers_processor(tiny)
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        inputs = processor(text=[text], images=list(images) or None, return_tensors="pt")
+        with torch.no_grad():
+            logits = tiny.model(**inputs).logits[0].numpy()
+            out = tiny.model.generate(
+                **inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
+                output_scores=True, return_dict_in_generate=True,
+            )
+        tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+        numpy_inputs = {k: v.numpy() for k, v in inputs.items()}
+        return numpy_inputs, logits, tokens, min(margins)
+
+    return run
+
+
+def parameter_list(model) -> list[tuple[str, mx.array]]:
+    return [(k, v) for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)]
+
+
+def first_pass(model, processor, case: str):
+    messages, images = ALL_CASES[case]
+    inputs = prepare_inputs(processor, messages, images, feature_names=model.feature_names)
+    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
+    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
+    return inputs, np.array(logits[0])
+
+
+def our_tokens(model, processor, case: str, **options) -> list[int]:
+    messages, images = ALL_CASES[case]
+    results = stream_generate(
+        model, processor, messages, image=images, max_tokens=NEW_TOKENS, temperature=0.0, **options
+    )
+    return [r.token for r in results]
+
+
+# ----------------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
+def test_first_pass_logits_match_transformers(family, layout, case, loaded, reference):
+    model, processor = loaded(family, layout)
+    ref_inputs, ref_logits, _, _ = reference(family, case)
+    inputs, logits = first_pass(model, processor, case)
+    # mlxvlm's torch-free processor gives transformers' PixtralProcessor's exact inputs
+    assert inputs.input_ids[0].tolist() == ref_inputs["input_ids"][0].tolist()
+    if "pixel_values" in ref_inputs:
+        np.testing.assert_array_equal(np.array(inputs.features["pixel_values"]), ref_inputs["pixel_values"])
+        np.testing.assert_array_equal(np.array(inputs.features["image_sizes"]), ref_inputs["image_sizes"])
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=LOGITS_ATOL)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
+def test_greedy_tokens_match_transformers(family, layout, case, loaded, reference):
+    model, processor = loaded(family, layout)
+    _, _, ref_tokens, margin = reference(family, case)
+    assert len(ref_tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
+    assert margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {margin:.2e} is too thin"
+    assert our_tokens(model, processor, case) == ref_tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_gives_the_same_tokens(family, loaded, reference):
+    model, processor = loaded(family, "hub")
+    assert our_tokens(model, processor, "two_images", prefill_step_size=3) == (
+        reference(family, "two_images")[2]
+    )
+
+
+def test_llava_config_builds_the_pixtral_model(tiny_checkpoints, reference):
+    """The Hub's pixtral-12b says ``model_type: llava``: ``pixtral.Model`` reads that config
+    and weights unchanged (what llava.py delegates to for a Pixtral tower)."""
+    path = tiny_checkpoints.path("pixtral", "hub")
+    model = pixtral.Model.from_config(llava_config(path))
+    weights = load_weights_files(path)
+    assert pixtral.is_hf_checkpoint(weights)
+    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    processor = pixtral.load_processor(path, llava_config(path))
+    _, logits = first_pass(model, processor, "two_images")
+    np.testing.assert_allclose(logits, reference("pixtral", "two_images")[1], rtol=0, atol=LOGITS_ATOL)
+
+
+# ---------------------------------------------------------------- the tests can fail
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_another_image_changes_the_output(family, loaded, reference):
+    model, processor = loaded(family, "transformers")
+    other = our_tokens(model, processor, "one_other_image")
+    assert other != reference(family, "one_image")[2]
+    assert other == reference(family, "one_other_image")[2]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("sub_config", ["text_config", "vision_config"])
+def test_wrong_rope_theta_would_be_caught(family, sub_config, tiny_checkpoints, loaded, reference):
+    """Both θs differ from the defaults, so a loader reading the wrong key fails parity."""
+    config = json.loads((tiny_checkpoints.path(family, "hub") / "config.json").read_text())
+    del config[sub_config]["rope_theta"]
+    model, processor = loaded(family, "hub")
+    wrong = get_family(family).Model.from_config(config)
+    wrong.load_weights(parameter_list(model))
+    _, logits = first_pass(wrong, processor, "one_image")
+    assert np.abs(logits - reference(family, "one_image")[1]).max() > 100 * LOGITS_ATOL
+
+
+# -------------------------------------------------------------- checkpoints and names
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hub_layout_reads_the_same_in_transformers(family, tiny_checkpoints, reference, tmp_path):
+    """The Hub-layout fixture is faithful: transformers reads it into the same model
+    (pixtral: with the Hub's own ``llava`` model_type)."""
+    from transformers import AutoModelForImageTextToText
+
+    path = tmp_path / "hub"
+    shutil.copytree(tiny_checkpoints.path(family, "hub"), path)
+    if family == "pixtral":
+        (path / "config.json").write_text(json.dumps(llava_config(path)))
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    ref_inputs, ref_logits, _, _ = reference(family, "two_images")
+    with torch.no_grad():
+        logits = model(**{k: torch.from_numpy(v) for k, v in ref_inputs.items()}).logits[0].numpy()
+    np.testing.assert_array_equal(logits, ref_logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_both_config_layouts_build_the_same_model(family, tiny_checkpoints):
+    read = lambda layout: json.loads(  # noqa: E731
+        (tiny_checkpoints.path(family, layout) / "config.json").read_text()
+    )
+    Model = get_family(family).Model
+    hub, new = Model.from_config(read("hub")).args, Model.from_config(read("transformers")).args
+    assert hub == new
+    assert (new.text.rope_theta, new.vision.rope_theta) == (5000.0, 500.0)
+    assert not new.text.tie_word_embeddings and new.text.head_dim == 32
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sanitized_names_are_mlx_community_names(family, tiny_checkpoints, loaded):
+    module = get_family(family)
+    model, _ = loaded(family, "transformers")
+    expected = {name for name, _ in parameter_list(model)}
+    for layout in LAYOUTS:
+        weights = load_weights_files(tiny_checkpoints.path(family, layout))
+        assert module.is_hf_checkpoint(weights.keys())
+        sanitized = model.sanitize(weights)
+        assert set(sanitized) == expected
+        assert not module.is_hf_checkpoint(sanitized.keys())
+    vision = model.args.vision
+    assert sanitized["vision_tower.vision_model.patch_conv.weight"].shape == (
+        vision.hidden_size, vision.patch_size, vision.patch_size, vision.num_channels
+    )
+    names = [
+        "vision_tower.vision_model.ln_pre.weight",
+        "vision_tower.vision_model.transformer.layers.1.attention.q_proj.weight",
+        "vision_tower.vision_model.transformer.layers.1.feed_forward.gate_proj.weight",
+        "vision_tower.vision_model.transformer.layers.1.attention_norm.weight",
+        "multi_modal_projector.linear_1.weight",
+        "multi_modal_projector.linear_2.weight",
+        "language_model.model.layers.1.self_attn.q_proj.weight",
+        "language_model.model.norm.weight",
+        "language_model.lm_head.weight",
+    ]
+    if family == "mistral3":
+        names += ["multi_modal_projector.norm.weight",
+                  "multi_modal_projector.patch_merger.merging_layer.weight"]
+    else:
+        names += ["multi_modal_projector.linear_1.bias"]
+    for name in names:
+        assert name in expected, name
