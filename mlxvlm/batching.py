@@ -176,6 +176,39 @@ class EngineStats:
     decode_tokens_per_second: float = 0.0  # smoothed over recent decode steps
 
 
+def _materialize(model: nn.Module) -> None:
+    """Evaluate every array the model holds, parameters or not (e.g. rotary tables kept
+    on plain helper objects), in the calling thread.
+
+    MLX streams are per thread, and a lazy array can only be evaluated on the thread
+    that built it; the engine's thread would fail on a table the loading thread left
+    unevaluated. ``load`` evaluates the parameters, not such helpers.
+    """
+    arrays: list[mx.array] = []
+    seen: set[int] = set()
+
+    def collect(value: Any, depth: int) -> None:
+        if id(value) in seen or depth > 4:
+            return
+        seen.add(id(value))
+        if isinstance(value, mx.array):
+            arrays.append(value)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                collect(item, depth + 1)
+        elif isinstance(value, dict):
+            for item in value.values():
+                collect(item, depth + 1)
+        elif hasattr(value, "__dict__") and not isinstance(value, (type, nn.Module)):
+            for item in vars(value).values():
+                collect(item, depth + 1)
+
+    for module in model.modules():
+        for value in vars(module).values():
+            collect(value, 0)
+    mx.eval(model.parameters(), arrays)
+
+
 def _step_seed(seed: int, step: int) -> int:
     """A seed per (request seed, token index): a seeded request samples the same tokens
     whatever else shares its batch."""
@@ -212,6 +245,7 @@ class BatchEngine:
         self.prefix_cache = prefix_cache
         self.placeholders = np.fromiter(model.placeholder_token_ids, dtype=np.int64)
         self.stats = EngineStats()
+        _materialize(model)
 
         self._waiting: deque[_Sequence] = deque()
         self._prefilling: _Sequence | None = None

@@ -1,0 +1,149 @@
+"""Chat completions: a validated request -> messages and sampling options; generated
+steps -> OpenAI's response body or its stream of chunks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from mlxvlm.batching import BatchStep, SamplingOptions
+from mlxvlm.server.errors import APIError
+from mlxvlm.server.schemas import ChatCompletionRequest
+
+logger = logging.getLogger("mlxvlm.server")
+
+# OpenAI's default when a request does not set a temperature.
+DEFAULT_TEMPERATURE = 1.0
+
+
+def warn_unknown_fields(request: ChatCompletionRequest) -> None:
+    """Fields this server does not implement are ignored, and said so in the log."""
+    unknown = sorted(request.model_extra or {})
+    for index, message in enumerate(request.messages):
+        unknown += [f"messages[{index}].{name}" for name in sorted(message.model_extra or {})]
+    if unknown:
+        logger.warning("ignoring request fields this server does not support: %s",
+                       ", ".join(unknown))
+
+
+def to_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation in the shape ``mlxvlm.prompt`` takes."""
+    messages = []
+    for message in request.messages:
+        # Chat templates know "system"; OpenAI's newer name for it is "developer".
+        role = "system" if message.role == "developer" else message.role
+        if message.content is None or isinstance(message.content, str):
+            content: Any = message.content or ""
+        else:
+            content = [part.model_dump(exclude_none=True) for part in message.content]
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def sampling_options(
+    request: ChatCompletionRequest, default_max_tokens: int, vocab_size: int
+) -> SamplingOptions:
+    if request.n is not None and request.n > 1:
+        raise APIError(400, "n > 1 is not supported; send n separate requests", param="n")
+    logit_bias = None
+    if request.logit_bias:
+        logit_bias = {int(token): bias for token, bias in request.logit_bias.items()}
+        outside = [t for t in logit_bias if t >= vocab_size]
+        if outside:
+            raise APIError(400, f"logit_bias names token {outside[0]}, but the vocabulary "
+                           f"has {vocab_size} tokens", param="logit_bias")
+    return SamplingOptions(
+        max_tokens=request.token_budget or default_max_tokens,
+        temperature=DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=request.top_k or 0,
+        min_p=request.min_p or 0.0,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=logit_bias,
+        seed=request.seed,
+        stop=request.stop,
+        top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+    )
+
+
+def usage(step: BatchStep) -> dict[str, Any]:
+    return {
+        "prompt_tokens": step.prompt_tokens,
+        "completion_tokens": step.generation_tokens,
+        "total_tokens": step.prompt_tokens + step.generation_tokens,
+        "prompt_tokens_details": {"cached_tokens": step.cached_tokens},
+    }
+
+
+class CompletionWriter:
+    """One completion's id, timestamps and model name, and its bodies and chunks."""
+
+    def __init__(self, model_id: str):
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model_id
+
+    def body(self, text: str, last: BatchStep, logprobs: list[dict] | None) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+                    "finish_reason": last.finish_reason,
+                }
+            ],
+            "usage": usage(last),
+        }
+
+    def chunk(
+        self,
+        delta: dict[str, Any],
+        *,
+        finish_reason: str | None = None,
+        logprobs: list[dict] | None = None,
+        include_usage: bool = False,
+    ) -> str:
+        data: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+                    "finish_reason": finish_reason,
+                }
+            ],
+        }
+        if include_usage:
+            data["usage"] = None  # every chunk but the usage chunk, as OpenAI sends them
+        return sse(data)
+
+    def usage_chunk(self, last: BatchStep) -> str:
+        return sse({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage(last),
+        })
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,107 @@
+"""The server's settings and its command line. Every default is the safe one: bound to
+127.0.0.1, no remote fetches, no local files, bounded bodies, images and queues."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from mlxvlm.cli import add_model_arguments
+from mlxvlm.errors import MlxvlmError
+
+MiB = 2**20
+
+
+@dataclass
+class ServerConfig:
+    model_id: str  # the name clients put in "model" (and /v1/models lists)
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    allow_remote_media: bool = False
+    allowed_media_dir: str | None = None
+    max_concurrency: int = 8
+    max_queue: int = 32
+    max_body_bytes: int = 32 * MiB
+    max_image_bytes: int = 20 * MiB
+    max_image_pixels: int = 25_000_000
+    media_timeout: float = 15.0
+    max_tokens: int = 512  # when a request does not say
+    prefill_step_size: int = 2048
+    prompt_cache_size: int = 8  # finished conversations kept for prefix reuse; 0: off
+    prepare_workers: int = 2
+    retry_after_seconds: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrency", "max_body_bytes", "max_image_bytes",
+                     "max_image_pixels", "max_tokens", "prefill_step_size", "prepare_workers"):
+            if getattr(self, name) < 1:
+                raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_queue", "prompt_cache_size"):
+            if getattr(self, name) < 0:
+                raise MlxvlmError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mlxvlm.server",
+        description="OpenAI-compatible chat completions server with continuous batching.",
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--served-model-name", default=None,
+                        help="Model name clients use (default: the --model value)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="Address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--api-key", default=os.environ.get("MLXVLM_API_KEY"),
+                        help="Require 'Authorization: Bearer KEY' (default: $MLXVLM_API_KEY)")
+    parser.add_argument("--allowed-origins", nargs="+", default=[],
+                        help="Origins allowed by CORS (default: none, CORS off)")
+    parser.add_argument("--allow-remote-media", action="store_true",
+                        help="Fetch http(s) image URLs (public addresses only)")
+    parser.add_argument("--allowed-media-dir", default=None,
+                        help="Allow local image paths inside this folder (default: none)")
+    parser.add_argument("--max-concurrency", type=int, default=8,
+                        help="Requests decoded together in one batch")
+    parser.add_argument("--max-queue", type=int, default=32,
+                        help="Requests waiting beyond those; more get 429")
+    parser.add_argument("--max-body-bytes", type=int, default=32 * MiB,
+                        help="Largest request body (413 above)")
+    parser.add_argument("--max-image-bytes", type=int, default=20 * MiB,
+                        help="Largest encoded image")
+    parser.add_argument("--max-image-pixels", type=int, default=25_000_000,
+                        help="Largest image width*height, checked before decoding")
+    parser.add_argument("--media-timeout", type=float, default=15.0,
+                        help="Seconds for fetching one remote image")
+    parser.add_argument("--max-tokens", type=int, default=512,
+                        help="New tokens for requests that do not say")
+    parser.add_argument("--prefill-step-size", type=int, default=2048,
+                        help="Prompt tokens per prefill chunk")
+    parser.add_argument("--prompt-cache-size", type=int, default=8,
+                        help="Finished conversations kept for prefix reuse (0: off)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        model_id=args.served_model_name or args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        allowed_origins=list(args.allowed_origins),
+        allow_remote_media=args.allow_remote_media,
+        allowed_media_dir=args.allowed_media_dir,
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        media_timeout=args.media_timeout,
+        max_tokens=args.max_tokens,
+        prefill_step_size=args.prefill_step_size,
+        prompt_cache_size=args.prompt_cache_size,
+    )

@@ -1,0 +1,93 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every error a client can see goes through here, including FastAPI's and Starlette's own
+(validation, unknown route, wrong method), so that no other body shape ever reaches a
+client; 5xx is kept for real server faults.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("mlxvlm.server")
+
+# OpenAI's error types by status.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client with ``status`` and an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+
+def error_body(status: int, message: str, *, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    first = errors[0] if errors else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    return (f"{param}: {message}" if param else message), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError):
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError):
+        message, param = _validation_message(list(error.errors()))
+        return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException):
+        status = error.status_code
+        message = error.detail if isinstance(error.detail, str) else "request failed"
+        code = "not_found" if status == 404 else None
+        return error_response(APIError(status, message, code=code, headers=error.headers))
+
+    @app.exception_handler(Exception)
+    async def server_fault(_: Request, error: Exception):
+        logger.exception("unhandled error")
+        return error_response(APIError(500, "internal server error; see the server log"))

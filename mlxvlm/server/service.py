@@ -1,0 +1,169 @@
+"""The server's side of the batching engine: admission, request preparation off the
+event loop, and an async stream of each request's tokens.
+
+Admission is counted from the moment a request is accepted until its last token (or its
+cancellation): ``max_concurrency`` requests decode together and ``max_queue`` more may
+wait or be prepared; beyond that the server answers 429 at once instead of letting work
+pile up. A request whose client goes away is cancelled in the engine, which frees its
+batch slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
+from mlxvlm.media import load_image
+from mlxvlm.prefix_cache import PrefixCache, image_hash
+from mlxvlm.prompt import PreparedInputs, normalize_messages, prepare_inputs
+from mlxvlm.server.config import ServerConfig
+
+
+@dataclass
+class PreparedRequest:
+    inputs: PreparedInputs
+    image_hashes: list[str]
+
+
+@dataclass
+class RequestCounters:
+    """Totals for /metrics that the engine does not see."""
+
+    accepted: int = 0
+    rejected_busy: int = 0
+    by_status: dict[int, int] | None = None
+
+    def count(self, status: int) -> None:
+        if self.by_status is None:
+            self.by_status = {}
+        self.by_status[status] = self.by_status.get(status, 0) + 1
+
+
+class GenerationService:
+    def __init__(self, model: Any, processor: Any, config: ServerConfig):
+        self.model = model
+        self.processor = processor
+        self.config = config
+        prefix_cache = (
+            PrefixCache(max_entries=config.prompt_cache_size)
+            if config.prompt_cache_size > 0
+            else None
+        )
+        self.engine = BatchEngine(
+            model,
+            processor,
+            max_batch_size=config.max_concurrency,
+            prefill_step_size=config.prefill_step_size,
+            prefix_cache=prefix_cache,
+        )
+        self.capacity = config.max_concurrency + config.max_queue
+        self.in_flight = 0  # only touched on the event loop
+        self.counters = RequestCounters()
+        self.started_at = time.time()
+        # Image decoding and the processor (tokenizer, image preprocessing) run here, so
+        # that they neither block the event loop nor touch the engine's thread.
+        self._prepare_pool = ThreadPoolExecutor(
+            max_workers=config.prepare_workers, thread_name_prefix="mlxvlm-prepare"
+        )
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def close(self) -> None:
+        self.engine.close()
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- admission ----------------------------------------------------------------
+
+    def try_admit(self) -> bool:
+        if self.in_flight >= self.capacity:
+            self.counters.rejected_busy += 1
+            return False
+        self.in_flight += 1
+        self.counters.accepted += 1
+        return True
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+    # -- preparation ----------------------------------------------------------------
+
+    def media_options(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "allow_remote": c.allow_remote_media,
+            "public_only": True,
+            "allow_local": c.allowed_media_dir is not None,
+            "allowed_dir": c.allowed_media_dir,
+            "timeout": c.media_timeout,
+            "max_bytes": c.max_image_bytes,
+            "max_pixels": c.max_image_pixels,
+        }
+
+    def _prepare(self, messages: list[dict]) -> PreparedRequest:
+        options = self.media_options()
+        normalized, sources = normalize_messages(messages)
+        images = [load_image(source, **options) for source in sources]
+        inputs = prepare_inputs(
+            self.processor,
+            normalized,
+            images,
+            feature_names=getattr(self.model, "feature_names", None),
+            media_options=options,
+        )
+        # MLX evaluates a graph only on the thread that built it (its streams are
+        # per thread), so the inputs must be concrete before they reach the engine.
+        mx.eval(inputs.input_ids, list(inputs.features.values()))
+        return PreparedRequest(inputs, [image_hash(image) for image in images])
+
+    async def prepare(self, messages: list[dict]) -> PreparedRequest:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prepare_pool, self._prepare, messages)
+
+    # -- generation -----------------------------------------------------------------
+
+    def submit(self, request: PreparedRequest, options: SamplingOptions) -> "TokenStream":
+        """Queue the request in the engine; raises at once if it cannot run (e.g. a
+        prompt longer than the context)."""
+        return TokenStream(self.engine, request, options)
+
+
+class TokenStream:
+    """A submitted request's steps, as an async iterator; ``cancel`` (or leaving the
+    iteration early) stops it in the engine."""
+
+    def __init__(self, engine: BatchEngine, request: PreparedRequest, options: SamplingOptions):
+        loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._done = False
+
+        def deliver(item: BatchStep | BaseException) -> None:
+            loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+        self._handle = engine.submit(
+            request.inputs, options, deliver, image_hashes=request.image_hashes
+        )
+
+    def __aiter__(self) -> "TokenStream":
+        return self
+
+    async def __anext__(self) -> BatchStep:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finish_reason is not None:
+            self._done = True
+        return item
+
+    def cancel(self) -> None:
+        self._done = True
+        self._handle.cancel()
