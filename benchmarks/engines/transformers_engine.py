@@ -7,7 +7,7 @@ import time
 import torch
 from common import Stopwatch, parse_args
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 from transformers.generation.streamers import BaseStreamer
 
 
@@ -26,10 +26,24 @@ class TokenTimes(BaseStreamer):
         pass
 
 
+
+
+def load_processor(path: str):
+    import json
+    from pathlib import Path
+
+    from mlxvlm.models import get_family
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    return get_family(config["model_type"]).load_processor(Path(path), config)
+
+
 args = parse_args()
 torch.set_grad_enabled(False)
 start = time.perf_counter()
-processor = AutoProcessor.from_pretrained(args.model, use_fast=False)
+# transformers' own processor class for the family, built from its PIL image processor
+# (AutoProcessor needs torchvision for some families' video processors).
+processor = load_processor(args.model)
 model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=torch.float32).eval()
 load_s = time.perf_counter() - start
 image = Image.open(args.image).convert("RGB")
