@@ -170,18 +170,15 @@ def _read_model(model_path: Path, config: dict, family):
     import mlx.core as mx
     from tqdm import tqdm
 
-    from mlxvlm.loading import CONVERTED_MARKER
+    from mlxvlm.loading import is_converted, weights_files
     from mlxvlm.quantization import apply_quantization
 
-    files = sorted(p for p in model_path.glob("*.safetensors") if not p.name.startswith("adapter"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors weights in {model_path}")
     weights: dict[str, mx.array] = {}
-    for file in tqdm(files, desc="Reading weights", unit="file", disable=None):
+    for file in tqdm(weights_files(model_path), desc="Reading weights", unit="file", disable=None):
         weights.update(mx.load(str(file)))
 
     model = family.Model.from_config(config)
-    if not config.get(CONVERTED_MARKER) and family.is_hf_checkpoint(weights.keys()):
+    if not is_converted(model_path, config) and family.is_hf_checkpoint(weights.keys()):
         weights = model.sanitize(weights)
     apply_quantization(model, config, weights)
     try:
@@ -489,7 +486,10 @@ def _quantize(model, config: dict, plan: _Plan, quantize_vision: bool):
 def main(argv: Sequence[str] | None = None) -> int:
     from mlxvlm.cli import run_cli
 
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # --help, or a usage error already printed
+        return int(exit_.code or 0)
 
     def body() -> int:
         result = convert(

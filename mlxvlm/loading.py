@@ -94,15 +94,36 @@ def read_config(model_path: Path) -> dict:
         raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from None
 
 
-def load_weights_files(model_path: Path) -> dict[str, mx.array]:
-    files = sorted(glob.glob(str(model_path / "*.safetensors")))
-    files = [f for f in files if not Path(f).name.startswith("adapter")]
+def weights_files(model_path: Path) -> list[Path]:
+    files = sorted(Path(f) for f in glob.glob(str(model_path / "*.safetensors")))
+    files = [f for f in files if not f.name.startswith("adapter")]
     if not files:
         raise CheckpointError(f"no *.safetensors weights in {model_path}")
+    return files
+
+
+def load_weights_files(model_path: Path) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
-    for file in files:
-        weights.update(mx.load(file))
+    for file in weights_files(model_path):
+        weights.update(mx.load(str(file)))
     return weights
+
+
+def is_converted(model_path: Path, config: dict) -> bool:
+    """Whether the weights are already in MLX layout, as their writer marked them:
+    ``mlxvlm.convert`` in config.json, and every MLX tool (mlx-lm, mlx-vlm — so
+    mlx-community's checkpoints — and mlxvlm.convert) with ``{"format": "mlx"}`` in the
+    safetensors metadata, where transformers writes ``"pt"``. Names alone cannot tell: a
+    float conversion of some families keeps the Hub's original names."""
+    if config.get(CONVERTED_MARKER):
+        return True
+    from safetensors import safe_open
+
+    for file in weights_files(model_path):
+        with safe_open(str(file), framework="numpy") as f:
+            if (f.metadata() or {}).get("format") != "mlx":
+                return False
+    return True
 
 
 def collect_eos_token_ids(model_path: Path, config: dict, tokenizer: Any) -> set[int]:
@@ -138,7 +159,7 @@ def load_model(
     family = get_family(config.get("model_type"))
     model = family.Model.from_config(config)
     weights = load_weights_files(model_path)
-    if not config.get(CONVERTED_MARKER) and family.is_hf_checkpoint(weights.keys()):
+    if not is_converted(model_path, config) and family.is_hf_checkpoint(weights.keys()):
         weights = model.sanitize(weights)
     apply_quantization(model, config, weights)
     try:
