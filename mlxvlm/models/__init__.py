@@ -17,6 +17,9 @@ FAMILIES: dict[str, str] = {
     "qwen2_vl": "qwen2_vl",
     "qwen2_5_vl": "qwen2_5_vl",
     "gemma3": "gemma3",
+    "idefics3": "idefics3",
+    # SmolVLM is Idefics3 under another name (see models/idefics3.py)
+    "smolvlm": "idefics3",
     "llava": "llava",
     "llava_next": "llava_next",
     "qwen3_vl": "qwen3_vl",

@@ -22,12 +22,8 @@ import numpy as np
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it, rope_parameters
 from mlxvlm.models.layers import mlx_lm_backbone
-from mlxvlm.models.layers.clip import (
-    CLIPVisionConfig,
-    CLIPVisionModel,
-    activation,
-    sanitize_patch_embedding,
-)
+from mlxvlm.models.layers import siglip
+from mlxvlm.models.layers.clip import CLIPVisionConfig, CLIPVisionModel, activation
 
 # --------------------------------------------------------------------------- checkpoints
 #
@@ -52,7 +48,6 @@ HF_PREFIXES = (
     ("model.image_newline", "image_newline"),
 )
 TOWER = "vision_tower.vision_model."
-PATCH_EMBEDDING = TOWER + "embeddings.patch_embedding.weight"
 # Buffers some Hugging Face checkpoints carry and that are recomputed here.
 HF_ONLY_SUFFIXES = ("position_ids", "rotary_emb.inv_freq")
 # Tensors only quantized (converted) checkpoints have.
@@ -88,9 +83,22 @@ def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
 
 # ------------------------------------------------------------------------------- config
 
+class SiglipTower(siglip.SiglipVisionModel):
+    """SigLIP as a LLaVA tower (llava-interleave, OneVision): no class token."""
+
+    has_class_token = False
+    convert_hf_weight = staticmethod(siglip.convert_hf_weight)
+
+    def hidden_states(self, pixel_values: mx.array, layers) -> list[mx.array]:
+        """Hidden states at ``layers`` as transformers indexes them (see CLIP's)."""
+        _, states = self(pixel_values, output_hidden_states=True)
+        return [states[layer] for layer in layers]
+
+
 # vision_config's model_type -> (its config class, the tower)
 VISION_TOWERS: dict[str, tuple[type, type]] = {
     "clip_vision_model": (CLIPVisionConfig, CLIPVisionModel),
+    "siglip_vision_model": (siglip.SiglipVisionConfig, SiglipTower),
 }
 
 
@@ -197,8 +205,10 @@ class Model(VisionLanguageModel):
             if name.endswith(HF_ONLY_SUFFIXES):
                 continue
             name = hf_to_mlx_name(name)
-            if name == PATCH_EMBEDDING:
-                value = sanitize_patch_embedding(value)
+            if name.startswith(TOWER):
+                value = self.vision_tower.convert_hf_weight(name[len(TOWER) :], value)
+                if value is None:
+                    continue
             if name == "language_model.lm_head.weight" and self.args.text.tie_word_embeddings:
                 continue
             sanitized[name] = value
@@ -276,15 +286,20 @@ def _processor_options(model_path: Path) -> dict:
 
     path = model_path / "processor_config.json"
     options = json.loads(path.read_text()) if path.exists() else {}
-    options.pop("image_processor", None)  # transformers 5 nests it there
-    options.pop("processor_class", None)
-    return options
+    # transformers 5 nests the sub-processors' configs there; they are built separately.
+    return {k: v for k, v in options.items() if not isinstance(v, dict) and k != "processor_class"}
 
 
-def load_processor(model_path: str | Path, config: dict, processor_class: type | None = None):
+def load_processor(
+    model_path: str | Path,
+    config: dict,
+    processor_class: type | None = None,
+    default_options: dict | None = None,
+):
     """The transformers processor (tokenizer + PIL image processor + chat template), built
     without torch. Settings missing from processor_config.json (older Hub checkpoints)
-    come from the model's config, so that placeholders match the tower's output."""
+    come from the model's config (``default_options``), so that the placeholders match
+    what the tower gives."""
     from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor
 
     from mlxvlm.models.processor_utils import image_only, read_chat_template
@@ -294,11 +309,11 @@ def load_processor(model_path: str | Path, config: dict, processor_class: type |
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     image_processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
     chat_template = read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)
-    options = default_processor_options(config)
+    options = default_processor_options(config) if default_options is None else dict(default_options)
     options.update(_processor_options(model_path))
     kwargs = dict(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
     if "video_processor" in processor_class.get_attributes():
-        processor_class = image_only(processor_class)
+        processor_class = image_only(processor_class)  # video input is not wired yet
         kwargs["video_processor"] = None
     return processor_class(**kwargs, **options)
 

@@ -18,6 +18,8 @@ BUILDERS = {
     "qwen2_vl": "tiny.qwen",
     "qwen2_5_vl": "tiny.qwen",
     "gemma3": "tiny.gemma3",
+    "idefics3": "tiny.idefics3",
+    "smolvlm": "tiny.idefics3",
     "llava": "tiny.llava",
     "llava_next": "tiny.llava",
     "qwen3_vl": "tiny.qwen",

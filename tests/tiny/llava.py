@@ -21,8 +21,10 @@ patches, AnyRes pinpoints scaled down like the real ones). Saved in one of two l
     before llava-hf added one), so the processor's patch size must come from the model.
 
 Tiny random models can lie, so weights use a large init range, biases and norms are
-perturbed, the text rope θ is not the default, and the vision feature layers are not
-the last block (a tower that ran the wrong block would fail).
+perturbed, the text rope θ is not the default, and a tower handing over the wrong state
+would fail: LLaVA's and NeXT's feature layers are not the last block, OneVision's is the
+last block's output before the (perturbed) post-LayerNorm. OneVision ties its embeddings
+like the 0.5b checkpoint.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from tiny.common import (
     write_safetensors,
 )
 
-FAMILIES = ("llava", "llava_next")
+FAMILIES = ("llava", "llava_next", "llava_onevision")
 LAYOUTS = ("transformers", "hub")
 
 TEXT_ROPE_THETA = 5000.0
@@ -48,8 +50,11 @@ PATCH = 14
 TILE = 42  # vision tower input: 3 x 3 patches
 # LLaVA-NeXT's [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]] at 1/8.
 NEXT_PINPOINTS = [[42, 84], [84, 42], [84, 84], [126, 42], [42, 126]]
+# OneVision's 384 .. 2304 square grid at 42 / 384.
+ONEVISION_PINPOINTS = [[42 * i, 42 * j] for i in range(1, 7) for j in range(1, 7)]
 
 LLAMA_TOKENS = ("<unk>", "<s>", "</s>", "<image>", "<pad>")
+QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
 
 # Vicuna style, as llava-1.5: images first in a turn, then its text.
 LLAVA_TEMPLATE = (
@@ -83,15 +88,35 @@ MISTRAL_TEMPLATE = (
     "{% endfor %}"
 )
 
-TEMPLATES = {"llava": LLAVA_TEMPLATE, "llava_next": MISTRAL_TEMPLATE}
-PROCESSOR_CLASSES = {"llava": "LlavaProcessor", "llava_next": "LlavaNextProcessor"}
-IMAGE_PROCESSOR_TYPES = {"llava": "CLIPImageProcessor", "llava_next": "LlavaNextImageProcessor"}
+# Qwen ChatML, as llava-onevision-qwen2.
+QWEN_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>\n{% endif %}{% endfor %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TEMPLATES = {"llava": LLAVA_TEMPLATE, "llava_next": MISTRAL_TEMPLATE, "llava_onevision": QWEN_TEMPLATE}
+PROCESSOR_CLASSES = {"llava": "LlavaProcessor", "llava_next": "LlavaNextProcessor",
+                     "llava_onevision": "LlavaOnevisionProcessor"}
+IMAGE_PROCESSOR_TYPES = {"llava": "CLIPImageProcessor", "llava_next": "LlavaNextImageProcessor",
+                         "llava_onevision": "LlavaOnevisionImageProcessor"}
 
 
 # ------------------------------------------------------------------------------ tokenizer
 
 
 def build_tokenizer(family: str):
+    if family == "llava_onevision":
+        return build_bpe_tokenizer(
+            QWEN_TOKENS, chat_template=TEMPLATES[family], eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+        )
     return build_bpe_tokenizer(
         LLAMA_TOKENS, chat_template=TEMPLATES[family], eos_token="</s>", pad_token="<pad>",
         bos_token="<s>",
@@ -105,6 +130,12 @@ def build_image_processor(family: str):
         return CLIPImageProcessorPil(
             size={"shortest_edge": TILE}, crop_size={"height": TILE, "width": TILE}
         )
+    if family == "llava_onevision":
+        from transformers import LlavaOnevisionImageProcessorPil
+
+        return LlavaOnevisionImageProcessorPil(
+            size={"height": TILE, "width": TILE}, image_grid_pinpoints=ONEVISION_PINPOINTS
+        )
     from transformers import LlavaNextImageProcessorPil
 
     return LlavaNextImageProcessorPil(
@@ -115,6 +146,10 @@ def build_image_processor(family: str):
 
 def processor_options(family: str) -> dict:
     """What the processor needs besides its parts (processor_config.json)."""
+    if family == "llava_onevision":
+        return {"num_image_tokens": (TILE // PATCH) ** 2, "vision_feature_select_strategy": "full",
+                "vision_aspect_ratio": "anyres_max_9", "image_token": "<image>",
+                "video_token": "<video>"}
     return {"patch_size": PATCH, "vision_feature_select_strategy": "default",
             "num_additional_image_tokens": 1, "image_token": "<image>"}
 
@@ -124,9 +159,13 @@ def build_processor(tiny: TinyModel):
     import transformers
 
     processor_class = getattr(transformers, PROCESSOR_CLASSES[tiny.family])
+    parts = dict(image_processor=tiny.image_processor, tokenizer=tiny.tokenizer)
+    if tiny.family == "llava_onevision":  # its video processor needs torchvision
+        from mlxvlm.models.processor_utils import image_only
+
+        processor_class, parts["video_processor"] = image_only(processor_class), None
     return processor_class(
-        image_processor=tiny.image_processor, tokenizer=tiny.tokenizer,
-        chat_template=TEMPLATES[tiny.family], **processor_options(tiny.family),
+        **parts, chat_template=TEMPLATES[tiny.family], **processor_options(tiny.family)
     )
 
 
@@ -134,9 +173,13 @@ def build_processor(tiny: TinyModel):
 
 
 def _token_ids(tokenizer) -> dict[str, int]:
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in LLAMA_TOKENS}
-    return {"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"], "pad_token_id": ids["<pad>"],
-            "image_token_index": ids["<image>"]}
+    ids = tokenizer.convert_tokens_to_ids
+    if "<|im_end|>" in tokenizer.get_vocab():
+        return {"bos_token_id": ids("<|endoftext|>"), "eos_token_id": ids("<|im_end|>"),
+                "pad_token_id": ids("<|endoftext|>"), "image_token_index": ids("<image>"),
+                "video_token_index": ids("<video>")}
+    return {"bos_token_id": ids("<s>"), "eos_token_id": ids("</s>"), "pad_token_id": ids("<pad>"),
+            "image_token_index": ids("<image>")}
 
 
 def _config(family: str, tokenizer):
@@ -176,6 +219,22 @@ def _config(family: str, tokenizer):
             text_config={**text, "model_type": "mistral", "sliding_window": None},
             vision_feature_layer=[-3, -2], image_grid_pinpoints=NEXT_PINPOINTS, **common,
         )
+    if family == "llava_onevision":
+        from transformers import LlavaOnevisionConfig
+
+        # SigLIP's hidden_act (gelu_pytorch_tanh) and layer_norm_eps are left at their
+        # defaults; the last block's states, before the post-LayerNorm, as the real ones.
+        siglip = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=3, num_attention_heads=2, image_size=TILE,
+                      patch_size=PATCH, vision_use_head=False)
+        return LlavaOnevisionConfig(
+            text_config={**text, "model_type": "qwen2", "tie_word_embeddings": True},
+            vision_config=siglip, image_token_index=ids["image_token_index"],
+            video_token_index=ids["video_token_index"], vision_feature_layer=-1,
+            vision_feature_select_strategy="full", image_grid_pinpoints=ONEVISION_PINPOINTS,
+            vision_aspect_ratio="anyres_max_9", tie_word_embeddings=True,
+            pad_token_id=ids["pad_token_id"],
+        )
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -186,7 +245,8 @@ def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
     tokenizer = build_tokenizer(family)
     config = _config(family, tokenizer)
     model_class = {"llava": transformers.LlavaForConditionalGeneration,
-                   "llava_next": transformers.LlavaNextForConditionalGeneration}[family]
+                   "llava_next": transformers.LlavaNextForConditionalGeneration,
+                   "llava_onevision": transformers.LlavaOnevisionForConditionalGeneration}[family]
     torch.manual_seed(seed)
     model = model_class(config).float().eval()
     perturb_constants(model, torch.Generator().manual_seed(seed + 1))
@@ -205,14 +265,19 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
     directory.mkdir(parents=True, exist_ok=True)
     tiny.model.save_pretrained(directory)
     if layout == "transformers":
-        build_processor(tiny).save_pretrained(directory)
+        if tiny.family == "llava_onevision":
+            _save_onevision_processor_files(tiny, directory)
+        else:
+            build_processor(tiny).save_pretrained(directory)
         return directory  # save_pretrained's own tensors and names
     if layout != "hub":
         raise ValueError(f"unknown layout {layout!r} (choose from {LAYOUTS})")
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps(hub_config(config), indent=2))
-    weights = {hub_name(name): value.detach().cpu().numpy()
-               for name, value in tiny.model.state_dict().items()}
+    state = tiny.model.state_dict()
+    if tiny.model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    weights = {hub_name(name): value.detach().cpu().numpy() for name, value in state.items()}
     write_safetensors(weights, directory)
     _save_hub_processor_files(tiny, directory)
     return directory
@@ -223,6 +288,7 @@ def hub_name(name: str) -> str:
     for prefix, replacement in (
         ("model.language_model.", "language_model.model."),
         ("lm_head.", "language_model.lm_head."),
+        ("model.vision_tower.vision_model.", "vision_tower.vision_model."),
         ("model.vision_tower.", "vision_tower.vision_model."),
         ("model.multi_modal_projector.", "multi_modal_projector."),
         ("model.image_newline", "image_newline"),
@@ -284,3 +350,18 @@ def _save_hub_processor_files(tiny: TinyModel, directory: Path) -> None:
     if tiny.family != "llava":  # llava-1.5's snapshot predates processor_config.json
         options = {**processor_options(tiny.family), "processor_class": PROCESSOR_CLASSES[tiny.family]}
         (directory / "processor_config.json").write_text(json.dumps(options, indent=2))
+
+
+def _save_onevision_processor_files(tiny: TinyModel, directory: Path) -> None:
+    """What save_pretrained writes for LlavaOnevisionProcessor, which it cannot do here
+    without the video processor (torchvision): sub-processors nested in
+    processor_config.json, the chat template in chat_template.jinja."""
+    tiny.tokenizer.save_pretrained(directory)
+    image_processor = tiny.image_processor.to_dict()
+    image_processor["image_processor_type"] = IMAGE_PROCESSOR_TYPES[tiny.family]
+    video_processor = {"video_processor_type": "LlavaOnevisionVideoProcessor",
+                       "size": {"height": TILE, "width": TILE}, "do_resize": True}
+    config = {"image_processor": image_processor, "video_processor": video_processor,
+              **processor_options(tiny.family), "processor_class": PROCESSOR_CLASSES[tiny.family]}
+    (directory / "processor_config.json").write_text(json.dumps(config, indent=2))
+    (directory / "chat_template.jinja").write_text(TEMPLATES[tiny.family])

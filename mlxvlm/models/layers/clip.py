@@ -167,11 +167,23 @@ class CLIPVisionTransformer(nn.Module):
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
 
+def convert_hf_weight(name: str, value: mx.array) -> mx.array | None:
+    """A CLIP tensor of a PyTorch checkpoint (``name`` relative to the tower, e.g.
+    ``embeddings.patch_embedding.weight``) in this module's layout; None for buffers that
+    are recomputed here."""
+    if name.endswith("position_ids"):
+        return None
+    if name == "embeddings.patch_embedding.weight":
+        return value.transpose(0, 2, 3, 1)  # PyTorch Conv2d (O, I, kh, kw) -> MLX (O, kh, kw, I)
+    return value
+
+
 class CLIPVisionModel(nn.Module):
     """``vision_model`` wrapped once more, as the checkpoints name it."""
 
     # The tower prepends a class token to the patch tokens.
     has_class_token = True
+    convert_hf_weight = staticmethod(convert_hf_weight)
 
     def __init__(self, config: CLIPVisionConfig):
         super().__init__()
@@ -193,8 +205,3 @@ class CLIPVisionModel(nn.Module):
             x = block(x)
             states.append(x)
         return [states[i] for i in wanted]
-
-
-def sanitize_patch_embedding(weight: mx.array) -> mx.array:
-    """PyTorch Conv2d weight (out, in, kh, kw) -> MLX (out, kh, kw, in)."""
-    return weight.transpose(0, 2, 3, 1)

@@ -1,0 +1,227 @@
+"""Idefics3 (Laurençon et al., 2024) and SmolVLM (Marafioti et al., 2025): the processor
+cuts an image into tiles of the vision encoder's size plus a downscaled global view; a
+SigLIP encoder embeds each tile, a pixel-shuffle connector folds every s x s block of patch
+features into one token (s = ``scale_factor``) and projects it, and the tokens replace the
+``<image>`` placeholders ahead of a Llama decoder (mlx-lm's, through its input embeddings).
+
+SmolVLM (``model_type: smolvlm``) is the same model with another name; only its processor
+class differs, and it builds the same prompts for images.
+
+Checkpoint names (as mlx-community publishes them): ``vision_model.*``, ``connector.*`` and
+``language_model.*`` (embed_tokens, layers, norm, lm_head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models import llama
+
+from mlxvlm.models.base import VisionLanguageModel
+from mlxvlm.models.config_utils import as_transformers_reads_it, rope_parameters
+from mlxvlm.models.layers import mlx_lm_backbone, siglip
+
+# Hugging Face name prefix -> ours (the Hub's checkpoints and transformers 5 name them alike).
+HF_PREFIXES = (
+    ("model.vision_model.", "vision_model."),
+    ("model.connector.", "connector."),
+    ("model.text_model.", "language_model."),
+    ("lm_head.", "language_model.lm_head."),
+)
+VISION_MODEL = "vision_model."
+LM_HEAD = "language_model.lm_head.weight"
+EMBED_TOKENS = "language_model.embed_tokens.weight"
+
+
+def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
+    """Whether tensors are named as in Hugging Face checkpoints (else: already ours)."""
+    return any(n.startswith(tuple(p for p, _ in HF_PREFIXES)) for n in weight_names)
+
+
+def hf_to_mlx_name(name: str) -> str:
+    for prefix, replacement in HF_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    text: llama.ModelArgs
+    vision: siglip.SiglipVisionConfig
+    scale_factor: int
+    image_token_id: int
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "ModelArgs":
+        """From either config layout, read through transformers' own config classes: the
+        Hub's text_config may leave out Llama's defaults (SmolVLM2's has no head count)."""
+        config = as_transformers_reads_it(config)
+        text = dict(config["text_config"])
+        text["rope_parameters"] = rope_parameters(text, 10_000.0)
+        text["tie_word_embeddings"] = bool(config["tie_word_embeddings"])
+        if text["model_type"] != "llama":
+            raise NotImplementedError(
+                f"{config['model_type']} with a {text['model_type']!r} text model is not "
+                "supported (only llama)"
+            )
+        return cls(
+            text=mlx_lm_backbone.model_args(text),
+            vision=siglip.SiglipVisionConfig.from_hf(config["vision_config"]),
+            scale_factor=config["scale_factor"],
+            image_token_id=config["image_token_id"],
+        )
+
+
+class Connector(nn.Module):
+    """Pixel shuffle, then a linear projection to the text width."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.scale_factor = args.scale_factor
+        width = args.vision.hidden_size * args.scale_factor**2
+        self.modality_projection = ModalityProjection(width, args.text.hidden_size)
+
+    def __call__(self, patches: mx.array) -> mx.array:
+        """(tiles, side * side, D) -> (tiles, (side / s)^2, text width). Each token holds an
+        s x s block of patches, row by row: [(r, c) for r in block rows for c in block
+        columns], as transformers' ``pixel_shuffle`` lays them out."""
+        B, L, D = patches.shape
+        side, s = int(L**0.5), self.scale_factor
+        blocks = patches.reshape(B, side // s, s, side // s, s, D).transpose(0, 1, 3, 2, 4, 5)
+        return self.modality_projection(blocks.reshape(B, L // s**2, s * s * D))
+
+
+class ModalityProjection(nn.Module):
+    def __init__(self, width: int, text_width: int):
+        super().__init__()
+        self.proj = nn.Linear(width, text_width, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.proj(x)
+
+
+class LanguageModel(llama.LlamaModel):
+    """mlx-lm's Llama decoder with its LM head beside the blocks (mlx-community's names)."""
+
+    def __init__(self, args: llama.ModelArgs):
+        super().__init__(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+
+class Model(VisionLanguageModel):
+    feature_names = ("pixel_values", "pixel_attention_mask")
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.vision_model = siglip.SiglipVisionTransformer(args.vision)
+        self.connector = Connector(args)
+        self.language_model = LanguageModel(args.text)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Model":
+        return cls(ModelArgs.from_hf(config))
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        sanitized = {}
+        for name, value in weights.items():
+            name = hf_to_mlx_name(name)
+            if name.startswith(VISION_MODEL):
+                value = siglip.convert_hf_weight(name[len(VISION_MODEL) :], value)
+            if value is not None and not name.endswith("inv_freq"):
+                sanitized[name] = value
+        if LM_HEAD not in sanitized and EMBED_TOKENS in sanitized:
+            # Tied head: the embedding's array (shared, not copied) under the head's name.
+            sanitized[LM_HEAD] = sanitized[EMBED_TOKENS]
+        return sanitized
+
+    # -- the contract -----------------------------------------------------------------
+
+    @property
+    def layers(self):
+        return self.language_model.layers
+
+    @property
+    def max_context(self) -> int | None:
+        return self.args.text.max_position_embeddings
+
+    @property
+    def placeholder_token_ids(self) -> set[int]:
+        return {self.args.image_token_id}
+
+    def embed(
+        self, input_ids: mx.array, pixel_values: Any = None, pixel_attention_mask: Any = None
+    ) -> tuple[mx.array, None]:
+        ids = np.asarray(input_ids).reshape(-1)
+        h = self.language_model.embed_tokens(input_ids)
+        positions = np.flatnonzero(ids == self.args.image_token_id)
+        if pixel_values is None:
+            if positions.size:
+                raise ValueError(
+                    f"the prompt has {positions.size} <image> tokens but no pixel values were "
+                    "given for them"
+                )
+            return h, None
+        features = self.image_features(pixel_values, pixel_attention_mask)
+        features = features.reshape(-1, h.shape[-1])
+        if features.shape[0] != positions.size:
+            raise ValueError(
+                f"the image tiles give {features.shape[0]} tokens but the prompt has "
+                f"{positions.size} <image> tokens for them"
+            )
+        merged = h[0]
+        merged[mx.array(positions)] = features.astype(h.dtype)
+        return merged[None], None
+
+    def image_features(self, pixel_values: Any, pixel_attention_mask: Any = None) -> mx.array:
+        """(tiles, tokens per tile, text width) from the processor's (1, tiles, C, H, W)
+        pixels (padding tiles, all zeros, are dropped as transformers drops them) and
+        (1, tiles, H, W) pixel mask."""
+        pixels = np.asarray(pixel_values, dtype=np.float32)
+        pixels = pixels.reshape(-1, *pixels.shape[-3:])
+        real = pixels.reshape(pixels.shape[0], -1).any(axis=1)
+        pixels = pixels[real]
+        p = self.args.vision.patch_size
+        rows, columns = pixels.shape[-2] // p, pixels.shape[-1] // p
+        if pixel_attention_mask is None:
+            patch_mask = np.ones((pixels.shape[0], rows, columns), dtype=bool)
+        else:
+            mask = np.asarray(pixel_attention_mask).reshape(-1, *pixels.shape[-2:])[real]
+            mask = mask[:, : rows * p, : columns * p].reshape(-1, rows, p, columns, p)
+            patch_mask = mask.any(axis=(2, 4))
+        dtype = self.vision_model.post_layernorm.weight.dtype  # never quantized
+        patches = self.vision_model(mx.array(pixels.transpose(0, 2, 3, 1)).astype(dtype), patch_mask)
+        return self.connector(patches)
+
+    def __call__(self, input_ids, cache=None, *, embeddings=None, state=None) -> mx.array:
+        h = self.language_model(input_ids, cache, input_embeddings=embeddings)
+        return self.language_model.lm_head(h)
+
+
+def load_processor(model_path: str | Path, config: dict):
+    """transformers' Idefics3Processor with the PIL image processor (no torchvision).
+
+    SmolVLM's own processor needs a video processor (torchvision) and num2words even for
+    images; its image prompts and image processing are Idefics3's, so SmolVLM checkpoints
+    get Idefics3's processor with SmolVLM's image processor class."""
+    from transformers import (
+        AutoTokenizer,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+        SmolVLMImageProcessorPil,
+    )
+
+    image_processor_class = (
+        SmolVLMImageProcessorPil if config.get("model_type") == "smolvlm" else Idefics3ImageProcessorPil
+    )
+    return Idefics3Processor.from_pretrained(
+        model_path,
+        tokenizer=AutoTokenizer.from_pretrained(model_path),
+        image_processor=image_processor_class.from_pretrained(model_path),
+    )

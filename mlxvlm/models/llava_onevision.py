@@ -1,0 +1,95 @@
+"""LLaVA-OneVision (Li et al., 2024): LLaVA-NeXT with a SigLIP tower, a Qwen2 decoder
+and one recipe per kind of input.
+
+A single image is tiled with AnyRes as in LLaVA-NeXT, and an unpadded feature map larger
+than ``anyres_max_N`` tiles (by more than 10% per side) is shrunk bilinearly to about N
+tiles' worth before the row newlines. Several images in one prompt are each seen only
+through their overview tile (plus one newline). Video input is not wired yet.
+
+Checkpoint names: LLaVA-NeXT's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxvlm.models import llava, llava_next
+from mlxvlm.models.layers import anyres
+from mlxvlm.models.llava import ModelArgs, is_hf_checkpoint  # noqa: F401  (the family's API)
+
+
+def max_tiles(vision_aspect_ratio: str) -> int:
+    """``"anyres_max_9"`` -> 9."""
+    match = re.fullmatch(r"anyres_max_(\d+)", vision_aspect_ratio or "")
+    if match is None:
+        raise ValueError(f"unsupported vision_aspect_ratio {vision_aspect_ratio!r} (expected anyres_max_N)")
+    return int(match.group(1))
+
+
+class Model(llava_next.Model):
+    feature_names = ("pixel_values", "image_sizes", "batch_num_images")
+
+    def num_tiles(self, index: int, image_size: np.ndarray, batch_num_images: Any = None, **_) -> int:
+        """AnyRes tiles for an image alone in its prompt, the overview only for an image
+        among several (the processor's ``batch_num_images`` counts images per prompt)."""
+        if batch_num_images is not None:
+            alone = [n == 1 for n in np.asarray(batch_num_images).reshape(-1).tolist() for _ in range(n)]
+            if not alone[index]:
+                return 1
+        return super().num_tiles(index, image_size)
+
+    def shrink(self, grid: mx.array) -> mx.array:
+        side = self.args.vision.patches_per_side
+        height, width = grid.shape[:2]
+        ratio = math.sqrt(height * width / (max_tiles(self.args.vision_aspect_ratio) * side**2))
+        if ratio <= 1.1:
+            return grid
+        return anyres.resize_bilinear(grid, int(height // ratio), int(width // ratio))
+
+
+@functools.cache
+def prompt_images_as_one_sample(processor_class: type) -> type:
+    """``processor_class`` taking a flat image list for one prompt as that prompt's images.
+
+    transformers' chat-template path passes images nested per conversation, which is what
+    tells OneVision's image processor that several images share a prompt (and so are not
+    tiled); mlxvlm passes one prompt's images as a flat list."""
+
+    def __call__(self, images=None, text=None, *args, **kwargs):
+        single_prompt = isinstance(text, str) or (isinstance(text, (list, tuple)) and len(text) == 1)
+        if single_prompt and isinstance(images, (list, tuple)) and images and not isinstance(images[0], (list, tuple)):
+            images = [list(images)]
+        return processor_class.__call__(self, images, text, *args, **kwargs)
+
+    return type(processor_class.__name__, (processor_class,), {"__call__": __call__})
+
+
+def default_processor_options(config: dict) -> dict:
+    """What LlavaOnevisionProcessor needs to count an image's placeholders."""
+    if not config:
+        return {}
+    args = ModelArgs.from_hf(config)
+    tokens = args.vision.patches_per_side**2
+    if llava.vision_tower_class(args.vision).has_class_token:
+        tokens += 1
+    return {
+        "num_image_tokens": tokens,
+        "vision_feature_select_strategy": args.vision_feature_select_strategy,
+        "vision_aspect_ratio": args.vision_aspect_ratio,
+    }
+
+
+def load_processor(model_path: str | Path, config: dict):
+    from transformers import LlavaOnevisionProcessor
+
+    return llava.load_processor(
+        model_path, config, prompt_images_as_one_sample(LlavaOnevisionProcessor),
+        default_options=default_processor_options(config),
+    )
