@@ -22,10 +22,12 @@ FAMILIES: dict[str, str] = {
     "smolvlm": "idefics3",
     "llava": "llava",
     "llava_next": "llava_next",
+    "llava_onevision": "llava_onevision",
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl_moe",
     "mistral3": "mistral3",
     "pixtral": "pixtral",
+    "paligemma": "paligemma",
 }
 
 

@@ -22,10 +22,12 @@ BUILDERS = {
     "smolvlm": "tiny.idefics3",
     "llava": "tiny.llava",
     "llava_next": "tiny.llava",
+    "llava_onevision": "tiny.llava",
     "qwen3_vl": "tiny.qwen",
     "qwen3_vl_moe": "tiny.qwen",
     "mistral3": "tiny.pixtral",
     "pixtral": "tiny.pixtral",
+    "paligemma": "tiny.paligemma",
 }
 
 
