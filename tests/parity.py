@@ -8,7 +8,7 @@ fixtures into it (``from parity import loaded, reference``) to use them.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -24,8 +24,7 @@ NEW_TOKENS = 24
 MIN_REFERENCE_MARGIN = 1e-3
 
 
-@dataclass
-class Reference:
+class Reference(NamedTuple):
     """transformers' side of a case."""
 
     input_ids: list[int]

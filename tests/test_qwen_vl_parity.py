@@ -11,28 +11,29 @@ steps are not decided by razor-thin logit margins.
 
 from __future__ import annotations
 
-import functools
 import json
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import QuantizedKVCache
 
+import parity
+from parity import (
+    LOGITS_ATOL,
+    MIN_REFERENCE_MARGIN,
+    NEW_TOKENS,
+    loaded,  # noqa: F401 (fixture)
+    parameter_list,
+    reference,  # noqa: F401 (fixture)
+)
 from tiny import make_image
 from tiny.qwen import FAMILIES, LAYOUTS
-from mlxvlm import load, stream_generate
 from mlxvlm.models import get_family
 from mlxvlm.models.layers.mrope_decoder import MRopeState
 from mlxvlm.prompt import prepare_inputs
 
 torch = pytest.importorskip("torch")
-
-LOGITS_ATOL = 1e-4
-NEW_TOKENS = 24
-# Greedy parity is meaningful only if float32 rounding cannot flip a token.
-MIN_REFERENCE_MARGIN = 1e-3
 
 IMAGE_A = make_image(112, 84, seed=1)  # 6 x 8 patches -> 12 tokens
 IMAGE_B = make_image(84, 56, seed=2)  # 4 x 6 patches -> 6 tokens
@@ -69,55 +70,12 @@ FAMILY_LAYOUTS = [(f, layout) for f in FAMILIES for layout in LAYOUTS]
 # --------------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_checkpoints):
-    """(family, layout) -> (model, processor) through mlxvlm.load, each loaded once."""
-    return functools.cache(lambda family, layout: load(tiny_checkpoints.path(family, layout)))
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_checkpoints, loaded):
-    """(family, case) -> transformers' prompt ids, first-pass logits, greedy tokens and
-    the thinnest top-1/top-2 margin of its greedy steps."""
-
-    @functools.cache
-    def run(family: str, case: str):
-        messages, images = ALL_CASES[case]
-        model = tiny_checkpoints.model(family).model
-        _, processor = loaded(family, "transformers")
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = processor(text=[text], images=list(images) or None, return_tensors="pt")
-        with torch.no_grad():
-            logits = model(**inputs).logits[0].numpy()
-            out = model.generate(
-                **inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
-                output_scores=True, return_dict_in_generate=True,
-            )
-        tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-        return inputs["input_ids"][0].tolist(), logits, tokens, min(margins)
-
-    return run
-
-
-def parameter_list(model) -> list[tuple[str, mx.array]]:
-    return [(k, v) for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)]
-
-
 def our_logits(model, processor, case: str) -> tuple[list[int], np.ndarray]:
-    messages, images = ALL_CASES[case]
-    inputs = prepare_inputs(processor, messages, images, feature_names=model.feature_names)
-    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
-    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
-    return inputs.input_ids[0].tolist(), np.array(logits[0])
+    return parity.our_logits(model, processor, *ALL_CASES[case])
 
 
 def our_tokens(model, processor, case: str, **options) -> list[int]:
-    messages, images = ALL_CASES[case]
-    results = stream_generate(
-        model, processor, messages, image=images, max_tokens=NEW_TOKENS, temperature=0.0, **options
-    )
-    return [r.token for r in results]
+    return parity.our_tokens(model, processor, *ALL_CASES[case], **options)
 
 
 # ----------------------------------------------------------------------------------- parity
