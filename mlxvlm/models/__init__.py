@@ -27,6 +27,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_vl_moe": "qwen3_vl_moe",
     "mistral3": "mistral3",
     "pixtral": "pixtral",
+    "paligemma": "paligemma",
 }
 
 

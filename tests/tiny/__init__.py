@@ -27,6 +27,7 @@ BUILDERS = {
     "qwen3_vl_moe": "tiny.qwen",
     "mistral3": "tiny.pixtral",
     "pixtral": "tiny.pixtral",
+    "paligemma": "tiny.paligemma",
 }
 
 

@@ -1,0 +1,338 @@
+"""PaliGemma 2 (Steiner et al., 2024): a SigLIP image encoder, one linear projection into
+the Gemma 2 text model, and a prefix-LM: the images and the text prompt (the "prefix")
+attend to each other in both directions, the answer (the "suffix") is causal.
+
+The decoder reuses mlx-lm's Gemma 2 blocks with masks built here, since no mlx-lm model
+takes a prefix-LM mask: within the prompt every token sees every other; later tokens see
+everything before them (the sliding-window layers only the last ``sliding_window``).
+The prompt is one bidirectional span, so the generate loop prefills it in one chunk
+(``bidirectional_spans``). transformers numbers positions from 1 here; RoPE depends only
+on position differences, so counting from the cache offset (0) gives the same attention.
+
+PaliGemma is single-turn: the processor puts the images first, then ``<bos>``, the
+prompt and a newline. Its checkpoints carry no chat template; ``load_processor`` gives
+the processor one that renders a single user turn that way, so chat messages work too.
+
+Checkpoint names (mlx-community's, which are also the Hub's originals):
+``vision_tower.vision_model.*``, ``multi_modal_projector.linear``,
+``language_model.model.*``; the output head is tied to the embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models import gemma2
+from mlx_lm.models.base import create_attention_mask
+
+from mlxvlm.models.base import VisionLanguageModel
+from mlxvlm.models.config_utils import as_transformers_reads_it
+from mlxvlm.models.layers import siglip
+
+# Hugging Face name prefix -> ours, first match wins. The Hub's original checkpoints
+# (transformers 4.4x) use our names; transformers 5 nests the modules under `model.` and
+# drops the SigLIP tower's `vision_model.` level (and writes a tied `lm_head`).
+HF_PREFIXES = (
+    ("model.language_model.", "language_model.model."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.vision_tower.vision_model.", "vision_tower.vision_model."),
+    ("model.vision_tower.", "vision_tower.vision_model."),
+    ("vision_tower.vision_model.", "vision_tower.vision_model."),
+    ("vision_tower.", "vision_tower.vision_model."),
+)
+VISION_TOWER = "vision_tower.vision_model."
+
+# A single user turn: every image first, then the text (the processor adds <bos>, "\n").
+CHAT_TEMPLATE = (
+    "{%- if messages | length != 1 or messages[0]['role'] != 'user' -%}"
+    "{{ raise_exception('PaliGemma takes exactly one user turn (no system prompt, no "
+    "history); give one user message with the image(s) and the prompt') }}"
+    "{%- endif -%}"
+    "{%- set content = messages[0]['content'] -%}"
+    "{%- if content is string -%}{{ content }}{%- else -%}"
+    "{%- for part in content if part['type'] == 'image' -%}<image>{%- endfor -%}"
+    "{%- for part in content if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}"
+    "{%- endif -%}"
+)
+
+
+def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
+    """Hugging Face checkpoints name tensors like ours (the Hub's originals) or under
+    ``model.``/``lm_head.`` (transformers 5): always true of names. The loader tells MLX
+    conversions apart by their writer's mark (``{"format": "mlx"}`` metadata)."""
+    return any(
+        name.startswith(("model.", "lm_head.", "vision_tower.", "language_model.", "multi_modal_projector."))
+        for name in weight_names
+    )
+
+
+def hf_to_mlx_name(name: str) -> str:
+    for prefix, replacement in HF_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class ModelArgs:
+    text: gemma2.ModelArgs
+    vision: siglip.SiglipVisionConfig
+    image_token_id: int
+    projection_dim: int
+    sliding_window: int | None
+    sliding_layers: tuple[bool, ...]
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "ModelArgs":
+        """From either layout; the Hub's sub-configs name only what differs from the
+        defaults, so the config is read through transformers' own classes."""
+        config = as_transformers_reads_it(config)
+        text = config["text_config"]
+        if text["model_type"] != "gemma2":
+            raise NotImplementedError(
+                f"PaliGemma with a {text['model_type']!r} text model is not supported "
+                "(PaliGemma 2's gemma2 is)"
+            )
+        rope = text["rope_parameters"]
+        if rope.get("rope_type", "default") != "default":
+            raise NotImplementedError(f"rope type {rope['rope_type']!r} is not supported")
+        layer_types = text.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(text["num_hidden_layers"])
+        ]
+        return cls(
+            text=gemma2.ModelArgs(
+                model_type="gemma2",
+                hidden_size=text["hidden_size"],
+                num_hidden_layers=text["num_hidden_layers"],
+                intermediate_size=text["intermediate_size"],
+                num_attention_heads=text["num_attention_heads"],
+                head_dim=text["head_dim"],
+                rms_norm_eps=text["rms_norm_eps"],
+                vocab_size=text["vocab_size"],
+                num_key_value_heads=text["num_key_value_heads"],
+                rope_theta=float(rope["rope_theta"]),
+                attn_logit_softcapping=text["attn_logit_softcapping"],
+                final_logit_softcapping=text["final_logit_softcapping"],
+                query_pre_attn_scalar=text["query_pre_attn_scalar"],
+            ),
+            vision=siglip.SiglipVisionConfig.from_hf(config["vision_config"]),
+            image_token_id=config["image_token_index"],
+            projection_dim=config["projection_dim"],
+            sliding_window=text.get("sliding_window"),
+            sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
+            max_position_embeddings=text["max_position_embeddings"],
+        )
+
+
+# -------------------------------------------------------------------------- decoder
+
+
+@dataclass
+class Prefix:
+    """The prompt's prefix-LM part: its first ``length`` tokens attend bidirectionally."""
+
+    length: int
+
+    @staticmethod
+    def batch(states) -> None:
+        """Decoding needs no prefix: generated tokens are causal."""
+        return None
+
+    def prefix(self, length: int) -> "Prefix":
+        """Prompt-cache reuse of the first ``length`` tokens: only of the whole prefix,
+        whose attention looked ahead to its end."""
+        if 0 < length < self.length:
+            raise NotImplementedError(
+                "a reused prompt prefix cannot end inside PaliGemma's bidirectional prefix"
+            )
+        return Prefix(min(length, self.length))
+
+
+def prefix_lm_mask(offset: int, n: int, prefix: int, window: int | None) -> mx.array:
+    """(n, offset + n) bool: the queries at ``[offset, offset + n)`` over every key so far.
+    Causal (within ``window`` of the query if given), and open among the first ``prefix``
+    positions (transformers ORs its bidirectional block into both kinds of layer)."""
+    queries = mx.arange(offset, offset + n)[:, None]
+    keys = mx.arange(offset + n)[None]
+    allowed = keys <= queries
+    if window is not None:
+        allowed = allowed & (keys > queries - window)
+    return allowed | ((queries < prefix) & (keys < prefix))
+
+
+class TextModel(nn.Module):
+    """Embeddings, mlx-lm's Gemma 2 blocks and the final norm (``language_model.model``)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        text = args.text
+        self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size)
+        self.layers = [gemma2.TransformerBlock(text) for _ in range(text.num_hidden_layers)]
+        self.norm = gemma2.RMSNorm(text.hidden_size, eps=text.rms_norm_eps)
+
+    def embed(self, input_ids: mx.array) -> mx.array:
+        """Token embeddings times sqrt(hidden_size) (image features are not scaled)."""
+        h = self.embed_tokens(input_ids)
+        return h * mx.array(self.args.text.hidden_size**0.5, dtype=h.dtype)
+
+    def masks(self, h: mx.array, cache: Any, prefix: int) -> dict[bool, Any]:
+        """The mask of the full and of the sliding-window layers for this call."""
+        offset, n = (cache.offset if cache is not None else 0), h.shape[1]
+        masks = {}
+        for sliding in set(self.args.sliding_layers):
+            window = self.args.sliding_window if sliding else None
+            if offset < prefix:
+                masks[sliding] = prefix_lm_mask(offset, n, prefix, window)
+            else:  # past the prefix: plain (sliding) causal attention
+                masks[sliding] = create_attention_mask(h, cache, window_size=window, return_array=True)
+        return masks
+
+    def __call__(self, h: mx.array, cache: list[Any], prefix: int) -> mx.array:
+        masks = self.masks(h, cache[0], prefix)
+        for layer, c, sliding in zip(self.layers, cache, self.args.sliding_layers):
+            h = layer(h, masks[sliding], c)
+        return self.norm(h)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.softcap = args.text.final_logit_softcapping
+        self.model = TextModel(args)
+
+    def __call__(self, h: mx.array, cache: list[Any], prefix: int) -> mx.array:
+        logits = self.model.embed_tokens.as_linear(self.model(h, cache, prefix))
+        if self.softcap is not None:
+            logits = mx.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+class MultiModalProjector(nn.Module):
+    def __init__(self, vision_width: int, text_width: int):
+        super().__init__()
+        self.linear = nn.Linear(vision_width, text_width)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.linear(x)
+
+
+# ---------------------------------------------------------------------------- model
+
+
+class Model(VisionLanguageModel):
+    feature_names = ("pixel_values", "token_type_ids")
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.vision_tower = siglip.SiglipVisionModel(args.vision)
+        self.multi_modal_projector = MultiModalProjector(args.vision.hidden_size, args.projection_dim)
+        self.language_model = LanguageModel(args)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Model":
+        return cls(ModelArgs.from_hf(config))
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        sanitized = {}
+        for name, value in weights.items():
+            if name.startswith("lm_head.") or name.endswith("inv_freq"):
+                continue  # the head is the embeddings; rotary tables come from the config
+            name = hf_to_mlx_name(name)
+            if name.startswith(VISION_TOWER):
+                value = siglip.convert_hf_weight(name[len(VISION_TOWER) :], value)
+            if value is not None:
+                sanitized[name] = value
+        return sanitized
+
+    # -- the contract -----------------------------------------------------------------
+
+    @property
+    def layers(self):
+        return self.language_model.model.layers
+
+    @property
+    def max_context(self) -> int:
+        return self.args.max_position_embeddings
+
+    @property
+    def placeholder_token_ids(self) -> set[int]:
+        return {self.args.image_token_id}
+
+    def bidirectional_spans(self, state: Prefix | None) -> list[tuple[int, int]]:
+        return [(0, state.length)] if state is not None and state.length > 1 else []
+
+    def embed(
+        self, input_ids: mx.array, pixel_values: Any = None, token_type_ids: Any = None
+    ) -> tuple[mx.array, Prefix]:
+        ids = np.asarray(input_ids).reshape(-1)
+        image_token = self.args.image_token_id
+        # The image token may lie past the vocabulary; its embedding is replaced anyway.
+        vocab = self.args.text.vocab_size
+        lookup = np.where(ids == image_token, 0, ids) if image_token >= vocab else ids
+        h = self.language_model.model.embed(mx.array(lookup.reshape(input_ids.shape)))
+        positions = np.flatnonzero(ids == image_token)
+        if pixel_values is not None:
+            features = self.image_features(pixel_values).reshape(-1, h.shape[-1])
+            if features.shape[0] != positions.size:
+                raise ValueError(
+                    f"the images give {features.shape[0]} tokens but the prompt has "
+                    f"{positions.size} image tokens for them"
+                )
+            merged = h[0]
+            merged[mx.array(positions)] = features.astype(h.dtype)
+            h = merged[None]
+        elif positions.size:
+            raise ValueError(
+                f"the prompt has {positions.size} image tokens but no pixel values were given"
+            )
+        return h, Prefix(prefix_length(ids, token_type_ids))
+
+    def image_features(self, pixel_values: Any) -> mx.array:
+        """(images, patches, text width) from the processor's (images, C, H, W)."""
+        pixels = mx.array(pixel_values) if not isinstance(pixel_values, mx.array) else pixel_values
+        dtype = self.multi_modal_projector.linear.weight.dtype
+        patches = self.vision_tower(pixels.transpose(0, 2, 3, 1).astype(dtype))
+        return self.multi_modal_projector(patches)
+
+    def __call__(self, input_ids, cache=None, *, embeddings=None, state=None) -> mx.array:
+        h = embeddings if embeddings is not None else self.language_model.model.embed(input_ids)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        prefix = state.length if isinstance(state, Prefix) else 0
+        return self.language_model(h, cache, prefix)
+
+
+def prefix_length(ids: np.ndarray, token_type_ids: Any) -> int:
+    """Tokens up to the first suffix token (type 1); the whole prompt without types."""
+    if token_type_ids is None:
+        return len(ids)
+    suffix = np.flatnonzero(np.asarray(token_type_ids).reshape(-1) != 0)
+    return int(suffix[0]) if suffix.size else len(ids)
+
+
+def load_processor(model_path: str | Path, config: dict):
+    """transformers' PaliGemmaProcessor with the PIL SigLIP image processor, and a
+    single-turn chat template when the checkpoint has none."""
+    from transformers import AutoTokenizer, PaliGemmaProcessor, SiglipImageProcessorPil
+
+    from mlxvlm.models.processor_utils import read_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    chat_template = read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)
+    return PaliGemmaProcessor(
+        image_processor=SiglipImageProcessorPil.from_pretrained(model_path),
+        tokenizer=tokenizer,
+        chat_template=chat_template or CHAT_TEMPLATE,
+    )
