@@ -80,8 +80,12 @@ def text_args(text: dict) -> gemma3_text.ModelArgs:
     local_rope = text["rope_parameters"]["sliding_attention"]
     layer_types = text["layer_types"]
     # mlx-lm's blocks place a global layer every `pattern` layers; check that is the case.
-    pattern = layer_types.index("full_attention") + 1 if "full_attention" in layer_types else n + 1
-    expected = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    pattern = n + 1
+    if "full_attention" in layer_types:
+        pattern = layer_types.index("full_attention") + 1
+    expected = [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
+    ]
     unsupported = {
         "layer_types that are not periodic": layer_types != expected,
         "use_bidirectional_attention": bool(text.get("use_bidirectional_attention")),
@@ -89,7 +93,9 @@ def text_args(text: dict) -> gemma3_text.ModelArgs:
         f"hidden_activation {text['hidden_activation']!r}": (
             text["hidden_activation"] != "gelu_pytorch_tanh"
         ),
-        f"local rope type {local_rope.get('rope_type')!r}": local_rope.get("rope_type") != "default",
+        f"local rope type {local_rope.get('rope_type')!r}": (
+            local_rope.get("rope_type") != "default"
+        ),
     }
     for what, present in unsupported.items():
         if present:
@@ -325,8 +331,10 @@ class Model(VisionLanguageModel):
     def embed(self, input_ids: mx.array, pixel_values: Any = None) -> tuple[mx.array, ImageBlocks]:
         ids = np.asarray(input_ids).reshape(-1)
         image_token = self.args.image_token_id
-        # The image token may lie past the vocabulary; its embedding is replaced anyway.
-        lookup = np.where(ids == image_token, 0, ids) if image_token >= self.args.text.vocab_size else ids
+        lookup = ids
+        if image_token >= self.args.text.vocab_size:
+            # The image token lies past the vocabulary; its embedding is replaced anyway.
+            lookup = np.where(ids == image_token, 0, ids)
         h = self.language_model.model.embed(mx.array(lookup.reshape(input_ids.shape)))
         positions = np.flatnonzero(ids == image_token)
         if pixel_values is None:

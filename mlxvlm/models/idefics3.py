@@ -196,7 +196,8 @@ class Model(VisionLanguageModel):
             mask = mask[:, : rows * p, : columns * p].reshape(-1, rows, p, columns, p)
             patch_mask = mask.any(axis=(2, 4))
         dtype = self.vision_model.post_layernorm.weight.dtype  # never quantized
-        patches = self.vision_model(mx.array(pixels.transpose(0, 2, 3, 1)).astype(dtype), patch_mask)
+        pixels = mx.array(pixels.transpose(0, 2, 3, 1)).astype(dtype)
+        patches = self.vision_model(pixels, patch_mask)
         return self.connector(patches)
 
     def __call__(self, input_ids, cache=None, *, embeddings=None, state=None) -> mx.array:
@@ -217,9 +218,9 @@ def load_processor(model_path: str | Path, config: dict):
         SmolVLMImageProcessorPil,
     )
 
-    image_processor_class = (
-        SmolVLMImageProcessorPil if config.get("model_type") == "smolvlm" else Idefics3ImageProcessorPil
-    )
+    image_processor_class = Idefics3ImageProcessorPil
+    if config.get("model_type") == "smolvlm":
+        image_processor_class = SmolVLMImageProcessorPil
     return Idefics3Processor.from_pretrained(
         model_path,
         tokenizer=AutoTokenizer.from_pretrained(model_path),

@@ -58,11 +58,9 @@ class SiglipVisionConfig:
     layer_norm_eps: float = 1e-6
 
     @classmethod
-    def from_hf(cls, vision: dict, **defaults) -> "SiglipVisionConfig":
-        """From a ``vision_config`` dict; missing keys take ``defaults`` (the family's
-        config class defaults where they differ from SigLIP's), then SigLIP's."""
-        values = {**SIGLIP_DEFAULTS, **defaults}
-        values.update({k: v for k, v in vision.items() if k in SIGLIP_DEFAULTS})
+    def from_hf(cls, vision: dict) -> "SiglipVisionConfig":
+        """From a ``vision_config`` dict; missing keys take SigLIP's defaults."""
+        values = {**SIGLIP_DEFAULTS, **{k: v for k, v in vision.items() if k in SIGLIP_DEFAULTS}}
         if values["hidden_act"] not in ACTIVATIONS:
             raise NotImplementedError(
                 f"vision activation {values['hidden_act']!r} is not supported "
