@@ -17,6 +17,21 @@ from tiny import make_image
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
+@pytest.fixture(scope="session")
+def torch_free_site(tmp_path_factory):
+    """A sitecustomize that hides torch, as on a user's install (torch is test-only):
+    transformers then does not import it, which keeps each CLI process fast."""
+    site = tmp_path_factory.mktemp("torch-free-site")
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    return site
+
+
+@pytest.fixture(autouse=True)
+def _cli_environment(torch_free_site, monkeypatch):
+    path = os.pathsep.join(p for p in (str(torch_free_site), os.environ.get("PYTHONPATH")) if p)
+    monkeypatch.setenv("PYTHONPATH", path)
+
+
 def run_cli(*args, env_extra=None, stdin=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env_extra or {})}
     return subprocess.run(
