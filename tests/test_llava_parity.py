@@ -25,20 +25,25 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from parity import (  # noqa: F401  (loaded is a fixture)
+    LOGITS_ATOL,
+    MIN_REFERENCE_MARGIN,
+    NEW_TOKENS,
+    Reference,
+    loaded,
+    parameter_list,
+    our_logits,
+    our_tokens,
+    reference_run,
+)
 from tiny import make_image
 from tiny.llava import FAMILIES, LAYOUTS, build_processor, hub_name
-from mlxvlm import load, stream_generate
+from mlxvlm import load
 from mlxvlm.errors import CheckpointError
 from mlxvlm.models import get_family
 from mlxvlm.models.layers import anyres
-from mlxvlm.prompt import prepare_inputs
 
 torch = pytest.importorskip("torch")
-
-LOGITS_ATOL = 1e-4
-NEW_TOKENS = 24
-# Greedy parity is meaningful only if float32 rounding cannot flip a token.
-MIN_REFERENCE_MARGIN = 1e-3
 
 # Landscape: NeXT tiles it 2 x 2 and unpads rows; OneVision 3 x 4, then shrinks the map.
 IMAGE_A = make_image(168, 126, seed=1)
@@ -77,54 +82,25 @@ FAMILY_LAYOUTS = [(f, layout) for f in FAMILIES for layout in LAYOUTS]
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_checkpoints):
-    """(family, layout) -> (model, processor) through mlxvlm.load, each loaded once."""
-    return functools.cache(lambda family, layout: load(tiny_checkpoints.path(family, layout)))
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_checkpoints):
-    """(family, case) -> transformers' prompt ids, first-pass logits, greedy tokens and
-    the thinnest top-1/top-2 margin of its greedy steps."""
+    """(family, case) -> transformers' side of the case, with inputs from a processor
+    built from the fixture's in-memory parts (not mlxvlm's) and images nested per prompt,
+    as transformers' chat-template path passes them."""
 
     @functools.cache
-    def run(family: str, case: str):
+    def run(family: str, case: str) -> Reference:
         messages, images = ALL_CASES[case]
         tiny = tiny_checkpoints.model(family)
-        processor = build_processor(tiny)
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = processor(text=[text], images=[list(images)] if images else None, return_tensors="pt")
-        with torch.no_grad():
-            logits = tiny.model(**inputs).logits[0].numpy()
-            out = tiny.model.generate(
-                **inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
-                output_scores=True, return_dict_in_generate=True,
-            )
-        tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-        return inputs["input_ids"][0].tolist(), logits, tokens, min(margins)
+        return reference_run(
+            tiny.model, build_processor(tiny), messages, [list(images)] if images else []
+        )
 
     return run
 
 
-def parameter_list(model) -> list[tuple[str, mx.array]]:
-    return [(k, v) for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)]
-
-
-def our_logits(model, processor, case: str) -> tuple[list[int], np.ndarray]:
+def ours(run, model, processor, case: str, **options):
     messages, images = ALL_CASES[case]
-    inputs = prepare_inputs(processor, messages, images, feature_names=model.feature_names)
-    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
-    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
-    return inputs.input_ids[0].tolist(), np.array(logits[0])
-
-
-def our_tokens(model, processor, case: str, **options) -> list[int]:
-    messages, images = ALL_CASES[case]
-    results = stream_generate(
-        model, processor, messages, image=images, max_tokens=NEW_TOKENS, temperature=0.0, **options
-    )
-    return [r.token for r in results]
+    return run(model, processor, messages, images, **options)
 
 
 def read_config(tiny_checkpoints, family: str, layout: str) -> dict:
@@ -138,28 +114,28 @@ def read_config(tiny_checkpoints, family: str, layout: str) -> dict:
 @pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
 def test_first_pass_logits_match_transformers(family, layout, case, loaded, reference):
     model, processor = loaded(family, layout)
-    ref_ids, ref_logits, _, _ = reference(family, case)
-    ids, logits = our_logits(model, processor, case)
-    assert ids == ref_ids, "the processor built by mlxvlm tokenized the prompt differently"
-    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=LOGITS_ATOL)
+    ref = reference(family, case)
+    ids, logits = ours(our_logits, model, processor, case)
+    assert ids == ref.input_ids, "the processor built by mlxvlm tokenized the prompt differently"
+    np.testing.assert_allclose(logits, ref.logits, rtol=0, atol=LOGITS_ATOL)
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
 def test_greedy_tokens_match_transformers(family, layout, case, loaded, reference):
     model, processor = loaded(family, layout)
-    _, _, ref_tokens, margin = reference(family, case)
-    assert len(ref_tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
-    assert margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {margin:.2e} is too thin"
-    assert our_tokens(model, processor, case) == ref_tokens
+    ref = reference(family, case)
+    assert len(ref.tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
+    assert ref.margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {ref.margin:.2e} is too thin"
+    assert ours(our_tokens, model, processor, case) == ref.tokens
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunked_prefill_gives_the_same_tokens(family, loaded, reference):
     """Chunks of 3 tokens split the images' placeholder runs."""
     model, processor = loaded(family, "hub")
-    assert our_tokens(model, processor, "two_images", prefill_step_size=3) == (
-        reference(family, "two_images")[2]
+    assert ours(our_tokens, model, processor, "two_images", prefill_step_size=3) == (
+        reference(family, "two_images").tokens
     )
 
 
@@ -170,9 +146,9 @@ def test_chunked_prefill_gives_the_same_tokens(family, loaded, reference):
 def test_another_image_changes_the_output(family, loaded, reference):
     """(The one-image case itself is matched token for token above.)"""
     model, processor = loaded(family, "transformers")
-    other_tokens = our_tokens(model, processor, "one_other_image")
-    assert other_tokens != reference(family, "one_image")[2]
-    assert other_tokens == reference(family, "one_other_image")[2]
+    other_tokens = ours(our_tokens, model, processor, "one_other_image")
+    assert other_tokens != reference(family, "one_image").tokens
+    assert other_tokens == reference(family, "one_other_image").tokens
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -183,9 +159,8 @@ def test_wrong_rope_theta_would_be_caught(family, tiny_checkpoints, loaded, refe
     model, processor = loaded(family, "hub")
     wrong = get_family(family).Model.from_config(config)
     wrong.load_weights(parameter_list(model))
-    _, ref_logits, _, _ = reference(family, "image_in_second_turn")
-    _, logits = our_logits(wrong, processor, "image_in_second_turn")
-    assert np.abs(logits - ref_logits).max() > 100 * LOGITS_ATOL
+    _, logits = ours(our_logits, wrong, processor, "image_in_second_turn")
+    assert np.abs(logits - reference(family, "image_in_second_turn").logits).max() > 100 * LOGITS_ATOL
 
 
 @pytest.mark.parametrize("family,grid_a,kept_a,shrunk_a", [
@@ -229,7 +204,7 @@ def test_hub_layout_reads_the_same_in_transformers(family, tiny_checkpoints, ref
     layout's config and tensors are save_pretrained's own.)"""
     from transformers import AutoModelForImageTextToText
 
-    _, ref_logits, _, _ = reference(family, "one_image")
+    ref_logits = reference(family, "one_image").logits
     processor = build_processor(tiny_checkpoints.model(family))
     messages, images = CASES["one_image"]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
@@ -323,15 +298,15 @@ def test_mlx_community_checkpoints_load_unchanged(family, tiny_checkpoints, load
     again, again_processor = load(
         converted("quantized", weights, mlx_format, quantization={"group_size": 32, "bits": 8})
     )
-    _, expected = our_logits(quantized, processor, "one_image")
-    np.testing.assert_array_equal(our_logits(again, again_processor, "one_image")[1], expected)
+    _, expected = ours(our_logits, quantized, processor, "one_image")
+    np.testing.assert_array_equal(ours(our_logits, again, again_processor, "one_image")[1], expected)
 
-    _, expected = our_logits(model, processor, "one_image")
+    _, expected = ours(our_logits, model, processor, "one_image")
     plain = dict(tree_flatten(model.parameters()))
     for name, metadata, marker in (("mlx-community", mlx_format, {}),
                                    ("mlxvlm-convert", mlx_format, {"mlxvlm_format": 1})):
         again, again_processor = load(converted(name, plain, metadata, **marker))
-        np.testing.assert_array_equal(our_logits(again, again_processor, "one_image")[1], expected)
+        np.testing.assert_array_equal(ours(our_logits, again, again_processor, "one_image")[1], expected)
     with pytest.raises(CheckpointError, match="do not match"):
         load(converted("unmarked", plain))
 
@@ -377,7 +352,7 @@ def test_processors_are_built_without_torch(tiny_checkpoints, reference, tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     ids = json.loads(result.stdout.strip().splitlines()[-1])
     for path, family in paths.items():
-        assert ids[path] == reference(family, "two_images")[0], path
+        assert ids[path] == reference(family, "two_images").input_ids, path
 
 
 def test_mistral_sliding_window_bounds_the_context(tiny_checkpoints):
