@@ -174,6 +174,11 @@ class EngineStats:
     time_to_first_token_sum: float = 0.0
     time_to_first_token_count: int = 0
     decode_tokens_per_second: float = 0.0  # smoothed over recent decode steps
+    peak_batch_size: int = 0  # the most requests decoded in one step so far
+
+
+# What ``_emit`` reports about a request.
+_RUNNING, _FINISHED, _CANCELLED = "running", "finished", "cancelled"
 
 
 def _materialize(model: nn.Module) -> None:
@@ -461,10 +466,13 @@ class BatchEngine:
         now = time.perf_counter()
         self.stats.time_to_first_token_sum += now - seq.submitted_at
         self.stats.time_to_first_token_count += 1
-        if self._emit(seq, tokens.item(), logprobs[0]):
+        outcome = self._emit(seq, tokens.item(), logprobs[0])
+        if outcome is _RUNNING:
             self._join(seq)
-        else:
+        elif outcome is _FINISHED:
             self._finished(seq, cache=seq.cache)
+        else:
+            self.stats.requests_cancelled += 1
 
     def _join(self, seq: _Sequence) -> None:
         """Add the prefilled request as a new row of the decode batch."""
@@ -514,6 +522,7 @@ class BatchEngine:
     def _decode_step(self) -> None:
         rows = self._active
         started = time.perf_counter()
+        self.stats.peak_batch_size = max(self.stats.peak_batch_size, len(rows))
         inputs = mx.array([[seq.next_token] for seq in rows], dtype=mx.int32)
         with mx.stream(generation_stream):
             logits = self.model(inputs, self._batch_cache, state=self._batch_state)[:, -1, :]
@@ -534,9 +543,10 @@ class BatchEngine:
 
         keep = []
         for i, seq in enumerate(rows):
-            if not seq.cancelled and self._emit(seq, tokens[i], logprobs[i]):
+            outcome = self._emit(seq, tokens[i], logprobs[i])
+            if outcome is _RUNNING:
                 keep.append(i)
-            elif seq.cancelled:
+            elif outcome is _CANCELLED:
                 self.stats.requests_cancelled += 1
             else:
                 cache = None
@@ -554,10 +564,10 @@ class BatchEngine:
             layer.filter(keep)
         self._batch_state = self.model.batch_states([s.state for s in self._active])
 
-    def _emit(self, seq: _Sequence, token: int, logprobs: mx.array) -> bool:
-        """Deliver one token; whether the request goes on."""
+    def _emit(self, seq: _Sequence, token: int, logprobs: mx.array) -> str:
+        """Deliver one token; whether the request goes on, finished or was cancelled."""
         if seq.cancelled:
-            return False
+            return _CANCELLED
         seq.generated.append(token)
         seq.next_token = token
         segment, finish_reason = seq.text.add(token)
@@ -579,7 +589,10 @@ class BatchEngine:
                 step.top_logprobs = [(int(t), float(values[t])) for t in top]
         self.stats.generated_tokens += 1
         self._deliver(seq, step)
-        return finish_reason is None and not seq.cancelled
+        if finish_reason is not None:
+            # Decided here: the caller may cancel as soon as it has the last step.
+            return _FINISHED
+        return _CANCELLED if seq.cancelled else _RUNNING
 
     def _finished(self, seq: _Sequence, cache: list[Any] | None) -> None:
         self.stats.requests_finished += 1

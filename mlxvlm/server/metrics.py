@@ -30,6 +30,8 @@ def render_metrics(service: GenerationService) -> str:
     m("mlxvlm_queue_depth", "gauge", "Requests waiting for a batch slot", [({}, stats.waiting)])
     m("mlxvlm_active_sequences", "gauge", "Requests being prefilled or decoded",
       [({}, stats.active)])
+    m("mlxvlm_peak_batch_size", "gauge", "The most requests decoded together so far",
+      [({}, stats.peak_batch_size)])
     m("mlxvlm_sequences_finished_total", "counter", "Requests that generated to the end",
       [({}, stats.requests_finished)])
     m("mlxvlm_sequences_cancelled_total", "counter",
