@@ -32,7 +32,7 @@ from parity import (
 )
 from tiny import make_image
 from tiny.gemma3 import LAYOUTS, SLIDING_WINDOW, hub_weights
-from mlxvlm import load
+from mlxvlm import batch_generate, load
 from mlxvlm.models import gemma3
 from mlxvlm.prompt import prepare_inputs
 
@@ -136,6 +136,26 @@ def test_a_chunk_that_splits_an_image_is_refused(loaded):
     with pytest.raises(ValueError, match="splits an image"):
         model(ids[:, : start + 3], model.make_cache(), embeddings=embeddings[:, : start + 3],
               state=state)
+
+
+def test_image_blocks_and_their_spans():
+    blocks = gemma3.ImageBlocks.from_input_ids(np.array([5, 9, 9, 9, 5, 9, 9, 5]), 9)
+    assert blocks.ids.tolist() == [-1, 0, 0, 0, -1, 1, 1, -1]
+    assert blocks.spans == [(1, 4), (5, 7)]
+    assert blocks.prefix(4).ids.tolist() == [-1, 0, 0, 0]
+    with pytest.raises(NotImplementedError):
+        blocks.prefix(2)  # prompt-cache reuse cannot stop inside an image
+    assert gemma3.ImageBlocks.batch([blocks, None]) is None  # decoding needs none
+
+
+def test_batched_generation_gives_each_prompt_its_tokens(loaded, reference):
+    """The batching engine decodes prompts of different lengths together through batched
+    sliding-window caches; each still gets transformers' greedy tokens."""
+    model, processor = loaded(FAMILY, "hub")
+    outputs = batch_generate(model, processor, [CASES[c][0] for c in CASES],
+                             [CASES[c][1] or None for c in CASES], max_tokens=NEW_TOKENS,
+                             temperature=0.0)
+    assert [o.tokens for o in outputs] == [reference(FAMILY, c).tokens for c in CASES]
 
 
 def test_rotating_cache_keeps_the_images(loaded, reference):

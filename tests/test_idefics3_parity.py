@@ -31,7 +31,7 @@ from parity import (
 )
 from tiny import make_image
 from tiny.idefics3 import FAMILIES, LAYOUTS, IMAGE_SEQ_LEN
-from mlxvlm import load
+from mlxvlm import batch_generate, load
 from mlxvlm.models import get_family, idefics3
 from mlxvlm.models.layers import siglip
 
@@ -126,6 +126,14 @@ def test_chunked_prefill_gives_the_same_tokens(loaded, reference):
     assert tokens_of(model, processor, "two_images", prefill_step_size=3) == (
         reference("idefics3", "two_images").tokens
     )
+
+
+def test_batched_generation_gives_each_prompt_its_tokens(loaded, reference):
+    model, processor = loaded("idefics3", "hub")
+    outputs = batch_generate(model, processor, [CASES[c][0] for c in CASES],
+                             [CASES[c][1] or None for c in CASES], max_tokens=NEW_TOKENS,
+                             temperature=0.0)
+    assert [o.tokens for o in outputs] == [reference("idefics3", c).tokens for c in CASES]
 
 
 def test_rotating_cache_keeps_the_images(loaded, reference):
