@@ -3,8 +3,8 @@
 Both families load from both config layouts (transformers 5's and the Hub's, see
 tests/tiny/pixtral.py) through ``mlxvlm.load``. The reference runs transformers' own
 ``PixtralProcessor`` (imported for the test, see ``transformers_processor``) and model;
-mlxvlm runs its torch-free processor: prompt ids and pixels must be identical, first-pass
-logits within 1e-4, greedy tokens equal for 24 steps — text only, one image, two images
+mlxvlm runs its torch-free processor, which must give identical prompt ids and pixels;
+first-pass logits within 1e-4, greedy tokens equal for 24 steps — text only, one image, two images
 of different sizes (padded into one batch, each run at its own size), an image in a later
 turn. Guards: another image changes the output, wrong rope θs are caught, margins are
 not razor-thin.
@@ -16,23 +16,26 @@ import functools
 import json
 import shutil
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
+from parity import (
+    LOGITS_ATOL,
+    MIN_REFERENCE_MARGIN,
+    NEW_TOKENS,
+    loaded,  # noqa: F401 (fixture)
+    our_logits,
+    our_tokens,
+    parameter_list,
+    reference_run,
+)
 from tiny import make_image
 from tiny.pixtral import FAMILIES, LAYOUTS, llava_config, transformers_processor
-from mlxvlm import load, stream_generate
 from mlxvlm.loading import load_weights_files
 from mlxvlm.models import get_family, pixtral
 from mlxvlm.prompt import prepare_inputs
 
 torch = pytest.importorskip("torch")
-
-LOGITS_ATOL = 1e-4
-NEW_TOKENS = 24
-MIN_REFERENCE_MARGIN = 1e-3
 
 IMAGE_A = make_image(112, 84, seed=1)
 IMAGE_B = make_image(84, 56, seed=2)
@@ -66,88 +69,71 @@ FAMILY_LAYOUTS = [(f, layout) for f in FAMILIES for layout in LAYOUTS]
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_checkpoints):
-    return functools.cache(lambda family, layout: load(tiny_checkpoints.path(family, layout)))
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_checkpoints):
-    """(family, case) -> transformers' processor outputs (numpy), first-pass logits,
-    greedy tokens and the thinnest top-1/top-2 margin of its greedy steps."""
+    """(family, case) -> parity.Reference, with transformers' own PixtralProcessor."""
 
     @functools.cache
     def run(family: str, case: str):
-        messages, images = ALL_CASES[case]
         tiny = tiny_checkpoints.model(family)
-        processor = transformers_processor(tiny)
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = processor(text=[text], images=list(images) or None, return_tensors="pt")
-        with torch.no_grad():
-            logits = tiny.model(**inputs).logits[0].numpy()
-            out = tiny.model.generate(
-                **inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
-                output_scores=True, return_dict_in_generate=True,
-            )
-        tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-        numpy_inputs = {k: v.numpy() for k, v in inputs.items()}
-        return numpy_inputs, logits, tokens, min(margins)
+        return reference_run(tiny.model, transformers_processor(tiny), *ALL_CASES[case])
 
     return run
 
 
-def parameter_list(model) -> list[tuple[str, mx.array]]:
-    return [(k, v) for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)]
-
-
-def first_pass(model, processor, case: str):
+def reference_inputs(tiny, case: str) -> dict:
+    """transformers' PixtralProcessor's outputs for a case (numpy)."""
     messages, images = ALL_CASES[case]
-    inputs = prepare_inputs(processor, messages, images, feature_names=model.feature_names)
-    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
-    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
-    return inputs, np.array(logits[0])
+    processor = transformers_processor(tiny)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    return dict(processor(text=[text], images=list(images) or None, return_tensors="np"))
 
 
-def our_tokens(model, processor, case: str, **options) -> list[int]:
-    messages, images = ALL_CASES[case]
-    results = stream_generate(
-        model, processor, messages, image=images, max_tokens=NEW_TOKENS, temperature=0.0, **options
-    )
-    return [r.token for r in results]
+def tokens(model, processor, case: str, **options) -> list[int]:
+    return our_tokens(model, processor, *ALL_CASES[case], **options)
 
 
 # ----------------------------------------------------------------------------------- parity
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_processor_matches_transformers(family, case, tiny_checkpoints, loaded):
+    """mlxvlm's torch-free processor gives transformers' PixtralProcessor's exact inputs."""
+    model, processor = loaded(family, "hub")
+    expected = reference_inputs(tiny_checkpoints.model(family), case)
+    messages, images = ALL_CASES[case]
+    inputs = prepare_inputs(processor, messages, images, feature_names=model.feature_names)
+    assert inputs.input_ids[0].tolist() == expected["input_ids"][0].tolist()
+    assert set(inputs.features) == ({"pixel_values", "image_sizes"} if images else set())
+    for name, value in inputs.features.items():
+        np.testing.assert_array_equal(np.array(value), expected[name])
+
+
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
 def test_first_pass_logits_match_transformers(family, layout, case, loaded, reference):
     model, processor = loaded(family, layout)
-    ref_inputs, ref_logits, _, _ = reference(family, case)
-    inputs, logits = first_pass(model, processor, case)
-    # mlxvlm's torch-free processor gives transformers' PixtralProcessor's exact inputs
-    assert inputs.input_ids[0].tolist() == ref_inputs["input_ids"][0].tolist()
-    if "pixel_values" in ref_inputs:
-        np.testing.assert_array_equal(np.array(inputs.features["pixel_values"]), ref_inputs["pixel_values"])
-        np.testing.assert_array_equal(np.array(inputs.features["image_sizes"]), ref_inputs["image_sizes"])
-    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=LOGITS_ATOL)
+    ref = reference(family, case)
+    ids, logits = our_logits(model, processor, *ALL_CASES[case])
+    assert ids == ref.input_ids
+    np.testing.assert_allclose(logits, ref.logits, rtol=0, atol=LOGITS_ATOL)
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
 def test_greedy_tokens_match_transformers(family, layout, case, loaded, reference):
     model, processor = loaded(family, layout)
-    _, _, ref_tokens, margin = reference(family, case)
-    assert len(ref_tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
-    assert margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {margin:.2e} is too thin"
-    assert our_tokens(model, processor, case) == ref_tokens
+    ref = reference(family, case)
+    assert len(ref.tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
+    assert ref.margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {ref.margin:.2e} is too thin"
+    assert tokens(model, processor, case) == ref.tokens
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunked_prefill_gives_the_same_tokens(family, loaded, reference):
     model, processor = loaded(family, "hub")
-    assert our_tokens(model, processor, "two_images", prefill_step_size=3) == (
-        reference(family, "two_images")[2]
+    assert tokens(model, processor, "two_images", prefill_step_size=3) == (
+        reference(family, "two_images").tokens
     )
 
 
@@ -160,8 +146,8 @@ def test_llava_config_builds_the_pixtral_model(tiny_checkpoints, reference):
     assert pixtral.is_hf_checkpoint(weights)
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     processor = pixtral.load_processor(path, llava_config(path))
-    _, logits = first_pass(model, processor, "two_images")
-    np.testing.assert_allclose(logits, reference("pixtral", "two_images")[1], rtol=0, atol=LOGITS_ATOL)
+    _, logits = our_logits(model, processor, *ALL_CASES["two_images"])
+    np.testing.assert_allclose(logits, reference("pixtral", "two_images").logits, rtol=0, atol=LOGITS_ATOL)
 
 
 # ---------------------------------------------------------------- the tests can fail
@@ -170,9 +156,9 @@ def test_llava_config_builds_the_pixtral_model(tiny_checkpoints, reference):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_another_image_changes_the_output(family, loaded, reference):
     model, processor = loaded(family, "transformers")
-    other = our_tokens(model, processor, "one_other_image")
-    assert other != reference(family, "one_image")[2]
-    assert other == reference(family, "one_other_image")[2]
+    other = tokens(model, processor, "one_other_image")
+    assert other != reference(family, "one_image").tokens
+    assert other == reference(family, "one_other_image").tokens
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -184,8 +170,8 @@ def test_wrong_rope_theta_would_be_caught(family, sub_config, tiny_checkpoints, 
     model, processor = loaded(family, "hub")
     wrong = get_family(family).Model.from_config(config)
     wrong.load_weights(parameter_list(model))
-    _, logits = first_pass(wrong, processor, "one_image")
-    assert np.abs(logits - reference(family, "one_image")[1]).max() > 100 * LOGITS_ATOL
+    _, logits = our_logits(wrong, processor, *ALL_CASES["one_image"])
+    assert np.abs(logits - reference(family, "one_image").logits).max() > 100 * LOGITS_ATOL
 
 
 # -------------------------------------------------------------- checkpoints and names
@@ -202,10 +188,10 @@ def test_hub_layout_reads_the_same_in_transformers(family, tiny_checkpoints, ref
     if family == "pixtral":
         (path / "config.json").write_text(json.dumps(llava_config(path)))
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    ref_inputs, ref_logits, _, _ = reference(family, "two_images")
+    inputs = reference_inputs(tiny_checkpoints.model(family), "two_images")
     with torch.no_grad():
-        logits = model(**{k: torch.from_numpy(v) for k, v in ref_inputs.items()}).logits[0].numpy()
-    np.testing.assert_array_equal(logits, ref_logits)
+        logits = model(**{k: torch.from_numpy(v) for k, v in inputs.items()}).logits[0].numpy()
+    np.testing.assert_array_equal(logits, reference(family, "two_images").logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

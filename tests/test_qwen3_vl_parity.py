@@ -12,25 +12,28 @@ is caught, and the reference's greedy steps are not decided by razor-thin margin
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
+from parity import (
+    LOGITS_ATOL,
+    MIN_REFERENCE_MARGIN,
+    NEW_TOKENS,
+    loaded,  # noqa: F401 (fixture)
+    our_logits,
+    our_tokens,
+    parameter_list,
+    reference,  # noqa: F401 (fixture)
+)
 from tiny import make_image
 from tiny.qwen import LAYOUTS, QWEN3_FAMILIES
-from mlxvlm import load, stream_generate
 from mlxvlm.models import get_family
 from mlxvlm.prompt import prepare_inputs
 
 torch = pytest.importorskip("torch")
-
-LOGITS_ATOL = 1e-4
-NEW_TOKENS = 24
-MIN_REFERENCE_MARGIN = 1e-3
 
 IMAGE_A = make_image(112, 84, seed=1)  # 6 x 8 patches of 16 px -> 12 tokens
 IMAGE_B = make_image(84, 56, seed=2)  # 4 x 6 patches -> 6 tokens
@@ -63,40 +66,6 @@ ALL_CASES = {**CASES, "one_other_image": (CASES["one_image"][0], [IMAGE_A2])}
 FAMILY_LAYOUTS = [(f, layout) for f in QWEN3_FAMILIES for layout in LAYOUTS]
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_checkpoints):
-    return functools.cache(lambda family, layout: load(tiny_checkpoints.path(family, layout)))
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_checkpoints, loaded):
-    """(family, case) -> transformers' prompt ids, first-pass logits, greedy tokens and
-    the thinnest top-1/top-2 margin of its greedy steps."""
-
-    @functools.cache
-    def run(family: str, case: str):
-        messages, images = ALL_CASES[case]
-        model = tiny_checkpoints.model(family).model
-        _, processor = loaded(family, "transformers")
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = processor(text=[text], images=list(images) or None, return_tensors="pt")
-        with torch.no_grad():
-            logits = model(**inputs).logits[0].numpy()
-            out = model.generate(
-                **inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
-                output_scores=True, return_dict_in_generate=True,
-            )
-        tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-        return inputs["input_ids"][0].tolist(), logits, tokens, min(margins)
-
-    return run
-
-
-def parameter_list(model) -> list[tuple[str, mx.array]]:
-    return [(k, v) for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)]
-
-
 def prepared(model, processor, case: str):
     messages, images = ALL_CASES[case]
     inputs = prepare_inputs(processor, messages, images, feature_names=model.feature_names)
@@ -109,12 +78,8 @@ def first_pass(model, inputs, embeddings, state) -> np.ndarray:
     return np.array(logits[0])
 
 
-def our_tokens(model, processor, case: str, **options) -> list[int]:
-    messages, images = ALL_CASES[case]
-    results = stream_generate(
-        model, processor, messages, image=images, max_tokens=NEW_TOKENS, temperature=0.0, **options
-    )
-    return [r.token for r in results]
+def tokens(model, processor, case: str, **options) -> list[int]:
+    return our_tokens(model, processor, *ALL_CASES[case], **options)
 
 
 # ----------------------------------------------------------------------------------- parity
@@ -124,22 +89,20 @@ def our_tokens(model, processor, case: str, **options) -> list[int]:
 @pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
 def test_first_pass_logits_match_transformers(family, layout, case, loaded, reference):
     model, processor = loaded(family, layout)
-    ref_ids, ref_logits, _, _ = reference(family, case)
-    inputs, embeddings, state = prepared(model, processor, case)
-    assert inputs.input_ids[0].tolist() == ref_ids
-    np.testing.assert_allclose(
-        first_pass(model, inputs, embeddings, state), ref_logits, rtol=0, atol=LOGITS_ATOL
-    )
+    ref = reference(family, case)
+    ids, logits = our_logits(model, processor, *ALL_CASES[case])
+    assert ids == ref.input_ids
+    np.testing.assert_allclose(logits, ref.logits, rtol=0, atol=LOGITS_ATOL)
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
 def test_greedy_tokens_match_transformers(family, layout, case, loaded, reference):
     model, processor = loaded(family, layout)
-    _, _, ref_tokens, margin = reference(family, case)
-    assert len(ref_tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
-    assert margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {margin:.2e} is too thin"
-    assert our_tokens(model, processor, case) == ref_tokens
+    ref = reference(family, case)
+    assert len(ref.tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
+    assert ref.margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {ref.margin:.2e} is too thin"
+    assert tokens(model, processor, case) == ref.tokens
 
 
 @pytest.mark.parametrize("family", QWEN3_FAMILIES)
@@ -147,17 +110,17 @@ def test_chunked_prefill_splits_deepstack_and_positions(family, loaded, referenc
     """Chunks of 3 tokens cut through the images' runs: each chunk must inject exactly its
     own DeepStack rows at its own M-RoPE positions."""
     model, processor = loaded(family, "hub")
-    assert our_tokens(model, processor, "two_images", prefill_step_size=3) == (
-        reference(family, "two_images")[2]
+    assert tokens(model, processor, "two_images", prefill_step_size=3) == (
+        reference(family, "two_images").tokens
     )
 
 
 def test_rotating_cache_keeps_positions(loaded, reference):
     model, processor = loaded("qwen3_vl", "transformers")
-    ref_ids, _, ref_tokens, _ = reference("qwen3_vl", "one_image")
-    tokens = our_tokens(model, processor, "one_image", max_kv_size=len(ref_ids) + NEW_TOKENS // 2)
-    assert len(tokens) == NEW_TOKENS
-    assert tokens[: NEW_TOKENS // 2] == ref_tokens[: NEW_TOKENS // 2]
+    ref = reference("qwen3_vl", "one_image")
+    rotated = tokens(model, processor, "one_image", max_kv_size=len(ref.input_ids) + NEW_TOKENS // 2)
+    assert len(rotated) == NEW_TOKENS
+    assert rotated[: NEW_TOKENS // 2] == ref.tokens[: NEW_TOKENS // 2]
 
 
 # ---------------------------------------------------------------- the tests can fail
@@ -166,16 +129,16 @@ def test_rotating_cache_keeps_positions(loaded, reference):
 @pytest.mark.parametrize("family", QWEN3_FAMILIES)
 def test_another_image_changes_the_output(family, loaded, reference):
     model, processor = loaded(family, "transformers")
-    other = our_tokens(model, processor, "one_other_image")
-    assert other != reference(family, "one_image")[2]
-    assert other == reference(family, "one_other_image")[2]
+    other = tokens(model, processor, "one_other_image")
+    assert other != reference(family, "one_image").tokens
+    assert other == reference(family, "one_other_image").tokens
 
 
 def test_deepstack_and_interleaving_matter(loaded, reference):
     """Dropping DeepStack, or M-RoPE in blocked sections, moves the logits far from the
     reference: the parity above exercises both."""
     model, processor = loaded("qwen3_vl", "transformers")
-    _, ref_logits, _, _ = reference("qwen3_vl", "two_images")
+    ref_logits = reference("qwen3_vl", "two_images").logits
     inputs, embeddings, state = prepared(model, processor, "two_images")
     assert state.deepstack is not None and len(state.deepstack.layers) == 2
     without = dataclasses.replace(state, deepstack=None)
@@ -197,9 +160,8 @@ def test_wrong_rope_theta_would_be_caught(family, tiny_checkpoints, loaded, refe
     model, processor = loaded(family, "hub")
     wrong = get_family(family).Model.from_config(config)
     wrong.load_weights(parameter_list(model))
-    _, ref_logits, _, _ = reference(family, "image_in_second_turn")
-    logits = first_pass(wrong, *prepared(wrong, processor, "image_in_second_turn"))
-    assert np.abs(logits - ref_logits).max() > 100 * LOGITS_ATOL
+    _, logits = our_logits(wrong, processor, *ALL_CASES["image_in_second_turn"])
+    assert np.abs(logits - reference(family, "image_in_second_turn").logits).max() > 100 * LOGITS_ATOL
 
 
 # -------------------------------------------------------------- checkpoints and names
@@ -218,7 +180,7 @@ def test_hub_layout_reads_the_same_in_transformers(family, tiny_checkpoints, ref
     inputs = processor(text=[text], images=images, return_tensors="pt")
     with torch.no_grad():
         logits = model(**inputs).logits[0].numpy()
-    np.testing.assert_array_equal(logits, reference(family, "one_image")[1])
+    np.testing.assert_array_equal(logits, reference(family, "one_image").logits)
 
 
 @pytest.mark.parametrize("family", QWEN3_FAMILIES)
