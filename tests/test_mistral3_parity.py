@@ -141,6 +141,7 @@ def test_llava_config_builds_the_pixtral_model(tiny_checkpoints, reference):
     """The Hub's pixtral-12b says ``model_type: llava``: ``pixtral.Model`` reads that config
     and weights unchanged (what llava.py delegates to for a Pixtral tower)."""
     path = tiny_checkpoints.path("pixtral", "hub")
+    assert pixtral.is_pixtral_config(llava_config(path))
     model = pixtral.Model.from_config(llava_config(path))
     weights = load_weights_files(path)
     assert pixtral.is_hf_checkpoint(weights)

@@ -3,7 +3,9 @@ and a Mistral decoder (mlx-lm's, through ``input_embeddings``).
 
 On the Hub (mistral-community/pixtral-12b) the checkpoint is a ``llava`` config whose
 ``vision_config.model_type`` is ``pixtral``; mlx-community's conversions are registered
-here as ``pixtral``. ``Model.from_config`` reads either.
+here as ``pixtral``. ``Model.from_config``, ``is_hf_checkpoint`` and ``load_processor``
+take either, so the ``llava`` family can hand over any config for which
+``is_pixtral_config`` holds.
 
 Each image becomes rows of ``[IMG]`` tokens, one per patch, each row closed by
 ``[IMG_BREAK]`` and the last by ``[IMG_END]``; only the ``[IMG]`` tokens carry image
@@ -62,6 +64,12 @@ MISTRAL_DEFAULTS = {
     "max_position_embeddings": 4096 * 32,
     "rms_norm_eps": 1e-6,
 }
+
+
+def is_pixtral_config(config: dict) -> bool:
+    """Whether a config (``pixtral``, or the Hub's ``llava`` one) has a Pixtral tower: the
+    test by which ``llava`` hands such a checkpoint to this family."""
+    return (config.get("vision_config") or {}).get("model_type") == "pixtral"
 
 
 def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
