@@ -36,9 +36,10 @@ from mlxvlm.models.layers.clip import CLIPVisionConfig, CLIPVisionModel, activat
 #   3. the module tree (transformers >= 4.52 saves): model.language_model.*, lm_head.*,
 #      model.vision_tower.*, model.multi_modal_projector.*, model.image_newline.
 # Names alone cannot tell 1 from an unquantized mlx-community conversion (only the patch
-# embedding's layout differs), so ``is_hf_checkpoint`` takes such names for the Hub's:
-# converted checkpoints are recognised by their quantized tensors, or marked in
-# config.json by mlxvlm.convert.
+# embedding's layout differs). The loader recognises conversions by how their writer
+# marked them (safetensors metadata ``format: mlx`` from mlx-lm, mlx-vlm and
+# mlxvlm.convert; mlxvlm.convert's config marker) before asking ``is_hf_checkpoint``,
+# which therefore takes 1's names for the Hub's, unless the tensors are quantized.
 
 HF_PREFIXES = (
     ("model.language_model.", "language_model.model."),
@@ -81,7 +82,8 @@ def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
     return not quantized
 
 
-# ------------------------------------------------------------------------------- config
+# ------------------------------------------------------------------------ towers, config
+
 
 class SiglipTower(siglip.SiglipVisionModel):
     """SigLIP as a LLaVA tower (llava-interleave, OneVision): no class token."""
