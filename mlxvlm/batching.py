@@ -352,6 +352,7 @@ class BatchEngine:
     def step(self) -> None:
         """Admit the next waiting request, run one prefill chunk, run one decode step."""
         self._drop_cancelled_waiting()
+        self._drop_cancelled_active()
         if (
             self._prefilling is None
             and self._waiting
@@ -394,6 +395,23 @@ class BatchEngine:
             kept = deque(s for s in self._waiting if not s.cancelled)
             self.stats.requests_cancelled += len(self._waiting) - len(kept)
             self._waiting = kept
+
+    def _drop_cancelled_active(self) -> None:
+        """Free the batch rows of cancelled requests before anything else this step, so
+        that a waiting request can take a slot at once."""
+        keep = [i for i, seq in enumerate(self._active) if not seq.cancelled]
+        if len(keep) < len(self._active):
+            self.stats.requests_cancelled += len(self._active) - len(keep)
+            self._keep_rows(keep)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        self._active = [self._active[i] for i in keep]
+        if not keep:
+            self._batch_cache, self._batch_state = None, None
+            return
+        for layer in self._batch_cache:
+            layer.filter(keep)
+        self._batch_state = self.model.batch_states([s.state for s in self._active])
 
     def _update_gauges(self) -> None:
         self.stats.waiting = len(self._waiting)
@@ -554,15 +572,8 @@ class BatchEngine:
                     cache = [layer.extract(i) for layer in self._batch_cache]
                 self._finished(seq, cache=cache)
         self._update_throughput(len(rows), time.perf_counter() - started)
-        if len(keep) == len(rows):
-            return
-        self._active = [rows[i] for i in keep]
-        if not keep:
-            self._batch_cache, self._batch_state = None, None
-            return
-        for layer in self._batch_cache:
-            layer.filter(keep)
-        self._batch_state = self.model.batch_states([s.state for s in self._active])
+        if len(keep) < len(rows):
+            self._keep_rows(keep)
 
     def _emit(self, seq: _Sequence, token: int, logprobs: mx.array) -> str:
         """Deliver one token; whether the request goes on, finished or was cancelled."""
