@@ -355,6 +355,25 @@ def test_processors_are_built_without_torch(tiny_checkpoints, reference, tmp_pat
         assert ids[path] == reference(family, "two_images").input_ids, path
 
 
+def test_pixtral_tower_checkpoints_are_handed_to_the_pixtral_family(tiny_checkpoints, tmp_path):
+    """mistral-community/pixtral-12b says ``model_type: llava``: load gives the pixtral
+    family's model and processor, with its logits."""
+    from tiny.pixtral import llava_config
+
+    source = tiny_checkpoints.path("pixtral", "hub")
+    path = tmp_path / "pixtral-as-llava"
+    shutil.copytree(source, path)
+    (path / "config.json").write_text(json.dumps(llava_config(path)))
+    model, processor = load(path)
+    expected_model, expected_processor = load(source)
+    assert type(model) is type(expected_model) and type(processor) is type(expected_processor)
+    messages, images = CASES["one_image"]
+    np.testing.assert_array_equal(
+        our_logits(model, processor, messages, images)[1],
+        our_logits(expected_model, expected_processor, messages, images)[1],
+    )
+
+
 def test_mistral_sliding_window_bounds_the_context(tiny_checkpoints):
     """mlx-lm's llama cannot slide on every layer, so a Mistral window becomes the context
     (full attention equals sliding attention while everything fits in the window)."""

@@ -6,7 +6,8 @@ one token per patch (the class token is dropped under the ``"default"`` strategy
 Checkpoint names (the Hub's original ones, which mlx-community's conversions keep):
 ``vision_tower.vision_model.*``, ``multi_modal_projector.linear_{1,2}.*``,
 ``language_model.model.*`` and ``language_model.lm_head.*`` (unless tied). LLaVA-NeXT and
-LLaVA-OneVision extend this module.
+LLaVA-OneVision extend this module; ``llava`` checkpoints with a Pixtral tower go to the
+``pixtral`` family.
 """
 
 from __future__ import annotations
@@ -121,6 +122,12 @@ def vision_tower_class(vision_config) -> type:
     raise TypeError(f"no vision tower takes a {type(vision_config).__name__}")
 
 
+def is_pixtral_config(config: dict) -> bool:
+    """The Hub's Pixtral (mistral-community/pixtral-12b) is a ``llava`` config with a
+    Pixtral tower; the ``pixtral`` family implements it, so this one hands it over."""
+    return (config.get("vision_config") or {}).get("model_type") == "pixtral"
+
+
 def text_config_from_hf(config: dict) -> dict:
     """The text config of a config read by ``as_transformers_reads_it``, whose top-level
     ``tie_word_embeddings`` is resolved (the composite's flag or the text model's own)."""
@@ -196,7 +203,11 @@ class Model(VisionLanguageModel):
         self.language_model = mlx_lm_backbone.text_model(args.text)
 
     @classmethod
-    def from_config(cls, config: dict) -> "Model":
+    def from_config(cls, config: dict) -> VisionLanguageModel:
+        if is_pixtral_config(config):
+            from mlxvlm.models import pixtral
+
+            return pixtral.Model.from_config(config)
         return cls(ModelArgs.from_hf(config))
 
     # -- checkpoint -----------------------------------------------------------------
@@ -302,6 +313,11 @@ def load_processor(
     without torch. Settings missing from processor_config.json (older Hub checkpoints)
     come from the model's config (``default_options``), so that the placeholders match
     what the tower gives."""
+    if is_pixtral_config(config):
+        from mlxvlm.models import pixtral
+
+        return pixtral.load_processor(model_path, config)
+
     from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor
 
     from mlxvlm.models.processor_utils import image_only, read_chat_template
