@@ -53,19 +53,64 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling")
 
 
+class _MediaAction(argparse.Action):
+    """--image/--video/--audio: extend ``dest`` and record every source with its kind, in
+    command-line order, in ``namespace.media``, so the prompt places them as given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        getattr(namespace, self.dest).extend(values)
+        if getattr(namespace, "media", None) is None:
+            namespace.media = []
+        namespace.media.extend((self.dest, value) for value in values)
+
+
+def add_media_arguments(parser: argparse.ArgumentParser) -> None:
+    from mlxvlm.media import DEFAULT_FPS, DEFAULT_MAX_FRAMES
+
+    for kind, what in (("image", "Image"), ("video", "Video"), ("audio", "Audio (or video) file")):
+        parser.add_argument(
+            f"--{kind}",
+            action=_MediaAction,
+            nargs="+",
+            default=[],
+            help=f"{what} path, http(s) URL or data URL; repeat or list several (media "
+            "enter the prompt in command-line order)",
+        )
+    parser.set_defaults(media=None)
+    parser.add_argument(
+        "--fps", type=float, default=DEFAULT_FPS, help="Video frames sampled per second"
+    )
+    parser.add_argument(
+        "--max-frames", type=int, default=DEFAULT_MAX_FRAMES, help="Most frames per video"
+    )
+
+
+def load_cli_media(args: argparse.Namespace, verbose: bool = False) -> list[tuple[str, object]]:
+    """Decode the command line's media in order (before the slow model load, so that a bad
+    file fails fast); with ``verbose``, say what was sampled from each video and audio."""
+    from mlxvlm.media import load_audio, load_image, load_video
+
+    loaders = {
+        "image": load_image,
+        "video": lambda source: load_video(source, fps=args.fps, max_frames=args.max_frames),
+        "audio": load_audio,
+    }
+    loaded = [(kind, loaders[kind](source)) for kind, source in (args.media or [])]
+    if verbose:
+        for kind, media in loaded:
+            if kind != "image":
+                print(f"[mlxvlm] {media.describe()}", file=sys.stderr)
+    return loaded
+
+
 def build_generate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mlxvlm.generate",
-        description="Generate text from a prompt and images with a vision-language model.",
+        description="Generate text from a prompt and images, video or audio with a "
+        "vision-language or omni model.",
     )
     add_model_arguments(parser)
-    parser.add_argument(
-        "--image",
-        action="extend",
-        nargs="+",
-        default=[],
-        help="Image path, http(s) URL or data URL; repeat or list several",
-    )
+    add_media_arguments(parser)
     parser.add_argument(
         "--prompt", "-p", default=None, help="The prompt ('-' reads it from stdin)"
     )
@@ -100,7 +145,14 @@ def _prompt_text(args: argparse.Namespace) -> str:
         return sys.stdin.read()
     if args.prompt is not None:
         return args.prompt
-    return "Describe this image." if args.image else "Hello"
+    kinds = [kind for kind, _ in args.media or []]
+    return f"Describe this {kinds[0]}." if kinds else "Hello"
+
+
+def _user_turn(text: str, media: list[tuple[str, object]]) -> list[dict]:
+    """One user turn: the decoded media in command-line order, then the text."""
+    content = [{"type": kind, kind: value} for kind, value in media]
+    return [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
 
 
 def run_generate_cli(argv: Sequence[str] | None = None) -> int:
@@ -113,10 +165,8 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
         from mlxvlm import _backend
         from mlxvlm.generate import stream_generate
         from mlxvlm.loading import load
-        from mlxvlm.media import load_image
-
-        # Read the images first: a bad path should fail before a slow model load.
-        images = [load_image(source) for source in args.image]
+        # Read the media first: a bad path should fail before a slow model load.
+        media = load_cli_media(args, verbose=args.verbose)
         if args.verbose:
             print(f"[mlxvlm] device: {mx.default_device()}", file=sys.stderr)
             print(f"[mlxvlm] OpenBLAS: {_backend.openblas_status}", file=sys.stderr)
@@ -136,8 +186,7 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
         for last in stream_generate(
             model,
             processor,
-            _prompt_text(args),
-            images,
+            _user_turn(_prompt_text(args), media),
             system=args.system,
             max_tokens=args.max_tokens,
             temperature=args.temperature,

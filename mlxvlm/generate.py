@@ -76,9 +76,9 @@ def make_generation_cache(
     keep = max(ROTATING_KEEP, last_media + 1)
     if keep >= max_kv_size:
         raise PromptTooLongError(
-            f"--max-kv-size {max_kv_size} is too small: the prompt's images end at token "
-            f"{last_media + 1}, and a rotating cache must keep them all plus room for new "
-            f"tokens; use a --max-kv-size above {keep} (or fewer/smaller images)"
+            f"--max-kv-size {max_kv_size} is too small: the prompt's media (images, video, "
+            f"audio) end at token {last_media + 1}, and a rotating cache must keep them all "
+            f"plus room for new tokens; use a --max-kv-size above {keep} (or less media)"
         )
     return [
         RotatingKVCache(max_size=max_kv_size, keep=keep) if type(c) is KVCache else c
@@ -307,7 +307,8 @@ def fit_to_context(model: nn.Module, prompt_tokens: int, max_tokens: int) -> int
     if prompt_tokens >= context:
         raise PromptTooLongError(
             f"the prompt is {prompt_tokens} tokens long but the model's context is "
-            f"{context} tokens; shorten the prompt or use fewer/smaller images"
+            f"{context} tokens; shorten the prompt or use fewer/smaller images, shorter "
+            "videos (or a lower --fps) or shorter audio"
         )
     return min(max_tokens, context - prompt_tokens)
 
@@ -318,6 +319,10 @@ def stream_generate(
     prompt: str | Sequence[dict],
     image: Any = None,
     *,
+    video: Any = None,
+    audio: Any = None,
+    fps: float | None = None,
+    max_frames: int | None = None,
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -339,7 +344,9 @@ def stream_generate(
     prompt_progress_callback: Callable[[int, int], None] | None = None,
     media_options: dict | None = None,
 ) -> Generator[GenerationResult, None, None]:
-    """Generate text for a prompt (a string or chat messages) and images, step by step.
+    """Generate text for a prompt (a string or chat messages) and images, videos or audio,
+    step by step (``video``/``audio`` as ``prepare_inputs`` takes them; ``fps`` and
+    ``max_frames`` say how videos are sampled, see ``mlxvlm.media.load_video``).
 
     Each result carries the new text segment (possibly empty while a multi-byte character
     or a possible stop string is pending), the token, its log-probabilities and running
@@ -361,14 +368,18 @@ def stream_generate(
 
     start = time.perf_counter()
     mx.reset_peak_memory()
+    video_options = {k: v for k, v in (("fps", fps), ("max_frames", max_frames)) if v is not None}
     inputs = prepare_inputs(
         processor,
         prompt,
         image,
+        video=video,
+        audio=audio,
         system=system,
         raw_prompt=raw_prompt,
         feature_names=getattr(model, "feature_names", None),
         media_options=media_options,
+        video_options=video_options,
     )
     prompt_tokens = inputs.num_tokens
     if max_kv_size is None:

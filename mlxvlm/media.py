@@ -1,20 +1,25 @@
-"""Loading media (images now; video frames and audio via PyAV later) from user input.
+"""Loading media -- images, video frames and audio -- from user input.
 
 Every loader takes the same kinds of *source* and the same limits, and every failure is a
 one-line :class:`MediaError` that names the input (shortened), says what was wrong and
 what to do about it.
 
-The module is layered so that video and audio can reuse the lower half:
+The module is layered so that video and audio reuse the lower half:
 
 1. naming and errors     -- :class:`MediaError`, :func:`describe_source`, :func:`_error`
 2. getting the bytes     -- :func:`_local_path` (``allowed_dir`` policy), :func:`_read_file`,
                             :func:`_fetch_url`, :func:`_decode_data_url`, and
                             :func:`_read_source_bytes` which dispatches on the source kind
-3. decoding              -- images: :func:`_decode_image`, :func:`_to_rgb`, :func:`load_image`
+3. decoding              -- images: :func:`_decode_image`, :func:`_to_rgb`, :func:`load_image`;
+                            video and audio with PyAV: :func:`load_video` (frames sampled at
+                            ``fps`` within a pixel budget, plus the sound track) and
+                            :func:`load_audio` (mono float32, resampled)
 
 Decoding untrusted input is the risky part, so the limits are enforced as early as
 possible: ``max_bytes`` before a body is read in full (Content-Length, file size, base64
-length) and ``max_pixels`` from the image header, before any pixel data is decoded.
+length), ``max_pixels`` from the image header before any pixel data is decoded, a video's
+frame size from its header and the pixels of all its sampled frames before decoding, and
+an audio's length while it is decoded.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Union
+from typing import Any, Callable, Iterable, Union
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -43,7 +49,10 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.public_net import BlockedAddressError, public_only_handlers
 
-__all__ = ["MediaError", "ImageSource", "load_image", "load_images", "describe_source"]
+__all__ = [
+    "MediaError", "ImageSource", "load_image", "load_images", "describe_source",
+    "Video", "Audio", "load_video", "load_audio", "resample_audio",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +138,10 @@ def _error(kind: str, name: str, reason: str, fix: str | None = None) -> MediaEr
     return MediaError(message)
 
 
+def _with_article(kind: str) -> str:
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+
+
 def _mb(n: int) -> str:
     return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n} bytes"
 
@@ -175,8 +188,9 @@ def _local_path(source: str | os.PathLike, allowed_dir: str | os.PathLike | None
     return resolved
 
 
-def _read_file(path: Path, *, max_bytes: int, no_follow: bool, kind: str, name: str) -> bytes:
-    """Read a regular file of at most ``max_bytes``.
+def _open_regular_file(path: Path, *, max_bytes: int, no_follow: bool, kind: str,
+                       name: str) -> int:
+    """Open a regular file of at most ``max_bytes``; returns a blocking descriptor.
 
     Opened non-blocking so that a FIFO or device cannot hang the caller, then checked with
     ``fstat`` on the open descriptor, which is race-free.
@@ -205,10 +219,23 @@ def _read_file(path: Path, *, max_bytes: int, no_follow: bool, kind: str, name: 
         if stat.S_ISDIR(st.st_mode):
             raise _error(kind, name, "it is a directory, not a file", "pass the path of a file")
         if not stat.S_ISREG(st.st_mode):
-            raise _error(kind, name, "it is not a regular file", "pass the path of an image file")
+            raise _error(kind, name, "it is not a regular file",
+                         f"pass the path of {_with_article(kind)} file")
         if st.st_size > max_bytes:
             raise _too_big(kind, name, f"the file ({_mb(st.st_size)})", max_bytes)
+        if not st.st_size:
+            raise _error(kind, name, "the file is empty", "check that it was written completely")
         os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_file(path: Path, *, max_bytes: int, no_follow: bool, kind: str, name: str) -> bytes:
+    """Read a regular file of at most ``max_bytes`` (see :func:`_open_regular_file`)."""
+    fd = _open_regular_file(path, max_bytes=max_bytes, no_follow=no_follow, kind=kind, name=name)
+    try:
         with os.fdopen(fd, "rb", closefd=False) as f:
             data = f.read(max_bytes + 1)  # the file may have grown since fstat
     except OSError as e:
@@ -354,11 +381,14 @@ def _decode_data_url(url: str, *, max_bytes: int, kind: str, name: str) -> bytes
 def _read_source_bytes(source: str | os.PathLike | bytes | bytearray | memoryview, *,
                        kind: str, allow_remote: bool, allow_local: bool,
                        allowed_dir: str | os.PathLike | None, timeout: float | None,
-                       max_bytes: int, public_only: bool = False) -> tuple[bytes, str]:
+                       max_bytes: int, public_only: bool = False,
+                       local_reader: Callable[..., Any] | None = None) -> tuple[Any, str]:
     """The encoded bytes of a path, http(s) URL, data URL or bytes source.
 
     Returns ``(data, hint)``, where ``hint`` is extra context for a decoding error (e.g.
-    the Content-Type the server sent). Shared by every media kind.
+    the Content-Type the server sent). Shared by every media kind. ``local_reader``
+    replaces :func:`_read_file` for local paths (same arguments), e.g. to stream a large
+    video from disk instead of reading it into memory.
     """
     name = describe_source(source)
     if isinstance(source, (bytes, bytearray, memoryview)):
@@ -390,8 +420,9 @@ def _read_source_bytes(source: str | os.PathLike | bytes | bytearray | memoryvie
         raise _error(kind, name, "reading local files is disabled",
                      "send the file as a data URL (or an http(s) URL)")
     path = _local_path(text, allowed_dir, kind, name)
-    return _read_file(path, max_bytes=max_bytes, no_follow=allowed_dir is not None,
-                      kind=kind, name=name), ""
+    reader = local_reader or _read_file
+    return reader(path, max_bytes=max_bytes, no_follow=allowed_dir is not None,
+                  kind=kind, name=name), ""
 
 
 # --------------------------------------------------------------------------- images
@@ -565,3 +596,509 @@ def load_images(sources: Iterable[ImageSource], **kwargs: Any) -> list[Image.Ima
         except MediaError as e:
             raise MediaError(f"sources[{i}]: {e}") from e
     return images
+
+
+# --------------------------------------------------------------------------- video and audio
+
+DEFAULT_FPS = 2.0
+# Qwen's reference utilities (qwen-vl-utils) sample at most 768 frames.
+DEFAULT_MAX_FRAMES = 768
+# All sampled frames of one video together, as decoded: what qwen-vl-utils allows a whole
+# video (90% of 128k tokens of 28 x 28 pixels), about 270 MB of RGB. Larger videos are
+# downscaled while decoding, so a long or 4K video cannot exhaust memory.
+DEFAULT_MAX_VIDEO_PIXELS = int(128_000 * 28 * 28 * 0.9)
+# Local files are streamed from disk; URLs, data URLs and bytes are held in memory.
+DEFAULT_MAX_VIDEO_BYTES = 2**30
+DEFAULT_MAX_AUDIO_BYTES = 256 * 2**20
+DEFAULT_MAX_AUDIO_SECONDS = 3600.0
+# Every audio model mlxvlm supports listens at 16 kHz (Whisper's rate); a video's sound
+# track is decoded at this rate unless told otherwise.
+DEFAULT_AUDIO_RATE = 16_000
+
+# The options that say where media may come from (the rest are per kind).
+ACCESS_OPTIONS = ("allow_remote", "allowed_dir", "allow_local", "timeout", "public_only")
+
+_VIDEO_FIX = "use a common video format (MP4, WebM, MKV, MOV, AVI)"
+_AUDIO_FIX = "use a common audio format (WAV, MP3, FLAC, OGG, M4A) or a video with sound"
+
+
+@dataclass
+class Audio:
+    """Mono float32 samples in [-1, 1] at ``sampling_rate`` Hz."""
+
+    samples: np.ndarray  # (N,) float32
+    sampling_rate: int
+    name: str = "<audio>"
+    source_rate: int | None = None
+    source_channels: int | None = None
+    note: str = ""  # e.g. that a video's sound track was cut at the length limit
+
+    @property
+    def duration(self) -> float:
+        return self.samples.shape[0] / self.sampling_rate
+
+    def resampled(self, sampling_rate: int) -> "Audio":
+        """This audio at another rate (itself when the rate is already right)."""
+        if sampling_rate == self.sampling_rate:
+            return self
+        samples = resample_audio(self.samples, self.sampling_rate, sampling_rate, name=self.name)
+        return replace(self, samples=samples, sampling_rate=sampling_rate)
+
+    def describe(self) -> str:
+        source = ""
+        channels = self.source_channels or 1
+        if self.source_rate and (self.source_rate != self.sampling_rate or channels != 1):
+            mixed = f", {channels} channels" if channels != 1 else ""
+            source = f" (from {self.source_rate} Hz{mixed})"
+        note = f"; {self.note}" if self.note else ""
+        return (f"audio {self.name}: {self.duration:.2f} s, mono {self.sampling_rate} Hz"
+                f"{source}{note}")
+
+
+@dataclass
+class Video:
+    """Frames sampled from a video, and what the sampling was.
+
+    ``frame_indices`` are positions in the source's ``total_frames`` frames at
+    ``source_fps``; the frames stand for the video at ``sampled_fps`` frames per second.
+    """
+
+    frames: np.ndarray  # (T, H, W, 3) uint8 RGB
+    frame_indices: np.ndarray  # (T,) int
+    timestamps: np.ndarray  # (T,) seconds
+    sampled_fps: float
+    total_frames: int
+    source_fps: float
+    source_size: tuple[int, int]  # (width, height) before any downscaling
+    name: str = "<video>"
+    audio: Audio | None = None
+    note: str = ""  # e.g. that the frames were downscaled to fit the pixel budget
+
+    @property
+    def duration(self) -> float:
+        return self.total_frames / self.source_fps
+
+    def describe(self) -> str:
+        t, h, w, _ = self.frames.shape
+        text = (f"video {self.name}: {self.duration:.2f} s at {self.source_fps:g} fps, "
+                f"{t} of {self.total_frames} frames sampled ({self.sampled_fps:.3g} per "
+                f"second), {w}x{h}")
+        if self.note:
+            text += f" ({self.note})"
+        if self.audio is not None:
+            text += f"; sound track {self.audio.duration:.2f} s"
+            if self.audio.note:
+                text += f" ({self.audio.note})"
+        return text
+
+
+def sample_frame_indices(total_frames: int, source_fps: float, fps: float,
+                         max_frames: int) -> np.ndarray:
+    """Indices of frames spread evenly over the video, ``fps`` per second of video (at
+    least one, at most ``max_frames``), as qwen-vl-utils and transformers sample."""
+    wanted = total_frames / source_fps * fps
+    count = int(min(max(round(wanted), 1), max_frames, total_frames))
+    return np.unique(np.linspace(0, total_frames - 1, count).round().astype(np.int64))
+
+
+def fit_pixel_budget(width: int, height: int, frames: int, max_pixels: int) -> tuple[int, int]:
+    """The frame size (same aspect ratio) at which ``frames`` frames hold at most
+    ``max_pixels`` pixels together; the size itself when they already do."""
+    if frames * width * height <= max_pixels:
+        return width, height
+    scale = (max_pixels / (frames * width * height)) ** 0.5
+    return max(1, int(width * scale)), max(1, int(height * scale))
+
+
+def _downscale_note(width: int, height: int, out_w: int, out_h: int, max_pixels: int) -> str:
+    if (out_w, out_h) == (width, height):
+        return ""
+    return (f"downscaled from {width}x{height} to fit the budget of {max_pixels:,} pixels "
+            "per video")
+
+
+def _check_options(kind: str, name: str, **positive: float) -> None:
+    for option, value in positive.items():
+        if not value > 0:
+            raise _error(kind, name, f"{option} must be positive, got {value!r}",
+                         f"pass a positive {option}")
+
+
+# ---- decoding containers with PyAV
+
+
+def _open_stream(path: Path, *, max_bytes: int, no_follow: bool, kind: str, name: str):
+    """A local file opened for PyAV to read as it goes (large videos stay on disk)."""
+    fd = _open_regular_file(path, max_bytes=max_bytes, no_follow=no_follow, kind=kind, name=name)
+    return os.fdopen(fd, "rb")
+
+
+def _media_file(source, *, kind: str, access: dict, max_bytes: int):
+    """A seekable binary file over the source's encoded bytes, and a decoding hint."""
+    data, hint = _read_source_bytes(source, kind=kind, max_bytes=max_bytes,
+                                    local_reader=_open_stream, **access)
+    return (io.BytesIO(data) if isinstance(data, bytes) else data), hint
+
+
+def _open_container(file, *, kind: str, name: str, hint: str):
+    import av
+
+    file.seek(0)
+    fix = _VIDEO_FIX if kind == "video" else _AUDIO_FIX
+    try:
+        container = av.open(file, mode="r")
+    except av.FFmpegError as e:
+        reason = f"not a recognised {kind} format, or the file is truncated or corrupt"
+        if hint:
+            reason += f" ({hint})"
+        raise _error(kind, name, reason, fix) from e
+    except Exception as e:  # PyAV raises others on some malformed headers
+        raise _error(kind, name, f"the header is corrupt ({e.__class__.__name__}: {e})",
+                     fix) from e
+    if container.format.name.endswith("_pipe") or container.format.name == "image2":
+        container.close()
+        raise _error(kind, name, f"it is an image ({container.format.name}), not a {kind}",
+                     f"pass it as an image, or {fix}")
+    return container
+
+
+def _decode_error(kind: str, name: str, e: Exception) -> MediaError:
+    return _error(kind, name, f"the {kind} data is corrupt or truncated "
+                  f"({e.__class__.__name__}: {e})", f"check that the file is a complete {kind}")
+
+
+class _AudioCollector:
+    """Decoded audio frames -> one mono float32 track at ``rate`` Hz, at most
+    ``max_seconds`` long (``strict``: longer is an error, else the rest is dropped)."""
+
+    def __init__(self, stream, rate: int | None, max_seconds: float, name: str, strict: bool):
+        self.rate = rate or stream.rate
+        self.source_rate, self.source_channels = stream.rate, stream.channels
+        self.limit = int(max_seconds * self.rate)
+        self.name, self.strict = name, strict
+        self.resampler = None
+        self.chunks: list[np.ndarray] = []
+        self.length = 0
+        self.cut = False
+
+    def add(self, frame) -> None:
+        import av
+
+        if self.cut:
+            return
+        if self.resampler is None:
+            # Same channels, float planar, target rate; mono is the mean of the channels.
+            self.resampler = av.AudioResampler(format="fltp", layout=frame.layout.name,
+                                               rate=self.rate)
+        for out in self.resampler.resample(frame):
+            self._keep(out.to_ndarray().mean(axis=0, dtype=np.float32))
+
+    def flush(self) -> None:
+        if self.resampler is not None and not self.cut:
+            for out in self.resampler.resample(None):
+                self._keep(out.to_ndarray().mean(axis=0, dtype=np.float32))
+
+    def _keep(self, samples: np.ndarray) -> None:
+        if self.length + samples.shape[0] > self.limit:
+            if self.strict:
+                raise _error("audio", self.name,
+                             f"it is longer than the limit of {self.limit / self.rate:g} s",
+                             "cut it shorter, or raise max_seconds")
+            samples = samples[: self.limit - self.length]
+            self.cut = True
+        self.chunks.append(samples)
+        self.length += samples.shape[0]
+
+    def audio(self) -> Audio:
+        samples = np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.float32)
+        note = f"cut at the limit of {self.limit / self.rate:g} s" if self.cut else ""
+        return Audio(samples.astype(np.float32, copy=False), self.rate, self.name,
+                     self.source_rate, self.source_channels, note)
+
+
+def _count_frames(file, *, name: str, hint: str) -> int:
+    """Frames of a video stream whose container does not say (WebM, some MKV): its
+    non-empty packets, counted without decoding."""
+    import av
+
+    with _open_container(file, kind="video", name=name, hint=hint) as container:
+        stream = container.streams.video[0]
+        try:
+            return sum(1 for packet in container.demux(stream) if packet.size)
+        except av.FFmpegError as e:
+            raise _decode_error("video", name, e) from e
+
+
+def _decode_video(file, *, name: str, hint: str, fps: float, max_frames: int, max_pixels: int,
+                  max_frame_pixels: int, audio_rate: int | None, with_audio: bool,
+                  max_audio_seconds: float) -> Video:
+    import av
+
+    with _open_container(file, kind="video", name=name, hint=hint) as container:
+        if not container.streams.video:
+            raise _error("video", name, "the file has no video stream",
+                         "pass it as audio if it is a sound file, or " + _VIDEO_FIX)
+        stream = container.streams.video[0]
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if width <= 0 or height <= 0:
+            raise _error("video", name, f"the video has no pixels ({width}x{height})", _VIDEO_FIX)
+        if width * height > max_frame_pixels:
+            raise _error("video", name,
+                         f"its frames are {width}x{height} = {width * height:,} pixels, more "
+                         f"than the limit of {max_frame_pixels:,}",
+                         "downscale it, or raise max_frame_pixels if you trust the source")
+        source_fps = float(stream.average_rate or stream.guessed_rate or 0)
+        total = stream.frames
+        has_audio = with_audio and bool(container.streams.audio)
+    if source_fps <= 0:
+        raise _error("video", name, "the container does not say its frame rate", _VIDEO_FIX)
+    if total <= 0:
+        total = _count_frames(file, name=name, hint=hint)
+    if total <= 0:
+        raise _error("video", name, "the video has no frames", "check the file")
+
+    wanted = sample_frame_indices(total, source_fps, fps, max_frames)
+    out_w, out_h = fit_pixel_budget(width, height, len(wanted), max_pixels)
+    frames, indices, times = [], [], []
+    collector = None
+    with _open_container(file, kind="video", name=name, hint=hint) as container:
+        video = container.streams.video[0]
+        video.thread_type = "AUTO"
+        streams = [video]
+        if has_audio:
+            streams.append(container.streams.audio[0])
+            collector = _AudioCollector(streams[1], audio_rate, max_audio_seconds, name,
+                                        strict=False)
+        next_index, position = 0, 0
+        try:
+            for packet in container.demux(*streams):
+                for frame in packet.decode():
+                    if packet.stream.type == "audio":
+                        collector.add(frame)
+                        continue
+                    if next_index < len(wanted) and position == wanted[next_index]:
+                        frames.append(frame.to_ndarray(format="rgb24", width=out_w,
+                                                       height=out_h, interpolation="AREA"))
+                        indices.append(position)
+                        times.append(frame.time if frame.time is not None
+                                     else position / source_fps)
+                        next_index += 1
+                    position += 1
+                if next_index == len(wanted) and collector is None:
+                    break
+            if collector is not None:
+                collector.flush()
+        except av.FFmpegError as e:
+            raise _decode_error("video", name, e) from e
+    if not frames:
+        raise _error("video", name, "no frame could be decoded", "check that the file is a "
+                     "complete video")
+    note = _downscale_note(width, height, out_w, out_h, max_pixels)
+    audio = collector.audio() if collector is not None and collector.length else None
+    return Video(
+        frames=np.stack(frames), frame_indices=np.array(indices), timestamps=np.array(times),
+        sampled_fps=len(frames) / (total / source_fps), total_frames=total,
+        source_fps=source_fps, source_size=(width, height), name=name, audio=audio, note=note,
+    )
+
+
+def _video_from_frames(frames: Any, *, name: str, fps: float, max_pixels: int,
+                       max_frame_pixels: int) -> Video:
+    """Frames given directly (an array or a list of images): taken as they are, as a video
+    at ``fps`` frames per second, downscaled only to fit ``max_pixels``."""
+    if isinstance(frames, np.ndarray):
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+            raise _error("video", name, f"the array has shape {tuple(frames.shape)} and dtype "
+                         f"{frames.dtype}", "pass uint8 frames of shape (T, H, W, 3)")
+        frames = list(frames)
+    if not frames:
+        raise _error("video", name, "the list of frames is empty", "pass at least one frame")
+    images = []
+    for i, frame in enumerate(frames):
+        try:
+            images.append(load_image(frame, max_pixels=max_frame_pixels, allow_remote=False))
+        except MediaError as e:
+            raise _error("video", name, f"frame {i}: {e}") from e
+    sizes = {image.size for image in images}
+    if len(sizes) > 1:
+        raise _error("video", name, f"the frames differ in size ({sorted(sizes)})",
+                     "pass frames of one size")
+    width, height = images[0].size
+    out_w, out_h = fit_pixel_budget(width, height, len(images), max_pixels)
+    if (out_w, out_h) != (width, height):
+        images = [image.resize((out_w, out_h), Image.Resampling.BOX) for image in images]
+    note = _downscale_note(width, height, out_w, out_h, max_pixels)
+    count = len(images)
+    return Video(
+        frames=np.stack([np.asarray(image) for image in images]),
+        frame_indices=np.arange(count), timestamps=np.arange(count) / fps, sampled_fps=fps,
+        total_frames=count, source_fps=fps, source_size=(width, height), name=name, note=note,
+    )
+
+
+def load_video(
+    source: Any,
+    *,
+    fps: float = DEFAULT_FPS,
+    max_frames: int = DEFAULT_MAX_FRAMES,
+    max_pixels: int = DEFAULT_MAX_VIDEO_PIXELS,
+    max_frame_pixels: int = DEFAULT_MAX_PIXELS,
+    with_audio: bool = True,
+    audio_rate: int | None = DEFAULT_AUDIO_RATE,
+    max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
+    allow_remote: bool = True,
+    allowed_dir: str | os.PathLike | None = None,
+    allow_local: bool = True,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    max_bytes: int = DEFAULT_MAX_VIDEO_BYTES,
+    public_only: bool = False,
+) -> Video:
+    """Decode a video with PyAV and sample its frames.
+
+    ``source`` is a local path, an ``http(s)://`` URL, a ``data:video/...;base64,...`` URL,
+    the bytes of a video file, a :class:`Video` (returned as is), or frames given directly:
+    a uint8 array of shape (T, H, W, 3) or a list of images (anything :func:`load_image`
+    takes), which are used as they are, as a video at ``fps`` frames per second.
+
+    - ``fps``: frames sampled per second of video, spread evenly; at least one frame and
+      at most ``max_frames``.
+    - ``max_pixels``: the budget of all sampled frames together; frames are downscaled
+      while decoding to fit it (``Video.note`` says so).
+    - ``max_frame_pixels``: the largest frame size accepted from the header, before
+      decoding anything.
+    - ``with_audio``: also decode the first sound track, mono at ``audio_rate`` Hz (None:
+      its own rate), into ``Video.audio``; a track longer than ``max_audio_seconds`` is cut.
+    - ``allow_remote``, ``allowed_dir``, ``allow_local``, ``timeout``, ``max_bytes``,
+      ``public_only``: as for :func:`load_image` (a local file is read from disk as it is
+      decoded; other sources are held in memory).
+
+    Every failure (a missing or unreadable file, an unknown format, no video stream, no
+    decodable frame, corrupt data, limits) raises :class:`MediaError` naming the source.
+    """
+    name = describe_source(source)
+    if isinstance(source, Video):
+        return source
+    _check_options("video", name, fps=fps, max_frames=max_frames, max_pixels=max_pixels)
+    if isinstance(source, (np.ndarray, list, tuple)):
+        return _video_from_frames(source, name=name, fps=fps, max_pixels=max_pixels,
+                                  max_frame_pixels=max_frame_pixels)
+    if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
+        raise _error("video", name, f"unsupported source type {type(source).__name__}",
+                     "pass a path, an http(s) or data URL, bytes, a (T, H, W, 3) uint8 array "
+                     "or a list of frames")
+    access = dict(allow_remote=allow_remote, allowed_dir=allowed_dir, allow_local=allow_local,
+                  timeout=timeout, public_only=public_only)
+    file, hint = _media_file(source, kind="video", access=access, max_bytes=max_bytes)
+    with file:
+        return _decode_video(file, name=name, hint=hint, fps=fps, max_frames=int(max_frames),
+                             max_pixels=max_pixels, max_frame_pixels=max_frame_pixels,
+                             audio_rate=audio_rate, with_audio=with_audio,
+                             max_audio_seconds=max_audio_seconds)
+
+
+def _decode_audio(file, *, name: str, hint: str, sampling_rate: int | None,
+                  max_seconds: float) -> Audio:
+    import av
+
+    with _open_container(file, kind="audio", name=name, hint=hint) as container:
+        if not container.streams.audio:
+            raise _error("audio", name, "the file has no audio stream", _AUDIO_FIX)
+        stream = container.streams.audio[0]
+        collector = _AudioCollector(stream, sampling_rate, max_seconds, name, strict=True)
+        try:
+            for frame in container.decode(stream):
+                collector.add(frame)
+            collector.flush()
+        except av.FFmpegError as e:
+            raise _decode_error("audio", name, e) from e
+    if not collector.length:
+        raise _error("audio", name, "it holds no sound (0 samples)", "check the file")
+    return collector.audio()
+
+
+def resample_audio(samples: np.ndarray, from_rate: int, to_rate: int, *,
+                   name: str = "<audio>") -> np.ndarray:
+    """Mono float32 ``samples`` from ``from_rate`` to ``to_rate`` Hz (FFmpeg's resampler,
+    as when decoding)."""
+    import av
+
+    samples = np.ascontiguousarray(samples, dtype=np.float32)
+    if from_rate == to_rate:
+        return samples
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=to_rate)
+    pieces = []
+    step = from_rate * 10  # ten seconds per frame
+    try:
+        for start in range(0, samples.shape[0], step):
+            frame = av.AudioFrame.from_ndarray(samples[None, start : start + step],
+                                               format="flt", layout="mono")
+            frame.sample_rate = from_rate
+            pieces.extend(out.to_ndarray()[0] for out in resampler.resample(frame))
+        pieces.extend(out.to_ndarray()[0] for out in resampler.resample(None))
+    except av.FFmpegError as e:
+        raise _error("audio", name, f"cannot resample it from {from_rate} to {to_rate} Hz "
+                     f"({e})") from e
+    return np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
+
+
+def _audio_from_array(samples: np.ndarray, rate: int | None, *, name: str,
+                      max_seconds: float) -> Audio:
+    fix = "pass a 1-D float array of mono samples in [-1, 1] with its sampling_rate"
+    if rate is None:
+        raise _error("audio", name, "an array of samples needs its sampling rate", fix)
+    if samples.ndim != 1 or not np.issubdtype(samples.dtype, np.floating):
+        raise _error("audio", name, f"the array has shape {tuple(samples.shape)} and dtype "
+                     f"{samples.dtype}", fix)
+    if not samples.size:
+        raise _error("audio", name, "the array is empty", fix)
+    if samples.size > max_seconds * rate:
+        raise _error("audio", name, f"it is longer than the limit of {max_seconds:g} s",
+                     "cut it shorter, or raise max_seconds")
+    if not np.isfinite(samples).all():
+        raise _error("audio", name, "the samples contain NaN or infinity", fix)
+    return Audio(samples.astype(np.float32), int(rate), name, int(rate), 1)
+
+
+def load_audio(
+    source: Any,
+    *,
+    sampling_rate: int | None = None,
+    max_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
+    allow_remote: bool = True,
+    allowed_dir: str | os.PathLike | None = None,
+    allow_local: bool = True,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    max_bytes: int = DEFAULT_MAX_AUDIO_BYTES,
+    public_only: bool = False,
+) -> Audio:
+    """Decode audio with PyAV as mono float32 at ``sampling_rate`` Hz (None: its own rate).
+
+    ``source`` is a local path, an ``http(s)://`` URL, a ``data:audio/...;base64,...`` URL,
+    the bytes of a file (any container PyAV reads, videos included: their first sound
+    track), an :class:`Audio` (resampled if needed), or samples given directly: a 1-D float
+    array at ``sampling_rate`` Hz, or a ``(samples, rate)`` pair. Several channels are
+    mixed down to their mean. Longer than ``max_seconds`` is an error; the access options
+    and ``max_bytes`` are :func:`load_image`'s. Every failure raises :class:`MediaError`.
+    """
+    name = describe_source(source)
+    _check_options("audio", name, max_seconds=max_seconds)
+    if sampling_rate is not None:
+        _check_options("audio", name, sampling_rate=sampling_rate)
+    if isinstance(source, Audio):
+        audio = source
+    elif isinstance(source, tuple) and len(source) == 2 and isinstance(source[0], np.ndarray):
+        audio = _audio_from_array(source[0], source[1], name=name, max_seconds=max_seconds)
+    elif isinstance(source, np.ndarray):
+        audio = _audio_from_array(source, sampling_rate, name=name, max_seconds=max_seconds)
+    elif isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
+        access = dict(allow_remote=allow_remote, allowed_dir=allowed_dir,
+                      allow_local=allow_local, timeout=timeout, public_only=public_only)
+        file, hint = _media_file(source, kind="audio", access=access, max_bytes=max_bytes)
+        with file:
+            return _decode_audio(file, name=name, hint=hint, sampling_rate=sampling_rate,
+                                 max_seconds=max_seconds)
+    else:
+        raise _error("audio", name, f"unsupported source type {type(source).__name__}",
+                     "pass a path, an http(s) or data URL, bytes, or a float array with its "
+                     "sampling rate")
+    return audio if sampling_rate is None else audio.resampled(sampling_rate)

@@ -1,4 +1,5 @@
-"""Messages (text and image parts) -> model inputs, through the model's own chat template.
+"""Messages (text, image, video and audio parts) -> model inputs, through the model's own
+chat template.
 
 Accepted message shapes (OpenAI's and transformers'):
 
@@ -8,24 +9,42 @@ Accepted message shapes (OpenAI's and transformers'):
         {"type": "image", "image": "cat.jpg"},          # also "url" / "path"
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}},
         {"type": "image"},                              # next item of the image= argument
+        {"type": "video", "video": "clip.mp4"},         # also "video_url", or frames
+        {"type": "audio", "audio": "speech.wav"},       # also "audio_url"
+        {"type": "input_audio", "input_audio": {"data": "<base64>", "format": "wav"}},
     ]}
 
-Images are fed to the processor in the order they appear across the conversation, so an
-image in a later turn lands at its own placeholder.
+Media are fed to the processor in the order they appear across the conversation, so an
+image in a later turn lands at its own placeholder. Videos are decoded and sampled by
+``mlxvlm.media.load_video`` and audio by ``load_audio`` (at the processor's rate); for an
+omni processor (transformers' ``OmniModalProcessorMixin``) a video's sound track goes in
+with its frames.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.media import load_image
+from mlxvlm.media import ACCESS_OPTIONS, load_audio, load_image, load_video
 
 Message = dict[str, Any]
+
+# Content part type -> the kind of media it carries.
+MEDIA_PARTS = {
+    "image": "image",
+    "image_url": "image",
+    "video": "video",
+    "video_url": "video",
+    "audio": "audio",
+    "audio_url": "audio",
+    "input_audio": "audio",
+}
+MEDIA_KINDS = ("image", "video", "audio")
 
 
 @dataclass
@@ -34,6 +53,8 @@ class PreparedInputs:
     features: dict[str, mx.array] = field(default_factory=dict)
     prompt_text: str = ""
     num_images: int = 0
+    num_videos: int = 0
+    num_audios: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -49,11 +70,18 @@ def _as_list(value: Any) -> list:
 
 
 def build_messages(
-    prompt: str | Sequence[Message], num_images: int = 0, system: str | None = None
+    prompt: str | Sequence[Message],
+    num_images: int = 0,
+    system: str | None = None,
+    *,
+    num_videos: int = 0,
+    num_audios: int = 0,
 ) -> list[Message]:
-    """A plain prompt becomes one user turn with the images before the text."""
+    """A plain prompt becomes one user turn with the images, videos and audio before the
+    text."""
     if isinstance(prompt, str):
-        content = [{"type": "image"} for _ in range(num_images)]
+        counts = {"image": num_images, "video": num_videos, "audio": num_audios}
+        content = [{"type": kind} for kind in MEDIA_KINDS for _ in range(counts[kind])]
         content.append({"type": "text", "text": prompt})
         messages: list[Message] = [{"role": "user", "content": content}]
     else:
@@ -63,23 +91,31 @@ def build_messages(
     return messages
 
 
-def _image_source(part: dict) -> Any:
-    if part.get("type") == "image_url" or "image_url" in part:
-        ref = part.get("image_url")
+def _media_source(kind: str, part: dict) -> Any:
+    """The source a content part names, or None (it takes the next passed-in item)."""
+    url_key = f"{kind}_url"
+    if part.get("type") == url_key or url_key in part:
+        ref = part.get(url_key)
         return ref.get("url") if isinstance(ref, dict) else ref
-    for key in ("image", "url", "path"):
+    if kind == "audio" and (part.get("type") == "input_audio" or "input_audio" in part):
+        ref = part.get("input_audio") or {}
+        if not isinstance(ref, dict) or not ref.get("data"):
+            return None
+        return f"data:audio/{ref.get('format') or 'wav'};base64,{ref['data']}"
+    for key in (kind, "url", "path"):
         if part.get(key) is not None:
             return part[key]
     return None
 
 
-def normalize_messages(
-    messages: Iterable[Message], extra_images: Sequence[Any] = ()
-) -> tuple[list[Message], list[Any]]:
-    """Template-ready messages (image parts reduced to {"type": "image"}) and the image
-    sources in prompt order. Parts without a source take the next of ``extra_images``."""
-    pending = list(extra_images)
-    sources: list[Any] = []
+def normalize_media_messages(
+    messages: Iterable[Message], extra: Mapping[str, Sequence[Any]] | None = None
+) -> tuple[list[Message], list[tuple[str, Any]]]:
+    """Template-ready messages (media parts reduced to {"type": kind}) and the media as
+    ``(kind, source)`` in prompt order. A part without a source takes the next item of
+    ``extra[kind]`` (the image=/video=/audio= arguments)."""
+    pending = {kind: list((extra or {}).get(kind, ())) for kind in MEDIA_KINDS}
+    media: list[tuple[str, Any]] = []
     normalized: list[Message] = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
@@ -92,32 +128,45 @@ def normalize_messages(
         for part in _as_list(content):
             if isinstance(part, str):
                 part = {"type": "text", "text": part}
-            kind = part.get("type")
-            if kind == "text":
+            part_type = part.get("type")
+            if part_type == "text":
                 parts.append({"type": "text", "text": part.get("text", "")})
-            elif kind in ("image", "image_url"):
-                source = _image_source(part)
-                if source is None:
-                    if not pending:
-                        raise MlxvlmError(
-                            f"message {index} has an image part with no image; "
-                            "give it an 'image' (path, URL or data URL) or pass image=..."
-                        )
-                    source = pending.pop(0)
-                sources.append(source)
-                parts.append({"type": "image"})
-            else:
+                continue
+            kind = MEDIA_PARTS.get(part_type)
+            if kind is None:
                 raise MlxvlmError(
-                    f"message {index} has a content part of unsupported type {kind!r} "
-                    "(supported: text, image, image_url)"
+                    f"message {index} has a content part of unsupported type {part_type!r} "
+                    f"(supported: text, {', '.join(MEDIA_PARTS)})"
                 )
+            source = _media_source(kind, part)
+            if source is None:
+                if not pending[kind]:
+                    raise MlxvlmError(
+                        f"message {index} has {'an' if kind[0] in 'aeiou' else 'a'} {kind} "
+                        f"part with no {kind}; give it a '{kind}' (path, URL or data URL) "
+                        f"or pass {kind}=..."
+                    )
+                source = pending[kind].pop(0)
+            media.append((kind, source))
+            parts.append({"type": kind})
         normalized.append({**message, "content": parts})
-    if pending:
-        raise MlxvlmError(
-            f"{len(pending)} image(s) were passed but the messages have no image part left "
-            "to place them"
-        )
-    return normalized, sources
+    for kind, left in pending.items():
+        if left:
+            raise MlxvlmError(
+                f"{len(left)} {kind}(s) were passed but the messages have no {kind} part "
+                "left to place them"
+            )
+    return normalized, media
+
+
+def normalize_messages(
+    messages: Iterable[Message], extra_images: Sequence[Any] = ()
+) -> tuple[list[Message], list[Any]]:
+    """Template-ready messages (media parts reduced to {"type": kind}) and the image
+    sources in prompt order (see ``normalize_media_messages`` for every kind). Parts
+    without a source take the next of ``extra_images``."""
+    normalized, media = normalize_media_messages(messages, {"image": extra_images})
+    return normalized, [source for kind, source in media if kind == "image"]
 
 
 def render_chat(processor: Any, messages: list[Message]) -> str:
@@ -140,32 +189,43 @@ def prepare_inputs(
     prompt: str | Sequence[Message],
     image: Any = None,
     *,
+    video: Any = None,
+    audio: Any = None,
     system: str | None = None,
     raw_prompt: bool = False,
     feature_names: Sequence[str] | None = None,
     media_options: dict | None = None,
+    video_options: dict | None = None,
+    audio_in_video: bool = True,
 ) -> PreparedInputs:
     """Render the conversation with the chat template and run the processor.
 
-    ``raw_prompt``: ``prompt`` is already the model's exact input text (images must then
-    be given with ``image=`` and the text must contain the placeholders).
+    ``image``, ``video``, ``audio``: one source or a list of them, for the media parts
+    that name none (with a plain string prompt: placed before the text). A video given as
+    a list of frames must itself be inside the list: ``video=[[frame, frame, ...]]``.
+    ``media_options``: ``load_image``'s options; its access options (remote URLs, local
+    files, timeout) apply to videos and audio too. ``video_options``: ``load_video``'s
+    (``fps``, ``max_frames``, ``max_pixels`` ...). ``audio_in_video``: an omni model also
+    hears each video's sound track. ``raw_prompt``: ``prompt`` is already the model's exact
+    input text (media must then be passed as arguments and the text must hold the
+    placeholders).
     """
-    extra_images = _as_list(image)
+    extra = {"image": _as_list(image), "video": _as_list(video), "audio": _as_list(audio)}
     if raw_prompt:
         if not isinstance(prompt, str):
             raise MlxvlmError("raw_prompt=True needs the prompt as a string")
-        text, sources = prompt, extra_images
+        text = prompt
+        media = [(kind, source) for kind in MEDIA_KINDS for source in extra[kind]]
     else:
-        messages = build_messages(prompt, len(extra_images), system)
-        messages, sources = normalize_messages(messages, extra_images)
+        messages = build_messages(prompt, len(extra["image"]), system,
+                                  num_videos=len(extra["video"]), num_audios=len(extra["audio"]))
+        messages, media = normalize_media_messages(messages, extra)
         text = render_chat(processor, messages)
 
-    images = [load_image(source, **(media_options or {})) for source in sources]
+    loaded = _load_media(processor, media, media_options or {}, video_options or {},
+                         audio_in_video)
     outputs = processor(
-        text=[text],
-        images=images or None,
-        return_tensors="np",
-        add_special_tokens=raw_prompt,
+        text=[text], return_tensors="np", add_special_tokens=raw_prompt, **loaded.processor_kwargs()
     )
     input_ids = mx.array(np.asarray(outputs["input_ids"]), dtype=mx.int32)
     features = {}
@@ -175,4 +235,76 @@ def prepare_inputs(
         if feature_names is not None and name not in feature_names:
             continue
         features[name] = mx.array(np.asarray(value))
-    return PreparedInputs(input_ids, features, text, len(images))
+    return PreparedInputs(input_ids, features, text, len(loaded.images), len(loaded.videos),
+                          len(loaded.standalone_audio))
+
+
+@dataclass
+class _LoadedMedia:
+    images: list = field(default_factory=list)
+    videos: list = field(default_factory=list)  # mlxvlm.media.Video
+    standalone_audio: list = field(default_factory=list)  # mlxvlm.media.Audio
+    # Every audio the processor hears, in prompt order, and for each the video it comes
+    # from (None: an audio part of its own) -- transformers' omni processor API.
+    audio_slots: list = field(default_factory=list)
+    audio_from_video: list = field(default_factory=list)
+
+    def processor_kwargs(self) -> dict:
+        kwargs: dict[str, Any] = {"images": self.images or None}
+        if self.videos:
+            from transformers.video_utils import VideoMetadata
+
+            kwargs["videos"] = [v.frames for v in self.videos]
+            kwargs["video_metadata"] = [
+                VideoMetadata(total_num_frames=v.total_frames, fps=v.source_fps,
+                              frames_indices=v.frame_indices.tolist(),
+                              width=v.frames.shape[2], height=v.frames.shape[1])
+                for v in self.videos
+            ]
+        if self.audio_slots:
+            kwargs["audio"] = [a.samples for a in self.audio_slots]
+            if any(i is not None for i in self.audio_from_video):
+                kwargs["load_audio_from_video"] = True
+                kwargs["audio_from_video_indices"] = self.audio_from_video
+        return kwargs
+
+
+def _load_media(processor: Any, media: list[tuple[str, Any]], image_options: dict,
+                video_options: dict, audio_in_video: bool) -> _LoadedMedia:
+    """Decode every source, checking first that the processor takes its kind."""
+    kinds = {kind for kind, _ in media}
+    video_processor = getattr(processor, "video_processor", None)
+    feature_extractor = getattr(processor, "feature_extractor", None)
+    if "video" in kinds and video_processor is None:
+        raise MlxvlmError("this model does not take video input; pass images or text")
+    if "audio" in kinds and feature_extractor is None:
+        raise MlxvlmError("this model does not take audio input")
+    rate = getattr(feature_extractor, "sampling_rate", None)
+    hears_video = audio_in_video and rate is not None and _is_omni(processor)
+    access = {k: v for k, v in image_options.items() if k in ACCESS_OPTIONS}
+
+    loaded = _LoadedMedia()
+    for kind, source in media:
+        if kind == "image":
+            loaded.images.append(load_image(source, **image_options))
+        elif kind == "video":
+            options = {**video_options, "with_audio": hears_video}
+            if hears_video:
+                options["audio_rate"] = rate
+            video = load_video(source, **access, **options)
+            if hears_video and video.audio is not None:
+                loaded.audio_slots.append(video.audio.resampled(rate))
+                loaded.audio_from_video.append(len(loaded.videos))
+            loaded.videos.append(video)
+        else:
+            sound = load_audio(source, sampling_rate=rate, **access)
+            loaded.standalone_audio.append(sound)
+            loaded.audio_slots.append(sound)
+            loaded.audio_from_video.append(None)
+    return loaded
+
+
+def _is_omni(processor: Any) -> bool:
+    from transformers.processing_utils import OmniModalProcessorMixin
+
+    return isinstance(processor, OmniModalProcessorMixin)

@@ -1,9 +1,11 @@
 """Build transformers processors without torch or torchvision.
 
 ``AutoProcessor`` fails for families whose video processor needs torchvision, and a
-processor class refuses ``video_processor=None`` (it checks every sub-processor against
-its expected base class). ``image_only`` returns a subclass that accepts a missing video
-processor, so the processor can be built from the tokenizer and the PIL image processor.
+processor class refuses a video processor that is not transformers' own (it checks every
+sub-processor against its expected base class). ``image_only`` returns a subclass that
+accepts a missing video processor (images and text only) or one of mlxvlm's numpy video
+processors (``NumpyVideoProcessor``, e.g. ``mlxvlm.models.qwen_video``), so the processor
+can be built from the tokenizer, the PIL image processor and a numpy video processor.
 """
 
 from __future__ import annotations
@@ -13,12 +15,19 @@ import json
 from pathlib import Path
 
 
+class NumpyVideoProcessor:
+    """Base of mlxvlm's numpy stand-ins for transformers' torchvision video processors."""
+
+
 @functools.cache
 def image_only(processor_class: type) -> type:
-    """``processor_class`` accepting ``video_processor=None`` (images and text only)."""
+    """``processor_class`` accepting ``video_processor=None`` (images and text only) or a
+    ``NumpyVideoProcessor``."""
 
     def check_argument_for_proper_class(self, argument_name, argument):
-        if argument_name == "video_processor" and argument is None:
+        if argument_name == "video_processor" and (
+            argument is None or isinstance(argument, NumpyVideoProcessor)
+        ):
             return None
         return processor_class.check_argument_for_proper_class(self, argument_name, argument)
 
@@ -27,7 +36,7 @@ def image_only(processor_class: type) -> type:
         (processor_class,),
         {
             "check_argument_for_proper_class": check_argument_for_proper_class,
-            "__doc__": f"{processor_class.__name__} without a video processor (no torchvision).",
+            "__doc__": f"{processor_class.__name__} without torchvision's video processor.",
         },
     )
 

@@ -215,12 +215,16 @@ def _grids(grid_thw: Any) -> np.ndarray:
     return np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
 
 
-def load_processor(model_path: str | Path, config: dict, processor_class: type | None = None):
-    """The transformers processor (tokenizer + PIL image processor + chat template),
-    built without torchvision; video input is not wired yet."""
+def load_processor(
+    model_path: str | Path, config: dict, processor_class: type | None = None, video: bool = True
+):
+    """The transformers processor (tokenizer + PIL image processor + chat template), built
+    without torchvision: videos go through mlxvlm's numpy twin of the video processor
+    (``video=False``: images only)."""
     from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
 
     from mlxvlm.models.processor_utils import image_only, read_chat_template
+    from mlxvlm.models.qwen_video import QwenVideoProcessor
 
     processor_class = processor_class or Qwen2VLProcessor
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -229,6 +233,6 @@ def load_processor(model_path: str | Path, config: dict, processor_class: type |
     return image_only(processor_class)(
         image_processor=image_processor,
         tokenizer=tokenizer,
-        video_processor=None,
+        video_processor=QwenVideoProcessor.from_pretrained(model_path) if video else None,
         chat_template=chat_template,
     )

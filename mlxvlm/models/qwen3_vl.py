@@ -187,4 +187,6 @@ def load_processor(model_path: str | Path, config: dict):
     """Tokenizer + Qwen2-VL's PIL image processor + chat template (video not wired yet)."""
     from transformers import Qwen3VLProcessor
 
-    return qwen2_vl.load_processor(model_path, config, processor_class=Qwen3VLProcessor)
+    return qwen2_vl.load_processor(
+        model_path, config, processor_class=Qwen3VLProcessor, video=False
+    )
