@@ -41,24 +41,21 @@ class ConvertResult:
     shards: list[str]
     size_bytes: int  # of the weight files
     bits_per_weight: float
+    # The language model alone (the float towers weigh on the figure above).
+    text_bits_per_weight: float | None
     quantization: dict | None
     # Modules the quantization selected but left float: their shapes do not divide by
     # the group size.
     unquantized: list[str] = field(default_factory=list)
 
     def report(self) -> str:
-        if self.quantization:
-            q = self.quantization
-            overrides = sum(isinstance(v, dict) for v in q.values())
-            how = f"{q['bits']}-bit {q['mode']}, group size {q['group_size']}"
-            if overrides:
-                how += f", {overrides} layers with their own settings"
-        else:
-            how = "not quantized"
+        how = _describe_precision(self.quantization, None) if self.quantization else "not quantized"
         shards = f"{len(self.shards)} shard{'s' if len(self.shards) > 1 else ''}"
         return (
             f"Saved {self.path} ({shards}, {_human_size(self.size_bytes)} on disk): "
             f"{how}, {self.bits_per_weight:.2f} bits per weight"
+            + (f" (language model: {self.text_bits_per_weight:.2f})"
+               if self.text_bits_per_weight is not None else "")
         )
 
 
@@ -337,6 +334,17 @@ def upload(directory: Path, repo_id: str) -> None:
         ) from None
 
 
+def _describe_precision(quantization: dict | None, dtype: str | None) -> str:
+    if not quantization:
+        return dtype or "float"
+    text = (f"{quantization['bits']}-bit {quantization['mode']} quantization, group size "
+            f"{quantization['group_size']}")
+    overrides = [v["bits"] for v in quantization.values() if isinstance(v, dict)]
+    for bits in sorted(set(overrides)):
+        text += f", {overrides.count(bits)} layers at {bits} bits"
+    return text
+
+
 def _human_size(size: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if size < 1000 or unit == "GB":
@@ -377,7 +385,7 @@ def convert(
 
     from mlxvlm.loading import read_config, resolve_model_path
     from mlxvlm.models import UnsupportedModelError, get_family
-    from mlxvlm.quantization import read_quantization
+    from mlxvlm.quantization import TEXT_MODEL, read_quantization
 
     source = resolve_model_path(hf_path, revision, trust_remote_code)
     if mlx_path.resolve() == source.resolve() or source.resolve().is_relative_to(mlx_path.resolve()):
@@ -418,13 +426,12 @@ def convert(
     from mlx_lm.utils import compute_bits_per_weight
 
     bits_per_weight = compute_bits_per_weight(model)
+    text_model = getattr(model, TEXT_MODEL, None)
+    text_bits_per_weight = compute_bits_per_weight(text_model) if text_model is not None else None
     name = upload_repo or mlx_path.name
     base_model = None if Path(hf_path).expanduser().exists() else str(hf_path)
     quantization = config.get("quantization")
-    precision = (
-        f"{quantization['bits']}-bit {quantization['mode']} quantization, group size "
-        f"{quantization['group_size']}" if quantization else (target_dtype or "float")
-    )
+    precision = _describe_precision(quantization, target_dtype)
 
     staging = mlx_path.parent / f".{mlx_path.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -449,6 +456,7 @@ def convert(
         shards=shards,
         size_bytes=sum((mlx_path / s).stat().st_size for s in shards),
         bits_per_weight=bits_per_weight,
+        text_bits_per_weight=text_bits_per_weight,
         quantization=quantization,
         unquantized=unquantized,
     )

@@ -612,11 +612,14 @@ def _mlx_vlm_python() -> str | None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mlx_vlm_conversions_load_unchanged(family, tiny_checkpoints, converted, loaded, tmp_path):
     """What mlx-community publishes: mlx-vlm's convert (bfloat16, and 4-bit at group size
-    32) of the same checkpoint loads, and holds the very tensors ours writes."""
+    32) of the same checkpoint loads unchanged and computes what ours computes. Both write
+    the same module names and the same tensors; mlx-vlm's choice of modules to quantize
+    differs for some families (e.g. it quantizes Idefics3's connector), so at 4 bits the
+    modules quantized by only one side are checked through the logits."""
     python = _mlx_vlm_python()
-    layouts = builder(family).LAYOUTS
+    _, _, reference = loaded(source_path(tiny_checkpoints, family))
     done = False
-    for layout in layouts:
+    for layout in builder(family).LAYOUTS:
         source = tiny_checkpoints.path(family, layout)
         for name, flags, ours in [
             ("bf16", ["--dtype", "bfloat16"], dict(dtype="bfloat16")),
@@ -626,18 +629,25 @@ def test_mlx_vlm_conversions_load_unchanged(family, tiny_checkpoints, converted,
             out = tmp_path / f"{layout}-{name}"
             run = subprocess.run([python, "-m", "mlx_vlm.convert", "--hf-path", str(source),
                                   "--mlx-path", str(out), *flags], capture_output=True, text=True)
-            if run.returncode != 0:  # mlx-vlm cannot read this config layout
+            if run.returncode != 0:  # mlx-vlm cannot convert this tiny checkpoint
                 continue
             done = True
             mine = converted(family, source=source, **ours)
-            theirs, mine_tensors = tensors(out), tensors(mine)
-            assert set(theirs) == set(mine_tensors)
-            for key, value in theirs.items():
-                assert value.dtype == mine_tensors[key].dtype, key
-                assert mx.array_equal(value, mine_tensors[key]).item(), key
-            assert config_of(out).get("quantization") == config_of(mine).get("quantization")
+            theirs, my_tensors = tensors(out), tensors(mine)
+
+            def modules(names):
+                return {n.rsplit(".", 1)[0] for n in names}
+
+            assert modules(theirs) == modules(my_tensors)
+            for key in set(theirs) & set(my_tensors):
+                assert theirs[key].dtype == my_tensors[key].dtype, key
+                assert mx.array_equal(theirs[key], my_tensors[key]).item(), key
             _, _, their_logits = loaded(out)
             _, _, my_logits = loaded(mine)
-            np.testing.assert_allclose(their_logits, my_logits, rtol=1e-5, atol=1e-5)
+            if name == "bf16":
+                assert set(theirs) == set(my_tensors)
+                np.testing.assert_allclose(their_logits, my_logits, rtol=1e-5, atol=1e-5)
+            else:
+                assert relative_error(their_logits, reference) < TOLERANCE[4]
     if not done:
         pytest.skip(f"mlx-vlm could not convert any layout of the tiny {family} checkpoint")
