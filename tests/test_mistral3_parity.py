@@ -240,3 +240,26 @@ def test_sanitized_names_are_mlx_community_names(family, tiny_checkpoints, loade
         names += ["multi_modal_projector.linear_1.bias"]
     for name in names:
         assert name in expected, name
+
+
+def test_sparse_hub_sub_configs_take_transformers_defaults():
+    """mistral-community/pixtral-12b's config.json leaves out what equals the defaults
+    (no num_attention_heads in text_config, hardly anything in vision_config)."""
+    config = {
+        "model_type": "llava", "image_token_index": 10, "projector_hidden_act": "gelu",
+        "vision_feature_layer": -1, "vision_feature_select_strategy": "full",
+        "text_config": {"hidden_act": "silu", "hidden_size": 5120, "head_dim": 128,
+                        "intermediate_size": 14336, "is_composition": True,
+                        "max_position_embeddings": 1024000, "model_type": "mistral",
+                        "num_hidden_layers": 40, "num_key_value_heads": 8,
+                        "rms_norm_eps": 1e-05, "rope_theta": 1000000000.0,
+                        "sliding_window": None, "vocab_size": 131072},
+        "vision_config": {"head_dim": 64, "hidden_act": "silu", "image_size": 1024,
+                          "is_composition": True, "model_type": "pixtral", "patch_size": 16,
+                          "rope_theta": 10000.0, "tie_word_embeddings": False},
+    }
+    args = pixtral.Model.model_args(config)
+    assert (args.text.num_attention_heads, args.text.head_dim, args.text.rope_theta) == (32, 128, 1e9)
+    assert not args.text.tie_word_embeddings and args.max_context == 1024000
+    assert (args.vision.hidden_size, args.vision.num_attention_heads, args.vision.num_hidden_layers) == (1024, 16, 24)
+    assert args.vision.hidden_act == "silu" and args.projector_bias

@@ -31,7 +31,12 @@ import numpy as np
 from transformers import ProcessorMixin
 
 from mlxvlm.models.base import VisionLanguageModel
-from mlxvlm.models.config_utils import text_config, token_id, vision_config
+from mlxvlm.models.config_utils import (
+    rope_parameters,
+    tie_word_embeddings,
+    token_id,
+    vision_config,
+)
 from mlxvlm.models.layers import mlx_lm_backbone
 from mlxvlm.models.layers.pixtral_vision import (
     PixtralVisionConfig,
@@ -50,21 +55,6 @@ HF_PREFIXES = (
     ("model.language_model.", "language_model.model."),
     ("lm_head.", "language_model.lm_head."),
 )
-
-# Mistral's default rope θ and, for keys a Hub config leaves out (mistral-community/
-# pixtral-12b's has no num_attention_heads), transformers' MistralConfig defaults.
-DEFAULT_TEXT_ROPE_THETA = 10000.0
-MISTRAL_DEFAULTS = {
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 4096 * 32,
-    "rms_norm_eps": 1e-6,
-}
-
 
 def is_pixtral_config(config: dict) -> bool:
     """Whether a config (``pixtral``, or the Hub's ``llava`` one) has a Pixtral tower: the
@@ -94,9 +84,20 @@ def hf_to_mlx_name(name: str) -> str:
 
 
 def text_config_for_mlx_lm(config: dict) -> dict:
-    """The text config, complete for mlx-lm's Mistral/Llama (either layout)."""
-    text = {**MISTRAL_DEFAULTS, **text_config(config, DEFAULT_TEXT_ROPE_THETA)}
-    text["model_type"] = (config.get("text_config") or {}).get("model_type", "mistral")
+    """The text config, complete for mlx-lm's Mistral/Llama, in either layout.
+
+    The Hub's sub-configs name only what differs from the defaults (mistral-community/
+    pixtral-12b's has no num_attention_heads), so the text config is read through its
+    transformers class. The head is tied as the composite config says (see config_utils:
+    transformers 5's Mistral3Config defaults to tied, Mistral Small's weights are not).
+    """
+    from transformers import CONFIG_MAPPING
+
+    sub = dict(config.get("text_config") or {})
+    sub.setdefault("model_type", "mistral")
+    text = CONFIG_MAPPING[sub["model_type"]](**sub).to_dict()
+    text["rope_parameters"] = rope_parameters(text, 10000.0)
+    text["tie_word_embeddings"] = tie_word_embeddings(config)
     return text
 
 
