@@ -270,15 +270,16 @@ class BatchEngine:
         options: SamplingOptions,
         deliver: Deliver,
         *,
-        image_hashes: Sequence[str] = (),
+        image_hashes: Sequence[str] | None = (),
     ) -> SequenceHandle:
         """Queue a prepared prompt. Raises ``MlxvlmError`` (e.g. ``PromptTooLongError``)
         at once for options or prompts that cannot run. ``image_hashes`` (see
-        ``prefix_cache.image_hash``), in prompt order, let the prompt reuse a cache."""
+        ``prefix_cache.image_hash``), in prompt order, let the prompt reuse a cache; None
+        keeps it out of the prefix cache (e.g. media the keys cannot describe)."""
         options.validate()
         max_tokens = fit_to_context(self.model, inputs.num_tokens, options.max_tokens)
         key = None
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and image_hashes is not None:
             key = prompt_key(np.asarray(inputs.input_ids[0]), self.placeholders, image_hashes)
         with self._cond:
             if self._closed:

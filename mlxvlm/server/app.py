@@ -62,12 +62,24 @@ async def until_disconnect(request: Request, work: Awaitable) -> Any:
     raise ClientDisconnected
 
 
+def validation_error(error: ValidationError) -> APIError:
+    """The most specific problem: for a value that may take several shapes (a string or
+    a list of parts), the error deepest inside it says what is wrong."""
+    first = max(error.errors(), key=lambda e: len(e["loc"]))
+    # Drop pydantic's union-branch labels ("str", "list[...]", tag names) from the path.
+    path = [str(p) for p in first["loc"] if isinstance(p, int) or p.isidentifier()]
+    path = [p for p in path if p not in ("str", "list", "dict")]
+    param = ".".join(path) or None
+    message = first["msg"]
+    return APIError(400, f"{param}: {message}" if param else message, param=param)
+
+
 def as_api_error(error: Exception) -> APIError:
     """A user-input error from preparing or running a request, as a 400."""
     if isinstance(error, PromptTooLongError):
         return APIError(400, str(error), param="messages", code="context_length_exceeded")
     if isinstance(error, MediaError):
-        return APIError(400, str(error), param="messages", code="invalid_image")
+        return APIError(400, str(error), param="messages", code="invalid_media")
     return APIError(400, str(error), param="messages")
 
 
@@ -174,10 +186,7 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
         try:
             chat = ChatCompletionRequest.model_validate_json(body)
         except ValidationError as error:
-            first = error.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            message = first["msg"]
-            raise APIError(400, f"{param}: {message}" if param else message, param=param)
+            raise validation_error(error) from None
         if chat.model != config.model_id:
             raise _unknown_model(chat.model)
         warn_unknown_fields(chat)

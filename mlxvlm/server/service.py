@@ -21,14 +21,14 @@ import mlx.core as mx
 from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
 from mlxvlm.media import load_image
 from mlxvlm.prefix_cache import PrefixCache, image_hash
-from mlxvlm.prompt import PreparedInputs, normalize_messages, prepare_inputs
+from mlxvlm.prompt import PreparedInputs, prepare_inputs
 from mlxvlm.server.config import ServerConfig
 
 
 @dataclass
 class PreparedRequest:
     inputs: PreparedInputs
-    image_hashes: list[str]
+    image_hashes: list[str] | None  # None: not eligible for prefix reuse
 
 
 @dataclass
@@ -107,20 +107,37 @@ class GenerationService:
         }
 
     def _prepare(self, messages: list[dict]) -> PreparedRequest:
+        """Load the images (each is hashed by content, for prefix reuse), then render and
+        process the conversation. Other media (video, audio) are left to
+        ``prepare_inputs``, under the same access options."""
         options = self.media_options()
-        normalized, sources = normalize_messages(messages)
-        images = [load_image(source, **options) for source in sources]
+        images, other_media = [], False
+        prepared_messages = []
+        for message in messages:
+            content = message["content"]
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part["type"] == "image_url":
+                        images.append(load_image(part["image_url"]["url"], **options))
+                        part = {"type": "image", "image": images[-1]}
+                    elif part["type"] != "text":
+                        other_media = True
+                    parts.append(part)
+                message = {**message, "content": parts}
+            prepared_messages.append(message)
         inputs = prepare_inputs(
             self.processor,
-            normalized,
-            images,
+            prepared_messages,
             feature_names=getattr(self.model, "feature_names", None),
             media_options=options,
         )
         # MLX evaluates a graph only on the thread that built it (its streams are
         # per thread), so the inputs must be concrete before they reach the engine.
         mx.eval(inputs.input_ids, list(inputs.features.values()))
-        return PreparedRequest(inputs, [image_hash(image) for image in images])
+        # Prefix keys cover images only; a request with other media is not reused.
+        hashes = None if other_media else [image_hash(image) for image in images]
+        return PreparedRequest(inputs, hashes)
 
     async def prepare(self, messages: list[dict]) -> PreparedRequest:
         loop = asyncio.get_running_loop()
