@@ -639,7 +639,10 @@ def test_mlx_vlm_conversions_load_unchanged(family, tiny_checkpoints, converted,
                 return {n.rsplit(".", 1)[0] for n in names}
 
             assert modules(theirs) == modules(my_tensors)
+            quantized_by_one = modules(k for k in set(theirs) ^ set(my_tensors))
             for key in set(theirs) & set(my_tensors):
+                if key.rsplit(".", 1)[0] in quantized_by_one:
+                    continue
                 assert theirs[key].dtype == my_tensors[key].dtype, key
                 assert mx.array_equal(theirs[key], my_tensors[key]).item(), key
             _, _, their_logits = loaded(out)
