@@ -253,6 +253,23 @@ def test_bfloat16_quantized_loads_in_float32_on_cpu(family, tiny_checkpoints, co
     np.testing.assert_allclose(logits_of(default_model, processor), logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode, bits, group_size", [
+    ("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)])
+def test_floating_point_modes(mode, bits, group_size, tiny_checkpoints, converted, loaded):
+    """The microscaling modes: fixed bits and group size, uint8 scales, no biases. Their
+    coarse scales (powers of two for mx*) make even mxfp8 about as lossy here as 4-bit
+    affine."""
+    family = REFERENCE_FAMILY
+    path = converted(family, quantize=True, q_mode=mode)
+    assert config_of(path)["quantization"] == {"group_size": group_size, "bits": bits, "mode": mode}
+    model, _, logits = loaded(path)
+    quantized = [m for m in quantizable_modules(model).values() if is_quantized(m)]
+    assert quantized and all((m.mode, m.bits, m.group_size) == (mode, bits, group_size)
+                             for m in quantized)
+    _, _, reference = loaded(source_path(tiny_checkpoints, family))
+    assert 0 < relative_error(logits, reference) < TOLERANCE[4]
+
+
 # ------------------------------------------------------------------------ marker, sanitize
 
 
