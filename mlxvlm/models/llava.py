@@ -18,13 +18,15 @@ from typing import Any, Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
+from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it, rope_parameters
 from mlxvlm.models.layers import mlx_lm_backbone
 from mlxvlm.models.layers import siglip
-from mlxvlm.models.layers.clip import CLIPVisionConfig, CLIPVisionModel, activation
+from mlxvlm.models.layers.activations import activation
+from mlxvlm.models.layers.clip import CLIPVisionConfig, CLIPVisionModel
+from mlxvlm.models.weights import map_hf_weights, rename_prefix
 
 # --------------------------------------------------------------------------- checkpoints
 #
@@ -50,6 +52,7 @@ HF_PREFIXES = (
     ("model.image_newline", "image_newline"),
 )
 TOWER = "vision_tower.vision_model."
+LM_HEAD = "language_model.lm_head.weight"
 # Buffers some Hugging Face checkpoints carry and that are recomputed here.
 HF_ONLY_SUFFIXES = ("position_ids", "rotary_emb.inv_freq")
 # Tensors only quantized (converted) checkpoints have.
@@ -57,10 +60,7 @@ QUANTIZED_SUFFIXES = (".scales", ".biases")
 
 
 def hf_to_mlx_name(name: str) -> str:
-    for prefix, replacement in HF_PREFIXES:
-        if name.startswith(prefix):
-            name = replacement + name[len(prefix) :]
-            break
+    name = rename_prefix(name, HF_PREFIXES)
     if name.startswith("vision_tower.") and not name.startswith(TOWER):
         name = TOWER + name[len("vision_tower.") :]
     return name
@@ -192,7 +192,7 @@ class MultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class Model(VisionLanguageModel):
+class Model(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
     feature_names = ("pixel_values",)
 
     def __init__(self, args: ModelArgs):
@@ -213,64 +213,30 @@ class Model(VisionLanguageModel):
     # -- checkpoint -----------------------------------------------------------------
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        sanitized = {}
-        for name, value in weights.items():
-            if name.endswith(HF_ONLY_SUFFIXES):
-                continue
-            name = hf_to_mlx_name(name)
-            if name.startswith(TOWER):
-                value = self.vision_tower.convert_hf_weight(name[len(TOWER) :], value)
-                if value is None:
-                    continue
-            if name == "language_model.lm_head.weight" and self.args.text.tie_word_embeddings:
-                continue
-            sanitized[name] = value
-        return sanitized
+        return map_hf_weights(
+            weights, hf_to_mlx_name, tower=TOWER, convert_tower=self.vision_tower.convert_hf_weight,
+            skip_suffixes=HF_ONLY_SUFFIXES,
+            drop={LM_HEAD} if self.args.text.tie_word_embeddings else (),
+        )
 
     # -- the contract -----------------------------------------------------------------
 
-    @property
-    def layers(self):
-        return self.language_model.layers
-
-    @property
-    def max_context(self) -> int | None:
-        return self.args.max_context
+    # layers, max_context, make_cache and __call__: the mlx-lm decoder's (MlxLmDecoder)
 
     @property
     def placeholder_token_ids(self) -> set[int]:
         return {self.args.image_token_id}
 
-    def make_cache(self) -> list[Any]:
-        # mlx-lm's own: rotating caches for sliding-window layers.
-        if hasattr(self.language_model, "make_cache"):
-            return self.language_model.make_cache()
-        return super().make_cache()
-
     def embed(self, input_ids: mx.array, pixel_values: Any = None, **features: Any):
-        ids = np.asarray(input_ids).reshape(-1)
-        h = self.language_model.model.embed_tokens(input_ids)
-        positions = np.flatnonzero(ids == self.args.image_token_id)
-        if pixel_values is None:
-            if positions.size:
-                raise ValueError(
-                    f"the prompt has {positions.size} image placeholder tokens but no pixel "
-                    "values were given for them"
-                )
-            return h, None
-        pixel_values = mx.array(pixel_values) if not isinstance(pixel_values, mx.array) else pixel_values
-        image_features = self.image_features(pixel_values, **features)
-        if image_features.shape[0] != positions.size:
-            raise ValueError(
-                f"the images give {image_features.shape[0]} feature tokens but the prompt has "
-                f"{positions.size} image placeholder tokens"
-            )
-        merged = h[0]
-        merged[mx.array(positions)] = image_features.astype(h.dtype)
-        return merged[None], None
-
-    def __call__(self, input_ids, cache=None, *, embeddings=None, state=None) -> mx.array:
-        return self.language_model(input_ids, cache=cache, input_embeddings=embeddings)
+        image_features = None
+        if pixel_values is not None:
+            pixel_values = mx.array(pixel_values) if not isinstance(pixel_values, mx.array) else pixel_values
+            image_features = self.image_features(pixel_values, **features)
+        h, _ = merge.embed_with_features(
+            self.language_model.model.embed_tokens, input_ids, self.args.image_token_id,
+            image_features, "image placeholder tokens",
+        )
+        return h, None
 
     # -- image features ---------------------------------------------------------------
 
@@ -300,7 +266,12 @@ def _processor_options(model_path: Path) -> dict:
     path = model_path / "processor_config.json"
     options = json.loads(path.read_text()) if path.exists() else {}
     # transformers 5 nests the sub-processors' configs there; they are built separately.
-    return {k: v for k, v in options.items() if not isinstance(v, dict) and k != "processor_class"}
+    # mlx-vlm's conversions write null for settings the source lacked: keep the defaults.
+    return {
+        k: v
+        for k, v in options.items()
+        if v is not None and not isinstance(v, dict) and k != "processor_class"
+    }
 
 
 def load_processor(
@@ -318,15 +289,14 @@ def load_processor(
 
         return pixtral.load_processor(model_path, config)
 
-    from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor
+    from transformers import AutoImageProcessor, LlavaProcessor
 
-    from mlxvlm.models.processor_utils import image_only, read_chat_template
+    from mlxvlm.models.processor_utils import image_only, tokenizer_and_chat_template
 
     model_path = Path(model_path)
     processor_class = processor_class or LlavaProcessor
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer, chat_template = tokenizer_and_chat_template(model_path)
     image_processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
-    chat_template = read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)
     options = default_processor_options(config) if default_options is None else dict(default_options)
     options.update(_processor_options(model_path))
     kwargs = dict(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
