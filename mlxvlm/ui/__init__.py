@@ -1,0 +1,8 @@
+"""The Gradio chat UI: ``python -m mlxvlm.ui --model M``.
+
+``media_kinds``  which attachments a model takes (images now; one row per kind)
+``conversation`` Gradio's chat history -> mlxvlm chat messages
+``session``      the model behind the chat: one answer at a time, streaming, stop, stats
+``app``          the Gradio page
+``__main__``     the command line
+"""

@@ -1,0 +1,238 @@
+"""The model behind the chat: one answer at a time, streamed, stoppable, measured.
+
+The model runs on the server's batching engine (``mlxvlm.batching``) with a batch of one
+and a prompt-prefix cache: a follow-up turn continues from the KV cache the previous
+turn left, so the shared prefix is not prefilled again and, when the new turn adds only
+text, no earlier image is encoded again. Answers are serialized by a lock (the engine
+owns the one model; the page's other users wait their turn), and ``respond`` is the
+generator Gradio's ``ChatInterface`` streams from: when Gradio closes it (the stop
+button), the request is cancelled and the engine stops computing it at its next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import mlx.core as mx
+from PIL import Image
+
+from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
+from mlxvlm.errors import MlxvlmError
+from mlxvlm.generate import generate
+from mlxvlm.prefix_cache import PrefixCache
+from mlxvlm.prompt import prepare_inputs
+from mlxvlm.ui.conversation import NOTICE_TITLE, build_conversation
+from mlxvlm.ui.media_kinds import supported_kinds
+from mlxvlm.ui.stats import NO_ANSWER_YET, AnswerStats
+
+log = logging.getLogger(__name__)
+
+# How often a waiting ``respond`` yields (nothing new): Gradio can only close a generator
+# between two items, so this bounds how long a stop waits during a queue wait or a prefill.
+YIELD_EVERY_S = 0.25
+
+
+@dataclass
+class Settings:
+    """The side controls, as the chat function receives them."""
+
+    system: str | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    @classmethod
+    def from_controls(
+        cls, system, temperature, top_p, max_tokens, repetition_penalty, seed
+    ) -> "Settings":
+        return cls(
+            system=(system or "").strip() or None,
+            temperature=float(temperature if temperature is not None else 0.0),
+            top_p=float(top_p if top_p is not None else 1.0),
+            max_tokens=int(max_tokens if max_tokens is not None else 256),
+            repetition_penalty=float(repetition_penalty or 1.0),
+            seed=None if seed is None or seed == "" or int(seed) < 0 else int(seed),
+        )
+
+    def sampling_options(self) -> SamplingOptions:
+        return SamplingOptions(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            repetition_penalty=None if self.repetition_penalty == 1.0 else self.repetition_penalty,
+            seed=self.seed,
+        )
+
+
+def notice(text: str) -> dict:
+    """A chat message from the app, not the model (see ``conversation.NOTICE_TITLE``)."""
+    return {"role": "assistant", "content": text, "metadata": {"title": NOTICE_TITLE}}
+
+
+def _readable(error: BaseException) -> str:
+    if isinstance(error, MlxvlmError):
+        return str(error)
+    log.error("generation failed", exc_info=error)
+    return f"internal error ({type(error).__name__}: {error}); the app keeps running"
+
+
+def _placeholder_texts(model: Any, processor: Any) -> tuple[str, ...]:
+    """The strings of the model's media placeholder tokens."""
+    tokenizer = processor.tokenizer
+    tokens = tokenizer.convert_ids_to_tokens(sorted(model.placeholder_token_ids))
+    return tuple(t for t in tokens if t)
+
+
+class ChatSession:
+    """Answers chat turns with one loaded model."""
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        model_name: str,
+        *,
+        prefix_cache: PrefixCache | None = None,
+        media_options: dict | None = None,
+    ):
+        self.model = model
+        self.processor = processor
+        self.model_name = model_name
+        self.kinds = supported_kinds(model)
+        self.placeholders = _placeholder_texts(model, processor)
+        self.media_options = media_options
+        self.engine = BatchEngine(
+            model,
+            processor,
+            max_batch_size=1,
+            prefix_cache=prefix_cache if prefix_cache is not None else PrefixCache(),
+        )
+        self.last_stats: AnswerStats | None = None
+        self._turn = threading.Lock()
+
+    def start(self) -> "ChatSession":
+        """Warm the model up on this thread (the one that loaded it), then start the
+        engine's thread."""
+        self._warm_up()
+        self.engine.start()
+        return self
+
+    def _warm_up(self) -> None:
+        # MLX ties a lazy array to a stream of the thread that made it, and some families
+        # compute constants lazily at load time (e.g. rotary frequency tables outside the
+        # parameters): evaluated first on the engine's thread, they fail with "There is
+        # no Stream(cpu, 0) in current thread". A one-token answer to a small picture
+        # evaluates them here, and makes the first real answer as fast as the rest.
+        content: list[dict] = [{"type": "text", "text": "Hi"}]
+        image = next((kind for kind in self.kinds if kind.name == "image"), None)
+        if image is not None:
+            content.insert(0, image.part(Image.new("RGB", (64, 64), (127, 127, 127))))
+        generate(self.model, self.processor, [{"role": "user", "content": content}], max_tokens=1)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    @property
+    def model_type(self) -> str:
+        return type(self.model).__module__.rsplit(".", 1)[-1]
+
+    @property
+    def max_context(self) -> int | None:
+        return self.model.max_context
+
+    def stats_markdown(self) -> str:
+        return self.last_stats.markdown() if self.last_stats else NO_ANSWER_YET
+
+    def respond(
+        self,
+        message: dict | str,
+        history: list[dict],
+        system: str | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        max_tokens: int = 256,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+    ) -> Iterator[tuple[Any, str]]:
+        """Yield ``(reply, stats_markdown)``: the answer so far (``[]`` while there is
+        none yet), then the final answer with the new statistics; a problem becomes a
+        notice in the chat instead."""
+        try:
+            settings = Settings.from_controls(
+                system, temperature, top_p, max_tokens, repetition_penalty, seed
+            )
+            conversation = build_conversation(
+                history, message, self.kinds, self.media_options, self.placeholders
+            )
+            inputs = prepare_inputs(
+                self.processor,
+                conversation.messages,
+                system=settings.system,
+                feature_names=getattr(self.model, "feature_names", None),
+            )
+        except (MlxvlmError, ValueError, TypeError) as e:
+            yield notice(_readable(e)), self.stats_markdown()
+            return
+
+        while not self._turn.acquire(timeout=YIELD_EVERY_S):
+            yield [], self.stats_markdown()
+        try:
+            yield from self._answer(inputs, settings, conversation.media_hashes)
+        finally:
+            self._turn.release()
+
+    def _answer(self, inputs, settings: Settings, media_hashes) -> Iterator[tuple[Any, str]]:
+        steps: queue.SimpleQueue[BatchStep | BaseException] = queue.SimpleQueue()
+        mx.reset_peak_memory()
+        submitted = time.perf_counter()
+        try:
+            handle = self.engine.submit(
+                inputs, settings.sampling_options(), steps.put, image_hashes=media_hashes
+            )
+        except MlxvlmError as e:
+            yield notice(_readable(e)), self.stats_markdown()
+            return
+
+        text, first_at, finished = "", None, False
+        try:
+            while True:
+                try:
+                    step = steps.get(timeout=YIELD_EVERY_S)
+                except queue.Empty:
+                    yield (text or []), self.stats_markdown()
+                    continue
+                if isinstance(step, BaseException):
+                    finished = True
+                    reply = notice(_readable(step))
+                    yield ([{"role": "assistant", "content": text}, reply] if text else reply), self.stats_markdown()
+                    return
+                now = time.perf_counter()
+                first_at = first_at or now
+                text += step.text
+                if step.finish_reason is None:
+                    if step.text:
+                        yield text, self.stats_markdown()
+                    continue
+                finished = True
+                self.last_stats = AnswerStats(
+                    prompt_tokens=step.prompt_tokens,
+                    reused_tokens=step.cached_tokens,
+                    time_to_first_token=first_at - submitted,
+                    generation_tokens=step.generation_tokens,
+                    generation_seconds=now - first_at,
+                    peak_memory_gb=mx.get_peak_memory() / 1e9,
+                    finish_reason=step.finish_reason,
+                )
+                yield text, self.stats_markdown()
+                return
+        finally:
+            if not finished:
+                # Closed by Gradio (stop button, page gone): stop computing this answer.
+                handle.cancel()

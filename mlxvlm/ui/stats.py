@@ -1,0 +1,44 @@
+"""The side panel's figures for the last answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class AnswerStats:
+    prompt_tokens: int
+    reused_tokens: int  # prompt tokens continued from an earlier turn's cache
+    time_to_first_token: float  # seconds, from submission (the turn's own wait excluded)
+    generation_tokens: int
+    generation_seconds: float  # from the first token to the last
+    peak_memory_gb: float
+    finish_reason: str  # "stop", "length" or "stopped" (by the user)
+
+    @property
+    def prompt_tps(self) -> float:
+        """Prompt tokens actually computed per second (the reused prefix costs nothing)."""
+        computed = self.prompt_tokens - self.reused_tokens
+        return computed / self.time_to_first_token if self.time_to_first_token > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        steps = self.generation_tokens - 1  # the first token is the prompt's
+        return steps / self.generation_seconds if self.generation_seconds > 0 else 0.0
+
+    def markdown(self) -> str:
+        return "\n".join(
+            [
+                "| last answer | |",
+                "| --- | --- |",
+                f"| prompt tokens | {self.prompt_tokens} ({self.reused_tokens} reused) |",
+                f"| prompt speed | {self.prompt_tps:.1f} tokens/s |",
+                f"| time to first token | {self.time_to_first_token:.2f} s |",
+                f"| generated | {self.generation_tokens} tokens ({self.finish_reason}) |",
+                f"| generation speed | {self.generation_tps:.1f} tokens/s |",
+                f"| peak memory | {self.peak_memory_gb:.3f} GB |",
+            ]
+        )
+
+
+NO_ANSWER_YET = "No answer yet."

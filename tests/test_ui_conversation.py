@@ -1,0 +1,133 @@
+"""Gradio chat history -> the conversation the model sees (no model, no server)."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+
+from mlxvlm.errors import MlxvlmError
+from mlxvlm.media import MediaError
+from mlxvlm.ui.conversation import NOTICE_TITLE, build_conversation
+from mlxvlm.ui.media_kinds import MEDIA_KINDS, supported_kinds
+from tiny import make_image
+
+
+@pytest.fixture
+def images(tmp_path):
+    paths = []
+    for seed in range(2):
+        path = tmp_path / f"image{seed}.png"
+        make_image(32, 32, seed=seed).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def file(path: str) -> dict:
+    """A file part as Gradio's chatbot hands it back."""
+    return {"type": "file", "file": {"path": path, "mime_type": "image/png"}}
+
+
+def text(value: str) -> dict:
+    return {"type": "text", "text": value}
+
+
+def notice(content: str) -> dict:
+    return {"role": "assistant", "content": [text(content)], "metadata": {"title": NOTICE_TITLE}}
+
+
+def shape(messages: list[dict]) -> list:
+    """Messages with images replaced by their sizes, for comparison."""
+    out = []
+    for m in messages:
+        if isinstance(m["content"], str):
+            out.append((m["role"], m["content"]))
+        else:
+            out.append((m["role"], [p.get("text") or p["image"].size for p in m["content"]]))
+    return out
+
+
+def test_turns_split_over_messages_are_merged_and_images_kept(images):
+    history = [
+        {"role": "user", "content": [file(images[0])]},
+        {"role": "user", "content": [text("What is it?")]},
+        {"role": "assistant", "content": [text("A pattern.")]},
+    ]
+    conversation = build_conversation(
+        history, {"text": "And this?", "files": [images[1]]}, MEDIA_KINDS
+    )
+    assert shape(conversation.messages) == [
+        ("user", [(32, 32), "What is it?"]),
+        ("assistant", "A pattern."),
+        ("user", [(32, 32), "And this?"]),
+    ]
+    assert isinstance(conversation.messages[0]["content"][0]["image"], Image.Image)
+    assert len(conversation.media_hashes) == 2
+    assert conversation.media_hashes[0] != conversation.media_hashes[1]
+    again = build_conversation([], {"text": "x", "files": [images[0]]}, MEDIA_KINDS)
+    assert again.media_hashes[0] == conversation.media_hashes[0]
+
+
+def test_a_notice_leaves_out_the_turn_it_answered(images, tmp_path):
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not an image")
+    history = [
+        {"role": "user", "content": [text("Hi")]},
+        {"role": "assistant", "content": [text("Hello.")]},
+        {"role": "user", "content": [file(str(broken)), text("What is it?")]},
+        notice("cannot load image"),
+        {"role": "user", "content": [text("Tell me more.")]},
+        {"role": "assistant", "content": [text("A partial ans")]},
+        notice("internal error"),
+    ]
+    conversation = build_conversation(history, {"text": "Again?", "files": []}, MEDIA_KINDS)
+    assert shape(conversation.messages) == [
+        ("user", ["Hi"]),
+        ("assistant", "Hello."),
+        ("user", ["Again?"]),
+    ]
+
+
+def test_a_stopped_unanswered_turn_joins_the_next_one():
+    history = [{"role": "user", "content": [text("First.")]}]
+    conversation = build_conversation(history, "Second.", MEDIA_KINDS)
+    assert shape(conversation.messages) == [("user", ["First.", "Second."])]
+
+
+def test_placeholder_strings_are_removed_from_text():
+    history = [
+        {"role": "user", "content": "Show <|image_pad|> me"},
+        {"role": "assistant", "content": "an<|image_pad|>swer"},
+    ]
+    conversation = build_conversation(
+        history, "<|image_pad|>", MEDIA_KINDS, placeholders=["<|image_pad|>"]
+    )
+    assert shape(conversation.messages) == [
+        ("user", ["Show  me"]),
+        ("assistant", "answer"),
+        ("user", []),
+    ]
+
+
+def test_unreadable_and_unsupported_attachments_are_media_errors(tmp_path, images):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    with pytest.raises(MediaError, match="notes.txt.*takes image"):
+        build_conversation([], {"text": "Read this", "files": [str(notes)]}, MEDIA_KINDS)
+    with pytest.raises(MediaError, match="text only"):
+        build_conversation([], {"text": "Look", "files": [images[0]]}, ())
+    outside = {"allow_remote": False, "allowed_dir": str(tmp_path / "uploads")}
+    with pytest.raises(MediaError):
+        build_conversation([], {"text": "Look", "files": [images[0]]}, MEDIA_KINDS, outside)
+    with pytest.raises(MlxvlmError, match="empty"):
+        build_conversation([], {"text": "", "files": []}, MEDIA_KINDS)
+
+
+def test_kinds_follow_the_model_features():
+    class ImageModel:
+        feature_names = ("pixel_values", "image_grid_thw")
+
+    class TextModel:
+        feature_names = ()
+
+    assert [k.name for k in supported_kinds(ImageModel())] == ["image"]
+    assert supported_kinds(TextModel()) == ()
