@@ -28,6 +28,9 @@ FAMILIES: dict[str, str] = {
     "mistral3": "mistral3",
     "pixtral": "pixtral",
     "paligemma": "paligemma",
+    # the Hub's full model and transformers' thinker alone; text output only
+    "qwen2_5_omni": "qwen2_5_omni",
+    "qwen2_5_omni_thinker": "qwen2_5_omni",
 }
 
 

@@ -28,6 +28,7 @@ BUILDERS = {
     "mistral3": "tiny.pixtral",
     "pixtral": "tiny.pixtral",
     "paligemma": "tiny.paligemma",
+    "qwen2_5_omni": "tiny.omni",
 }
 
 

@@ -28,10 +28,13 @@ _CORPUS = [
 
 
 def build_bpe_tokenizer(
-    special_tokens, *, chat_template, eos_token, pad_token, bos_token=None, vocab_size=360
+    special_tokens, *, chat_template, eos_token, pad_token, bos_token=None, vocab_size=360,
+    extra_special_tokens=None,
 ):
     """A byte-level BPE tokenizer trained on a few sentences, with the family's special
-    tokens and chat template, as a transformers tokenizer."""
+    tokens and chat template, as a transformers tokenizer. ``extra_special_tokens``
+    (name -> token) become attributes such as ``tokenizer.audio_token``, as processors
+    of omni models expect."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,6 +56,7 @@ def build_bpe_tokenizer(
         eos_token=eos_token,
         pad_token=pad_token,
         errors="replace",
+        **({"extra_special_tokens": extra_special_tokens} if extra_special_tokens else {}),
     )
     wrapped.chat_template = chat_template
     return wrapped

@@ -13,6 +13,11 @@ optional sparse-MoE MLP (mlx-lm's ``Qwen3MoeSparseMoeBlock``), and DeepStack: vi
 features added to the hidden states of the image tokens after each of the first layers
 (``DeepstackFeatures`` in the request state).
 
+Qwen2.5-Omni's TMRoPE uses the same decoder with time-aligned positions: a video's
+temporal ids count ``position_id_per_seconds`` per second, text resumes after a block's
+largest id (``text_after="max"``), and a video with its sound track interleaves the two
+in time chunks (``AudioVideoSpan``).
+
 Positions are absolute: the decoder reads its offset from ``cache[0].offset`` and takes the
 position ids of the tokens at ``[offset, offset + n)`` from the request's ``MRopeState``
 (the prompt's ids while prefilling, ``offset + rope_delta`` on all axes after the prompt).
@@ -22,7 +27,6 @@ every token seen) and quantized caches correct.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -194,72 +198,156 @@ class VisionSpan:
 
     grid_thw: tuple[int, int, int]  # in patches, as the processor reports it
     time_interval: float = 1.0  # temporal position step per grid frame (videos)
+    # Temporal position of each grid frame, when the family computes it itself
+    # (Qwen2.5-Omni's TMRoPE: seconds x position_id_per_seconds); None: i * time_interval.
+    frame_positions: Sequence[int] | None = None
+
+    def num_tokens(self, merge: int) -> int:
+        t, h, w = self.grid_thw
+        return t * (h // merge) * (w // merge)
+
+    def position_ids(self, merge: int, start: int) -> np.ndarray:
+        """(3, tokens): temporal, row and column of every merged token, from ``start``."""
+        t, h, w = self.grid_thw
+        if self.frame_positions is not None:
+            temporal = np.asarray(self.frame_positions, dtype=np.int64)
+        else:
+            # float32 like the reference, so that truncation lands on the same integers
+            temporal = (np.arange(t, dtype=np.float32) * np.float32(self.time_interval)).astype(np.int64)
+        grid_t, grid_h, grid_w = np.meshgrid(temporal, np.arange(h // merge),
+                                             np.arange(w // merge), indexing="ij")
+        return np.stack([grid_t, grid_h, grid_w]).reshape(3, -1) + start
+
+    def write(self, positions: np.ndarray, ids: np.ndarray, index: int, start: int,
+              merge: int, text_after: str) -> tuple[int, int]:
+        """Write this item's ids at ``index``; returns the next index and text position."""
+        n = self.num_tokens(merge)
+        token = ids[index]
+        if index + n > ids.shape[0] or (ids[index : index + n] != token).any():
+            raise ValueError(
+                f"a run of placeholder tokens {token} at {index} does not match the grid "
+                f"{tuple(self.grid_thw)} given for it ({n} tokens)"
+            )
+        block = self.position_ids(merge, start)
+        positions[:, index : index + n] = block
+        if text_after == "max":  # Qwen2.5-Omni: after the largest id of the block
+            return index + n, int(block.max()) + 1
+        _, h, w = self.grid_thw  # Qwen-VL: text continues max(h, w) after the start
+        return index + n, start + max(h, w) // merge
+
+
+def time_chunks(values: np.ndarray, tokens_per_chunk: int) -> list[tuple[int, int]]:
+    """Split monotonic time positions into chunks ``[start, end)`` of ``values``: a new
+    chunk begins at the first value at or past the next multiple of ``tokens_per_chunk``
+    (one chunk per crossing, as transformers' ``get_chunked_index`` walks them)."""
+    chunks, first, boundary = [], 0, tokens_per_chunk
+    for i, value in enumerate(values.tolist()):
+        if value >= boundary:
+            chunks.append((first, i))
+            first = i
+            boundary += tokens_per_chunk
+    chunks.append((first, len(values)))
+    return chunks
+
+
+@dataclass
+class AudioVideoSpan:
+    """A video with its sound track, interleaved in time (Qwen2.5-Omni's TMRoPE).
+
+    In the prompt: ``<vision_bos><audio_bos>`` (one shared position), then for every
+    ``tokens_per_chunk`` span of time the video's tokens of that span and then the audio's,
+    then ``<audio_eos><vision_eos>`` (one shared position, after the last chunk's largest
+    id). Video tokens carry (time, row, column) like any video; audio tokens carry their
+    time (one position per token) on all three axes, so sound and frames of the same
+    moment sit at the same temporal position. Keyed, like plain videos, by the video
+    token; ``write`` starts at the first video token.
+    """
+
+    video: VisionSpan
+    audio_tokens: int
+    tokens_per_chunk: int
+    video_token: int
+    audio_token: int
+
+    def write(self, positions: np.ndarray, ids: np.ndarray, index: int, start: int,
+              merge: int, text_after: str) -> tuple[int, int]:
+        if index < 2:
+            raise ValueError("an audio-video block must open with two start tokens")
+        # The two start tokens share the first one's position.
+        positions[:, index - 1] = positions[:, index - 2]
+        start = int(positions[0, index - 2]) + 1
+        video = self.video.position_ids(merge, start)
+        audio = np.broadcast_to(np.arange(self.audio_tokens) + start, (3, self.audio_tokens))
+        video_chunks = time_chunks(video[0] - start, self.tokens_per_chunk)
+        audio_chunks = time_chunks(audio[0] - start, self.tokens_per_chunk)
+        at = index
+        last = None
+        for j in range(max(len(video_chunks), len(audio_chunks))):
+            for chunks, block, token in ((video_chunks, video, self.video_token),
+                                         (audio_chunks, audio, self.audio_token)):
+                if j >= len(chunks):
+                    continue
+                first, end = chunks[j]
+                n = end - first
+                if at + n > ids.shape[0] or (ids[at : at + n] != token).any():
+                    raise ValueError(
+                        f"the audio-video block at {index} does not interleave as its grid "
+                        f"{tuple(self.video.grid_thw)} and {self.audio_tokens} audio tokens say"
+                    )
+                last = block[:, first:end]
+                positions[:, at : at + n] = last
+                at += n
+        if at + 2 > ids.shape[0]:
+            raise ValueError(f"the audio-video block at {index} has no two end tokens")
+        # The two end tokens share one position, after the last chunk's largest id.
+        end_position = int(last.max()) + 1
+        positions[:, at : at + 2] = end_position
+        return at + 2, end_position + 1
 
 
 def mrope_position_ids(
     input_ids: np.ndarray,
-    spans: dict[int, Sequence[VisionSpan]],
+    spans: dict[int, Sequence[Any]],
     spatial_merge_size: int,
+    *,
+    text_after: str = "grid",
 ) -> tuple[np.ndarray, int]:
     """The prompt's (3, L) M-RoPE position ids and its rope delta.
 
-    ``spans`` maps each placeholder token id (image pad, video pad) to its images/videos
-    in prompt order. Text advances all three axes by one per token. A vision item of
-    t x h x w merged tokens placed at position p gets temporal ids p + floor(i *
-    time_interval), height ids p + row and width ids p + column, and the text after it
-    continues at p + max(h, w) (transformers' ``get_rope_index``).
+    ``spans`` maps each placeholder token id (image pad, video pad) to its items in prompt
+    order: ``VisionSpan`` or ``AudioVideoSpan``. Text advances all three axes by one per
+    token. A vision item of t x h x w merged tokens placed at position p gets temporal ids
+    p + floor(i * time_interval), height ids p + row and width ids p + column; the text
+    after it continues at p + max(h, w) (``text_after="grid"``, transformers' Qwen-VL
+    ``get_rope_index``) or after the item's largest id (``"max"``, Qwen2.5-Omni).
     """
     input_ids = np.asarray(input_ids).reshape(-1)
     pending = {token: list(items) for token, items in spans.items()}
-    pieces = []
-    position = 0
-    start = 0
-    for token, run in itertools.groupby(input_ids.tolist()):
-        length = len(list(run))
+    positions = np.zeros((3, input_ids.shape[0]), dtype=np.int64)
+    index, position = 0, 0
+    while index < input_ids.shape[0]:
+        token = int(input_ids[index])
         if token not in pending:
-            pieces.append(np.broadcast_to(np.arange(position, position + length), (3, length)))
-            position += length
-            start += length
+            positions[:, index] = position
+            index, position = index + 1, position + 1
             continue
-        # Adjacent items of one kind form one run; consume grids until it is covered.
-        covered = 0
-        while covered < length:
-            if not pending[token]:
-                raise ValueError(
-                    f"the prompt has more placeholder tokens {token} than the features "
-                    "describe (image/video grids)"
-                )
-            span = pending[token].pop(0)
-            ids = _vision_position_ids(span, spatial_merge_size, position)
-            pieces.append(ids)
-            covered += ids.shape[1]
-            _, h, w = span.grid_thw
-            position += max(h, w) // spatial_merge_size
-        if covered != length:
+        if not pending[token]:
             raise ValueError(
-                f"a run of {length} placeholder tokens at {start} does not match the grids "
-                f"given for it ({covered} tokens)"
+                f"the prompt has more placeholder tokens {token} than the features "
+                "describe (image/video grids)"
             )
-        start += length
+        item = pending[token].pop(0)
+        index, position = item.write(positions, input_ids, index, position,
+                                     spatial_merge_size, text_after)
     leftover = {token: len(items) for token, items in pending.items() if items}
     if leftover:
         raise ValueError(
             f"features were given for more images/videos than the prompt has placeholders "
             f"for (left over per placeholder token: {leftover})"
         )
-    if not pieces:
-        return np.zeros((3, 0), dtype=np.int32), 0
-    position_ids = np.concatenate(pieces, axis=1).astype(np.int32)
-    return position_ids, int(position_ids.max()) + 1 - input_ids.shape[0]
-
-
-def _vision_position_ids(span: VisionSpan, merge: int, start: int) -> np.ndarray:
-    t, h, w = span.grid_thw
-    h, w = h // merge, w // merge
-    # float32 like the reference, so that truncation lands on the same integers
-    temporal = (np.arange(t, dtype=np.float32) * np.float32(span.time_interval)).astype(np.int64)
-    grid_t, grid_h, grid_w = np.meshgrid(temporal, np.arange(h), np.arange(w), indexing="ij")
-    return np.stack([grid_t, grid_h, grid_w]).reshape(3, -1) + start
+    if not input_ids.shape[0]:
+        return positions.astype(np.int32), 0
+    return positions.astype(np.int32), int(positions.max()) + 1 - input_ids.shape[0]
 
 
 def frequency_axes(mrope_section: Sequence[int], interleaved: bool) -> list[int]:

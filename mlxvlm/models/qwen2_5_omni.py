@@ -1,0 +1,338 @@
+"""Qwen2.5-Omni (Xu et al., 2025), the thinker: text out from text, images, video and audio.
+
+- Audio: a Whisper-style encoder (``layers/whisper_audio.py``), 25 tokens per second.
+- Images and video: Qwen2.5-VL's vision tower (windowed attention, RMSNorm, SwiGLU).
+- Text: the Qwen2 decoder with M-RoPE, positioned by TMRoPE — time-aligned M-RoPE: a
+  video frame grid's temporal id is its time in seconds x ``position_id_per_seconds``
+  (25), audio tokens advance one id per 40 ms, text resumes after a block's largest id,
+  and a video's sound track is interleaved with its frames in ``seconds_per_chunk``
+  chunks (``AudioVideoSpan`` in ``layers/mrope_decoder.py``).
+
+The talker (speech out) and token2wav are not ported: this is text output only.
+
+Checkpoints: the Hub's full model (``model_type: qwen2_5_omni``; ``thinker_config``;
+tensors ``thinker.*``, ``talker.*``, ``token2wav.*``) and transformers' thinker alone
+(``qwen2_5_omni_thinker``). Names after sanitize: ``audio_tower.*``, ``vision_tower.*``
+(attention's q/k/v fused into ``qkv`` as in the Qwen-VL towers), ``language_model.model.*``
+and ``language_model.lm_head`` unless tied. mlx-vlm has no port of this family, so these
+follow mlxvlm's Qwen-VL names.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import mlx.core as mx
+import numpy as np
+
+from mlxvlm.models import qwen2_5_vl, qwen2_vl
+from mlxvlm.models.config_utils import token_id
+from mlxvlm.models.layers.mrope_decoder import (
+    AudioVideoSpan,
+    LanguageModel,
+    MRopeState,
+    TextConfig,
+    VisionSpan,
+    mrope_position_ids,
+)
+from mlxvlm.models.layers.qwen_vision import QwenVisionTransformer, VisionConfig
+from mlxvlm.models.layers.whisper_audio import (
+    AudioConfig,
+    AudioEncoder,
+    output_lengths,
+    sanitize_conv_weights,
+)
+
+# Hugging Face name prefix -> ours, first match wins (after "thinker." is dropped).
+HF_PREFIXES = (
+    ("model.audio_tower.", "audio_tower."),
+    ("model.visual.", "vision_tower."),
+    ("visual.", "vision_tower."),
+    ("model.language_model.", "language_model.model."),
+    ("model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+)
+HF_ONLY_PREFIXES = ("thinker.", "talker.", "token2wav.", "model.", "visual.", "lm_head.")
+MLX_ONLY_PREFIXES = ("vision_tower.", "language_model.")
+# Parts of the Hub checkpoint the thinker does not use (speech output; the audio tower's
+# start/end embeddings, which only the talker reads).
+UNUSED = ("talker.", "token2wav.", "audio_tower.audio_bos_eos_token.")
+
+# The tokenizer attributes transformers' processor reads, for tokenizer configs that
+# predate them.
+OMNI_TOKENS = {
+    "image_token": "<|IMAGE|>",
+    "audio_token": "<|AUDIO|>",
+    "video_token": "<|VIDEO|>",
+    "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+    "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>",
+}
+
+
+def thinker_config(config: dict) -> dict:
+    """The thinker's config, from the full model's (``thinker_config``) or its own."""
+    return config.get("thinker_config") or config
+
+
+def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
+    """Whether tensors are named as in Hugging Face checkpoints (else: already ours)."""
+    names = list(weight_names)
+    hf = [n for n in names if n.startswith(HF_ONLY_PREFIXES)]
+    ours = [n for n in names if n.startswith(MLX_ONLY_PREFIXES)]
+    if hf and ours:
+        raise ValueError(
+            f"the checkpoint mixes Hugging Face tensor names (e.g. {hf[0]!r}) with MLX ones "
+            f"(e.g. {ours[0]!r}); it is neither layout"
+        )
+    return bool(hf)
+
+
+def hf_to_mlx_name(name: str) -> str:
+    name = name.removeprefix("thinker.")
+    for prefix, replacement in HF_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name
+
+
+@dataclass
+class OmniArgs(qwen2_vl.ModelArgs):
+    audio: AudioConfig | None = None
+    audio_token_id: int = 151646
+    audio_start_token_id: int = 151647
+    vision_start_token_id: int = 151652
+    position_id_per_seconds: int = 25
+    seconds_per_chunk: float = 2
+
+
+class Model(qwen2_vl.Model):
+    feature_names = (
+        "pixel_values",
+        "image_grid_thw",
+        "pixel_values_videos",
+        "video_grid_thw",
+        "video_second_per_grid",
+        "input_features",
+        "feature_attention_mask",
+    )
+
+    def __init__(self, args: OmniArgs):
+        super().__init__(args)
+        self.audio_tower = AudioEncoder(args.audio)
+
+    @classmethod
+    def vision_config_from_hf(cls, config: dict) -> VisionConfig:
+        return qwen2_5_vl.vision_config_from_hf(config)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Model":
+        thinker = thinker_config(config)
+        return cls(
+            OmniArgs(
+                text=TextConfig.from_hf(thinker),
+                vision=cls.vision_config_from_hf(thinker),
+                audio=AudioConfig.from_hf(thinker.get("audio_config") or {}),
+                image_token_id=token_id(thinker, "image_token", 151655),
+                video_token_id=token_id(thinker, "video_token", 151656),
+                audio_token_id=token_id(thinker, "audio_token", 151646),
+                audio_start_token_id=thinker.get("audio_start_token_id", 151647),
+                vision_start_token_id=thinker.get("vision_start_token_id", 151652),
+                position_id_per_seconds=thinker.get("position_id_per_seconds", 25),
+                seconds_per_chunk=thinker.get("seconds_per_chunk", 2),
+            )
+        )
+
+    # -- checkpoint -----------------------------------------------------------------
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        sanitized: dict[str, mx.array] = {}
+        qkv: dict[str, dict[str, mx.array]] = {}
+        for name, value in weights.items():
+            name = hf_to_mlx_name(name)
+            if name.startswith(UNUSED) or name.endswith(("inv_freq", "positional_embedding")):
+                continue
+            if name == "language_model.lm_head.weight" and self.args.text.tie_word_embeddings:
+                continue
+            if name == "vision_tower.patch_embed.proj.weight":
+                # PyTorch Conv3d (out, in, t, h, w) -> MLX (out, t, h, w, in)
+                value = value.transpose(0, 2, 3, 4, 1)
+            value = sanitize_conv_weights(name, value)
+            parts = name.rsplit(".", 2)  # vision attention's separate q / k / v
+            if name.startswith("vision_tower.blocks.") and parts[-2] in ("q", "k", "v"):
+                qkv.setdefault(f"{parts[0]}.qkv.{parts[-1]}", {})[parts[-2]] = value
+                continue
+            sanitized[name] = value
+        for name, pieces in qkv.items():
+            sanitized[name] = mx.concatenate([pieces["q"], pieces["k"], pieces["v"]], axis=0)
+        return sanitized
+
+    # -- the contract -----------------------------------------------------------------
+
+    @property
+    def placeholder_token_ids(self) -> set[int]:
+        return {self.args.image_token_id, self.args.video_token_id, self.args.audio_token_id}
+
+    def embed(
+        self,
+        input_ids: mx.array,
+        pixel_values: Any = None,
+        image_grid_thw: Any = None,
+        pixel_values_videos: Any = None,
+        video_grid_thw: Any = None,
+        video_second_per_grid: Any = None,
+        input_features: Any = None,
+        feature_attention_mask: Any = None,
+    ) -> tuple[mx.array, MRopeState]:
+        args = self.args
+        ids = np.asarray(input_ids).reshape(-1)
+        h = self.language_model.model.embed_tokens(input_ids)
+        image_grids = qwen2_vl._grids(image_grid_thw)
+        video_grids = qwen2_vl._grids(video_grid_thw)
+        h = self._merge_features(h, ids, args.image_token_id, pixel_values, image_grids)
+        h = self._merge_features(h, ids, args.video_token_id, pixel_values_videos, video_grids)
+        mel_frames = None
+        if input_features is not None:
+            h, mel_frames = self._merge_audio(h, ids, input_features, feature_attention_mask)
+        elif (ids == args.audio_token_id).any():
+            raise ValueError("the prompt has audio placeholder tokens but no audio features")
+        state = self.rope_state(ids, image_grids, video_grids, video_second_per_grid, mel_frames)
+        return h, state
+
+    def rope_state(self, ids: np.ndarray, image_grid_thw: Any = None, video_grid_thw: Any = None,
+                   video_second_per_grid: Any = None, mel_frames: Any = None) -> MRopeState:
+        """TMRoPE positions of the prompt ``ids``; ``mel_frames``: each audio's length in
+        mel frames (the feature attention mask's sums)."""
+        args = self.args
+        ids = np.asarray(ids).reshape(-1)
+        audio_tokens = np.zeros(0, np.int64) if mel_frames is None else output_lengths(mel_frames)
+        spans = {
+            args.image_token_id: [VisionSpan(tuple(g)) for g in qwen2_vl._grids(image_grid_thw)],
+            args.video_token_id: self._video_spans(ids, qwen2_vl._grids(video_grid_thw),
+                                                   video_second_per_grid, audio_tokens),
+        }
+        merge = args.vision.spatial_merge_size
+        position_ids, delta = mrope_position_ids(ids, spans, merge, text_after="max")
+        return MRopeState(mx.array(position_ids), delta)
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _merge_audio(self, h, ids, input_features, feature_attention_mask):
+        """Encode every audio's valid mel frames; put the tokens at the audio placeholders
+        in order. Returns the embeddings and each audio's length in mel frames."""
+        features = np.asarray(input_features, dtype=np.float32)  # (audios, mel bins, frames)
+        if feature_attention_mask is None:
+            mel_frames = np.full(features.shape[0], features.shape[-1], dtype=np.int64)
+        else:
+            mel_frames = np.asarray(feature_attention_mask).reshape(features.shape[0], -1).sum(-1)
+        valid = np.concatenate([f[:, :n] for f, n in zip(features, mel_frames)], axis=1)
+        tokens = self.audio_tower(mx.array(valid), mel_frames)
+        positions = np.flatnonzero(ids == self.args.audio_token_id)
+        if tokens.shape[0] != positions.size:
+            raise ValueError(
+                f"the audio encoder produced {tokens.shape[0]} tokens but the prompt has "
+                f"{positions.size} audio placeholder tokens"
+            )
+        merged = h[0]
+        merged[mx.array(positions)] = tokens.astype(h.dtype)
+        return merged[None], mel_frames
+
+    def _video_spans(self, ids, video_grids, second_per_grid, audio_tokens) -> list:
+        """One span per video in prompt order: its frame grids at their times, and, for a
+        video whose block opens ``<vision_bos><audio_bos>``, its sound track interleaved."""
+        args = self.args
+        # transformers' processor default: 2 fps, two frames per grid
+        seconds = np.ones(len(video_grids), np.float32)
+        if second_per_grid is not None:
+            seconds = np.asarray(second_per_grid, dtype=np.float32).reshape(-1)
+        opening = (args.video_token_id, args.audio_start_token_id)
+        video_starts = [i for i in np.flatnonzero(ids == args.vision_start_token_id)
+                        if i + 1 < ids.size and ids[i + 1] in opening]
+        if len(video_starts) != len(video_grids):
+            raise ValueError(f"the prompt has {len(video_starts)} video blocks but features "
+                             f"for {len(video_grids)} videos")
+        audio_index = np.cumsum(ids == args.audio_start_token_id) - 1  # slot of each bos
+        spans = []
+        for v, (grid, start) in enumerate(zip(video_grids, video_starts)):
+            # time of each grid frame in position ids, float32 as the reference computes it
+            times = (np.arange(grid[0], dtype=np.float32) * seconds[v]
+                     * np.float32(args.position_id_per_seconds)).astype(np.int64)
+            video = VisionSpan(tuple(grid), frame_positions=tuple(times.tolist()))
+            if ids[start + 1] != args.audio_start_token_id:
+                spans.append(video)
+                continue
+            slot = int(audio_index[start + 1])
+            if slot >= len(audio_tokens):
+                raise ValueError(f"video {v} has a sound-track block but no audio features")
+            spans.append(AudioVideoSpan(
+                video=video,
+                audio_tokens=int(audio_tokens[slot]),
+                tokens_per_chunk=int(args.position_id_per_seconds * args.seconds_per_chunk),
+                video_token=args.video_token_id,
+                audio_token=args.audio_token_id,
+            ))
+        return spans
+
+
+@functools.cache
+def _processor_class():
+    """transformers' Qwen2.5-Omni processor, without torchvision, taking each video's
+    seconds per frame grid from how it was sampled."""
+    from transformers import BatchFeature, Qwen2_5OmniProcessor
+
+    from mlxvlm.models.processor_utils import image_only
+
+    class OmniProcessor(image_only(Qwen2_5OmniProcessor)):
+        def _process_videos(self, videos, audio=None, processed_audio=None,
+                            video_to_audio_indices=None, **kwargs):
+            # transformers assumes one fps (2 by default) for every video; mlxvlm's
+            # video metadata says what each was sampled at, so process them one by one.
+            videos_kwargs = kwargs["videos_kwargs"]
+            metadata = videos_kwargs.get("video_metadata")
+            if not metadata:
+                return super()._process_videos(videos, audio, processed_audio,
+                                               video_to_audio_indices, **kwargs)
+            parts, replacements = [], []
+            for index, (video, meta) in enumerate(zip(videos, metadata)):
+                one = {**kwargs, "videos_kwargs": {**videos_kwargs, "fps": meta.sampled_fps,
+                                                   "video_metadata": [meta]}}
+                to_audio = (None if video_to_audio_indices is None
+                            else [video_to_audio_indices[index]])
+                data, replacement = super()._process_videos(
+                    [video], audio, processed_audio, to_audio, **one)
+                parts.append(data)
+                replacements += replacement
+            merged = {
+                "pixel_values_videos": np.concatenate(
+                    [np.asarray(d["pixel_values_videos"]) for d in parts]),
+                "video_grid_thw": np.concatenate([np.asarray(d["video_grid_thw"]) for d in parts]),
+                "video_second_per_grid": [s for d in parts for s in d["video_second_per_grid"]],
+            }
+            return BatchFeature(merged), replacements
+
+    return OmniProcessor
+
+
+def load_processor(model_path: str | Path, config: dict):
+    """transformers' Qwen2.5-Omni processor (tokenizer, PIL image processor, Whisper
+    feature extractor, chat template) with mlxvlm's numpy video processor."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, WhisperFeatureExtractor
+
+    from mlxvlm.models.processor_utils import read_chat_template
+    from mlxvlm.models.qwen_video import QwenVideoProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if any(getattr(tokenizer, name, None) is None for name in OMNI_TOKENS):
+        tokenizer = AutoTokenizer.from_pretrained(model_path, extra_special_tokens=OMNI_TOKENS)
+    chat_template = read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)
+    return _processor_class()(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(model_path),
+        video_processor=QwenVideoProcessor.from_pretrained(model_path),
+        feature_extractor=WhisperFeatureExtractor.from_pretrained(model_path),
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+    )
