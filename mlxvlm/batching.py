@@ -425,14 +425,14 @@ class BatchEngine:
         chunked prefill of the rest."""
         model, ids = self.model, seq.inputs.input_ids
         hit = self.prefix_cache.lookup(seq.key) if seq.key is not None else None
-        start = hit.length if hit is not None else 0
         state = None
-        text_follows = hit is not None and not np.isin(np.asarray(ids[0, start:]), self.placeholders).any()
-        if text_follows:
-            try:
-                state = model.prefix_state(hit.state, start)
+        if hit is not None:
+            try:  # the family may refuse a prefix (e.g. one ending inside a bidirectional span)
+                state = model.prefix_state(hit.state, hit.length)
             except NotImplementedError:
-                text_follows = False
+                hit = None
+        start = hit.length if hit is not None else 0
+        text_follows = hit is not None and not np.isin(np.asarray(ids[0, start:]), self.placeholders).any()
         with mx.stream(generation_stream):
             if text_follows:
                 # Only text follows the reused prefix: no image is encoded again.

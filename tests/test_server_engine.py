@@ -61,6 +61,20 @@ def test_greedy_batch_equals_generate_alone(loaded):
         assert batched.prompt_tokens == one.prompt_tokens
 
 
+@pytest.mark.parametrize("family", ["llava"])
+def test_greedy_batch_equals_generate_for_mlx_lm_backbones(tiny_checkpoints, family):
+    """Families built on mlx-lm's text models batch through mlx-lm's own batched caches."""
+    from tiny import builder
+
+    model, processor = mlxvlm.load(
+        tiny_checkpoints.path(family, builder(family).LAYOUTS[0]))
+    prompts, images = PROMPTS[:4], [make_image(64, 64, 1), None, make_image(80, 56, 2), None]
+    alone = [mlxvlm.generate(model, processor, p, image=i, max_tokens=24)
+             for p, i in zip(prompts, images)]
+    together = batch_generate(model, processor, prompts, images, max_tokens=24)
+    assert [b.tokens for b in together] == [a.tokens for a in alone]
+
+
 def test_each_request_keeps_its_own_options(loaded):
     model, processor = loaded
     engine = BatchEngine(model, processor, max_batch_size=4)
