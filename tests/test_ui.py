@@ -224,10 +224,13 @@ def chromium_path() -> str:
 # Records the text of the newest answer at every change of the chat, to see it stream.
 RECORD_ANSWERS = """() => {
     window.answerSnapshots = [];
+    const chat = document.querySelector('#chat');
     new MutationObserver(() => {
-        const answers = document.querySelectorAll('#chat [data-testid="bot"]');
-        if (answers.length) window.answerSnapshots.push(answers[answers.length - 1].textContent);
-    }).observe(document.querySelector('#chat'), {subtree: true, childList: true, characterData: true});
+        const answers = chat.querySelectorAll('[data-testid="bot"]');
+        if (answers.length) {
+            window.answerSnapshots.push(answers[answers.length - 1].textContent);
+        }
+    }).observe(chat, {subtree: true, childList: true, characterData: true});
 }"""
 
 

@@ -66,7 +66,9 @@ class Settings:
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
-            repetition_penalty=None if self.repetition_penalty == 1.0 else self.repetition_penalty,
+            repetition_penalty=(
+                None if self.repetition_penalty == 1.0 else self.repetition_penalty
+            ),
             seed=self.seed,
         )
 
@@ -134,7 +136,8 @@ class ChatSession:
         image = next((kind for kind in self.kinds if kind.name == "image"), None)
         if image is not None:
             content.insert(0, image.part(Image.new("RGB", (64, 64), (127, 127, 127))))
-        generate(self.model, self.processor, [{"role": "user", "content": content}], max_tokens=1)
+        messages = [{"role": "user", "content": content}]
+        generate(self.model, self.processor, messages, max_tokens=1)
 
     def close(self) -> None:
         self.engine.close()
@@ -177,6 +180,9 @@ class ChatSession:
                 system=settings.system,
                 feature_names=getattr(self.model, "feature_names", None),
             )
+            # MLX evaluates a graph only on the thread that built it: the engine's thread
+            # must get concrete arrays.
+            mx.eval(inputs.input_ids, list(inputs.features.values()))
         except (MlxvlmError, ValueError, TypeError) as e:
             yield notice(_readable(e)), self.stats_markdown()
             return
@@ -211,7 +217,9 @@ class ChatSession:
                 if isinstance(step, BaseException):
                     finished = True
                     reply = notice(_readable(step))
-                    yield ([{"role": "assistant", "content": text}, reply] if text else reply), self.stats_markdown()
+                    if text:  # keep what was said before the failure
+                        reply = [{"role": "assistant", "content": text}, reply]
+                    yield reply, self.stats_markdown()
                     return
                 now = time.perf_counter()
                 first_at = first_at or now
