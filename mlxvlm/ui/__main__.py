@@ -26,8 +26,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> int:
         from mlxvlm.loading import load
-        from mlxvlm.ui.app import build_app, upload_media_options
-        from mlxvlm.ui.session import ChatSession
 
         model, processor = load(
             args.model,
@@ -35,6 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             adapter_path=args.adapter_path,
             trust_remote_code=args.trust_remote_code,
         )
+        # After the model: a wrong --model fails before the slow Gradio import.
+        from mlxvlm.ui.app import build_app, upload_media_options
+        from mlxvlm.ui.session import ChatSession
+
         session = ChatSession(
             model, processor, args.model, media_options=upload_media_options()
         ).start()
