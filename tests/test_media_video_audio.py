@@ -356,3 +356,18 @@ def test_cli_keeps_media_in_command_line_order():
     assert args.image == ["i.png", "j.png"] and args.fps == 1.5 and args.max_frames == 8
     assert build_generate_parser().parse_args(["--model", "m"]).media is None
     assert isinstance(load_video(coloured_frames(1, 8, 8)), Video)
+
+
+def test_cli_fails_fast_on_a_bad_audio_file(tmp_path, capsys):
+    """The CLI decodes media before loading the model: a bad file is one error line and
+    exit code 2, even with a model that does not exist."""
+    from mlxvlm.cli import run_generate_cli
+
+    bad = tmp_path / "noise.wav"
+    bad.write_bytes(b"\x00garbage" * 50)
+    code = run_generate_cli(["--model", str(tmp_path / "no-model"), "--audio", str(bad)])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: cannot load audio '{bad}': not a recognised audio format, or the file is "
+        "truncated or corrupt; use a common audio format (WAV, MP3, FLAC, OGG, M4A) or a "
+        "video with sound"]

@@ -263,3 +263,35 @@ def test_sanitized_names(tiny_checkpoints, loaded):
         assert name in expected, name
     assert sanitized["audio_tower.conv1.weight"].shape == (32, 3, 128)  # (out, kernel, in)
     assert sanitized["vision_tower.blocks.0.attn.qkv.bias"].shape == (96,)
+
+
+# --------------------------------------------------------------------------------- CLI
+
+
+def test_cli_with_audio_image_and_a_video_with_sound(tiny_checkpoints, loaded, clip, tmp_path,
+                                                     capsys):
+    """The generate CLI places --audio, --image and --video in command-line order, hears
+    the video's sound track, and with --verbose says what it sampled."""
+    from av_media import write_audio
+    from mlxvlm.cli import run_generate_cli
+
+    sound = write_audio(tmp_path / "sound.wav", SOUND_A, 16000)
+    picture = tmp_path / "picture.png"
+    IMAGE.save(picture)
+    video = write_video(tmp_path / "clip.mp4", coloured_frames(30, 64, 48, seed=3), fps=10,
+                        audio=sine(3.0, 16000, 300.0))
+    path = tiny_checkpoints.path(FAMILY, "hub")
+    code = run_generate_cli(
+        ["--model", str(path), "--audio", str(sound), "--image", str(picture), "--video",
+         str(video), "--fps", "2", "--prompt", "All of it.", "--max-tokens", "6", "--verbose"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"[mlxvlm] audio '{sound}': 1.00 s, mono 16000 Hz" in err
+    assert f"[mlxvlm] video '{video}': 3.00 s at 10 fps, 6 of 30 frames sampled" in err
+
+    model, processor = loaded("hub")
+    messages = [{"role": "user", "content": [
+        {"type": "audio", "audio": str(sound)}, {"type": "image", "image": str(picture)},
+        {"type": "video", "video": str(video)}, {"type": "text", "text": "All of it."}]}]
+    expected = "".join(r.text for r in stream_generate(model, processor, messages, max_tokens=6))
+    assert out == expected + "\n"
