@@ -746,7 +746,10 @@ def _open_container(file, *, kind: str, name: str, hint: str):
     file.seek(0)
     fix = _VIDEO_FIX if kind == "video" else _AUDIO_FIX
     try:
-        container = av.open(file, mode="r")
+        # Every source reaches FFmpeg as an open file; whitelisting no protocol stops a
+        # container (a playlist, a reference movie) from making FFmpeg open other files
+        # or URLs behind the caller's access policy.
+        container = av.open(file, mode="r", options={"protocol_whitelist": "none"})
     except av.FFmpegError as e:
         reason = f"not a recognised {kind} format, or the file is truncated or corrupt"
         if hint:
@@ -903,9 +906,10 @@ def _decode_video(file, *, name: str, hint: str, fps: float, max_frames: int, ma
 
 
 def _video_from_frames(frames: Any, *, name: str, fps: float, max_pixels: int,
-                       max_frame_pixels: int) -> Video:
+                       max_frame_pixels: int, access: dict) -> Video:
     """Frames given directly (an array or a list of images): taken as they are, as a video
-    at ``fps`` frames per second, downscaled only to fit ``max_pixels``."""
+    at ``fps`` frames per second, downscaled only to fit ``max_pixels``. Frames named by
+    path or URL are read under the same ``access`` policy as any source."""
     if isinstance(frames, np.ndarray):
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
             raise _error("video", name, f"the array has shape {tuple(frames.shape)} and dtype "
@@ -916,7 +920,7 @@ def _video_from_frames(frames: Any, *, name: str, fps: float, max_pixels: int,
     images = []
     for i, frame in enumerate(frames):
         try:
-            images.append(load_image(frame, max_pixels=max_frame_pixels, allow_remote=False))
+            images.append(load_image(frame, max_pixels=max_frame_pixels, **access))
         except MediaError as e:
             raise _error("video", name, f"frame {i}: {e}") from e
     sizes = {image.size for image in images}
@@ -979,15 +983,15 @@ def load_video(
     if isinstance(source, Video):
         return source
     _check_options("video", name, fps=fps, max_frames=max_frames, max_pixels=max_pixels)
+    access = dict(allow_remote=allow_remote, allowed_dir=allowed_dir, allow_local=allow_local,
+                  timeout=timeout, public_only=public_only)
     if isinstance(source, (np.ndarray, list, tuple)):
         return _video_from_frames(source, name=name, fps=fps, max_pixels=max_pixels,
-                                  max_frame_pixels=max_frame_pixels)
+                                  max_frame_pixels=max_frame_pixels, access=access)
     if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
         raise _error("video", name, f"unsupported source type {type(source).__name__}",
                      "pass a path, an http(s) or data URL, bytes, a (T, H, W, 3) uint8 array "
                      "or a list of frames")
-    access = dict(allow_remote=allow_remote, allowed_dir=allowed_dir, allow_local=allow_local,
-                  timeout=timeout, public_only=public_only)
     file, hint = _media_file(source, kind="video", access=access, max_bytes=max_bytes)
     with file:
         return _decode_video(file, name=name, hint=hint, fps=fps, max_frames=int(max_frames),

@@ -311,6 +311,12 @@ def test_data_url_of_the_wrong_media_type(mp4):
 def test_local_file_policy(mp4, tmp_path):
     expect_error(load_video, mp4, "outside the allowed directory", allowed_dir=tmp_path)
     expect_error(load_audio, mp4, "reading local files is disabled", allow_local=False)
+    # frames named by path obey the same policy
+    frame = tmp_path / "frame.png"
+    Image.fromarray(FRAMES[0]).save(frame)
+    expect_error(load_video, [str(frame)], "frame 0:", "reading local files is disabled",
+                 allow_local=False)
+    assert load_video([str(frame)], allowed_dir=tmp_path).frames.shape == (1, 64, 96, 3)
 
 
 # ------------------------------------------------------------------ messages and CLI
