@@ -15,7 +15,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.models import pixtral
-from mlxvlm.models.layers.qwen_vision import activation
+from mlxvlm.models.layers.activations import activation
 from mlxvlm.models.pixtral import is_hf_checkpoint, load_processor  # noqa: F401 (contract)
 
 

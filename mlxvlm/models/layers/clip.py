@@ -15,30 +15,12 @@ Module names follow the checkpoints mlx-community publishes:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-
-def quick_gelu(x: mx.array) -> mx.array:
-    return x * mx.sigmoid(1.702 * x)
-
-
-# transformers' ACT2FN names -> MLX functions (exact forms, not approximations of them)
-ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
-    "quick_gelu": quick_gelu,
-    "gelu": nn.gelu,
-    "gelu_pytorch_tanh": nn.gelu_approx,
-}
-
-
-def activation(name: str) -> Callable[[mx.array], mx.array]:
-    if name not in ACTIVATIONS:
-        raise NotImplementedError(
-            f"activation {name!r} is not supported (supported: {sorted(ACTIVATIONS)})"
-        )
-    return ACTIVATIONS[name]
+from mlxvlm.models.layers.vit import Encoder
 
 
 @dataclass(frozen=True)
@@ -105,64 +87,12 @@ class CLIPVisionEmbeddings(nn.Module):
         return embeddings + self.position_embedding(mx.arange(embeddings.shape[1]))
 
 
-class CLIPAttention(nn.Module):
-    def __init__(self, config: CLIPVisionConfig):
-        super().__init__()
-        dim = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.scale = (dim // self.num_heads) ** -0.5
-        self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim)
-        self.v_proj = nn.Linear(dim, dim)
-        self.out_proj = nn.Linear(dim, dim)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        batch, length, _ = x.shape
-
-        def heads(t: mx.array) -> mx.array:
-            return t.reshape(batch, length, self.num_heads, -1).transpose(0, 2, 1, 3)
-
-        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
-        return self.out_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
-
-
-class CLIPMLP(nn.Module):
-    def __init__(self, config: CLIPVisionConfig):
-        super().__init__()
-        self.activation_fn = activation(config.hidden_act)
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.fc2(self.activation_fn(self.fc1(x)))
-
-
-class CLIPEncoderLayer(nn.Module):
-    def __init__(self, config: CLIPVisionConfig):
-        super().__init__()
-        self.self_attn = CLIPAttention(config)
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = CLIPMLP(config)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp(self.layer_norm2(x))
-
-
-class CLIPEncoder(nn.Module):
-    def __init__(self, config: CLIPVisionConfig):
-        super().__init__()
-        self.layers = [CLIPEncoderLayer(config) for _ in range(config.num_hidden_layers)]
-
-
 class CLIPVisionTransformer(nn.Module):
     def __init__(self, config: CLIPVisionConfig):
         super().__init__()
         self.embeddings = CLIPVisionEmbeddings(config)
         self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.encoder = CLIPEncoder(config)
+        self.encoder = Encoder(config)  # SigLIP's blocks too (see layers/vit.py)
         # Only the pooled class token passes through it; kept so checkpoints load whole.
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 

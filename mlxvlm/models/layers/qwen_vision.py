@@ -31,24 +31,13 @@ DeepStack              -                   -                           extra mer
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-
-def quick_gelu(x: mx.array) -> mx.array:
-    return x * mx.sigmoid(1.702 * x)
-
-
-# transformers' ACT2FN names -> MLX functions (exact forms, not approximations of them)
-ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
-    "quick_gelu": quick_gelu,
-    "gelu": nn.gelu,
-    "gelu_pytorch_tanh": nn.gelu_approx,
-    "silu": nn.silu,
-}
+from mlxvlm.models.layers.activations import activation
 
 
 @dataclass
@@ -87,14 +76,6 @@ def make_norm(kind: str, dim: int) -> nn.Module:
     if kind == "rmsnorm":
         return nn.RMSNorm(dim, eps=1e-6)
     raise ValueError(f"unknown vision norm {kind!r}")
-
-
-def activation(name: str) -> Callable[[mx.array], mx.array]:
-    if name not in ACTIVATIONS:
-        raise NotImplementedError(
-            f"vision activation {name!r} is not supported (supported: {sorted(ACTIVATIONS)})"
-        )
-    return ACTIVATIONS[name]
 
 
 class PatchEmbed(nn.Module):

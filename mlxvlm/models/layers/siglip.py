@@ -17,19 +17,13 @@ uses the pooled output, only the patch features.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-# Activations by their transformers names (ACT2FN).
-ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
-    "gelu_pytorch_tanh": nn.gelu_approx,
-    "gelu_new": nn.gelu_approx,
-    "gelu": nn.gelu,
-    "quick_gelu": nn.gelu_fast_approx,
-}
+from mlxvlm.models.layers.activations import activation
+from mlxvlm.models.layers.vit import Encoder
 
 # transformers' SiglipVisionConfig defaults, for keys a checkpoint's config leaves out.
 SIGLIP_DEFAULTS = {
@@ -61,11 +55,7 @@ class SiglipVisionConfig:
     def from_hf(cls, vision: dict) -> "SiglipVisionConfig":
         """From a ``vision_config`` dict; missing keys take SigLIP's defaults."""
         values = {**SIGLIP_DEFAULTS, **{k: v for k, v in vision.items() if k in SIGLIP_DEFAULTS}}
-        if values["hidden_act"] not in ACTIVATIONS:
-            raise NotImplementedError(
-                f"vision activation {values['hidden_act']!r} is not supported "
-                f"(supported: {', '.join(ACTIVATIONS)})"
-            )
+        activation(values["hidden_act"])  # refuses an unsupported one when the config is read
         return cls(**{f.name: values[f.name] for f in fields(cls)})
 
     @property
@@ -91,58 +81,6 @@ class VisionEmbeddings(nn.Module):
         return patches + self.position_embedding(position_ids)
 
 
-class Attention(nn.Module):
-    def __init__(self, config: SiglipVisionConfig):
-        super().__init__()
-        dims = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.scale = (dims // self.num_heads) ** -0.5
-        self.q_proj = nn.Linear(dims, dims)
-        self.k_proj = nn.Linear(dims, dims)
-        self.v_proj = nn.Linear(dims, dims)
-        self.out_proj = nn.Linear(dims, dims)
-
-    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
-        B, L, _ = x.shape
-
-        def heads(t):
-            return t.reshape(B, L, self.num_heads, -1).transpose(0, 2, 1, 3)
-
-        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: SiglipVisionConfig):
-        super().__init__()
-        self.activation = ACTIVATIONS[config.hidden_act]
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.fc2(self.activation(self.fc1(x)))
-
-
-class EncoderLayer(nn.Module):
-    def __init__(self, config: SiglipVisionConfig):
-        super().__init__()
-        self.self_attn = Attention(config)
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = MLP(config)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
-        x = x + self.self_attn(self.layer_norm1(x), mask)
-        return x + self.mlp(self.layer_norm2(x))
-
-
-class Encoder(nn.Module):
-    def __init__(self, config: SiglipVisionConfig):
-        super().__init__()
-        self.layers = [EncoderLayer(config) for _ in range(config.num_hidden_layers)]
-
-
 class SiglipVisionTransformer(nn.Module):
     """Embeddings, encoder and post-LayerNorm (transformers' ``SiglipVisionTransformer``)."""
 
@@ -150,7 +88,7 @@ class SiglipVisionTransformer(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings = VisionEmbeddings(config)
-        self.encoder = Encoder(config)
+        self.encoder = Encoder(config)  # CLIP's blocks too (see layers/vit.py)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def __call__(

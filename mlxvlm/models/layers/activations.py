@@ -1,0 +1,41 @@
+"""Activation functions by their transformers names (``ACT2FN`` keys), shared by the
+vision towers, projectors and blocks that read ``hidden_act`` from a config.
+
+Each entry computes the same function as transformers' class of that name, so that a
+port matches the reference to float rounding:
+
+- ``gelu``: the exact erf form (``GELUActivation``) -> ``nn.gelu``.
+- ``gelu_pytorch_tanh`` and ``gelu_new``: the tanh approximation (``GELUTanh``,
+  ``NewGELUActivation``) -> ``nn.gelu_approx``.
+- ``quick_gelu``: ``x * sigmoid(1.702 x)`` (``QuickGELUActivation``) ->
+  ``nn.gelu_fast_approx``, which is exactly that in the MLX this project requires
+  (tests/test_activations.py checks every entry against transformers).
+- ``silu``: ``x * sigmoid(x)`` -> ``nn.silu``.
+
+Names not listed (``gelu_fast``, ``gelu_10``, ...) are refused rather than approximated.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
+    "gelu": nn.gelu,
+    "gelu_pytorch_tanh": nn.gelu_approx,
+    "gelu_new": nn.gelu_approx,
+    "quick_gelu": nn.gelu_fast_approx,
+    "silu": nn.silu,
+}
+
+
+def activation(name: str) -> Callable[[mx.array], mx.array]:
+    """The MLX function for transformers' activation ``name``; NotImplementedError (naming
+    the supported ones) for any other."""
+    if name not in ACTIVATIONS:
+        raise NotImplementedError(
+            f"activation {name!r} is not supported (supported: {sorted(ACTIVATIONS)})"
+        )
+    return ACTIVATIONS[name]

@@ -1,0 +1,72 @@
+"""The pre-norm ViT encoder that CLIP and SigLIP share (transformers' ``CLIPEncoder``
+and ``SiglipEncoder`` are the same maths): blocks of multi-head self-attention with
+biased q/k/v/out projections, then a two-layer MLP, each behind a LayerNorm and a
+residual connection. The towers differ only around it (embeddings, norms, masks).
+
+Module names follow both towers' checkpoints: ``layers.N.self_attn.{q,k,v,out}_proj``,
+``layers.N.layer_norm1``, ``layers.N.mlp.fc1``, ``layers.N.mlp.fc2``,
+``layers.N.layer_norm2``. A config passed in needs ``hidden_size``, ``intermediate_size``,
+``num_attention_heads``, ``num_hidden_layers``, ``hidden_act`` and ``layer_norm_eps``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxvlm.models.layers.activations import activation
+
+
+class Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        dims = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.scale = (dims // self.num_heads) ** -0.5
+        self.q_proj = nn.Linear(dims, dims)
+        self.k_proj = nn.Linear(dims, dims)
+        self.v_proj = nn.Linear(dims, dims)
+        self.out_proj = nn.Linear(dims, dims)
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
+        """``mask``: which keys each query may attend to (None: all of them)."""
+        B, L, _ = x.shape
+
+        def heads(t: mx.array) -> mx.array:
+            return t.reshape(B, L, self.num_heads, -1).transpose(0, 2, 1, 3)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.activation = activation(config.hidden_act)
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.fc2(self.activation(self.fc1(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
+        x = x + self.self_attn(self.layer_norm1(x), mask)
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class Encoder(nn.Module):
+    """The blocks; the towers run them themselves, as they read hidden states between."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.layers = [EncoderLayer(config) for _ in range(config.num_hidden_layers)]
