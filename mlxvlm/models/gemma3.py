@@ -26,9 +26,11 @@ from mlx_lm.models import gemma3_text
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it
 from mlxvlm.models.layers import siglip
+from mlxvlm.models.weights import has_transformers_names, map_hf_weights, rename_prefix, tie_lm_head
 
 # Hugging Face name prefix -> ours, first match wins. The Hub's original checkpoints
 # (transformers 4.50) already use our names; transformers 4.52+ nest the modules under
@@ -55,18 +57,11 @@ def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
     that they omit the tied LM head, which mlx-community's conversions always store.
     """
     names = set(weight_names)
-    if any(n.startswith(("model.", "lm_head.")) for n in names):
-        return True
-    if any(n.startswith("vision_tower.") and not n.startswith(VISION_TOWER) for n in names):
-        return True
-    return LM_HEAD not in names
+    return has_transformers_names(names, ours=VISION_TOWER) or LM_HEAD not in names
 
 
 def hf_to_mlx_name(name: str) -> str:
-    for prefix, replacement in HF_PREFIXES:
-        if name.startswith(prefix):
-            return replacement + name[len(prefix) :]
-    return name
+    return rename_prefix(name, HF_PREFIXES)
 
 
 # ----------------------------------------------------------------------------- config
@@ -291,17 +286,10 @@ class Model(VisionLanguageModel):
         return cls(ModelArgs.from_hf(config))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        sanitized = {}
-        for name, value in weights.items():
-            name = hf_to_mlx_name(name)
-            if name.startswith(VISION_TOWER):
-                value = siglip.convert_hf_weight(name[len(VISION_TOWER) :], value)
-            if value is not None and not name.endswith("inv_freq"):
-                sanitized[name] = value
-        if LM_HEAD not in sanitized and EMBED_TOKENS in sanitized:
-            # Tied head: the embedding's array (shared, not copied) under the head's name.
-            sanitized[LM_HEAD] = sanitized[EMBED_TOKENS]
-        return sanitized
+        sanitized = map_hf_weights(
+            weights, hf_to_mlx_name, tower=VISION_TOWER, convert_tower=siglip.convert_hf_weight
+        )
+        return tie_lm_head(sanitized, LM_HEAD, EMBED_TOKENS)
 
     # -- the contract -----------------------------------------------------------------
 
@@ -329,31 +317,12 @@ class Model(VisionLanguageModel):
         return state.spans if state is not None else []
 
     def embed(self, input_ids: mx.array, pixel_values: Any = None) -> tuple[mx.array, ImageBlocks]:
-        ids = np.asarray(input_ids).reshape(-1)
-        image_token = self.args.image_token_id
-        lookup = ids
-        if image_token >= self.args.text.vocab_size:
-            # The image token lies past the vocabulary; its embedding is replaced anyway.
-            lookup = np.where(ids == image_token, 0, ids)
-        h = self.language_model.model.embed(mx.array(lookup.reshape(input_ids.shape)))
-        positions = np.flatnonzero(ids == image_token)
-        if pixel_values is None:
-            if positions.size:
-                raise ValueError(
-                    f"the prompt has {positions.size} image tokens but no pixel values were "
-                    "given for them"
-                )
-        else:
-            features = self.image_features(pixel_values).reshape(-1, h.shape[-1])
-            if features.shape[0] != positions.size:
-                raise ValueError(
-                    f"the images give {features.shape[0]} tokens but the prompt has "
-                    f"{positions.size} image tokens for them"
-                )
-            merged = h[0]
-            merged[mx.array(positions)] = features.astype(h.dtype)
-            h = merged[None]
-        return h, ImageBlocks.from_input_ids(ids, image_token)
+        features = None if pixel_values is None else self.image_features(pixel_values)
+        h, ids = merge.embed_with_features(
+            self.language_model.model.embed, input_ids, self.args.image_token_id, features,
+            vocab_size=self.args.text.vocab_size,
+        )
+        return h, ImageBlocks.from_input_ids(ids, self.args.image_token_id)
 
     def image_features(self, pixel_values: Any) -> mx.array:
         """(images, mm_tokens_per_image, hidden) from the processor's (images, C, H, W)."""

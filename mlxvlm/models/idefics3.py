@@ -22,9 +22,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import llama
 
+from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it, rope_parameters
 from mlxvlm.models.layers import mlx_lm_backbone, siglip
+from mlxvlm.models.weights import map_hf_weights, rename_prefix, tie_lm_head
 
 # Hugging Face name prefix -> ours (the Hub's checkpoints and transformers 5 name them alike).
 HF_PREFIXES = (
@@ -44,10 +46,7 @@ def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
 
 
 def hf_to_mlx_name(name: str) -> str:
-    for prefix, replacement in HF_PREFIXES:
-        if name.startswith(prefix):
-            return replacement + name[len(prefix) :]
-    return name
+    return rename_prefix(name, HF_PREFIXES)
 
 
 @dataclass(frozen=True)
@@ -129,17 +128,10 @@ class Model(VisionLanguageModel):
         return cls(ModelArgs.from_hf(config))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        sanitized = {}
-        for name, value in weights.items():
-            name = hf_to_mlx_name(name)
-            if name.startswith(VISION_MODEL):
-                value = siglip.convert_hf_weight(name[len(VISION_MODEL) :], value)
-            if value is not None and not name.endswith("inv_freq"):
-                sanitized[name] = value
-        if LM_HEAD not in sanitized and EMBED_TOKENS in sanitized:
-            # Tied head: the embedding's array (shared, not copied) under the head's name.
-            sanitized[LM_HEAD] = sanitized[EMBED_TOKENS]
-        return sanitized
+        sanitized = map_hf_weights(
+            weights, hf_to_mlx_name, tower=VISION_MODEL, convert_tower=siglip.convert_hf_weight
+        )
+        return tie_lm_head(sanitized, LM_HEAD, EMBED_TOKENS)
 
     # -- the contract -----------------------------------------------------------------
 
@@ -158,26 +150,14 @@ class Model(VisionLanguageModel):
     def embed(
         self, input_ids: mx.array, pixel_values: Any = None, pixel_attention_mask: Any = None
     ) -> tuple[mx.array, None]:
-        ids = np.asarray(input_ids).reshape(-1)
-        h = self.language_model.embed_tokens(input_ids)
-        positions = np.flatnonzero(ids == self.args.image_token_id)
-        if pixel_values is None:
-            if positions.size:
-                raise ValueError(
-                    f"the prompt has {positions.size} <image> tokens but no pixel values were "
-                    "given for them"
-                )
-            return h, None
-        features = self.image_features(pixel_values, pixel_attention_mask)
-        features = features.reshape(-1, h.shape[-1])
-        if features.shape[0] != positions.size:
-            raise ValueError(
-                f"the image tiles give {features.shape[0]} tokens but the prompt has "
-                f"{positions.size} <image> tokens for them"
-            )
-        merged = h[0]
-        merged[mx.array(positions)] = features.astype(h.dtype)
-        return merged[None], None
+        features = None
+        if pixel_values is not None:
+            features = self.image_features(pixel_values, pixel_attention_mask)
+        h, _ = merge.embed_with_features(
+            self.language_model.embed_tokens, input_ids, self.args.image_token_id, features,
+            "<image> tokens",
+        )
+        return h, None
 
     def image_features(self, pixel_values: Any, pixel_attention_mask: Any = None) -> mx.array:
         """(tiles, tokens per tile, text width) from the processor's (1, tiles, C, H, W)

@@ -30,9 +30,11 @@ import numpy as np
 from mlx_lm.models import gemma2
 from mlx_lm.models.base import create_attention_mask
 
+from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it
 from mlxvlm.models.layers import siglip
+from mlxvlm.models.weights import map_hf_weights, rename_prefix
 
 # Hugging Face name prefix -> ours, first match wins. The Hub's original checkpoints
 # (transformers 4.4x) use our names; transformers 5 nests the modules under `model.` and
@@ -72,10 +74,7 @@ def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
 
 
 def hf_to_mlx_name(name: str) -> str:
-    for prefix, replacement in HF_PREFIXES:
-        if name.startswith(prefix):
-            return replacement + name[len(prefix) :]
-    return name
+    return rename_prefix(name, HF_PREFIXES)
 
 
 # ----------------------------------------------------------------------------- config
@@ -245,16 +244,11 @@ class Model(VisionLanguageModel):
         return cls(ModelArgs.from_hf(config))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        sanitized = {}
-        for name, value in weights.items():
-            if name.startswith("lm_head.") or name.endswith("inv_freq"):
-                continue  # the head is the embeddings; rotary tables come from the config
-            name = hf_to_mlx_name(name)
-            if name.startswith(VISION_TOWER):
-                value = siglip.convert_hf_weight(name[len(VISION_TOWER) :], value)
-            if value is not None:
-                sanitized[name] = value
-        return sanitized
+        # The head is the embeddings (transformers 5 still writes a tied `lm_head`).
+        return map_hf_weights(
+            weights, hf_to_mlx_name, tower=VISION_TOWER, convert_tower=siglip.convert_hf_weight,
+            skip_prefixes=("lm_head.",),
+        )
 
     # -- the contract -----------------------------------------------------------------
 
@@ -276,27 +270,11 @@ class Model(VisionLanguageModel):
     def embed(
         self, input_ids: mx.array, pixel_values: Any = None, token_type_ids: Any = None
     ) -> tuple[mx.array, Prefix]:
-        ids = np.asarray(input_ids).reshape(-1)
-        image_token = self.args.image_token_id
-        # The image token may lie past the vocabulary; its embedding is replaced anyway.
-        vocab = self.args.text.vocab_size
-        lookup = np.where(ids == image_token, 0, ids) if image_token >= vocab else ids
-        h = self.language_model.model.embed(mx.array(lookup.reshape(input_ids.shape)))
-        positions = np.flatnonzero(ids == image_token)
-        if pixel_values is not None:
-            features = self.image_features(pixel_values).reshape(-1, h.shape[-1])
-            if features.shape[0] != positions.size:
-                raise ValueError(
-                    f"the images give {features.shape[0]} tokens but the prompt has "
-                    f"{positions.size} image tokens for them"
-                )
-            merged = h[0]
-            merged[mx.array(positions)] = features.astype(h.dtype)
-            h = merged[None]
-        elif positions.size:
-            raise ValueError(
-                f"the prompt has {positions.size} image tokens but no pixel values were given"
-            )
+        features = None if pixel_values is None else self.image_features(pixel_values)
+        h, ids = merge.embed_with_features(
+            self.language_model.model.embed, input_ids, self.args.image_token_id, features,
+            vocab_size=self.args.text.vocab_size,
+        )
         return h, Prefix(prefix_length(ids, token_type_ids))
 
     def image_features(self, pixel_values: Any) -> mx.array:
@@ -325,12 +303,11 @@ def prefix_length(ids: np.ndarray, token_type_ids: Any) -> int:
 def load_processor(model_path: str | Path, config: dict):
     """transformers' PaliGemmaProcessor with the PIL SigLIP image processor, and a
     single-turn chat template when the checkpoint has none."""
-    from transformers import AutoTokenizer, PaliGemmaProcessor, SiglipImageProcessorPil
+    from transformers import PaliGemmaProcessor, SiglipImageProcessorPil
 
-    from mlxvlm.models.processor_utils import read_chat_template
+    from mlxvlm.models.processor_utils import tokenizer_and_chat_template
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    chat_template = read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)
+    tokenizer, chat_template = tokenizer_and_chat_template(model_path)
     return PaliGemmaProcessor(
         image_processor=SiglipImageProcessorPil.from_pretrained(model_path),
         tokenizer=tokenizer,

@@ -30,6 +30,7 @@ import mlx.nn as nn
 import numpy as np
 from transformers import ProcessorMixin
 
+from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import (
     rope_parameters,
@@ -44,7 +45,8 @@ from mlxvlm.models.layers.pixtral_vision import (
     hf_vision_name_to_mlx,
     sanitize_vision_tensor,
 )
-from mlxvlm.models.layers.qwen_vision import activation
+from mlxvlm.models.layers.activations import activation
+from mlxvlm.models.weights import has_transformers_names, map_hf_weights, rename_prefix
 
 # Hugging Face name prefix -> ours, first match wins; the vision tower's names are mapped
 # by ``hf_vision_name_to_mlx``. Hub checkpoints (transformers 4.4x-4.5x) already use
@@ -55,6 +57,8 @@ HF_PREFIXES = (
     ("model.language_model.", "language_model.model."),
     ("lm_head.", "language_model.lm_head."),
 )
+VISION_TOWER = "vision_tower.vision_model."
+LM_HEAD = "language_model.lm_head.weight"
 
 def is_pixtral_config(config: dict) -> bool:
     """Whether a config (``pixtral``, or the Hub's ``llava`` one) has a Pixtral tower: the
@@ -65,22 +69,12 @@ def is_pixtral_config(config: dict) -> bool:
 def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
     """Hugging Face names: the tower directly under ``vision_tower.`` (ours nest it under
     ``vision_tower.vision_model.``), or transformers 5's ``model.`` / ``lm_head.``."""
-    for name in weight_names:
-        if name.startswith(("model.", "lm_head.")):
-            return True
-        if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
-            return True
-    return False
+    return has_transformers_names(weight_names, ours=VISION_TOWER)
 
 
 def hf_to_mlx_name(name: str) -> str:
     mapped = hf_vision_name_to_mlx(name)
-    if mapped != name:
-        return mapped
-    for prefix, replacement in HF_PREFIXES:
-        if name.startswith(prefix):
-            return replacement + name[len(prefix) :]
-    return name
+    return mapped if mapped != name else rename_prefix(name, HF_PREFIXES)
 
 
 def text_config_for_mlx_lm(config: dict) -> dict:
@@ -112,7 +106,7 @@ class ModelArgs:
     max_context: int | None
 
 
-class PixtralFamilyModel(VisionLanguageModel):
+class PixtralFamilyModel(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
     """Pixtral tower + a projector + an mlx-lm text model; subclasses add the projector."""
 
     feature_names = ("pixel_values", "image_sizes")
@@ -126,64 +120,33 @@ class PixtralFamilyModel(VisionLanguageModel):
     # -- checkpoint -----------------------------------------------------------------
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        sanitized = {}
-        for name, value in weights.items():
-            if name.endswith("inv_freq"):  # rotary tables, recomputed from the config
-                continue
-            value = sanitize_vision_tensor(name, value)
-            name = hf_to_mlx_name(name)
-            if name == "language_model.lm_head.weight" and self.args.text.tie_word_embeddings:
-                continue
-            sanitized[name] = value
-        return sanitized
+        return map_hf_weights(
+            weights, hf_to_mlx_name, tower=VISION_TOWER, convert_tower=sanitize_vision_tensor,
+            drop={LM_HEAD} if self.args.text.tie_word_embeddings else (),
+        )
 
     # -- the contract -----------------------------------------------------------------
 
-    @property
-    def layers(self):
-        return self.language_model.model.layers
-
-    @property
-    def max_context(self) -> int | None:
-        return self.args.max_context
+    # layers, max_context, make_cache and __call__: the mlx-lm decoder's (MlxLmDecoder)
 
     @property
     def placeholder_token_ids(self) -> set[int]:
         return {self.args.image_token_id}
 
-    def make_cache(self) -> list[Any]:
-        if hasattr(self.language_model, "make_cache"):
-            return self.language_model.make_cache()
-        return super().make_cache()
-
     def embed(self, input_ids: mx.array, pixel_values: Any = None, image_sizes: Any = None):
-        ids = np.asarray(input_ids).reshape(-1)
-        h = self.language_model.model.embed_tokens(input_ids)
-        positions = np.flatnonzero(ids == self.args.image_token_id)
-        if pixel_values is None:
-            if positions.size:
-                raise ValueError(
-                    f"the prompt has {positions.size} image tokens but no pixel values"
-                )
-            return h, None
-        pixels = pixel_values if isinstance(pixel_values, mx.array) else mx.array(pixel_values)
-        sizes = np.asarray(image_sizes).reshape(-1, 2)
-        per_image = self.vision_tower(pixels, sizes, self.args.vision_feature_layer)
-        features = mx.concatenate(self.project(per_image, sizes), axis=0)
-        if features.shape[0] != positions.size:
-            raise ValueError(
-                f"the images give {features.shape[0]} feature tokens but the prompt has "
-                f"{positions.size} image tokens for them"
-            )
-        merged = h[0]
-        merged[mx.array(positions)] = features.astype(h.dtype)
-        return merged[None], None
+        features = None
+        if pixel_values is not None:
+            pixels = pixel_values if isinstance(pixel_values, mx.array) else mx.array(pixel_values)
+            sizes = np.asarray(image_sizes).reshape(-1, 2)
+            per_image = self.vision_tower(pixels, sizes, self.args.vision_feature_layer)
+            features = mx.concatenate(self.project(per_image, sizes), axis=0)
+        h, _ = merge.embed_with_features(
+            self.language_model.model.embed_tokens, input_ids, self.args.image_token_id, features
+        )
+        return h, None
 
     def project(self, per_image: list[mx.array], image_sizes: np.ndarray) -> list[mx.array]:
         raise NotImplementedError
-
-    def __call__(self, input_ids, cache=None, *, embeddings=None, state=None) -> mx.array:
-        return self.language_model(input_ids, cache=cache, input_embeddings=embeddings)
 
     @classmethod
     def model_args(cls, config: dict) -> ModelArgs:
@@ -287,9 +250,9 @@ class PixtralProcessor(ProcessorMixin):
 def load_processor(model_path: str | Path, config: dict):
     """Tokenizer + transformers' PIL Pixtral image processor + the checkpoint's token
     expansion settings (processor_config.json) and chat template."""
-    from transformers import AutoTokenizer, PixtralImageProcessorPil
+    from transformers import PixtralImageProcessorPil
 
-    from mlxvlm.models.processor_utils import read_chat_template
+    from mlxvlm.models.processor_utils import tokenizer_and_chat_template
 
     model_path = Path(model_path)
     settings = {}
@@ -297,9 +260,8 @@ def load_processor(model_path: str | Path, config: dict):
     if processor_config.exists():
         settings = json.loads(processor_config.read_text())
     vision = vision_config(config)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer, chat_template = tokenizer_and_chat_template(model_path)
     image_processor = PixtralImageProcessorPil.from_pretrained(model_path)
-    chat_template = read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)
     return PixtralProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,

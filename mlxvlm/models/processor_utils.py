@@ -52,3 +52,12 @@ def read_chat_template(model_path: str | Path) -> str | None:
     if legacy.exists():
         return json.loads(legacy.read_text()).get("chat_template")
     return None
+
+
+def tokenizer_and_chat_template(model_path: str | Path):
+    """The checkpoint's tokenizer and its chat template: the template file's (see
+    ``read_chat_template``), else the one tokenizer_config.json carries (None if neither)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return tokenizer, read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)

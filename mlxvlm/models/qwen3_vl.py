@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxvlm.models import qwen2_vl
+from mlxvlm.models import merge, qwen2_vl
 from mlxvlm.models.config_utils import rope_parameters, text_config, token_id, vision_config
 from mlxvlm.models.layers.mrope_decoder import (
     DeepstackFeatures,
@@ -151,24 +151,13 @@ class Model(qwen2_vl.Model):
 
     def _merge_with_deepstack(self, h, ids, token, pixels, grids):
         """Put the tower's tokens at the placeholders; return the DeepStack rows with them."""
-        positions = np.flatnonzero(ids == token)
-        if pixels is None:
-            if positions.size:
-                raise ValueError(
-                    f"the prompt has {positions.size} placeholder tokens (id {token}) but no "
-                    "pixel values were given for them"
-                )
-            return h, None
-        pixels = mx.array(pixels) if not isinstance(pixels, mx.array) else pixels
-        features, deepstack = self.vision_tower.encode(pixels, grids)
-        if features.shape[0] != positions.size:
-            raise ValueError(
-                f"the vision tower produced {features.shape[0]} tokens but the prompt has "
-                f"{positions.size} placeholder tokens (id {token}) for them"
-            )
-        merged = h[0]
-        merged[mx.array(positions)] = features.astype(h.dtype)
-        return merged[None], (positions, deepstack)
+        positions = merge.placeholder_positions(ids, token)
+        features = tap = None
+        if pixels is not None:
+            pixels = mx.array(pixels) if not isinstance(pixels, mx.array) else pixels
+            features, deepstack = self.vision_tower.encode(pixels, grids)
+            tap = (positions, deepstack)
+        return merge.merge_features(h, positions, features, f"placeholder tokens (id {token})"), tap
 
 
 def _join_deepstack(taps) -> DeepstackFeatures | None:

@@ -4,7 +4,8 @@ Families whose text model is a stock LLM (LLaVA's llama/mistral/qwen2, ...) reus
 mlx-lm's model file through its ``input_embeddings`` argument instead of writing their own.
 The mlx-lm ``Model`` is used as is, so its parameters are named ``model.*`` and
 ``lm_head.*`` — under a family's ``language_model`` attribute that gives the
-``language_model.model.*`` names of mlx-community's checkpoints.
+``language_model.model.*`` names of mlx-community's checkpoints. ``MlxLmDecoder`` is the
+family contract's decoder side for such a model.
 """
 
 from __future__ import annotations
@@ -87,3 +88,27 @@ def model_args(text: dict) -> Any:
 def text_model(args: Any) -> nn.Module:
     """The mlx-lm ``Model`` for ``args`` (from ``model_args``)."""
     return mlx_lm_module(args.model_type).Model(args)
+
+
+class MlxLmDecoder:
+    """The decoder side of the family contract (see models/base.py) for a model whose
+    ``language_model`` is ``text_model(...)`` and whose ``args.max_context`` comes from
+    ``max_context``. Mixed in ahead of ``VisionLanguageModel``:
+    ``class Model(MlxLmDecoder, VisionLanguageModel)``."""
+
+    @property
+    def layers(self):
+        return self.language_model.layers
+
+    @property
+    def max_context(self) -> int | None:
+        return self.args.max_context
+
+    def make_cache(self) -> list[Any]:
+        # mlx-lm's own: rotating caches for sliding-window layers.
+        if hasattr(self.language_model, "make_cache"):
+            return self.language_model.make_cache()
+        return super().make_cache()
+
+    def __call__(self, input_ids, cache=None, *, embeddings=None, state=None):
+        return self.language_model(input_ids, cache=cache, input_embeddings=embeddings)

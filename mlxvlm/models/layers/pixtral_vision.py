@@ -27,7 +27,9 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.models.config_utils import rope_parameters
-from mlxvlm.models.layers.qwen_vision import activation, apply_rotary
+from mlxvlm.models.layers.activations import activation
+from mlxvlm.models.layers.qwen_vision import apply_rotary
+from mlxvlm.models.weights import rename_prefix
 
 
 @dataclass
@@ -202,10 +204,8 @@ class PixtralVisionTower(nn.Module):
 def hf_vision_name_to_mlx(name: str) -> str:
     """A Pixtral tower tensor's name under ``vision_tower.`` in a Hugging Face checkpoint
     (``vision_tower.X`` or, transformers 5, ``model.vision_tower.X``) -> ours."""
-    for prefix in ("model.vision_tower.", "vision_tower."):
-        if name.startswith(prefix):
-            return "vision_tower.vision_model." + name[len(prefix) :]
-    return name
+    return rename_prefix(name, (("model.vision_tower.", "vision_tower.vision_model."),
+                                ("vision_tower.", "vision_tower.vision_model.")))
 
 
 def sanitize_vision_tensor(name: str, value: mx.array) -> mx.array:
