@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from mlxvlm.errors import CheckpointError, MlxvlmError
+from mlxvlm.errors import MlxvlmError
 
 DTYPES = ("float16", "bfloat16", "float32")
 MAX_SHARD_GB = 5
@@ -167,25 +167,12 @@ def _read_model(model_path: Path, config: dict, family):
     import mlx.core as mx
     from tqdm import tqdm
 
-    from mlxvlm.loading import is_converted, weights_files
-    from mlxvlm.quantization import apply_quantization
+    from mlxvlm.loading import build_model, weights_files
 
     weights: dict[str, mx.array] = {}
     for file in tqdm(weights_files(model_path), desc="Reading weights", unit="file", disable=None):
         weights.update(mx.load(str(file)))
-
-    model = family.Model.from_config(config)
-    if not is_converted(model_path, config) and family.is_hf_checkpoint(weights.keys()):
-        weights = model.sanitize(weights)
-    apply_quantization(model, config, weights)
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as exc:
-        raise CheckpointError(
-            f"the weights in {model_path} do not match the {config.get('model_type')} "
-            f"model built from its config.json: {exc}"
-        ) from None
-    return model
+    return build_model(model_path, config, family, weights)
 
 
 def _source_dtype(config: dict) -> str | None:

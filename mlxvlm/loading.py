@@ -152,13 +152,12 @@ def compute_dtype_for_device(requested: mx.Dtype | None) -> mx.Dtype | None:
     return mx.float32 if mx.default_device() == mx.cpu else None
 
 
-def load_model(
-    model_path: Path, config: dict | None = None, dtype: mx.Dtype | None = None
-) -> nn.Module:
-    config = config if config is not None else read_config(model_path)
-    family = get_family(config.get("model_type"))
+def build_model(model_path: Path, config: dict, family, weights: dict[str, mx.array]) -> nn.Module:
+    """``family``'s module tree for ``config`` holding ``weights`` (the checkpoint's at
+    ``model_path``): mapped onto our names only if they are a Hugging Face checkpoint's
+    (see ``is_converted``), quantized as the config says. Weights that do not fit the
+    tree raise CheckpointError. Shared by ``load`` and ``mlxvlm.convert``."""
     model = family.Model.from_config(config)
-    weights = load_weights_files(model_path)
     if not is_converted(model_path, config) and family.is_hf_checkpoint(weights.keys()):
         weights = model.sanitize(weights)
     apply_quantization(model, config, weights)
@@ -169,6 +168,15 @@ def load_model(
             f"the weights in {model_path} do not match the {config.get('model_type')} "
             f"model built from its config.json: {exc}"
         ) from None
+    return model
+
+
+def load_model(
+    model_path: Path, config: dict | None = None, dtype: mx.Dtype | None = None
+) -> nn.Module:
+    config = config if config is not None else read_config(model_path)
+    family = get_family(config.get("model_type"))
+    model = build_model(model_path, config, family, load_weights_files(model_path))
     dtype = compute_dtype_for_device(dtype)
     if dtype is not None:
         model.set_dtype(dtype)
