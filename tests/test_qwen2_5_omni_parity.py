@@ -295,3 +295,19 @@ def test_cli_with_audio_image_and_a_video_with_sound(tiny_checkpoints, loaded, c
         {"type": "video", "video": str(video)}, {"type": "text", "text": "All of it."}]}]
     expected = "".join(r.text for r in stream_generate(model, processor, messages, max_tokens=6))
     assert out == expected + "\n"
+
+
+def test_rotating_cache_keeps_the_audio_tokens(loaded, clip):
+    """With --max-kv-size the cache never evicts media: audio placeholders count."""
+    from mlxvlm.errors import PromptTooLongError
+    from mlxvlm.generate import make_generation_cache
+
+    model, processor = loaded("transformers")
+    messages, media = cases(clip)["audio"]
+    inputs = prepare_inputs(processor, messages, audio=media["audio"])
+    ids = inputs.input_ids[0].tolist()
+    last_audio = max(i for i, t in enumerate(ids) if t == model.args.audio_token_id)
+    cache = make_generation_cache(model, inputs, max_kv_size=last_audio + 10)
+    assert cache[0].keep == last_audio + 1
+    with pytest.raises(PromptTooLongError, match="media"):
+        make_generation_cache(model, inputs, max_kv_size=last_audio)
