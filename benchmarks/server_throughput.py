@@ -9,7 +9,8 @@ once (different prompts, greedy, ``--max-tokens`` each, prefix reuse off so ever
 does its own prefill). Decode throughput is the tokens that arrive after each stream's
 first token, divided by the time from the first of those first tokens to the last token
 of any stream; the prefills of streams admitted later fall inside that window, as they do
-on a busy server. Prints each run and the median ratio; ``--output`` writes JSON.
+on a busy server. It also reports the steady rate, while all streams decode at once.
+Prints each run and the median ratios; ``--output`` writes JSON.
 
 Use a checkpoint whose greedy decoding does not stop early (the benchmark checkpoints zero
 the end-of-sequence logits); the counts come from the streams, so early stops are only
@@ -57,10 +58,13 @@ def start_server(model_path: str, streams: int):
 
 
 def stream_once(base_url: str, prompt: str, max_tokens: int) -> list[float]:
-    """Arrival times of the chunks that carry generated tokens."""
+    """Arrival times of the generated tokens: of each chunk with text, and the count of
+    tokens from the usage chunk (a token whose text is held back, e.g. part of a
+    character, sends no chunk of its own; it is counted at the next chunk)."""
     body = {"model": "bench", "stream": True, "temperature": 0, "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": prompt}], "logprobs": True}
-    times = []
+            "messages": [{"role": "user", "content": prompt}],
+            "stream_options": {"include_usage": True}}
+    arrivals, total = [], 0
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body,
                       timeout=600) as response:
         response.raise_for_status()
@@ -68,12 +72,13 @@ def stream_once(base_url: str, prompt: str, max_tokens: int) -> list[float]:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            choice = chunk["choices"][0] if chunk["choices"] else None
-            # One logprobs entry per generated token, even when its text is held back.
-            if choice and choice.get("logprobs"):
-                now = time.perf_counter()
-                times.extend(now for _ in choice["logprobs"]["content"])
-    return times
+            if chunk.get("usage"):
+                total = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                arrivals.append(time.perf_counter())
+    # Spread the held-back tokens' count over the chunks that carried them.
+    missing = max(total - len(arrivals), 0)
+    return arrivals + [arrivals[-1]] * missing if arrivals else []
 
 
 def decode_rate(streams: list[list[float]]) -> tuple[float, int]:
@@ -84,7 +89,19 @@ def decode_rate(streams: list[list[float]]) -> tuple[float, int]:
     return tokens / (end - start), tokens
 
 
-def run_streams(base_url: str, prompts: list[str], max_tokens: int) -> tuple[float, int]:
+def steady_rate(streams: list[list[float]]) -> float | None:
+    """Tokens per second while every stream is decoding: from the last stream's first
+    token to the first stream's last one (None if the streams never all overlapped)."""
+    start = max(times[0] for times in streams)
+    end = min(times[-1] for times in streams)
+    if end <= start:
+        return None
+    tokens = sum(sum(1 for t in times if start < t <= end) for times in streams)
+    return tokens / (end - start)
+
+
+def run_streams(base_url: str, prompts: list[str], max_tokens: int
+                ) -> tuple[float, int, float | None]:
     results: list[list[float]] = [[] for _ in prompts]
     barrier = threading.Barrier(len(prompts))
 
@@ -100,7 +117,7 @@ def run_streams(base_url: str, prompts: list[str], max_tokens: int) -> tuple[flo
     if any(len(times) < 2 for times in results):
         raise RuntimeError("a stream produced fewer than 2 tokens; use a larger --max-tokens "
                            "or a checkpoint that does not stop early")
-    return decode_rate(results)
+    return (*decode_rate(results), steady_rate(results))
 
 
 def main(argv=None) -> int:
@@ -123,18 +140,25 @@ def main(argv=None) -> int:
         stream_once(base_url, "Warm up.", 8)
         runs = []
         for run in range(args.runs):
-            single, _ = run_streams(base_url, prompts[:1], args.max_tokens)
-            many, tokens = run_streams(base_url, prompts, args.max_tokens)
+            single, _, _ = run_streams(base_url, prompts[:1], args.max_tokens)
+            many, tokens, steady = run_streams(base_url, prompts, args.max_tokens)
             runs.append({"single_tps": single, "aggregate_tps": many, "tokens": tokens,
-                         "ratio": many / single})
+                         "ratio": many / single, "steady_tps": steady,
+                         "steady_ratio": steady / single if steady else None})
+            steady_text = (f"; {steady:.1f} tok/s while all decode: {steady / single:.2f}x"
+                           if steady else "")
             print(f"run {run + 1}: 1 stream {single:.1f} tok/s, {args.streams} streams "
-                  f"{many:.1f} tok/s aggregate ({tokens} tokens): {many / single:.2f}x",
-                  flush=True)
+                  f"{many:.1f} tok/s aggregate ({tokens} tokens): {many / single:.2f}x"
+                  f"{steady_text}", flush=True)
     finally:
         server.should_exit = True
         thread.join(timeout=30)
     ratio = statistics.median(r["ratio"] for r in runs)
     print(f"median ratio ({args.streams} streams / 1 stream): {ratio:.2f}x")
+    steady = [r["steady_ratio"] for r in runs if r["steady_ratio"]]
+    if steady:
+        print(f"median ratio while all {args.streams} streams decode: "
+              f"{statistics.median(steady):.2f}x")
     if args.output:
         Path(args.output).write_text(json.dumps(
             {"model": args.model, "streams": args.streams, "max_tokens": args.max_tokens,

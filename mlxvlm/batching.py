@@ -20,6 +20,7 @@ is the one-call Python API.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections import deque
@@ -44,6 +45,8 @@ from mlxvlm.media import load_image
 from mlxvlm.prefix_cache import PrefixCache, image_hash, prompt_key
 from mlxvlm.prompt import PreparedInputs, build_messages, normalize_messages, prepare_inputs
 from mlxvlm.tokenization import generation_tokenizer
+
+logger = logging.getLogger(__name__)
 
 # OpenAI's limit on alternatives per position; also bounds the work per token.
 MAX_TOP_LOGPROBS = 20
@@ -115,6 +118,12 @@ class BatchStep:
 
 
 Deliver = Callable[["BatchStep | BaseException"], None]
+
+
+class EngineFault(RuntimeError):
+    """The engine itself failed while running a request (a fault, not bad input); the
+    exception it delivers in place of further steps. Errors that belong to one request's
+    own input (raised while preparing or prefilling it) are delivered as they are."""
 
 
 class SequenceHandle:
@@ -333,7 +342,14 @@ class BatchEngine:
                     self._cond.wait()
                 if self._closed:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # never leave callers waiting on a dead thread
+                logger.exception("the batching engine failed; failing its requests")
+                failure = EngineFault(f"the engine failed ({type(e).__name__}: {e})")
+                failure.__cause__ = e
+                for seq in self._drain():
+                    self._fail(seq, failure)
 
     def _drain(self) -> list[_Sequence]:
         with self._cond:
@@ -368,8 +384,11 @@ class BatchEngine:
             try:
                 self._decode_step()
             except Exception as e:  # a fault in the batch fails its requests, not the engine
+                logger.exception("a decode step failed; failing the requests in the batch")
+                failure = EngineFault(f"the decode step failed ({type(e).__name__}: {e})")
+                failure.__cause__ = e
                 for seq in self._active:
-                    self._fail(seq, e)
+                    self._fail(seq, failure)
                 self._active, self._batch_cache, self._batch_state = [], None, None
         self._update_gauges()
 
@@ -485,7 +504,7 @@ class BatchEngine:
         now = time.perf_counter()
         self.stats.time_to_first_token_sum += now - seq.submitted_at
         self.stats.time_to_first_token_count += 1
-        outcome = self._emit(seq, tokens.item(), logprobs[0])
+        outcome = self._emit(seq, tokens.item(), self._logprobs_rows([seq], logprobs)[0])
         if outcome is _RUNNING:
             self._join(seq)
         elif outcome is _FINISHED:
@@ -559,10 +578,11 @@ class BatchEngine:
             tokens = self._sample(rows, logprobs)
             mx.eval(tokens, logprobs)
         tokens = tokens.tolist()
+        rows_logprobs = self._logprobs_rows(rows, logprobs)
 
         keep = []
         for i, seq in enumerate(rows):
-            outcome = self._emit(seq, tokens[i], logprobs[i])
+            outcome = self._emit(seq, tokens[i], rows_logprobs[i])
             if outcome is _RUNNING:
                 keep.append(i)
             elif outcome is _CANCELLED:
@@ -576,7 +596,17 @@ class BatchEngine:
         if len(keep) < len(rows):
             self._keep_rows(keep)
 
-    def _emit(self, seq: _Sequence, token: int, logprobs: mx.array) -> str:
+    @staticmethod
+    def _logprobs_rows(rows: list[_Sequence], logprobs: mx.array) -> list[np.ndarray | None]:
+        """Each row's log-probabilities as numpy, for the rows that asked for them (one
+        copy of the whole batch rather than one MLX op per row)."""
+        if all(seq.options.top_logprobs is None for seq in rows):
+            return [None] * len(rows)
+        values = np.asarray(logprobs.astype(mx.float32))
+        return [values[i] if seq.options.top_logprobs is not None else None
+                for i, seq in enumerate(rows)]
+
+    def _emit(self, seq: _Sequence, token: int, logprobs: np.ndarray | None) -> str:
         """Deliver one token; whether the request goes on, finished or was cancelled."""
         if seq.cancelled:
             return _CANCELLED
@@ -593,7 +623,7 @@ class BatchEngine:
         )
         k = seq.options.top_logprobs
         if k is not None:
-            values = np.asarray(logprobs.astype(mx.float32))
+            values = logprobs
             step.logprob = float(values[token])
             if k:
                 top = np.argpartition(-values, k - 1)[:k]
