@@ -61,10 +61,10 @@ def test_turns_split_over_messages_are_merged_and_images_kept(images):
         ("user", [(32, 32), "And this?"]),
     ]
     assert isinstance(conversation.messages[0]["content"][0]["image"], Image.Image)
-    assert len(conversation.media_hashes) == 2
-    assert conversation.media_hashes[0] != conversation.media_hashes[1]
+    assert len(conversation.image_hashes) == 2
+    assert conversation.image_hashes[0] != conversation.image_hashes[1]
     again = build_conversation([], {"text": "x", "files": [images[0]]}, MEDIA_KINDS)
-    assert again.media_hashes[0] == conversation.media_hashes[0]
+    assert again.image_hashes[0] == conversation.image_hashes[0]
 
 
 def test_a_notice_leaves_out_the_turn_it_answered(images, tmp_path):
@@ -122,12 +122,38 @@ def test_unreadable_and_unsupported_attachments_are_media_errors(tmp_path, image
         build_conversation([], {"text": "", "files": []}, MEDIA_KINDS)
 
 
-def test_kinds_follow_the_model_features():
-    class ImageModel:
-        feature_names = ("pixel_values", "image_grid_thw")
+def test_videos_and_audio_go_in_as_paths_and_turn_prefix_reuse_off(images, tmp_path):
+    clip, sound = str(tmp_path / "clip.mp4"), str(tmp_path / "sound.wav")
+    conversation = build_conversation(
+        [
+            {"role": "user", "content": [file(images[0]), text("And?")]},
+            {"role": "assistant", "content": "Yes."},
+        ],
+        {"text": "Both", "files": [clip, {"path": sound, "mime_type": "audio/wav"}]},
+        MEDIA_KINDS,
+    )
+    assert conversation.messages[-1]["content"] == [
+        {"type": "video", "video": clip},
+        {"type": "audio", "audio": sound},
+        {"type": "text", "text": "Both"},
+    ]
+    assert conversation.image_hashes is None  # the prefix keys describe images only
+
+
+def test_kinds_follow_the_model_and_its_processor():
+    class Model:
+        feature_names = ("pixel_values", "image_grid_thw", "pixel_values_videos")
+
+    class ImageProcessor:
+        image_processor = object()
+        video_processor = None
+
+    class VideoProcessor(ImageProcessor):
+        video_processor = object()
 
     class TextModel:
         feature_names = ()
 
-    assert [k.name for k in supported_kinds(ImageModel())] == ["image"]
-    assert supported_kinds(TextModel()) == ()
+    assert [k.name for k in supported_kinds(Model(), ImageProcessor())] == ["image"]
+    assert [k.name for k in supported_kinds(Model(), VideoProcessor())] == ["image", "video"]
+    assert supported_kinds(TextModel(), VideoProcessor()) == ()

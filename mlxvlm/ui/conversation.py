@@ -5,7 +5,7 @@ messages (files, then text), and the app's own notices (an error instead of an a
 sit among the model's answers. The model must see only the conversation proper: turns
 merged, notices left out together with the turn they answered (a turn that failed, e.g.
 on an unreadable file, would otherwise fail again on every later turn), and every
-attachment loaded so that its content hash can key the prompt-prefix cache.
+image decoded so that its content hash can key the prompt-prefix cache.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ NOTICE_TITLE = "⚠️ Could not answer"
 
 @dataclass
 class Conversation:
-    messages: list[dict]  # mlxvlm chat messages, attachments decoded
-    media_hashes: list[str] = field(default_factory=list)  # in prompt order
+    messages: list[dict]  # mlxvlm chat messages
+    # The images' content hashes in prompt order, for the prompt-prefix cache; None when
+    # the conversation holds media the prefix keys cannot describe (video, audio).
+    image_hashes: list[str] | None = field(default_factory=list)
 
 
 def _is_notice(message: dict) -> bool:
@@ -100,7 +102,8 @@ def build_conversation(
 ) -> Conversation:
     """The model's conversation: ``history`` (Gradio messages) and the new ``message``
     (the multimodal textbox's {"text", "files"}). Raises ``MlxvlmError`` (``MediaError``
-    for an attachment that cannot be read or is of a kind the model does not take).
+    for an image that cannot be read or an attachment of a kind the model does not take;
+    videos and audio are read later, by ``prepare_inputs``, with ``media_options``).
 
     ``placeholders``: the model's media placeholder strings (e.g. ``<|image_pad|>``),
     removed from text: the processor expands every one it finds into media tokens, so a
@@ -135,8 +138,13 @@ def build_conversation(
                     content.append({"type": "text", "text": text})
                 continue
             kind = kind_of(part["path"], part["mime_type"], kinds)
+            if kind.load is None:
+                content.append(kind.part(part["path"]))
+                conversation.image_hashes = None
+                continue
             media = kind.load(part["path"], **(media_options or {}))
-            conversation.media_hashes.append(kind.content_hash(media))
+            if conversation.image_hashes is not None:
+                conversation.image_hashes.append(kind.content_hash(media))
             content.append(kind.part(media))
         conversation.messages.append({"role": "user", "content": content})
     return conversation

@@ -1,9 +1,10 @@
 """The kinds of attachment the chat accepts, as data: one row per kind.
 
-A kind is offered when the model consumes its processor features, and each row says how
-to load an uploaded file of that kind, how it enters a chat message, and how its content
-is hashed (so that a prompt-prefix cache can tell two attachments apart). Video and audio
-become rows here once the prompt layer takes their message parts.
+A kind is offered when the model consumes its processor features and its processor has
+the part that prepares it (as ``mlxvlm.prompt`` requires). A row also says whether the
+chat decodes an attachment itself, to hash its content for the prompt-prefix cache
+(images), or leaves it to ``prepare_inputs`` as a path (videos and audio, which the
+prefix keys cannot describe, so that a conversation holding one is not reused).
 """
 
 from __future__ import annotations
@@ -19,32 +20,53 @@ from mlxvlm.prefix_cache import image_hash
 
 @dataclass(frozen=True)
 class MediaKind:
-    name: str  # also Gradio's file-type category ("image", "video", "audio")
-    features: frozenset[str]  # processor outputs that show a model takes this kind
-    load: Callable[..., Any]  # (path, **limits) -> the decoded media
-    part: Callable[[Any], dict]  # decoded media -> a chat message content part
-    content_hash: Callable[[Any], str]
+    # Also the message part type (``mlxvlm.prompt``) and Gradio's file-type category.
+    name: str
+    features: frozenset[str]  # processor outputs that show the model takes this kind
+    processor_part: str  # the processor attribute that prepares it
+    # (path, **media_options) -> decoded media, and its content hash; None: the path goes
+    # into the message and ``prepare_inputs`` decodes it.
+    load: Callable[..., Any] | None = None
+    content_hash: Callable[[Any], str] | None = None
 
     def matches(self, path: str, mime_type: str | None) -> bool:
         mime = mime_type or mimetypes.guess_type(path)[0] or ""
         return mime.startswith(self.name + "/")
+
+    def part(self, media: Any) -> dict:
+        """The chat message content part for a decoded attachment or a path."""
+        return {"type": self.name, self.name: media}
 
 
 MEDIA_KINDS: tuple[MediaKind, ...] = (
     MediaKind(
         name="image",
         features=frozenset({"pixel_values"}),
+        processor_part="image_processor",
         load=load_image,
-        part=lambda image: {"type": "image", "image": image},
         content_hash=image_hash,
+    ),
+    MediaKind(
+        name="video",
+        features=frozenset({"pixel_values_videos"}),
+        processor_part="video_processor",
+    ),
+    MediaKind(
+        name="audio",
+        features=frozenset({"input_features"}),
+        processor_part="feature_extractor",
     ),
 )
 
 
-def supported_kinds(model: Any) -> tuple[MediaKind, ...]:
-    """The kinds this model takes, judged by the processor features its ``embed`` reads."""
+def supported_kinds(model: Any, processor: Any) -> tuple[MediaKind, ...]:
+    """The kinds this model and its processor take."""
     features = set(getattr(model, "feature_names", ()))
-    return tuple(kind for kind in MEDIA_KINDS if kind.features & features)
+    return tuple(
+        kind
+        for kind in MEDIA_KINDS
+        if kind.features & features and getattr(processor, kind.processor_part, None) is not None
+    )
 
 
 def kind_of(path: str, mime_type: str | None, kinds: Sequence[MediaKind]) -> MediaKind:

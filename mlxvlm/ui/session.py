@@ -107,7 +107,7 @@ class ChatSession:
         self.model = model
         self.processor = processor
         self.model_name = model_name
-        self.kinds = supported_kinds(model)
+        self.kinds = supported_kinds(model, processor)
         self.placeholders = _placeholder_texts(model, processor)
         self.media_options = media_options
         self.engine = BatchEngine(
@@ -179,6 +179,7 @@ class ChatSession:
                 conversation.messages,
                 system=settings.system,
                 feature_names=getattr(self.model, "feature_names", None),
+                media_options=self.media_options,
             )
             # MLX evaluates a graph only on the thread that built it: the engine's thread
             # must get concrete arrays.
@@ -190,17 +191,17 @@ class ChatSession:
         while not self._turn.acquire(timeout=YIELD_EVERY_S):
             yield [], self.stats_markdown()
         try:
-            yield from self._answer(inputs, settings, conversation.media_hashes)
+            yield from self._answer(inputs, settings, conversation.image_hashes)
         finally:
             self._turn.release()
 
-    def _answer(self, inputs, settings: Settings, media_hashes) -> Iterator[tuple[Any, str]]:
+    def _answer(self, inputs, settings: Settings, image_hashes) -> Iterator[tuple[Any, str]]:
         steps: queue.SimpleQueue[BatchStep | BaseException] = queue.SimpleQueue()
         mx.reset_peak_memory()
         submitted = time.perf_counter()
         try:
             handle = self.engine.submit(
-                inputs, settings.sampling_options(), steps.put, image_hashes=media_hashes
+                inputs, settings.sampling_options(), steps.put, image_hashes=image_hashes
             )
         except MlxvlmError as e:
             yield notice(_readable(e)), self.stats_markdown()
