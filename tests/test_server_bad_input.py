@@ -245,6 +245,17 @@ def test_ssrf_targets_are_refused_before_connecting(server, listener, target):
     assert listener.connections == before
 
 
+@pytest.mark.parametrize("address, public", [
+    ("8.8.8.8", True), ("2001:4860:4860::8888", True),
+    ("127.0.0.1", False), ("127.8.9.1", False), ("10.1.1.1", False), ("172.16.0.1", False),
+    ("192.168.0.1", False), ("169.254.1.1", False), ("100.64.0.1", False), ("0.0.0.0", False),
+    ("224.0.0.1", False), ("255.255.255.255", False), ("::1", False), ("fe80::1%eth0", False),
+    ("fc00::1", False), ("::ffff:10.0.0.1", False), ("2002:a00:1::", False), ("::", False),
+])
+def test_public_address_classification(address, public):
+    assert public_net.is_public_address(address) is public
+
+
 def test_redirects_to_private_targets_are_refused(server, listener, monkeypatch):
     """Treat the loopback listener as public for this test, so that its redirects can
     be followed to targets that must still be refused."""

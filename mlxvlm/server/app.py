@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -75,7 +76,8 @@ def validation_error(error: ValidationError) -> APIError:
 
 
 def as_api_error(error: Exception) -> APIError:
-    """A user-input error from preparing or running a request, as a 400."""
+    """A user-input error from preparing or running a request, as a 400 (including a
+    chat template that refuses the conversation, e.g. roles out of order)."""
     if isinstance(error, PromptTooLongError):
         return APIError(400, str(error), param="messages", code="context_length_exceeded")
     if isinstance(error, MediaError):
@@ -212,7 +214,7 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
                 if not chat.stream:
                     body = _collect(writer, first, stream, chat.logprobs)
                     return JSONResponse(await until_disconnect(request, body))
-            except (MlxvlmError, ValueError) as error:
+            except (MlxvlmError, ValueError, TemplateError) as error:
                 raise as_api_error(error) from error
             include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
             events = _stream_events(writer, first, stream, include_usage, chat.logprobs)
