@@ -119,7 +119,8 @@ def smolvlm_256m():
         vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                            num_attention_heads=12, image_size=512, patch_size=16),
     )
-    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 2048},
+    # One 512-px tile per image (the 448x448 benchmark image is not split).
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 512},
                                                 max_image_size={"longest_edge": 512})
     parts = Parts(tokenizer, image_processor, SMOLVLM_TEMPLATE,
                   {"processor_class": "Idefics3Processor", "image_seq_len": 64},
