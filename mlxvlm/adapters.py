@@ -1,20 +1,28 @@
-"""LoRA adapters in PEFT's format (adapter_config.json + adapter_model.safetensors).
+"""LoRA and DoRA adapters in PEFT's format (adapter_config.json + adapter_model.safetensors).
 
 PEFT stores ``base_model.model.<HF module path>.lora_A.weight`` (r, in) and ``lora_B.weight``
-(out, r) with ``scaling = lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA). mlx-lm's LoRALinear
-computes ``y + scale * (x @ lora_a) @ lora_b``, so lora_a = A.T and lora_b = B.T. HF module
-paths are mapped onto ours with the family's own ``sanitize``.
+(out, r), and for DoRA ``lora_magnitude_vector`` (out,), with ``scaling = lora_alpha / r``
+(``/ sqrt(r)`` with rsLoRA; per module through ``alpha_pattern``/``rank_pattern``).
+mlx-lm's LoRALinear computes ``y + scale * (x @ lora_a) @ lora_b`` and its DoRALinear
+rescales that by ``m / ||W + scale * lora_b.T @ lora_a.T||`` per output row, exactly as
+PEFT's DoRA layer does, so lora_a = A.T, lora_b = B.T and m = the magnitude vector.
+
+HF module paths are mapped onto ours with the family's own ``sanitize`` when loading, and
+ours onto HF's with ``hf_module_name`` (see ``models/base.py``) when saving.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
+from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 
 from mlxvlm.errors import CheckpointError
@@ -22,25 +30,58 @@ from mlxvlm.errors import CheckpointError
 PEFT_PREFIX = "base_model.model."
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_LAYERS = (LoRALinear, DoRALinear)
+
+# PEFT tensor suffix -> what it holds
+_TENSOR_KINDS = {
+    ".lora_A.weight": "A",
+    ".lora_B.weight": "B",
+    ".lora_magnitude_vector": "M",
+    ".lora_magnitude_vector.weight": "M",  # PEFT releases before 0.12 saved it this way
+}
+
+
+# ------------------------------------------------------------------------------- config
 
 
 def read_adapter_config(adapter_path: Path) -> dict:
     config_file = adapter_path / CONFIG_FILE
     if not config_file.exists():
         raise CheckpointError(f"{adapter_path} has no {CONFIG_FILE}; is it a PEFT adapter?")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from None
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
-        raise CheckpointError(f"adapter type {peft_type!r} is not supported (only LoRA)")
-    if config.get("use_dora"):
-        raise CheckpointError("DoRA adapters are not supported yet; use a plain LoRA adapter")
+        raise CheckpointError(f"adapter type {peft_type!r} is not supported (only LoRA and DoRA)")
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        raise CheckpointError("adapters that train biases (bias != 'none') are not supported")
+    if config.get("modules_to_save"):
+        raise CheckpointError(
+            "adapters with modules_to_save (fully trained copies of modules) are not supported"
+        )
+    if config.get("target_parameters"):
+        raise CheckpointError("adapters with target_parameters are not supported")
     return config
 
 
-def lora_scale(config: dict) -> float:
-    r = config["r"]
-    alpha = config.get("lora_alpha", r)
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's per-module overrides: a key matches a module path it ends (after a dot)."""
+    for key, value in (patterns or {}).items():
+        if key == module or re.match(rf"(.*\.)?(?:{key})$", module):
+            return value
+    return default
+
+
+def lora_scale(config: dict, hf_module: str = "", rank: int | None = None) -> float:
+    """PEFT's ``scaling`` of one module (rank from its tensors when given)."""
+    r = rank or _pattern_value(config.get("rank_pattern"), hf_module, config["r"])
+    alpha = _pattern_value(config.get("alpha_pattern"), hf_module, config.get("lora_alpha", r))
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+# ------------------------------------------------------------------------------ loading
 
 
 def _hf_module_to_ours(model: nn.Module, hf_module: str) -> str:
@@ -52,41 +93,171 @@ def _hf_module_to_ours(model: nn.Module, hf_module: str) -> str:
     return mapped[0][: -len(".weight")]
 
 
+def read_adapter_tensors(adapter_path: Path) -> dict[str, dict[str, mx.array]]:
+    """``{hf_module: {"A": (r, in), "B": (out, r)[, "M": (out,)]}}`` from the weights file."""
+    weights_file = adapter_path / WEIGHTS_FILE
+    if not weights_file.exists():
+        raise CheckpointError(f"{adapter_path} has no {WEIGHTS_FILE}")
+    modules: dict[str, dict[str, mx.array]] = {}
+    for name, value in mx.load(str(weights_file)).items():
+        suffix = next((s for s in _TENSOR_KINDS if name.endswith(s)), None)
+        if not name.startswith(PEFT_PREFIX) or suffix is None:
+            raise CheckpointError(f"unexpected tensor {name!r} in {weights_file}")
+        module = name[len(PEFT_PREFIX) : -len(suffix)]
+        modules.setdefault(module, {})[_TENSOR_KINDS[suffix]] = value
+    return modules
+
+
+def set_adapter_weights(layer: nn.Module, tensors: dict[str, mx.array], name: str) -> None:
+    """Put one module's PEFT tensors into its LoRALinear/DoRALinear (float32)."""
+    expected = {"A", "B", "M"} if isinstance(layer, DoRALinear) else {"A", "B"}
+    if set(tensors) != expected:
+        kind = "DoRA" if "M" in expected else "LoRA"
+        raise CheckpointError(
+            f"adapter module {name!r} has tensors {sorted(tensors)}; {kind} needs "
+            f"{sorted(expected)} (A, B = lora_A, lora_B; M = lora_magnitude_vector)"
+        )
+    a, b = tensors["A"].T.astype(mx.float32), tensors["B"].T.astype(mx.float32)
+    if a.shape != layer.lora_a.shape or b.shape != layer.lora_b.shape:
+        raise CheckpointError(
+            f"adapter module {name!r} has shapes A{tuple(tensors['A'].shape)} "
+            f"B{tuple(tensors['B'].shape)}, which do not fit that layer"
+        )
+    layer.lora_a, layer.lora_b = a, b
+    if "M" in tensors:
+        layer.m = tensors["M"].astype(mx.float32)
+
+
 def load_adapter(model: nn.Module, adapter_path: str | Path) -> nn.Module:
-    """Wrap the adapter's target linears in LoRALinear and load its weights, in place."""
+    """Wrap the adapter's target linears in LoRALinear/DoRALinear and load its weights,
+    in place."""
     adapter_path = Path(adapter_path).expanduser()
     if not adapter_path.is_dir():
         raise CheckpointError(f"adapter directory {adapter_path} does not exist")
     config = read_adapter_config(adapter_path)
-    weights_file = adapter_path / WEIGHTS_FILE
-    if not weights_file.exists():
-        raise CheckpointError(f"{adapter_path} has no {WEIGHTS_FILE}")
-    tensors = mx.load(str(weights_file))
-
-    pairs: dict[str, dict[str, mx.array]] = {}
-    for name, value in tensors.items():
-        if not name.startswith(PEFT_PREFIX):
-            raise CheckpointError(f"unexpected tensor {name!r} in {weights_file}")
-        module, _, kind = name[len(PEFT_PREFIX) :].rpartition(".lora_")
-        if kind not in ("A.weight", "B.weight"):
-            raise CheckpointError(f"unexpected tensor {name!r} in {weights_file}")
-        pairs.setdefault(module, {})[kind[0]] = value
+    tensors = read_adapter_tensors(adapter_path)
+    layer_class = DoRALinear if config.get("use_dora") else LoRALinear
 
     modules = dict(model.named_modules())
-    scale = lora_scale(config)
     replacements = []
-    for hf_module, ab in pairs.items():
+    for hf_module, module_tensors in tensors.items():
         ours = _hf_module_to_ours(model, hf_module)
         base = modules.get(ours)
         if base is None or not isinstance(base, (nn.Linear, nn.QuantizedLinear)):
             raise CheckpointError(f"adapter targets {hf_module!r}, which is not a linear layer here")
-        if set(ab) != {"A", "B"}:
-            raise CheckpointError(f"adapter module {hf_module!r} lacks lora_A or lora_B")
-        lora = LoRALinear.from_base(base, r=ab["A"].shape[0], scale=scale)
-        lora.lora_a = ab["A"].T.astype(mx.float32)
-        lora.lora_b = ab["B"].T.astype(mx.float32)
-        replacements.append((ours, lora))
+        if "A" not in module_tensors:
+            raise CheckpointError(f"adapter module {hf_module!r} lacks lora_A")
+        rank = module_tensors["A"].shape[0]
+        layer = layer_class.from_base(base, r=rank, scale=lora_scale(config, hf_module, rank))
+        set_adapter_weights(layer, module_tensors, hf_module)
+        replacements.append((ours, layer))
     model.update_modules(tree_unflatten(replacements))
     model.eval()
     mx.eval(model.parameters())
     return model
+
+
+# ------------------------------------------------------------------------------- saving
+
+
+def adapter_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's LoRALinear/DoRALinear modules, with their paths."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, ADAPTER_LAYERS)]
+
+
+def _target_modules(model: nn.Module, adapted: dict[str, str]) -> list[str]:
+    """PEFT's ``target_modules`` for the adapted modules (ours -> HF path): their leaf
+    names when those select nothing else in the model, else the full HF paths (PEFT
+    matches a list entry against the end of each module path)."""
+    leaves = {name.rpartition(".")[2] for name in adapted}
+    others = [
+        name
+        for name, _ in model.named_modules()
+        if name.rpartition(".")[2] in leaves
+        and name not in adapted
+        # the base linear inside a wrapper is the adapted module itself
+        and name.rpartition(".")[0] not in adapted
+    ]
+    return sorted(leaves) if not others else sorted(adapted.values())
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write through a temporary file and rename it into place: a reader (or a run killed
+    midway) only ever sees the old file or the complete new one."""
+    # The name keeps its suffix: mx.save_safetensors appends ".safetensors" otherwise.
+    temporary = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    try:
+        write(temporary)
+        with open(temporary, "rb") as file:
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def save_adapter(
+    model: nn.Module,
+    adapter_path: str | Path,
+    *,
+    alpha: float,
+    dropout: float = 0.0,
+    base_model: str | None = None,
+) -> Path:
+    """Write the model's LoRA/DoRA layers as a PEFT adapter that ``peft`` and
+    ``load_adapter`` read. Every layer must share one rank and ``scale = alpha / rank``."""
+    layers = adapter_layers(model)
+    if not layers:
+        raise CheckpointError("the model has no LoRA/DoRA layers to save")
+    ranks = {layer.lora_a.shape[1] for _, layer in layers}
+    kinds = {type(layer) for _, layer in layers}
+    if len(ranks) != 1 or len(kinds) != 1:
+        raise CheckpointError("all adapter layers must share one rank and one kind (LoRA or DoRA)")
+    rank = ranks.pop()
+    use_dora = kinds.pop() is DoRALinear
+
+    tensors: dict[str, mx.array] = {}
+    adapted: dict[str, str] = {}
+    for name, layer in layers:
+        if not math.isclose(float(layer.scale), alpha / rank, rel_tol=1e-6):
+            raise CheckpointError(
+                f"layer {name!r} has scale {layer.scale}, not lora_alpha / r = {alpha / rank}"
+            )
+        try:
+            hf = model.hf_module_name(name)
+        except NotImplementedError as exc:
+            raise CheckpointError(str(exc)) from None
+        adapted[name] = hf
+        prefix = f"{PEFT_PREFIX}{hf}"
+        tensors[f"{prefix}.lora_A.weight"] = layer.lora_a.T
+        tensors[f"{prefix}.lora_B.weight"] = layer.lora_b.T
+        if use_dora:
+            tensors[f"{prefix}.lora_magnitude_vector"] = layer.m
+    tensors = {k: mx.contiguous(v.astype(mx.float32)) for k, v in tensors.items()}
+    mx.eval(tensors)
+
+    config = {
+        "peft_type": "LORA",
+        "task_type": None,
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": _target_modules(model, adapted),
+        "use_dora": use_dora,
+        "use_rslora": False,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    adapter_path = Path(adapter_path)
+    adapter_path.mkdir(parents=True, exist_ok=True)
+    _atomic_write(
+        adapter_path / WEIGHTS_FILE,
+        lambda p: mx.save_safetensors(str(p), tensors, metadata={"format": "pt"}),
+    )
+    _atomic_write(adapter_path / CONFIG_FILE, lambda p: p.write_text(json.dumps(config, indent=2)))
+    return adapter_path

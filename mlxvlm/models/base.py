@@ -8,6 +8,7 @@ knows nothing about any one family.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -48,6 +49,12 @@ class VisionLanguageModel(nn.Module):
 
     Both have defaults: no state stays None, and a state object may provide
     ``batch(states)`` (static) and ``prefix(length)`` itself, as ``MRopeState`` does.
+
+    For adapters saved in PEFT's format (``mlxvlm.adapters``):
+
+    ``hf_module_name(name)``
+        The transformers module path of our module ``name``: ``sanitize`` for module
+        names, inverted. The default reads the family module's ``HF_PREFIXES`` table.
     """
 
     # Names of processor outputs (besides input_ids) that ``embed`` consumes.
@@ -76,6 +83,32 @@ class VisionLanguageModel(nn.Module):
     def placeholder_token_ids(self) -> set[int]:
         """Token ids that stand for image/video/audio features in the prompt."""
         return set()
+
+    def hf_module_name(self, name: str) -> str:
+        """Default: invert the ``HF_PREFIXES`` table, ``((hf_prefix, our_prefix), ...)``,
+        of the module that defines this class (or a base class). Several Hugging Face
+        prefixes may map onto one of ours (old checkpoint names and the module tree); the
+        most specific of ours wins, then table order, where families list the module tree
+        first. The answer must map back onto ``name`` through ``sanitize``."""
+        table = next(
+            (
+                getattr(sys.modules[cls.__module__], "HF_PREFIXES")
+                for cls in type(self).__mro__
+                if hasattr(sys.modules.get(cls.__module__), "HF_PREFIXES")
+            ),
+            (),
+        )
+        matches = [(hf, ours) for hf, ours in table if name.startswith(ours)]
+        matches.sort(key=lambda pair: -len(pair[1]))  # stable: table order among equals
+        for hf_prefix, ours in matches:
+            candidate = hf_prefix + name[len(ours) :]
+            probe = {f"{candidate}.weight": mx.zeros((1, 1))}
+            if list(self.sanitize(probe)) == [f"{name}.weight"]:
+                return candidate
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot name its module {name!r} as transformers does "
+            "(the family needs an HF_PREFIXES entry for it or its own hf_module_name)"
+        )
 
     def make_cache(self) -> list[Any]:
         return [KVCache() for _ in self.layers]
