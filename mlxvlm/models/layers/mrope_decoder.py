@@ -386,6 +386,7 @@ class MultimodalRotaryEmbedding:
             )
         exponents = mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim
         self.inv_freq = 1.0 / (theta**exponents)
+        mx.eval(self.inv_freq)  # a constant: not left lazy on the loading thread's stream
         self.axis_of_frequency = mx.array(frequency_axes(mrope_section, interleaved))
 
     def __call__(self, position_ids: mx.array) -> tuple[mx.array, mx.array]:

@@ -70,6 +70,8 @@ class PixtralRotaryEmbedding:
     def __init__(self, head_dim: int, theta: float):
         freqs = 1.0 / (theta ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim))
         self.row_freqs, self.col_freqs = freqs[0::2], freqs[1::2]
+        # Constants: not left lazy on the loading thread's stream.
+        mx.eval(self.row_freqs, self.col_freqs)
 
     def __call__(self, rows: mx.array, cols: mx.array) -> tuple[mx.array, mx.array]:
         rows, cols = rows.astype(mx.float32)[:, None], cols.astype(mx.float32)[:, None]

@@ -114,6 +114,7 @@ class VisionRotaryEmbedding:
         axis_dim = head_dim // 2
         exponents = mx.arange(0, axis_dim, 2, dtype=mx.float32) / axis_dim
         self.inv_freq = 1.0 / (theta**exponents)
+        mx.eval(self.inv_freq)  # a constant: not left lazy on the loading thread's stream
 
     def __call__(self, rows_cols: mx.array) -> tuple[mx.array, mx.array]:
         """(N, 2) row/column ids -> cos, sin of shape (N, head_dim)."""
