@@ -19,11 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import mlx.core as mx
-from PIL import Image
 
 from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.generate import generate
 from mlxvlm.prefix_cache import PrefixCache
 from mlxvlm.prompt import prepare_inputs
 from mlxvlm.ui.conversation import NOTICE_TITLE, build_conversation
@@ -120,24 +118,10 @@ class ChatSession:
         self._turn = threading.Lock()
 
     def start(self) -> "ChatSession":
-        """Warm the model up on this thread (the one that loaded it), then start the
-        engine's thread."""
-        self._warm_up()
+        """Start the engine's thread (the model may have been loaded on another one:
+        tests/test_threads.py keeps every family free of thread-bound lazy constants)."""
         self.engine.start()
         return self
-
-    def _warm_up(self) -> None:
-        # MLX ties a lazy array to a stream of the thread that made it, and some families
-        # compute constants lazily at load time (e.g. rotary frequency tables outside the
-        # parameters): evaluated first on the engine's thread, they fail with "There is
-        # no Stream(cpu, 0) in current thread". A one-token answer to a small picture
-        # evaluates them here, and makes the first real answer as fast as the rest.
-        content: list[dict] = [{"type": "text", "text": "Hi"}]
-        image = next((kind for kind in self.kinds if kind.name == "image"), None)
-        if image is not None:
-            content.insert(0, image.part(Image.new("RGB", (64, 64), (127, 127, 127))))
-        messages = [{"role": "user", "content": content}]
-        generate(self.model, self.processor, messages, max_tokens=1)
 
     def close(self) -> None:
         self.engine.close()
