@@ -42,7 +42,7 @@ from mlxvlm.generate import (
     prefill_chunks,
 )
 from mlxvlm.media import load_image
-from mlxvlm.prefix_cache import PrefixCache, image_hash, prompt_key
+from mlxvlm.prefix_cache import PrefixCache, prompt_key
 from mlxvlm.prompt import PreparedInputs, build_messages, normalize_messages, prepare_inputs
 from mlxvlm.tokenization import generation_tokenizer
 
