@@ -323,7 +323,7 @@ class BatchEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
-        error = MlxvlmError("the server is shutting down")
+        error = MlxvlmError("the engine is shutting down")
         for seq in self._drain():
             self._deliver(seq, error)
 
