@@ -12,29 +12,39 @@ or the local rope θ changes the logits.
 
 from __future__ import annotations
 
-import json
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from parity import (
+    CAUGHT,
     LOGITS_ATOL,
-    MIN_REFERENCE_MARGIN,
     NEW_TOKENS,
+    assert_another_image_changes_the_output,
+    assert_batched_tokens_match,
+    assert_decode_steps_match,
+    assert_patch_weight_is_channels_last,
+    assert_rotating_cache_keeps_the_prompt,
+    assert_wrong_model_is_caught,
+    embedded,
+    first_pass,
+    load_transformers_model,
     loaded,  # noqa: F401 (fixture)
-    our_decode_logits,
+    model_args_in_both_layouts,
     our_logits,
     our_tokens,
     parameter_list,
+    read_config,
     reference,  # noqa: F401 (fixture)
-    reference_forward,
+    save_as_mlx_checkpoint,
+    standard_cases,
+    standard_parity_tests,
+    transformers_logits,
 )
 from tiny import make_image
 from tiny.gemma3 import LAYOUTS, SLIDING_WINDOW, hub_weights
-from mlxvlm import batch_generate, load
+from mlxvlm import load
 from mlxvlm.models import gemma3
-from mlxvlm.prompt import prepare_inputs
 
 torch = pytest.importorskip("torch")
 
@@ -43,31 +53,12 @@ IMAGE_A = make_image(112, 84, seed=1)
 IMAGE_B = make_image(84, 56, seed=2)
 IMAGE_A2 = make_image(112, 84, seed=3)  # A's size, other content
 
-CASES = {
-    "text": ([{"role": "user", "content": "Tell me a story about a red cat on a blue mat."}], []),
-    "one_image": (
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}],
-        [IMAGE_A],
-    ),
-    "two_images": (
-        [{"role": "user", "content": [
-            {"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
-            {"type": "text", "text": "Compare the two images."},
-        ]}],
-        [IMAGE_A, IMAGE_B],
-    ),
-    "image_in_second_turn": (
-        [
-            {"role": "user", "content": "Hello! Who are you?"},
-            {"role": "assistant", "content": "I am a helpful assistant."},
-            {"role": "user", "content": [
-                {"type": "image"}, {"type": "text", "text": "What is in this picture?"},
-            ]},
-        ],
-        [IMAGE_B],
-    ),
-}
-ALL_CASES = {**CASES, "one_other_image": (CASES["one_image"][0], [IMAGE_A2])}
+# Every prompt must be longer than the 16-token sliding window.
+CASES, ALL_CASES = standard_cases(
+    IMAGE_A, IMAGE_B, IMAGE_A2,
+    text="Tell me a story about a red cat on a blue mat.",
+    two_images=(None, "and", None, "Compare the two images."),
+)
 
 
 def logits_of(model, processor, case):
@@ -81,37 +72,23 @@ def tokens_of(model, processor, case, **options):
 # ----------------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_first_pass_logits_match_transformers(layout, case, loaded, reference):
-    model, processor = loaded(FAMILY, layout)
-    ref = reference(FAMILY, case)
-    ids, logits = logits_of(model, processor, case)
-    assert ids == ref.input_ids, "the processor built by mlxvlm tokenized the prompt differently"
-    assert len(ids) > SLIDING_WINDOW
-    np.testing.assert_allclose(logits, ref.logits, rtol=0, atol=LOGITS_ATOL)
+test_first_pass_logits_match_transformers, test_greedy_tokens_match_transformers = (
+    standard_parity_tests([(FAMILY, layout) for layout in LAYOUTS], CASES)
+)
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_greedy_tokens_match_transformers(layout, case, loaded, reference):
-    model, processor = loaded(FAMILY, layout)
-    ref = reference(FAMILY, case)
-    assert len(ref.tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
-    assert ref.margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {ref.margin:.2e} is too thin"
-    assert tokens_of(model, processor, case) == ref.tokens
+def test_every_prompt_outgrows_the_sliding_window(case, reference):
+    """(Our prompt ids are the reference's: see the first-pass test.)"""
+    assert len(reference(FAMILY, case).input_ids) > SLIDING_WINDOW
 
 
 def test_decode_steps_match_transformers(tiny_checkpoints, loaded, reference):
     """Teacher-forced on the reference's answer, every decode step (through the rotating
     sliding-window caches, well past the window) gives transformers' logits."""
     model, processor = loaded(FAMILY, "hub")
-    messages, images = CASES["image_in_second_turn"]
-    ref = reference(FAMILY, "image_in_second_turn")
-    expected = reference_forward(tiny_checkpoints.model(FAMILY).model, processor, messages,
-                                 images, ref.tokens)
-    steps = our_decode_logits(model, processor, messages, images, ref.tokens)
-    np.testing.assert_allclose(steps, expected[len(ref.input_ids) - 1 :], rtol=0, atol=LOGITS_ATOL)
+    assert_decode_steps_match(tiny_checkpoints.model(FAMILY).model, model, processor,
+                              CASES["image_in_second_turn"], reference(FAMILY, "image_in_second_turn"))
 
 
 def test_chunked_prefill_keeps_images_whole(loaded, reference):
@@ -128,9 +105,7 @@ def test_chunked_prefill_keeps_images_whole(loaded, reference):
 
 def test_a_chunk_that_splits_an_image_is_refused(loaded):
     model, processor = loaded(FAMILY, "hub")
-    inputs = prepare_inputs(processor, *CASES["one_image"], feature_names=model.feature_names)
-    ids = inputs.input_ids
-    embeddings, state = model.embed(ids, **inputs.features)
+    ids, embeddings, state = embedded(model, processor, *CASES["one_image"])
     (start, end), = state.spans
     assert end - start == 16
     with pytest.raises(ValueError, match="splits an image"):
@@ -152,21 +127,15 @@ def test_batched_generation_gives_each_prompt_its_tokens(loaded, reference):
     """The batching engine decodes prompts of different lengths together through batched
     sliding-window caches; each still gets transformers' greedy tokens."""
     model, processor = loaded(FAMILY, "hub")
-    outputs = batch_generate(model, processor, [CASES[c][0] for c in CASES],
-                             [CASES[c][1] or None for c in CASES], max_tokens=NEW_TOKENS,
-                             temperature=0.0)
-    assert [o.tokens for o in outputs] == [reference(FAMILY, c).tokens for c in CASES]
+    assert_batched_tokens_match(model, processor, CASES, [reference(FAMILY, c) for c in CASES])
 
 
 def test_rotating_cache_keeps_the_images(loaded, reference):
     """With --max-kv-size the global layers' caches rotate but keep the prompt's image
     tokens; until anything is evicted the tokens are the reference's."""
     model, processor = loaded(FAMILY, "transformers")
-    ref = reference(FAMILY, "one_image")
-    max_kv_size = len(ref.input_ids) + NEW_TOKENS // 2
-    tokens = tokens_of(model, processor, "one_image", max_kv_size=max_kv_size)
-    assert len(tokens) == NEW_TOKENS
-    assert tokens[: NEW_TOKENS // 2] == ref.tokens[: NEW_TOKENS // 2]
+    assert_rotating_cache_keeps_the_prompt(model, processor, CASES["one_image"],
+                                           reference(FAMILY, "one_image"))
 
 
 def test_quantized_cache_runs_to_the_end(loaded, reference):
@@ -183,24 +152,21 @@ def test_quantized_cache_runs_to_the_end(loaded, reference):
 
 def test_another_image_changes_the_output(loaded, reference):
     model, processor = loaded(FAMILY, "transformers")
-    other = tokens_of(model, processor, "one_other_image")
-    assert other != reference(FAMILY, "one_image").tokens
-    assert other == reference(FAMILY, "one_other_image").tokens
+    assert_another_image_changes_the_output(model, processor, ALL_CASES, FAMILY, reference)
 
 
 def test_bidirectional_image_attention_matters(loaded, reference):
     """Run the prompt causally (no image blocks in the state): far off the reference."""
     model, processor = loaded(FAMILY, "transformers")
-    inputs = prepare_inputs(processor, *CASES["one_image"], feature_names=model.feature_names)
-    embeddings, _ = model.embed(inputs.input_ids, **inputs.features)
-    logits = np.array(model(inputs.input_ids, model.make_cache(), embeddings=embeddings)[0])
-    assert np.abs(logits - reference(FAMILY, "one_image").logits).max() > 100 * LOGITS_ATOL
+    input_ids, embeddings, _ = embedded(model, processor, *CASES["one_image"])
+    logits = first_pass(model, input_ids, embeddings, None)
+    assert np.abs(logits - reference(FAMILY, "one_image").logits).max() > CAUGHT
 
 
 @pytest.mark.parametrize("change", ["no_sliding_window", "default_local_theta", "no_rope_scaling"])
 def test_config_errors_would_be_caught(change, tiny_checkpoints, loaded, reference):
     """A loader that ignored the window or read the wrong rope key would fail parity."""
-    config = json.loads((tiny_checkpoints.path(FAMILY, "hub") / "config.json").read_text())
+    config = read_config(tiny_checkpoints, FAMILY, "hub")
     text = config["text_config"]
     if change == "no_sliding_window":
         text["sliding_window"] = 4096
@@ -209,10 +175,8 @@ def test_config_errors_would_be_caught(change, tiny_checkpoints, loaded, referen
     else:
         del text["rope_scaling"]
     model, processor = loaded(FAMILY, "hub")
-    wrong = gemma3.Model.from_config(config)
-    wrong.load_weights(parameter_list(model))
-    _, logits = logits_of(wrong, processor, "image_in_second_turn")
-    assert np.abs(logits - reference(FAMILY, "image_in_second_turn").logits).max() > 100 * LOGITS_ATOL
+    assert_wrong_model_is_caught(gemma3.Model.from_config(config), model, processor,
+                                 CASES["image_in_second_turn"], reference(FAMILY, "image_in_second_turn"))
 
 
 # -------------------------------------------------------------- checkpoints and names
@@ -220,26 +184,17 @@ def test_config_errors_would_be_caught(change, tiny_checkpoints, loaded, referen
 
 def test_hub_layout_reads_the_same_in_transformers(tiny_checkpoints, reference):
     """The Hub-layout fixture is faithful: transformers reads it into the same model."""
-    from transformers import AutoModelForImageTextToText
-
-    messages, images = CASES["one_image"]
     ref = reference(FAMILY, "one_image")
     for layout in LAYOUTS:
         path = tiny_checkpoints.path(FAMILY, layout)
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-        processor = gemma3.load_processor(path, {})
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = processor(text=[text], images=images, return_tensors="pt")
-        with torch.no_grad():
-            logits = model(**inputs).logits[0].numpy()
+        logits = transformers_logits(load_transformers_model(path),
+                                     gemma3.load_processor(path, {}), *CASES["one_image"])
         np.testing.assert_array_equal(logits, ref.logits)
 
 
 def test_both_config_layouts_build_the_same_model(tiny_checkpoints):
-    def read(layout):
-        return json.loads((tiny_checkpoints.path(FAMILY, layout) / "config.json").read_text())
-
-    assert gemma3.ModelArgs.from_hf(read("hub")) == gemma3.ModelArgs.from_hf(read("transformers"))
+    hub, new = model_args_in_both_layouts(tiny_checkpoints, FAMILY)
+    assert hub == new
 
 
 def test_sanitized_names_are_mlx_community_names(tiny_checkpoints, loaded):
@@ -271,9 +226,8 @@ def test_sanitized_names_are_mlx_community_names(tiny_checkpoints, loaded):
         "language_model.lm_head.weight",
     ):
         assert name in expected, name
-    v = model.args.vision
-    assert sanitized["vision_tower.vision_model.embeddings.patch_embedding.weight"].shape == (
-        v.hidden_size, v.patch_size, v.patch_size, v.num_channels
+    assert_patch_weight_is_channels_last(
+        sanitized, "vision_tower.vision_model.embeddings.patch_embedding.weight", model.args.vision
     )
 
 
@@ -281,12 +235,6 @@ def test_an_mlx_layout_checkpoint_loads_unchanged(tmp_path, tiny_checkpoints, lo
     """A checkpoint saved in our names (as mlx-community's, head included) is not sanitized
     again and gives the same logits."""
     model, _ = loaded(FAMILY, "hub")
-    source = tiny_checkpoints.path(FAMILY, "hub")
-    for item in source.iterdir():
-        if item.suffix != ".safetensors":
-            (tmp_path / item.name).write_bytes(item.read_bytes())
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(parameter_list(model)),
-                        metadata={"format": "mlx"})
-    mlx_model, processor = load(tmp_path)
+    mlx_model, processor = load(save_as_mlx_checkpoint(model, tiny_checkpoints.path(FAMILY, "hub"), tmp_path))
     _, logits = logits_of(mlx_model, processor, "two_images")
     np.testing.assert_allclose(logits, reference(FAMILY, "two_images").logits, rtol=0, atol=LOGITS_ATOL)

@@ -11,27 +11,34 @@ transformers' encoder directly. Guards check that the tests can fail.
 
 from __future__ import annotations
 
-import json
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from parity import (
     LOGITS_ATOL,
-    MIN_REFERENCE_MARGIN,
-    NEW_TOKENS,
+    assert_another_image_changes_the_output,
+    assert_batched_tokens_match,
+    assert_decode_steps_match,
+    assert_patch_weight_is_channels_last,
+    assert_rotating_cache_keeps_the_prompt,
+    assert_wrong_model_is_caught,
+    load_transformers_model,
     loaded,  # noqa: F401 (fixture)
-    our_decode_logits,
+    model_args_in_both_layouts,
     our_logits,
     our_tokens,
     parameter_list,
+    read_config,
     reference,  # noqa: F401 (fixture)
-    reference_forward,
+    save_as_mlx_checkpoint,
+    standard_cases,
+    standard_parity_tests,
+    transformers_logits,
 )
 from tiny import make_image
 from tiny.idefics3 import FAMILIES, LAYOUTS, IMAGE_SEQ_LEN
-from mlxvlm import batch_generate, load
+from mlxvlm import load
 from mlxvlm.models import get_family, idefics3
 from mlxvlm.models.layers import siglip
 
@@ -41,30 +48,7 @@ IMAGE_A = make_image(112, 84, seed=1)  # 64 x 64 after resizing: 2 x 2 tiles + g
 IMAGE_WIDE = make_image(112, 40, seed=2)  # 64 x 32: 1 x 2 tiles + global
 IMAGE_A2 = make_image(112, 84, seed=3)  # A's size, other content
 
-CASES = {
-    "text": ([{"role": "user", "content": "Tell me a story about a red cat."}], []),
-    "one_image": (
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}],
-        [IMAGE_A],
-    ),
-    "two_images": (
-        [{"role": "user", "content": [
-            {"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare the two images."},
-        ]}],
-        [IMAGE_A, IMAGE_WIDE],
-    ),
-    "image_in_second_turn": (
-        [
-            {"role": "user", "content": "Hello! Who are you?"},
-            {"role": "assistant", "content": "I am a helpful assistant."},
-            {"role": "user", "content": [
-                {"type": "image"}, {"type": "text", "text": "What is in this picture?"},
-            ]},
-        ],
-        [IMAGE_WIDE],
-    ),
-}
-ALL_CASES = {**CASES, "one_other_image": (CASES["one_image"][0], [IMAGE_A2])}
+CASES, ALL_CASES = standard_cases(IMAGE_A, IMAGE_WIDE, IMAGE_A2)
 FAMILY_LAYOUTS = [(f, layout) for f in FAMILIES for layout in LAYOUTS]
 
 
@@ -79,24 +63,9 @@ def tokens_of(model, processor, case, **options):
 # ----------------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
-def test_first_pass_logits_match_transformers(family, layout, case, loaded, reference):
-    model, processor = loaded(family, layout)
-    ref = reference(family, case)
-    ids, logits = logits_of(model, processor, case)
-    assert ids == ref.input_ids, "the processor built by mlxvlm tokenized the prompt differently"
-    np.testing.assert_allclose(logits, ref.logits, rtol=0, atol=LOGITS_ATOL)
-
-
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
-def test_greedy_tokens_match_transformers(family, layout, case, loaded, reference):
-    model, processor = loaded(family, layout)
-    ref = reference(family, case)
-    assert len(ref.tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
-    assert ref.margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {ref.margin:.2e} is too thin"
-    assert tokens_of(model, processor, case) == ref.tokens
+test_first_pass_logits_match_transformers, test_greedy_tokens_match_transformers = (
+    standard_parity_tests(FAMILY_LAYOUTS, CASES)
+)
 
 
 def test_the_cases_cover_the_tile_layouts(loaded, reference):
@@ -113,12 +82,8 @@ def test_the_cases_cover_the_tile_layouts(loaded, reference):
 def test_decode_steps_match_transformers(family, tiny_checkpoints, loaded, reference):
     """Teacher-forced on the reference's answer, every decode step gives its logits."""
     model, processor = loaded(family, "hub")
-    messages, images = CASES["two_images"]
-    ref = reference(family, "two_images")
-    expected = reference_forward(tiny_checkpoints.model(family).model, processor, messages,
-                                 images, ref.tokens)
-    steps = our_decode_logits(model, processor, messages, images, ref.tokens)
-    np.testing.assert_allclose(steps, expected[len(ref.input_ids) - 1 :], rtol=0, atol=LOGITS_ATOL)
+    assert_decode_steps_match(tiny_checkpoints.model(family).model, model, processor,
+                              CASES["two_images"], reference(family, "two_images"))
 
 
 def test_chunked_prefill_gives_the_same_tokens(loaded, reference):
@@ -130,19 +95,13 @@ def test_chunked_prefill_gives_the_same_tokens(loaded, reference):
 
 def test_batched_generation_gives_each_prompt_its_tokens(loaded, reference):
     model, processor = loaded("idefics3", "hub")
-    outputs = batch_generate(model, processor, [CASES[c][0] for c in CASES],
-                             [CASES[c][1] or None for c in CASES], max_tokens=NEW_TOKENS,
-                             temperature=0.0)
-    assert [o.tokens for o in outputs] == [reference("idefics3", c).tokens for c in CASES]
+    assert_batched_tokens_match(model, processor, CASES, [reference("idefics3", c) for c in CASES])
 
 
 def test_rotating_cache_keeps_the_images(loaded, reference):
     model, processor = loaded("smolvlm", "transformers")
-    ref = reference("smolvlm", "one_image")
-    max_kv_size = len(ref.input_ids) + NEW_TOKENS // 2
-    tokens = tokens_of(model, processor, "one_image", max_kv_size=max_kv_size)
-    assert len(tokens) == NEW_TOKENS
-    assert tokens[: NEW_TOKENS // 2] == ref.tokens[: NEW_TOKENS // 2]
+    assert_rotating_cache_keeps_the_prompt(model, processor, CASES["one_image"],
+                                           reference("smolvlm", "one_image"))
 
 
 def test_padded_images_match_transformers_encoder():
@@ -182,21 +141,17 @@ def test_padded_images_match_transformers_encoder():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_another_image_changes_the_output(family, loaded, reference):
     model, processor = loaded(family, "transformers")
-    other = tokens_of(model, processor, "one_other_image")
-    assert other != reference(family, "one_image").tokens
-    assert other == reference(family, "one_other_image").tokens
+    assert_another_image_changes_the_output(model, processor, ALL_CASES, family, reference)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_wrong_rope_theta_would_be_caught(family, tiny_checkpoints, loaded, reference):
     """The fixture's θ is not Llama's default, so reading the wrong key fails parity."""
-    config = json.loads((tiny_checkpoints.path(family, "hub") / "config.json").read_text())
+    config = read_config(tiny_checkpoints, family, "hub")
     del config["text_config"]["rope_theta"]
     model, processor = loaded(family, "hub")
-    wrong = idefics3.Model.from_config(config)
-    wrong.load_weights(parameter_list(model))
-    _, logits = logits_of(wrong, processor, "image_in_second_turn")
-    assert np.abs(logits - reference(family, "image_in_second_turn").logits).max() > 100 * LOGITS_ATOL
+    assert_wrong_model_is_caught(idefics3.Model.from_config(config), model, processor,
+                                 CASES["image_in_second_turn"], reference(family, "image_in_second_turn"))
 
 
 # -------------------------------------------------------------- checkpoints and names
@@ -205,18 +160,11 @@ def test_wrong_rope_theta_would_be_caught(family, tiny_checkpoints, loaded, refe
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hub_layout_reads_the_same_in_transformers(family, tiny_checkpoints, reference):
     """The Hub-layout fixture is faithful: transformers reads it into the same model."""
-    from transformers import AutoModelForImageTextToText
-
-    messages, images = CASES["two_images"]
     ref = reference(family, "two_images")
     for layout in LAYOUTS:
         path = tiny_checkpoints.path(family, layout)
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
         processor = get_family(family).load_processor(path, {"model_type": family})
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = processor(text=[text], images=images, return_tensors="pt")
-        with torch.no_grad():
-            logits = model(**inputs).logits[0].numpy()
+        logits = transformers_logits(load_transformers_model(path), processor, *CASES["two_images"])
         np.testing.assert_array_equal(logits, ref.logits)
 
 
@@ -247,10 +195,8 @@ def test_smolvlm_processor_builds_smolvlms_prompts(monkeypatch, tiny_checkpoints
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_both_config_layouts_build_the_same_model(family, tiny_checkpoints):
-    def read(layout):
-        return json.loads((tiny_checkpoints.path(family, layout) / "config.json").read_text())
-
-    assert idefics3.ModelArgs.from_hf(read("hub")) == idefics3.ModelArgs.from_hf(read("transformers"))
+    hub, new = model_args_in_both_layouts(tiny_checkpoints, family)
+    assert hub == new
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -275,21 +221,14 @@ def test_sanitized_names_are_mlx_community_names(family, tiny_checkpoints, loade
         "language_model.lm_head.weight",
     ):
         assert name in expected, name
-    v = model.args.vision
-    assert sanitized["vision_model.embeddings.patch_embedding.weight"].shape == (
-        v.hidden_size, v.patch_size, v.patch_size, v.num_channels
+    assert_patch_weight_is_channels_last(
+        sanitized, "vision_model.embeddings.patch_embedding.weight", model.args.vision
     )
 
 
 def test_an_mlx_layout_checkpoint_loads_unchanged(tmp_path, tiny_checkpoints, loaded, reference):
     model, _ = loaded("idefics3", "hub")
-    source = tiny_checkpoints.path("idefics3", "hub")
-    for item in source.iterdir():
-        if item.suffix != ".safetensors":
-            (tmp_path / item.name).write_bytes(item.read_bytes())
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(parameter_list(model)),
-                        metadata={"format": "mlx"})
-    mlx_model, processor = load(tmp_path)
+    mlx_model, processor = load(save_as_mlx_checkpoint(model, tiny_checkpoints.path("idefics3", "hub"), tmp_path))
     _, logits = logits_of(mlx_model, processor, "two_images")
     np.testing.assert_allclose(logits, reference("idefics3", "two_images").logits, rtol=0,
                                atol=LOGITS_ATOL)

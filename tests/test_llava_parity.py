@@ -15,7 +15,6 @@ not decided by razor-thin logit margins.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 
@@ -26,15 +25,19 @@ import pytest
 from mlx.utils import tree_flatten
 
 from parity import (  # noqa: F401  (loaded is a fixture)
-    LOGITS_ATOL,
-    MIN_REFERENCE_MARGIN,
-    NEW_TOKENS,
-    Reference,
+    assert_another_image_changes_the_output,
+    assert_patch_weight_is_channels_last,
+    assert_wrong_model_is_caught,
+    load_transformers_model,
     loaded,
     parameter_list,
     our_logits,
     our_tokens,
-    reference_run,
+    read_config,
+    reference_fixture,
+    standard_cases,
+    standard_parity_tests,
+    transformers_logits,
 )
 from tiny import make_image
 from tiny.llava import FAMILIES, LAYOUTS, build_processor, hub_name
@@ -50,52 +53,17 @@ IMAGE_A = make_image(168, 126, seed=1)
 IMAGE_B = make_image(40, 120, seed=2)  # tall: both tile it 3 x 1
 IMAGE_A2 = make_image(168, 126, seed=3)  # A's size, other content
 
-CASES = {
-    "text": ([{"role": "user", "content": "Tell me a story about a red cat."}], []),
-    "one_image": (
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}],
-        [IMAGE_A],
-    ),
-    "two_images": (
-        [{"role": "user", "content": [
-            {"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare the two images."},
-        ]}],
-        [IMAGE_A, IMAGE_B],
-    ),
-    "image_in_second_turn": (
-        [
-            {"role": "user", "content": "Hello! Who are you?"},
-            {"role": "assistant", "content": "I am a helpful assistant."},
-            {"role": "user", "content": [
-                {"type": "image"}, {"type": "text", "text": "What is in this picture?"},
-            ]},
-        ],
-        [IMAGE_B],
-    ),
-}
-# Not a parity case of its own: the guard that the image matters.
-ALL_CASES = {**CASES, "one_other_image": (CASES["one_image"][0], [IMAGE_A2])}
+CASES, ALL_CASES = standard_cases(IMAGE_A, IMAGE_B, IMAGE_A2)
 FAMILY_LAYOUTS = [(f, layout) for f in FAMILIES for layout in LAYOUTS]
 
 
 # --------------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_checkpoints):
-    """(family, case) -> transformers' side of the case, with inputs from a processor
-    built from the fixture's in-memory parts (not mlxvlm's) and images nested per prompt,
-    as transformers' chat-template path passes them."""
-
-    @functools.cache
-    def run(family: str, case: str) -> Reference:
-        messages, images = ALL_CASES[case]
-        tiny = tiny_checkpoints.model(family)
-        return reference_run(
-            tiny.model, build_processor(tiny), messages, [list(images)] if images else []
-        )
-
-    return run
+# (family, case) -> transformers' side of the case, with inputs from a processor built
+# from the fixture's in-memory parts (not mlxvlm's) and images nested per prompt, as
+# transformers' chat-template path passes them.
+reference = reference_fixture(build_processor, nest_images=True)
 
 
 def ours(run, model, processor, case: str, **options):
@@ -103,31 +71,12 @@ def ours(run, model, processor, case: str, **options):
     return run(model, processor, messages, images, **options)
 
 
-def read_config(tiny_checkpoints, family: str, layout: str) -> dict:
-    return json.loads((tiny_checkpoints.path(family, layout) / "config.json").read_text())
-
-
 # ----------------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
-def test_first_pass_logits_match_transformers(family, layout, case, loaded, reference):
-    model, processor = loaded(family, layout)
-    ref = reference(family, case)
-    ids, logits = ours(our_logits, model, processor, case)
-    assert ids == ref.input_ids, "the processor built by mlxvlm tokenized the prompt differently"
-    np.testing.assert_allclose(logits, ref.logits, rtol=0, atol=LOGITS_ATOL)
-
-
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
-def test_greedy_tokens_match_transformers(family, layout, case, loaded, reference):
-    model, processor = loaded(family, layout)
-    ref = reference(family, case)
-    assert len(ref.tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
-    assert ref.margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {ref.margin:.2e} is too thin"
-    assert ours(our_tokens, model, processor, case) == ref.tokens
+test_first_pass_logits_match_transformers, test_greedy_tokens_match_transformers = (
+    standard_parity_tests(FAMILY_LAYOUTS, CASES)
+)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -146,9 +95,7 @@ def test_chunked_prefill_gives_the_same_tokens(family, loaded, reference):
 def test_another_image_changes_the_output(family, loaded, reference):
     """(The one-image case itself is matched token for token above.)"""
     model, processor = loaded(family, "transformers")
-    other_tokens = ours(our_tokens, model, processor, "one_other_image")
-    assert other_tokens != reference(family, "one_image").tokens
-    assert other_tokens == reference(family, "one_other_image").tokens
+    assert_another_image_changes_the_output(model, processor, ALL_CASES, family, reference)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -157,10 +104,8 @@ def test_wrong_rope_theta_would_be_caught(family, tiny_checkpoints, loaded, refe
     config = read_config(tiny_checkpoints, family, "hub")
     del config["text_config"]["rope_theta"]
     model, processor = loaded(family, "hub")
-    wrong = get_family(family).Model.from_config(config)
-    wrong.load_weights(parameter_list(model))
-    _, logits = ours(our_logits, wrong, processor, "image_in_second_turn")
-    assert np.abs(logits - reference(family, "image_in_second_turn").logits).max() > 100 * LOGITS_ATOL
+    assert_wrong_model_is_caught(get_family(family).Model.from_config(config), model, processor,
+                                 CASES["image_in_second_turn"], reference(family, "image_in_second_turn"))
 
 
 @pytest.mark.parametrize("family,grid_a,kept_a,shrunk_a", [
@@ -202,18 +147,12 @@ def test_bilinear_resize_matches_torch():
 def test_hub_layout_reads_the_same_in_transformers(family, tiny_checkpoints, reference):
     """The hub fixture is faithful: transformers reads it into the same model. (The other
     layout's config and tensors are save_pretrained's own.)"""
-    from transformers import AutoModelForImageTextToText
-
     ref_logits = reference(family, "one_image").logits
     processor = build_processor(tiny_checkpoints.model(family))
     messages, images = CASES["one_image"]
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    inputs = processor(text=[text], images=[images], return_tensors="pt")
-    path = tiny_checkpoints.path(family, "hub")
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    model = load_transformers_model(tiny_checkpoints.path(family, "hub"))
     assert model.config.text_config.rope_parameters["rope_theta"] != 10000.0
-    with torch.no_grad():
-        np.testing.assert_array_equal(model(**inputs).logits[0].numpy(), ref_logits)
+    np.testing.assert_array_equal(transformers_logits(model, processor, messages, [images]), ref_logits)
 
 
 @pytest.mark.parametrize("family,vision_act", [
@@ -267,9 +206,8 @@ def test_sanitized_names_are_mlx_community_names(family, tiny_checkpoints, loade
                   "vision_tower.vision_model.pre_layrnorm.weight", "language_model.lm_head.weight"}
         names |= {"image_newline"} if family == "llava_next" else set()
     assert names <= expected, names - expected
-    v = model.args.vision
-    assert sanitized["vision_tower.vision_model.embeddings.patch_embedding.weight"].shape == (
-        v.hidden_size, v.patch_size, v.patch_size, v.num_channels
+    assert_patch_weight_is_channels_last(
+        sanitized, "vision_tower.vision_model.embeddings.patch_embedding.weight", model.args.vision
     )
 
 

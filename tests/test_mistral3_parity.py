@@ -12,7 +12,6 @@ not razor-thin.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 
@@ -21,13 +20,20 @@ import pytest
 
 from parity import (
     LOGITS_ATOL,
-    MIN_REFERENCE_MARGIN,
-    NEW_TOKENS,
+    assert_another_image_changes_the_output,
+    assert_patch_weight_is_channels_last,
+    assert_wrong_model_is_caught,
+    load_transformers_model,
     loaded,  # noqa: F401 (fixture)
+    model_args_in_both_layouts,
     our_logits,
     our_tokens,
     parameter_list,
-    reference_run,
+    processor_inputs,
+    read_config,
+    reference_fixture,
+    standard_cases,
+    standard_parity_tests,
 )
 from tiny import make_image
 from tiny.pixtral import FAMILIES, LAYOUTS, llava_config, transformers_processor
@@ -41,51 +47,16 @@ IMAGE_A = make_image(112, 84, seed=1)
 IMAGE_B = make_image(84, 56, seed=2)
 IMAGE_A2 = make_image(112, 84, seed=3)
 
-CASES = {
-    "text": ([{"role": "user", "content": "Tell me a story about a red cat."}], []),
-    "one_image": (
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}],
-        [IMAGE_A],
-    ),
-    "two_images": (
-        [{"role": "user", "content": [
-            {"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare the two images."},
-        ]}],
-        [IMAGE_A, IMAGE_B],
-    ),
-    "image_in_second_turn": (
-        [
-            {"role": "user", "content": "Hello! Who are you?"},
-            {"role": "assistant", "content": "I am a helpful assistant."},
-            {"role": "user", "content": [
-                {"type": "image"}, {"type": "text", "text": "What is in this picture?"},
-            ]},
-        ],
-        [IMAGE_B],
-    ),
-}
-ALL_CASES = {**CASES, "one_other_image": (CASES["one_image"][0], [IMAGE_A2])}
+CASES, ALL_CASES = standard_cases(IMAGE_A, IMAGE_B, IMAGE_A2)
 FAMILY_LAYOUTS = [(f, layout) for f in FAMILIES for layout in LAYOUTS]
 
-
-@pytest.fixture(scope="module")
-def reference(tiny_checkpoints):
-    """(family, case) -> parity.Reference, with transformers' own PixtralProcessor."""
-
-    @functools.cache
-    def run(family: str, case: str):
-        tiny = tiny_checkpoints.model(family)
-        return reference_run(tiny.model, transformers_processor(tiny), *ALL_CASES[case])
-
-    return run
+# (family, case) -> parity.Reference, with transformers' own PixtralProcessor.
+reference = reference_fixture(transformers_processor)
 
 
 def reference_inputs(tiny, case: str) -> dict:
     """transformers' PixtralProcessor's outputs for a case (numpy)."""
-    messages, images = ALL_CASES[case]
-    processor = transformers_processor(tiny)
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    return dict(processor(text=[text], images=list(images) or None, return_tensors="np"))
+    return dict(processor_inputs(transformers_processor(tiny), *ALL_CASES[case], return_tensors="np"))
 
 
 def tokens(model, processor, case: str, **options) -> list[int]:
@@ -109,24 +80,9 @@ def test_processor_matches_transformers(family, case, tiny_checkpoints, loaded):
         np.testing.assert_array_equal(np.array(value), expected[name])
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
-def test_first_pass_logits_match_transformers(family, layout, case, loaded, reference):
-    model, processor = loaded(family, layout)
-    ref = reference(family, case)
-    ids, logits = our_logits(model, processor, *ALL_CASES[case])
-    assert ids == ref.input_ids
-    np.testing.assert_allclose(logits, ref.logits, rtol=0, atol=LOGITS_ATOL)
-
-
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
-def test_greedy_tokens_match_transformers(family, layout, case, loaded, reference):
-    model, processor = loaded(family, layout)
-    ref = reference(family, case)
-    assert len(ref.tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
-    assert ref.margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {ref.margin:.2e} is too thin"
-    assert tokens(model, processor, case) == ref.tokens
+test_first_pass_logits_match_transformers, test_greedy_tokens_match_transformers = (
+    standard_parity_tests(FAMILY_LAYOUTS, CASES)
+)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -157,22 +113,18 @@ def test_llava_config_builds_the_pixtral_model(tiny_checkpoints, reference):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_another_image_changes_the_output(family, loaded, reference):
     model, processor = loaded(family, "transformers")
-    other = tokens(model, processor, "one_other_image")
-    assert other != reference(family, "one_image").tokens
-    assert other == reference(family, "one_other_image").tokens
+    assert_another_image_changes_the_output(model, processor, ALL_CASES, family, reference)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("sub_config", ["text_config", "vision_config"])
 def test_wrong_rope_theta_would_be_caught(family, sub_config, tiny_checkpoints, loaded, reference):
     """Both θs differ from the defaults, so a loader reading the wrong key fails parity."""
-    config = json.loads((tiny_checkpoints.path(family, "hub") / "config.json").read_text())
+    config = read_config(tiny_checkpoints, family, "hub")
     del config[sub_config]["rope_theta"]
     model, processor = loaded(family, "hub")
-    wrong = get_family(family).Model.from_config(config)
-    wrong.load_weights(parameter_list(model))
-    _, logits = our_logits(wrong, processor, *ALL_CASES["one_image"])
-    assert np.abs(logits - reference(family, "one_image").logits).max() > 100 * LOGITS_ATOL
+    assert_wrong_model_is_caught(get_family(family).Model.from_config(config), model, processor,
+                                 CASES["one_image"], reference(family, "one_image"))
 
 
 # -------------------------------------------------------------- checkpoints and names
@@ -182,13 +134,11 @@ def test_wrong_rope_theta_would_be_caught(family, sub_config, tiny_checkpoints, 
 def test_hub_layout_reads_the_same_in_transformers(family, tiny_checkpoints, reference, tmp_path):
     """The Hub-layout fixture is faithful: transformers reads it into the same model
     (pixtral: with the Hub's own ``llava`` model_type)."""
-    from transformers import AutoModelForImageTextToText
-
     path = tmp_path / "hub"
     shutil.copytree(tiny_checkpoints.path(family, "hub"), path)
     if family == "pixtral":
         (path / "config.json").write_text(json.dumps(llava_config(path)))
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    model = load_transformers_model(path)
     inputs = reference_inputs(tiny_checkpoints.model(family), "two_images")
     with torch.no_grad():
         logits = model(**{k: torch.from_numpy(v) for k, v in inputs.items()}).logits[0].numpy()
@@ -197,11 +147,7 @@ def test_hub_layout_reads_the_same_in_transformers(family, tiny_checkpoints, ref
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_both_config_layouts_build_the_same_model(family, tiny_checkpoints):
-    read = lambda layout: json.loads(  # noqa: E731
-        (tiny_checkpoints.path(family, layout) / "config.json").read_text()
-    )
-    Model = get_family(family).Model
-    hub, new = Model.from_config(read("hub")).args, Model.from_config(read("transformers")).args
+    hub, new = model_args_in_both_layouts(tiny_checkpoints, family)
     assert hub == new
     assert (new.text.rope_theta, new.vision.rope_theta) == (5000.0, 500.0)
     assert not new.text.tie_word_embeddings and new.text.head_dim == 32
@@ -218,9 +164,8 @@ def test_sanitized_names_are_mlx_community_names(family, tiny_checkpoints, loade
         sanitized = model.sanitize(weights)
         assert set(sanitized) == expected
         assert not module.is_hf_checkpoint(sanitized.keys())
-    vision = model.args.vision
-    assert sanitized["vision_tower.vision_model.patch_conv.weight"].shape == (
-        vision.hidden_size, vision.patch_size, vision.patch_size, vision.num_channels
+    assert_patch_weight_is_channels_last(
+        sanitized, "vision_tower.vision_model.patch_conv.weight", model.args.vision
     )
     names = [
         "vision_tower.vision_model.ln_pre.weight",

@@ -13,7 +13,6 @@ causal attention after the prompt.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import mlx.core as mx
 import numpy as np
@@ -21,14 +20,25 @@ import pytest
 
 from parity import (
     LOGITS_ATOL,
-    MIN_REFERENCE_MARGIN,
     NEW_TOKENS,
+    assert_another_image_changes_the_output,
+    assert_patch_weight_is_channels_last,
+    assert_wrong_model_is_caught,
+    embedded,
+    first_pass,
+    load_transformers_model,
     loaded,  # noqa: F401 (fixture)
+    model_args_in_both_layouts,
     our_decode_logits,
-    our_logits,
     our_tokens,
     parameter_list,
+    processor_inputs,
+    read_config,
     reference,  # noqa: F401 (fixture)
+    standard_parity_tests,
+    transformers_logits,
+    user,
+    with_other_image,
 )
 from tiny import make_image
 from tiny.paligemma import LAYOUTS, SLIDING_WINDOW
@@ -40,48 +50,27 @@ IMAGE_A = make_image(112, 84, seed=1)
 IMAGE_B = make_image(84, 56, seed=2)
 IMAGE_A2 = make_image(112, 84, seed=3)
 
-
-def user(*parts):
-    return [{"role": "user", "content": [
-        {"type": "image"} if part is None else {"type": "text", "text": part} for part in parts
-    ]}]
-
-
 CASES = {
     "one_image": (user(None, "Describe this image."), [IMAGE_A]),
     "two_images": (user(None, None, "Compare the two images."), [IMAGE_A, IMAGE_B]),
     "caption": (user(None, "caption en"), [IMAGE_B]),
 }
-ALL_CASES = {**CASES, "one_other_image": (CASES["one_image"][0], [IMAGE_A2])}
+ALL_CASES = with_other_image(CASES, IMAGE_A2)
 FAMILY = "paligemma"
-
-
-def first_pass(model, processor, case):
-    return our_logits(model, processor, *ALL_CASES[case])
 
 
 # ----------------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_first_pass_logits_match_transformers(layout, case, loaded, reference):
-    model, processor = loaded(FAMILY, layout)
-    ref = reference(FAMILY, case)
-    ids, logits = first_pass(model, processor, case)
-    assert ids == ref.input_ids
-    np.testing.assert_allclose(logits, ref.logits, rtol=0, atol=LOGITS_ATOL)
+test_first_pass_logits_match_transformers, test_greedy_tokens_match_transformers = (
+    standard_parity_tests([(FAMILY, layout) for layout in LAYOUTS], CASES)
+)
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_greedy_tokens_match_transformers(layout, case, loaded, reference):
-    model, processor = loaded(FAMILY, layout)
-    ref = reference(FAMILY, case)
-    assert len(ref.tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
-    assert ref.margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {ref.margin:.2e} is too thin"
-    assert len(ref.input_ids) + NEW_TOKENS > 2 * SLIDING_WINDOW  # the window is exercised
-    assert our_tokens(model, processor, *ALL_CASES[case]) == ref.tokens
+def test_every_answer_runs_past_the_sliding_window(case, reference):
+    """Prompt and greedy answer span two windows, so the parity above exercises it."""
+    assert len(reference(FAMILY, case).input_ids) + NEW_TOKENS > 2 * SLIDING_WINDOW
 
 
 def test_chunked_prefill_keeps_the_prefix_whole(loaded, reference):
@@ -90,10 +79,7 @@ def test_chunked_prefill_keeps_the_prefix_whole(loaded, reference):
     model, processor = loaded(FAMILY, "hub")
     messages, images = CASES["two_images"]
     ref = reference(FAMILY, "two_images")
-    from mlxvlm.prompt import prepare_inputs
-
-    inputs = prepare_inputs(processor, messages, images, feature_names=model.feature_names)
-    _, state = model.embed(inputs.input_ids, **inputs.features)
+    _, _, state = embedded(model, processor, messages, images)
     assert model.bidirectional_spans(state) == [(0, len(ref.input_ids))]
     assert our_tokens(model, processor, messages, images, prefill_step_size=3) == ref.tokens
 
@@ -106,8 +92,7 @@ def test_decode_steps_match_transformers_past_the_window(loaded, tiny_checkpoint
     messages, images = CASES["caption"]
     ref = reference(FAMILY, "caption")
     continuation = ref.tokens[:-1]
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    inputs = processor(text=[text], images=images, return_tensors="pt")
+    inputs = processor_inputs(processor, messages, images)
     inputs.pop("labels")  # the processor's training labels cover the prompt only
     extra = torch.tensor([continuation])
     inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
@@ -147,32 +132,23 @@ def test_text_only_matches_transformers(loaded, tiny_checkpoints):
 
 def test_another_image_changes_the_output(loaded, reference):
     model, processor = loaded(FAMILY, "transformers")
-    other = our_tokens(model, processor, *ALL_CASES["one_other_image"])
-    assert other != reference(FAMILY, "one_image").tokens
-    assert other == reference(FAMILY, "one_other_image").tokens
+    assert_another_image_changes_the_output(model, processor, ALL_CASES, FAMILY, reference)
 
 
 def test_prefix_lm_mask_matters(loaded, reference):
     """A causal mask over the prompt (no bidirectional prefix) moves the logits far."""
     model, processor = loaded(FAMILY, "transformers")
-    from mlxvlm.prompt import prepare_inputs
-
-    messages, images = CASES["one_image"]
-    inputs = prepare_inputs(processor, messages, images, feature_names=model.feature_names)
-    embeddings, _ = model.embed(inputs.input_ids, **inputs.features)
-    causal = model(inputs.input_ids, model.make_cache(), embeddings=embeddings,
-                   state=paligemma.Prefix(0))
-    assert np.abs(np.array(causal[0]) - reference(FAMILY, "one_image").logits).max() > 0.1
+    input_ids, embeddings, _ = embedded(model, processor, *CASES["one_image"])
+    causal = first_pass(model, input_ids, embeddings, paligemma.Prefix(0))
+    assert np.abs(causal - reference(FAMILY, "one_image").logits).max() > 0.1
 
 
 def test_wrong_rope_theta_would_be_caught(tiny_checkpoints, loaded, reference):
-    config = json.loads((tiny_checkpoints.path(FAMILY, "hub") / "config.json").read_text())
+    config = read_config(tiny_checkpoints, FAMILY, "hub")
     del config["text_config"]["rope_theta"]
     model, processor = loaded(FAMILY, "hub")
-    wrong = get_family(FAMILY).Model.from_config(config)
-    wrong.load_weights(parameter_list(model))
-    _, logits = first_pass(wrong, processor, "caption")
-    assert np.abs(logits - reference(FAMILY, "caption").logits).max() > 100 * LOGITS_ATOL
+    assert_wrong_model_is_caught(get_family(FAMILY).Model.from_config(config), model, processor,
+                                 CASES["caption"], reference(FAMILY, "caption"))
 
 
 def test_single_turn_template_refuses_a_conversation(loaded):
@@ -186,25 +162,14 @@ def test_single_turn_template_refuses_a_conversation(loaded):
 
 
 def test_hub_layout_reads_the_same_in_transformers(tiny_checkpoints, reference):
-    from transformers import AutoModelForImageTextToText
-
     path = tiny_checkpoints.path(FAMILY, "hub")
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    processor = paligemma.load_processor(path, {})
-    messages, images = CASES["two_images"]
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    inputs = processor(text=[text], images=images, return_tensors="pt")
-    with torch.no_grad():
-        logits = model(**inputs).logits[0].numpy()
+    logits = transformers_logits(load_transformers_model(path), paligemma.load_processor(path, {}),
+                                 *CASES["two_images"])
     np.testing.assert_array_equal(logits, reference(FAMILY, "two_images").logits)
 
 
 def test_both_config_layouts_build_the_same_model(tiny_checkpoints):
-    read = lambda layout: json.loads(  # noqa: E731
-        (tiny_checkpoints.path(FAMILY, layout) / "config.json").read_text()
-    )
-    Model = get_family(FAMILY).Model
-    hub, new = Model.from_config(read("hub")).args, Model.from_config(read("transformers")).args
+    hub, new = model_args_in_both_layouts(tiny_checkpoints, FAMILY)
     assert hub == new
     assert new.sliding_layers == (True, False) and new.sliding_window == SLIDING_WINDOW
     assert new.text.rope_theta == 5000.0 and new.text.query_pre_attn_scalar == 48
@@ -218,9 +183,8 @@ def test_sanitized_names_are_mlx_community_names(tiny_checkpoints, loaded):
         assert paligemma.is_hf_checkpoint(weights.keys())
         sanitized = model.sanitize(weights)
         assert set(sanitized) == expected
-    vision = model.args.vision
-    assert sanitized["vision_tower.vision_model.embeddings.patch_embedding.weight"].shape == (
-        vision.hidden_size, vision.patch_size, vision.patch_size, vision.num_channels
+    assert_patch_weight_is_channels_last(
+        sanitized, "vision_tower.vision_model.embeddings.patch_embedding.weight", model.args.vision
     )
     for name in (
         "vision_tower.vision_model.embeddings.position_embedding.weight",

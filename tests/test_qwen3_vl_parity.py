@@ -20,18 +20,25 @@ import pytest
 
 from parity import (
     LOGITS_ATOL,
-    MIN_REFERENCE_MARGIN,
-    NEW_TOKENS,
+    assert_another_image_changes_the_output,
+    assert_rotating_cache_keeps_the_prompt,
+    assert_wrong_model_is_caught,
+    embedded,
+    first_pass,
+    load_transformers_model,
     loaded,  # noqa: F401 (fixture)
-    our_logits,
+    model_args_in_both_layouts,
     our_tokens,
     parameter_list,
+    read_config,
     reference,  # noqa: F401 (fixture)
+    standard_cases,
+    standard_parity_tests,
+    transformers_logits,
 )
 from tiny import make_image
 from tiny.qwen import LAYOUTS, QWEN3_FAMILIES
 from mlxvlm.models import get_family
-from mlxvlm.prompt import prepare_inputs
 
 torch = pytest.importorskip("torch")
 
@@ -39,43 +46,8 @@ IMAGE_A = make_image(112, 84, seed=1)  # 6 x 8 patches of 16 px -> 12 tokens
 IMAGE_B = make_image(84, 56, seed=2)  # 4 x 6 patches -> 6 tokens
 IMAGE_A2 = make_image(112, 84, seed=3)  # A's size, other content
 
-CASES = {
-    "text": ([{"role": "user", "content": "Tell me a story about a red cat."}], []),
-    "one_image": (
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}],
-        [IMAGE_A],
-    ),
-    "two_images": (
-        [{"role": "user", "content": [
-            {"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare the two images."},
-        ]}],
-        [IMAGE_A, IMAGE_B],
-    ),
-    "image_in_second_turn": (
-        [
-            {"role": "user", "content": "Hello! Who are you?"},
-            {"role": "assistant", "content": "I am a helpful assistant."},
-            {"role": "user", "content": [
-                {"type": "image"}, {"type": "text", "text": "What is in this picture?"},
-            ]},
-        ],
-        [IMAGE_B],
-    ),
-}
-ALL_CASES = {**CASES, "one_other_image": (CASES["one_image"][0], [IMAGE_A2])}
+CASES, ALL_CASES = standard_cases(IMAGE_A, IMAGE_B, IMAGE_A2)
 FAMILY_LAYOUTS = [(f, layout) for f in QWEN3_FAMILIES for layout in LAYOUTS]
-
-
-def prepared(model, processor, case: str):
-    messages, images = ALL_CASES[case]
-    inputs = prepare_inputs(processor, messages, images, feature_names=model.feature_names)
-    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
-    return inputs, embeddings, state
-
-
-def first_pass(model, inputs, embeddings, state) -> np.ndarray:
-    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
-    return np.array(logits[0])
 
 
 def tokens(model, processor, case: str, **options) -> list[int]:
@@ -85,24 +57,9 @@ def tokens(model, processor, case: str, **options) -> list[int]:
 # ----------------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
-def test_first_pass_logits_match_transformers(family, layout, case, loaded, reference):
-    model, processor = loaded(family, layout)
-    ref = reference(family, case)
-    ids, logits = our_logits(model, processor, *ALL_CASES[case])
-    assert ids == ref.input_ids
-    np.testing.assert_allclose(logits, ref.logits, rtol=0, atol=LOGITS_ATOL)
-
-
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
-def test_greedy_tokens_match_transformers(family, layout, case, loaded, reference):
-    model, processor = loaded(family, layout)
-    ref = reference(family, case)
-    assert len(ref.tokens) == NEW_TOKENS, "the reference stopped early; pick another prompt"
-    assert ref.margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {ref.margin:.2e} is too thin"
-    assert tokens(model, processor, case) == ref.tokens
+test_first_pass_logits_match_transformers, test_greedy_tokens_match_transformers = (
+    standard_parity_tests(FAMILY_LAYOUTS, CASES)
+)
 
 
 @pytest.mark.parametrize("family", QWEN3_FAMILIES)
@@ -117,10 +74,8 @@ def test_chunked_prefill_splits_deepstack_and_positions(family, loaded, referenc
 
 def test_rotating_cache_keeps_positions(loaded, reference):
     model, processor = loaded("qwen3_vl", "transformers")
-    ref = reference("qwen3_vl", "one_image")
-    rotated = tokens(model, processor, "one_image", max_kv_size=len(ref.input_ids) + NEW_TOKENS // 2)
-    assert len(rotated) == NEW_TOKENS
-    assert rotated[: NEW_TOKENS // 2] == ref.tokens[: NEW_TOKENS // 2]
+    assert_rotating_cache_keeps_the_prompt(model, processor, CASES["one_image"],
+                                           reference("qwen3_vl", "one_image"))
 
 
 # ---------------------------------------------------------------- the tests can fail
@@ -129,9 +84,7 @@ def test_rotating_cache_keeps_positions(loaded, reference):
 @pytest.mark.parametrize("family", QWEN3_FAMILIES)
 def test_another_image_changes_the_output(family, loaded, reference):
     model, processor = loaded(family, "transformers")
-    other = tokens(model, processor, "one_other_image")
-    assert other != reference(family, "one_image").tokens
-    assert other == reference(family, "one_other_image").tokens
+    assert_another_image_changes_the_output(model, processor, ALL_CASES, family, reference)
 
 
 def test_deepstack_and_interleaving_matter(loaded, reference):
@@ -139,10 +92,10 @@ def test_deepstack_and_interleaving_matter(loaded, reference):
     reference: the parity above exercises both."""
     model, processor = loaded("qwen3_vl", "transformers")
     ref_logits = reference("qwen3_vl", "two_images").logits
-    inputs, embeddings, state = prepared(model, processor, "two_images")
+    input_ids, embeddings, state = embedded(model, processor, *CASES["two_images"])
     assert state.deepstack is not None and len(state.deepstack.layers) == 2
     without = dataclasses.replace(state, deepstack=None)
-    assert np.abs(first_pass(model, inputs, embeddings, without) - ref_logits).max() > 0.1
+    assert np.abs(first_pass(model, input_ids, embeddings, without) - ref_logits).max() > 0.1
 
     config = json.loads(json.dumps(dict(model.config)))
     blocked = get_family("qwen3_vl").Model.from_config(config)
@@ -150,18 +103,16 @@ def test_deepstack_and_interleaving_matter(loaded, reference):
         [i % 3 for i, size in enumerate(blocked.args.text.mrope_section) for _ in range(size)]
     )
     blocked.load_weights(parameter_list(model))
-    assert np.abs(first_pass(blocked, inputs, embeddings, state) - ref_logits).max() > 0.1
+    assert np.abs(first_pass(blocked, input_ids, embeddings, state) - ref_logits).max() > 0.1
 
 
 @pytest.mark.parametrize("family", QWEN3_FAMILIES)
 def test_wrong_rope_theta_would_be_caught(family, tiny_checkpoints, loaded, reference):
-    config = json.loads((tiny_checkpoints.path(family, "hub") / "config.json").read_text())
+    config = read_config(tiny_checkpoints, family, "hub")
     del config["text_config"]["rope_theta"]  # what a loader reading rope_parameters sees
     model, processor = loaded(family, "hub")
-    wrong = get_family(family).Model.from_config(config)
-    wrong.load_weights(parameter_list(model))
-    _, logits = our_logits(wrong, processor, *ALL_CASES["image_in_second_turn"])
-    assert np.abs(logits - reference(family, "image_in_second_turn").logits).max() > 100 * LOGITS_ATOL
+    assert_wrong_model_is_caught(get_family(family).Model.from_config(config), model, processor,
+                                 CASES["image_in_second_turn"], reference(family, "image_in_second_turn"))
 
 
 # -------------------------------------------------------------- checkpoints and names
@@ -170,26 +121,15 @@ def test_wrong_rope_theta_would_be_caught(family, tiny_checkpoints, loaded, refe
 @pytest.mark.parametrize("family", QWEN3_FAMILIES)
 def test_hub_layout_reads_the_same_in_transformers(family, tiny_checkpoints, reference):
     """The Hub-layout fixture is faithful: transformers reads it into the same model."""
-    from transformers import AutoModelForImageTextToText
-
-    messages, images = CASES["one_image"]
     path = tiny_checkpoints.path(family, "hub")
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     processor = get_family(family).load_processor(path, {})
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    inputs = processor(text=[text], images=images, return_tensors="pt")
-    with torch.no_grad():
-        logits = model(**inputs).logits[0].numpy()
+    logits = transformers_logits(load_transformers_model(path), processor, *CASES["one_image"])
     np.testing.assert_array_equal(logits, reference(family, "one_image").logits)
 
 
 @pytest.mark.parametrize("family", QWEN3_FAMILIES)
 def test_both_config_layouts_build_the_same_model(family, tiny_checkpoints):
-    read = lambda layout: json.loads(  # noqa: E731
-        (tiny_checkpoints.path(family, layout) / "config.json").read_text()
-    )
-    Model = get_family(family).Model
-    hub, new = Model.from_config(read("hub")).args, Model.from_config(read("transformers")).args
+    hub, new = model_args_in_both_layouts(tiny_checkpoints, family)
     assert hub == new
     assert new.text.mrope_interleaved and new.text.qk_norm and new.text.head_dim == 32
     assert new.text.rope_theta == 5000.0
@@ -204,7 +144,7 @@ def test_sanitized_names_are_mlx_community_names(family, tiny_checkpoints, loade
         path = tiny_checkpoints.path(family, layout)
         weights = mx.load(str(path / "model.safetensors"))
         assert module.is_hf_checkpoint(weights.keys())
-        layout_model = module.Model.from_config(json.loads((path / "config.json").read_text()))
+        layout_model = module.Model.from_config(read_config(tiny_checkpoints, family, layout))
         sanitized = layout_model.sanitize(weights)
         assert set(sanitized) == expected
         assert not module.is_hf_checkpoint(sanitized.keys())
