@@ -22,6 +22,7 @@ from parity import (
     LOGITS_ATOL,
     NEW_TOKENS,
     assert_another_image_changes_the_output,
+    assert_batched_tokens_match,
     assert_patch_weight_is_channels_last,
     assert_wrong_model_is_caught,
     embedded,
@@ -198,3 +199,10 @@ def test_sanitized_names_are_mlx_community_names(tiny_checkpoints, loaded):
     ):
         assert name in expected, name
     assert not any(name.startswith("language_model.lm_head") for name in expected)  # tied
+
+
+def test_batched_generation_gives_each_prompt_its_tokens(loaded, reference):
+    """The batching engine decodes the prompts together (per-row offsets, Gemma 2's
+    grouped-head scores); each still gets transformers' greedy tokens."""
+    model, processor = loaded(FAMILY, "hub")
+    assert_batched_tokens_match(model, processor, CASES, [reference(FAMILY, c) for c in CASES])

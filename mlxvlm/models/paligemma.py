@@ -188,14 +188,28 @@ class TextModel(nn.Module):
     def masks(self, h: mx.array, cache: Any, prefix: int) -> dict[bool, Any]:
         """The mask of the full and of the sliding-window layers for this call."""
         offset, n = (cache.offset if cache is not None else 0), h.shape[1]
+        # A batched decode cache has per-row offsets (an array): every row is past its
+        # prompt there, since the engine prefills each request on its own.
+        in_prefix = isinstance(offset, int) and offset < prefix
         masks = {}
         for sliding in set(self.args.sliding_layers):
             window = self.args.sliding_window if sliding else None
-            if offset < prefix:
+            if in_prefix:
                 masks[sliding] = prefix_lm_mask(offset, n, prefix, window)
             else:  # past the prefix: plain (sliding) causal attention
-                masks[sliding] = create_attention_mask(h, cache, window_size=window, return_array=True)
+                mask = create_attention_mask(h, cache, window_size=window, return_array=True)
+                masks[sliding] = self._for_grouped_heads(mask)
         return masks
+
+    def _for_grouped_heads(self, mask: Any) -> Any:
+        """mlx-lm's Gemma 2 attention splits the query heads per key/value head into a
+        5-D (B, kv, repeats, L, S) score array; a batched cache's per-row mask (B, 1, L, S)
+        must gain that axis to broadcast by row."""
+        text = self.args.text
+        grouped = text.num_attention_heads != text.num_key_value_heads
+        if grouped and isinstance(mask, mx.array) and mask.ndim == 4:
+            return mx.expand_dims(mask, 2)
+        return mask
 
     def __call__(self, h: mx.array, cache: list[Any], prefix: int) -> mx.array:
         masks = self.masks(h, cache[0], prefix)
