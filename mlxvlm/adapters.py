@@ -157,6 +157,25 @@ def load_adapter(model: nn.Module, adapter_path: str | Path) -> nn.Module:
     return model
 
 
+def load_adapter_weights(model: nn.Module, adapter_path: str | Path) -> None:
+    """Put an adapter's weights into the model's existing LoRA/DoRA layers (resuming a
+    run): every layer must get its tensors and every tensor a layer."""
+    adapter_path = Path(adapter_path)
+    read_adapter_config(adapter_path)
+    layers = dict(adapter_layers(model))
+    tensors = read_adapter_tensors(adapter_path)
+    found = {_hf_module_to_ours(model, hf): (hf, t) for hf, t in tensors.items()}
+    if set(found) != set(layers):
+        missing = sorted(set(layers) - set(found)) or sorted(set(found) - set(layers))
+        raise CheckpointError(
+            f"the adapter in {adapter_path} does not cover the same layers as this model "
+            f"(e.g. {missing[0]!r})"
+        )
+    for ours, (hf, module_tensors) in found.items():
+        set_adapter_weights(layers[ours], module_tensors, hf)
+    mx.eval(model.parameters())
+
+
 # ------------------------------------------------------------------------------- saving
 
 

@@ -1,0 +1,178 @@
+"""Fine-tuning data: the loss mask found through the chat template, records from JSONL
+files, folders and Hugging Face datasets, and bad records reported by line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from finetune_helpers import image_file, one_image_record, small_dataset, write_jsonl
+from tiny import make_image
+from mlxvlm import load
+from mlxvlm.finetune import FinetuneConfig, finetune
+from mlxvlm.finetune.data import BadRecordsError, open_records
+from mlxvlm.finetune.dataset import encode_record, prepare_examples
+from mlxvlm.finetune.masking import MaskingError, encode_conversation
+
+FAMILY = "qwen2_vl"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoints):
+    return tiny_checkpoints.path(FAMILY, "hub")
+
+
+@pytest.fixture(scope="module")
+def processor(checkpoint):
+    return load(checkpoint)[1]
+
+
+def masked_text(processor, encoded) -> str:
+    return processor.tokenizer.decode(encoded.input_ids[encoded.loss_mask].tolist())
+
+
+def test_mask_covers_every_assistant_reply_and_nothing_else(processor):
+    # Two turns, an image in each user turn (of different sizes), and a user turn that
+    # repeats the first reply word for word: only the replies may be masked in.
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": "A red cat."},
+        {"role": "user", "content": [{"type": "text", "text": "A red cat."}, {"type": "image"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A small house."}]},
+    ]
+    images = [make_image(56, 56, seed=1), make_image(112, 56, seed=2)]
+    encoded = encode_conversation(processor, messages, images)
+
+    assert masked_text(processor, encoded) == "A red cat.<|im_end|>\nA small house.<|im_end|>\n"
+    image_token = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    grid = encoded.features["image_grid_thw"]
+    assert (encoded.input_ids == image_token).sum() == int(np.prod(grid, axis=1).sum()) // 4
+    assert not encoded.loss_mask[encoded.input_ids == image_token].any()
+    # The ids are exactly what inference feeds the model for the same conversation.
+    rendered = processor.apply_chat_template(messages, tokenize=False)
+    expected = processor(text=[rendered], images=images, return_tensors="np")["input_ids"][0]
+    np.testing.assert_array_equal(encoded.input_ids, expected)
+
+
+def test_a_conversation_without_an_assistant_reply_is_refused(processor):
+    messages = [{"role": "user", "content": "Hello"}]
+    with pytest.raises(MaskingError, match="no assistant turn"):
+        encode_conversation(processor, messages, [])
+
+
+def test_images_named_in_parts_resolve_against_the_file(tmp_path, processor):
+    image_file(tmp_path / "pics", "a.png")
+    absolute = tmp_path / "elsewhere" / image_file(tmp_path / "elsewhere", "b.png", 84, 56)
+    record = {"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "pics/a.png"},
+                                     {"type": "image", "image": str(absolute)},
+                                     {"type": "text", "text": "Compare."}]},
+        {"role": "assistant", "content": "They differ."}]}
+    data = write_jsonl(tmp_path / "data" / "train.jsonl", [record])
+    (tmp_path / "data" / "pics").symlink_to(tmp_path / "pics")
+    encoded = encode_record(open_records(data)[0], processor)
+    assert encoded.features["image_grid_thw"].shape[0] == 2
+    assert masked_text(processor, encoded) == "They differ.<|im_end|>\n"
+
+
+def bad_records_file(directory):
+    image_file(directory / "images", "ok.png")
+    good = one_image_record("images/ok.png", "A red cat.")
+    return write_jsonl(directory / "train.jsonl", [
+        good,                                                          # line 1
+        '{"messages": [oops',                                          # line 2
+        one_image_record("images/missing.png", "A blue mat."),         # line 3
+        {"messages": [{"role": "user", "content": "Hi"}]},             # line 4
+        one_image_record("images/ok.png", "The quick brown fox. " * 40),  # line 5: too long
+        good,                                                          # line 6
+    ])
+
+
+def test_bad_records_are_listed_by_line(tmp_path, processor):
+    data = bad_records_file(tmp_path)
+    with pytest.raises(BadRecordsError) as error:
+        prepare_examples(open_records(data), processor, max_seq_length=200)
+    located = {str(bad.location).rsplit(":", 1)[1]: bad.reason for bad in error.value.bad}
+    assert set(located) == {"2", "3", "4", "5"}
+    assert "JSON" in located["2"]
+    assert "missing.png" in located["3"]
+    assert "assistant" in located["4"]
+    assert "--max-seq-length 200" in located["5"]
+    assert "--skip-bad-records" in str(error.value)
+
+    kept = prepare_examples(open_records(data), processor, max_seq_length=200,
+                            skip_bad_records=True)
+    assert [e.record for e in kept.examples] == [0, 4]  # lines 1 and 6 (line 2 never parsed)
+    assert len(kept.skipped) == 4
+
+
+def test_cli_stops_on_bad_records_with_one_line(tmp_path, checkpoint):
+    data = bad_records_file(tmp_path)
+    command = [sys.executable, "-m", "mlxvlm.finetune", "--model", str(checkpoint),
+               "--data", str(data), "--output", str(tmp_path / "out"), "--iters", "1",
+               "--max-seq-length", "200"]
+    stopped = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 2
+    error_lines = [l for l in stopped.stderr.splitlines() if l.startswith("error:")]
+    assert len(error_lines) == 1 and "train.jsonl:3" in error_lines[0]
+    assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
+
+    skipped = subprocess.run(command + ["--skip-bad-records"], capture_output=True, text=True,
+                             timeout=300)
+    assert skipped.returncode == 0, skipped.stderr
+    assert "skipped" in skipped.stderr and "train.jsonl:4" in skipped.stderr
+    assert (tmp_path / "out" / "adapter_model.safetensors").exists()
+
+
+def test_folder_with_train_and_valid_files(tmp_path, checkpoint):
+    small_dataset(tmp_path / "data", count=4)
+    (tmp_path / "data" / "valid.jsonl").write_text(
+        "\n".join((tmp_path / "data" / "train.jsonl").read_text().splitlines()[:2]) + "\n")
+    reports = []
+
+    class Recorder:
+        def on_train_loss_report(self, info):
+            reports.append(("train", info))
+
+        def on_val_loss_report(self, info):
+            reports.append(("val", info))
+
+    result = finetune(FinetuneConfig(model=str(checkpoint), data=str(tmp_path / "data"),
+                                     output=str(tmp_path / "out"), batch_size=2, iters=2,
+                                     steps_per_eval=1, learning_rate=1e-3), callback=Recorder())
+    assert result.val_loss is not None and np.isfinite(result.val_loss)
+    assert [kind for kind, _ in reports] == ["val", "train", "val", "train", "val"]
+    train = [info for kind, info in reports if kind == "train"]
+    assert [info["iteration"] for info in train] == [1, 2]
+    assert all(info["tokens_per_second"] > 0 and info["peak_memory"] > 0 for info in train)
+
+
+def test_hugging_face_dataset_in_trl_layout(tmp_path, checkpoint):
+    datasets = pytest.importorskip("datasets")
+    rows = [{
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "text": None},
+                                         {"type": "text", "text": "What is it?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        ],
+        "images": [make_image(56, 56, seed=i)],
+    } for i, answer in enumerate(["A red cat.", "A small house.", "A blue mat."])]
+    features = datasets.Features({
+        "messages": [{"role": datasets.Value("string"),
+                      "content": [{"type": datasets.Value("string"),
+                                   "text": datasets.Value("string")}]}],
+        "images": datasets.Sequence(datasets.Image()),
+    })
+    datasets.Dataset.from_list(rows, features=features).save_to_disk(str(tmp_path / "ds"))
+
+    records = open_records(tmp_path / "ds")
+    assert len(records) == 3 and records[1].location.endswith("row 1")
+    result = finetune(FinetuneConfig(model=str(checkpoint), data=str(tmp_path / "ds"),
+                                     output=str(tmp_path / "out"), batch_size=3, iters=1))
+    assert result.train_examples == 3
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 8 and config["lora_alpha"] == 16
