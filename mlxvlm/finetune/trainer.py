@@ -51,13 +51,12 @@ def sequence_loss(model: nn.Module, input_ids: mx.array, loss_mask: mx.array,
 
 
 def peak_memory_gb() -> float:
-    """MLX's peak allocation; the process's peak resident size where MLX does not track
-    its allocations (its CPU backend reports 0)."""
-    peak = mx.get_peak_memory()
-    if peak == 0:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak = rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
-    return peak / 1e9
+    """MLX's peak allocation on a GPU; on the CPU backend, which does not count its
+    allocations, the process's peak resident size."""
+    if mx.default_device() != mx.cpu:
+        return mx.get_peak_memory() / 1e9
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return (rss if sys.platform == "darwin" else rss * 1024) / 1e9  # bytes on macOS, KiB on Linux
 
 
 def learning_rate_schedule(learning_rate: float, schedule: str, total_steps: int,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 
@@ -58,12 +59,25 @@ def _under(path: str, roots: list[str]) -> bool:
     return any(path == root or path.startswith(root + ".") for root in roots)
 
 
+def _is_router(path: str, modules: dict) -> bool:
+    """A mixture-of-experts router: a linear layer beside the experts. transformers keeps
+    it as a bare weight, not a linear layer, so PEFT (and its "all-linear") never
+    adapts it."""
+    parent = modules.get(path.rpartition(".")[0])
+    return parent is not None and any(
+        isinstance(child, (SwitchGLU, SwitchMLP)) for child in parent.children().values()
+    )
+
+
 def candidate_linears(model: nn.Module, num_layers: int, train_vision: bool) -> list[str]:
+    """The linear layers that can be adapted: in the tuned decoder blocks, and on the
+    vision side with ``train_vision``; mixture-of-experts routers excepted."""
     roots = _block_paths(model, num_layers) + (vision_paths(model) if train_vision else [])
+    modules = dict(model.named_modules())
     return [
         path
-        for path, module in model.named_modules()
-        if isinstance(module, _LINEAR) and _under(path, roots)
+        for path, module in modules.items()
+        if isinstance(module, _LINEAR) and _under(path, roots) and not _is_router(path, modules)
     ]
 
 
@@ -109,12 +123,26 @@ def _wrap_adapters(model, layer_class, rank, alpha, dropout, target_modules, num
             )
         candidates = [p for p in candidates if p.rpartition(".")[2] in target_modules]
     modules = dict(model.named_modules())
+    _check_peft_names(model, candidates)
     wrapped = [
         (path, layer_class.from_base(modules[path], r=rank, scale=alpha / rank, dropout=dropout))
         for path in candidates
     ]
     model.update_modules(tree_unflatten(wrapped))
     return candidates
+
+
+def _check_peft_names(model: nn.Module, paths: list[str]) -> None:
+    """Adapters are saved under transformers' module names: fail before training, not at
+    the first checkpoint, when the family cannot give one."""
+    for path in paths:
+        try:
+            model.hf_module_name(path)
+        except NotImplementedError as exc:
+            raise MlxvlmError(
+                f"an adapter on {path} could not be saved in PEFT's format: {exc}; choose "
+                "other --target-modules (or leave out --train-vision)"
+            ) from None
 
 
 def _unfreeze_full(model, num_layers, train_vision, target_modules) -> list[str]:
