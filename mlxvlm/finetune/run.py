@@ -47,6 +47,7 @@ class FinetuneResult:
     val_loss: float | None
     train_examples: int
     skipped_records: int
+    tuning: Any = None  # tuning.TuningSummary: what was trained
 
 
 def _say(line: str) -> None:
@@ -127,6 +128,23 @@ def _resume(output: Path, trajectory: dict, weights: _Weights, optimizer) -> int
     return int(state["step"])
 
 
+def _keep_quantized_for_training(model) -> None:
+    """A quantized base stays quantized under LoRA (QLoRA: the memory of the quantized
+    weights). MLX's CPU kernels for quantized products are slow for the many rows of a
+    training sequence, so there each quantized layer is wrapped to dequantize on the fly
+    and use BLAS (mlxvlm.cpu_fast_paths), still holding only the quantized weights."""
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+
+    from mlxvlm.cpu_fast_paths import CPUQuantizedLinear, fast_paths_enabled
+
+    if fast_paths_enabled():
+        model.update_modules(tree_unflatten([
+            (name, CPUQuantizedLinear(m)) for name, m in model.named_modules()
+            if type(m) is nn.QuantizedLinear
+        ]))
+
+
 def _write_full_model(model, model_path: Path, output: Path) -> None:
     """The fine-tuned model as an MLX checkpoint in ``output`` (its own files replaced one by
     one, each atomically; ``checkpoints/`` stays)."""
@@ -164,7 +182,8 @@ def finetune(config: FinetuneConfig, *, callback: Any = None) -> FinetuneResult:
             "or choose another --output"
         )
     model_path = resolve_model_path(config.model, config.revision, config.trust_remote_code)
-    model, processor = load(model_path)
+    model, processor = load(model_path, cpu_fast_paths=False)
+    _keep_quantized_for_training(model)
     mx.random.seed(config.seed)  # the adapters' initial weights
     summary = apply_tuning(
         model, config.method, rank=config.rank, alpha=config.alpha, dropout=config.dropout,
@@ -224,4 +243,5 @@ def finetune(config: FinetuneConfig, *, callback: Any = None) -> FinetuneResult:
         val_loss=trainer.last_val_loss,
         train_examples=len(train_set),
         skipped_records=len(train_set.skipped),
+        tuning=summary,
     )

@@ -29,12 +29,14 @@ class TuningSummary:
     modules: list[str]  # adapted (lora/dora) or unfrozen (full) module paths
     trainable_parameters: int
     total_parameters: int
+    quantized_bases: int = 0  # adapted layers whose frozen base is quantized (QLoRA)
 
     def describe(self) -> str:
         share = 100 * self.trainable_parameters / max(self.total_parameters, 1)
         what = "modules adapted" if self.method != "full" else "blocks trained"
+        qlora = f", {self.quantized_bases} on quantized weights (QLoRA)" if self.quantized_bases else ""
         return (
-            f"{self.method}: {len(self.modules)} {what}, {self.trainable_parameters:,} "
+            f"{self.method}: {len(self.modules)} {what}{qlora}, {self.trainable_parameters:,} "
             f"trainable parameters ({share:.3f}% of {self.total_parameters:,})"
         )
 
@@ -105,7 +107,12 @@ def apply_tuning(
             target_modules, num_layers, train_vision,
         )
     trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
-    return TuningSummary(method, modules, trainable, total)
+    quantized = sum(
+        isinstance(getattr(m, "linear", None), nn.QuantizedLinear)
+        for _, m in model.named_modules()
+        if isinstance(m, (LoRALinear, DoRALinear))
+    )
+    return TuningSummary(method, modules, trainable, total, quantized)
 
 
 def _wrap_adapters(model, layer_class, rank, alpha, dropout, target_modules, num_layers,
