@@ -1,0 +1,117 @@
+"""Build a tiny, randomly initialised Qwen2-VL checkpoint offline, ready to fine-tune.
+
+The checkpoint is in MLX layout (as ``python -m mlxvlm.convert`` writes it), with a
+byte-level BPE tokenizer trained on the sentences the model will see (so that each word
+is about one token), Qwen's special tokens and a Qwen-style chat template, and the
+Qwen2-VL image processor. Nothing is downloaded; torch is not needed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(corpus: Iterable[str], vocab_size: int = 400):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(corpus), trainer)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in SPECIAL_TOKENS])
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        errors="replace",
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2,
+                 vision_width: int = 32, vision_depth: int = 2) -> dict:
+    """A Qwen2-VL config.json (transformers 5's layout) for a model this small."""
+    from transformers import Qwen2VLConfig
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    head_dim = 32
+    text = dict(
+        vocab_size=(len(tokenizer) + 15) // 16 * 16,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // head_dim,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        # head_dim / 2 rotary frequencies over (temporal, height, width)
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "mrope_section": [4, 6, 6]},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    vision = dict(depth=vision_depth, embed_dim=vision_width, hidden_size=hidden_size,
+                  num_heads=2, mlp_ratio=2)
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=True,
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    ).to_dict()
+    config["eos_token_id"] = ids["<|im_end|>"]
+    return config
+
+
+def build_checkpoint(directory: str | Path, corpus: Iterable[str], *, seed: int = 0,
+                     image_size: int = 56, **sizes) -> Path:
+    """Write a random tiny Qwen2-VL into ``directory``; images of ``image_size`` pixels
+    square become (image_size / 28)^2 tokens."""
+    import mlx.core as mx
+    from transformers import Qwen2VLImageProcessorPil
+
+    from mlxvlm.convert import write_config, write_weights
+    from mlxvlm.models import get_family
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(corpus)
+    config = build_config(tokenizer, **sizes)
+    mx.random.seed(seed)
+    model = get_family("qwen2_vl").Model.from_config(config)
+    mx.eval(model.parameters())
+    write_weights(model, directory)
+    write_config(config, directory)
+    tokenizer.save_pretrained(directory)
+    pixels = image_size * image_size
+    Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels).save_pretrained(directory)
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return directory
