@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mlxvlm.errors import MlxvlmError
 
@@ -42,7 +42,6 @@ class FinetuneConfig:
     skip_bad_records: bool = False
     revision: str | None = None
     trust_remote_code: bool = False
-    extra: dict = field(default_factory=dict)  # not used by training; kept in the output
 
     def __post_init__(self):
         if self.iters is not None and self.epochs is not None:
@@ -72,5 +71,5 @@ class FinetuneConfig:
         """The settings that decide which weights a run ends with: a resumed run must
         have the same ones."""
         skip = {"output", "val_data", "steps_per_eval", "val_batches", "save_every", "resume",
-                "skip_bad_records", "revision", "trust_remote_code", "extra", "grad_checkpoint"}
+                "skip_bad_records", "revision", "trust_remote_code", "grad_checkpoint"}
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}

@@ -133,8 +133,6 @@ class Trainer:
         self.order = BatchOrder(len(train_set), settings.batch_size, settings.seed)
         self.loss_and_grad = nn.value_and_grad(model, sequence_loss)
         self.last_val_loss: float | None = None
-        if settings.grad_checkpoint:
-            grad_checkpoint(model.layers[0])
 
     # -- one step ------------------------------------------------------------------
 
@@ -183,6 +181,19 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------
 
     def run(self, start_step: int = 0) -> StepReport | None:
+        if not self.settings.grad_checkpoint:
+            return self._run(start_step)
+        # mlx-lm's grad_checkpoint patches the decoder block's class; undo it afterwards
+        # so that later inference in this process is not recomputing anything.
+        block_class = type(self.model.layers[0])
+        original = block_class.__call__
+        grad_checkpoint(self.model.layers[0])
+        try:
+            return self._run(start_step)
+        finally:
+            block_class.__call__ = original
+
+    def _run(self, start_step: int) -> StepReport | None:
         settings = self.settings
         report = None
         trained_tokens = 0
