@@ -89,6 +89,8 @@ def bad_records_file(directory):
         {"messages": [{"role": "user", "content": "Hi"}]},             # line 4
         one_image_record("images/ok.png", "The quick brown fox. " * 40),  # line 5: too long
         good,                                                          # line 6
+        {"messages": [{"role": "user", "content": 5},                   # line 7
+                      {"role": "assistant", "content": "Five."}]},
     ])
 
 
@@ -97,7 +99,7 @@ def test_bad_records_are_listed_by_line(tmp_path, processor):
     with pytest.raises(BadRecordsError) as error:
         prepare_examples(open_records(data), processor, max_seq_length=200)
     located = {str(bad.location).rsplit(":", 1)[1]: bad.reason for bad in error.value.bad}
-    assert set(located) == {"2", "3", "4", "5"}
+    assert set(located) == {"2", "3", "4", "5", "7"}
     assert "JSON" in located["2"]
     assert "missing.png" in located["3"]
     assert "assistant" in located["4"]
@@ -107,7 +109,7 @@ def test_bad_records_are_listed_by_line(tmp_path, processor):
     kept = prepare_examples(open_records(data), processor, max_seq_length=200,
                             skip_bad_records=True)
     assert [e.record for e in kept.examples] == [0, 4]  # lines 1 and 6 (line 2 never parsed)
-    assert len(kept.skipped) == 4
+    assert len(kept.skipped) == 5
 
 
 def test_cli_stops_on_bad_records_with_one_line(tmp_path, checkpoint):

@@ -89,7 +89,7 @@ def prepare_examples(
         record = records[index]
         try:
             encoded = encode_record(record, processor)
-        except (MlxvlmError, ValueError) as exc:
+        except Exception as exc:  # a record's content can fail anywhere; report, go on
             bad.append(BadRecord(record.location, _one_line(exc)))
             continue
         if encoded.num_tokens > max_seq_length:
@@ -110,7 +110,10 @@ def prepare_examples(
 
 
 def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+    text = " ".join(str(exc).split())
+    if isinstance(exc, MlxvlmError):
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class BatchOrder:

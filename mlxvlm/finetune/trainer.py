@@ -19,7 +19,7 @@ import math
 import resource
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -102,7 +102,6 @@ class StepReport:
     tokens: int  # every token the step processed (prompt, images, answers)
     loss_tokens: int
     seconds: float
-    extra: dict = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
