@@ -181,6 +181,12 @@ def finetune(config: FinetuneConfig, *, callback: Any = None) -> FinetuneResult:
             f"{output} holds checkpoints of an earlier run: pass --resume to continue it, "
             "or choose another --output"
         )
+    # The data is opened (not yet checked) first: a wrong path fails before the model loads.
+    train_records = open_records(config.data, split="train")
+    val_records = (
+        open_records(config.val_data, split="validation") if config.val_data
+        else default_validation(config.data)
+    )
     model_path = resolve_model_path(config.model, config.revision, config.trust_remote_code)
     model, processor = load(model_path, cpu_fast_paths=False)
     _keep_quantized_for_training(model)
@@ -192,11 +198,7 @@ def finetune(config: FinetuneConfig, *, callback: Any = None) -> FinetuneResult:
     )
     _say(summary.describe())
 
-    train_set = _prepare(open_records(config.data, split="train"), processor, config, "training")
-    val_records = (
-        open_records(config.val_data, split="validation") if config.val_data
-        else default_validation(config.data)
-    )
+    train_set = _prepare(train_records, processor, config, "training")
     val_set = _prepare(val_records, processor, config, "validation") if val_records else None
 
     steps = total_steps(len(train_set), config.batch_size, config.grad_accumulation_steps,
