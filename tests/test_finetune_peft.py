@@ -99,11 +99,9 @@ def test_adapter_made_with_peft_loads_here(tiny_checkpoints, tmp_path, options):
 _TOWER_LEVEL = ("its HF_PREFIXES list the tower's older '...vision_model.' prefix before "
                 "the one of transformers 5's module tree, which has no such level")
 VISION_NAMES_UNKNOWN = {
-    "gemma3": _TOWER_LEVEL,
     "llava": _TOWER_LEVEL,
     "llava_next": _TOWER_LEVEL,
     "llava_onevision": _TOWER_LEVEL,
-    "paligemma": _TOWER_LEVEL,
     "mistral3": "no HF_PREFIXES entry names the Pixtral tower",
     "pixtral": "no HF_PREFIXES entry names the Pixtral tower",
     "qwen2_5_omni": "the tower's fused qkv is three linear layers in transformers",

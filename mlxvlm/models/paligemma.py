@@ -42,8 +42,10 @@ from mlxvlm.models.weights import map_hf_weights, rename_prefix
 HF_PREFIXES = (
     ("model.language_model.", "language_model.model."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
-    ("model.vision_tower.vision_model.", "vision_tower.vision_model."),
+    # transformers 5's module tree first (it has no vision_model level): adapters are
+    # named after it; the older nested names still map here (longest prefix wins).
     ("model.vision_tower.", "vision_tower.vision_model."),
+    ("model.vision_tower.vision_model.", "vision_tower.vision_model."),
     ("vision_tower.vision_model.", "vision_tower.vision_model."),
     ("vision_tower.", "vision_tower.vision_model."),
 )

@@ -20,12 +20,17 @@ MODULE_TREE_PREFIXES = ("model.", "lm_head.")
 
 
 def rename_prefix(name: str, prefixes: Iterable[tuple[str, str]]) -> str:
-    """``name`` with the first matching Hugging Face prefix of ``prefixes``
-    (``(hf_prefix, ours)`` pairs) replaced by ours; unchanged if none matches."""
-    for prefix, replacement in prefixes:
-        if name.startswith(prefix):
-            return replacement + name[len(prefix) :]
-    return name
+    """``name`` with its longest matching Hugging Face prefix of ``prefixes``
+    (``(hf_prefix, ours)`` pairs) replaced by ours; unchanged if none matches.
+
+    Longest, not first: the table's order is then free to say which of several Hugging
+    Face prefixes of one of ours is transformers' module tree (listed first), which
+    ``VisionLanguageModel.hf_module_name`` relies on to name adapters as peft does."""
+    matches = [(hf, ours) for hf, ours in prefixes if name.startswith(hf)]
+    if not matches:
+        return name
+    prefix, replacement = max(matches, key=lambda pair: len(pair[0]))
+    return replacement + name[len(prefix) :]
 
 
 def has_transformers_names(names: Iterable[str], tower: str = "vision_tower.",
