@@ -28,6 +28,7 @@ import numpy as np
 
 from mlxvlm.models.config_utils import rope_parameters
 from mlxvlm.models.layers.activations import activation
+from mlxvlm.models.layers.attention import scaled_dot_product_attention
 from mlxvlm.models.layers.qwen_vision import apply_rotary
 from mlxvlm.models.weights import rename_prefix
 
@@ -100,7 +101,7 @@ class Attention(nn.Module):
         )
         cos, sin = rotary
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        out = scaled_dot_product_attention(q, k, v, scale=self.scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
 
 

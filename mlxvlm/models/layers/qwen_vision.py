@@ -38,6 +38,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.models.layers.activations import activation
+from mlxvlm.models.layers.attention import scaled_dot_product_attention
 
 
 @dataclass
@@ -153,7 +154,7 @@ class VisionAttention(nn.Module):
         # One attention call per segment: memory grows with the segments' sizes, not N^2.
         bounds = np.cumsum(segments)[:-1].tolist()
         outputs = [
-            mx.fast.scaled_dot_product_attention(
+            scaled_dot_product_attention(
                 qs[None], ks[None], vs[None], scale=self.scale
             )[0]
             for qs, ks, vs in zip(

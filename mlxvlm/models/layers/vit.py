@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxvlm.models.layers.activations import activation
+from mlxvlm.models.layers.attention import scaled_dot_product_attention
 
 
 class Attention(nn.Module):
@@ -36,7 +37,7 @@ class Attention(nn.Module):
             return t.reshape(B, L, self.num_heads, -1).transpose(0, 2, 1, 3)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlxvlm.models.layers.attention import scaled_dot_product_attention
 
 
 @dataclass
@@ -85,7 +86,7 @@ class AudioAttention(nn.Module):
         B, L, D = x.shape
         split = lambda t: t.reshape(B, L, self.num_heads, -1).transpose(0, 2, 1, 3)  # noqa: E731
         q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, D))
 
 

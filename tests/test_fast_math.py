@@ -1,0 +1,216 @@
+"""The CPU fast paths for exp-based functions and attention compute what MLX computes.
+
+- ``fast_math``: exp, GELU (tanh form), quick GELU and SiLU against MLX's functions, in
+  value and in gradient; NaN and overflow behaviour; the slicing of large arrays.
+- ``attention``: the blocked CPU attention against ``mx.fast.scaled_dot_product_attention``
+  for every mask kind the families pass (none, causal with a cache offset, boolean with
+  fully masked rows, additive), grouped-query attention, gradients, threads.
+- Whole models with the thresholds lowered so that the tiny checkpoints take every fast
+  path: logits within float32 tolerance of ``MLXVLM_NO_CPU_FAST_PATHS=1`` and the same
+  greedy tokens; and the opt-out really takes MLX's kernels.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from tiny import make_image
+from mlxvlm import generate, load
+from mlxvlm.models.layers import attention, fast_math
+from mlxvlm.prompt import prepare_inputs
+
+
+def _rel_error(fast: mx.array, reference: np.ndarray) -> float:
+    fast = np.array(fast, dtype=np.float64)
+    ok = np.abs(reference) > 1e-30
+    return float(np.max(np.abs(fast[ok] - reference[ok]) / np.abs(reference[ok])))
+
+
+def test_exp_matches_float64_as_closely_as_mx_exp():
+    x = mx.array(np.linspace(-87.0, 88.0, 200_001, dtype=np.float32))
+    reference = np.exp(np.array(x, dtype=np.float64))
+    assert fast_math.use_fast_math(x)
+    fast_error = _rel_error(fast_math.exp(x), reference)
+    mlx_error = _rel_error(mx.exp(x), reference)
+    assert fast_error < 5e-6, fast_error  # x * log2(e) in float32 sets this floor
+    assert fast_error <= mlx_error * 1.5, (fast_error, mlx_error)
+
+
+def test_exp_edges():
+    x = mx.array([float("nan"), -1000.0, -89.0, 0.0, 1.0, 1000.0], dtype=mx.float32)
+    out = np.array(fast_math.exp(x))
+    assert np.isnan(out[0])
+    assert out[1] == 0.0 and out[2] == 0.0  # underflow to zero, as mx.exp does below -88
+    assert out[3] == 1.0
+    assert abs(out[4] - np.e) < 1e-6
+    assert np.isfinite(out[5]) and out[5] > 1e38  # saturates rather than inf
+
+
+@pytest.mark.parametrize(
+    "fast,reference",
+    [
+        (fast_math.gelu_tanh, nn.gelu_approx),
+        (fast_math.quick_gelu, nn.gelu_fast_approx),
+        (fast_math.silu, nn.silu),
+    ],
+    ids=["gelu_tanh", "quick_gelu", "silu"],
+)
+def test_activations_match_mlx_in_value_and_gradient(fast, reference, monkeypatch):
+    monkeypatch.setattr(fast_math, "SLICE_ELEMENTS", 4096)  # also exercise the slicing
+    x = mx.random.normal((37, 301), key=mx.random.key(0)) * 6
+    x = mx.concatenate([x, mx.array([[-100.0, -20.0, 0.0, 20.0, 100.0] + [0.0] * 296])])
+    got, want = fast(x), reference(x)
+    assert got.shape == want.shape and got.dtype == mx.float32
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-6, atol=2e-6)
+    grad_fast = mx.grad(lambda v: (fast(v) * v).sum())(x)
+    grad_reference = mx.grad(lambda v: (reference(v) * v).sum())(x)
+    np.testing.assert_allclose(np.array(grad_fast), np.array(grad_reference), rtol=1e-5, atol=1e-5)
+
+
+def test_half_precision_and_opt_out_take_mlx_functions(monkeypatch):
+    x = mx.random.normal((64, 64), key=mx.random.key(1))
+    assert not fast_math.use_fast_math(x.astype(mx.bfloat16))
+    monkeypatch.setenv(fast_math.DISABLE_ENV, "1")
+    assert not fast_math.use_fast_math(x)
+    assert mx.array_equal(fast_math.gelu_tanh(x), nn.gelu_approx(x))
+    assert mx.array_equal(fast_math.exp(x), mx.exp(x))
+
+
+def test_in_slices_keeps_shape_and_order(monkeypatch):
+    monkeypatch.setattr(fast_math, "SLICE_ELEMENTS", 100)
+    x = mx.arange(3 * 7 * 11, dtype=mx.float32).reshape(3, 7, 11)
+    assert mx.array_equal(fast_math.in_slices(lambda t: t * 2, x), x * 2)
+
+
+def test_max_last_axis():
+    x = mx.random.normal((3, 5, 1024), key=mx.random.key(2))
+    assert mx.array_equal(fast_math.max_last_axis(x), x.max(axis=-1, keepdims=True))
+    odd = x[..., :1000]
+    assert mx.array_equal(fast_math.max_last_axis(odd), odd.max(axis=-1, keepdims=True))
+
+
+def _qkv(batch, heads, kv_heads, queries, keys, dims=32, seed=0):
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    q = mx.random.normal((batch, heads, queries, dims), key=k1) * 2
+    k = mx.random.normal((batch, kv_heads, keys, dims), key=k2) * 2
+    v = mx.random.normal((batch, kv_heads, keys, dims), key=k3)
+    return q, k, v
+
+
+def _masks(batch, heads, queries, keys):
+    key = mx.random.key(3)
+    boolean = mx.random.uniform(shape=(batch, 1, queries, keys), key=key) > 0.4
+    boolean[:, :, 5, :] = False  # a query that sees no key at all
+    return {
+        "none": None,
+        "causal": "causal",
+        "boolean": boolean,
+        "keys_only": mx.arange(keys)[None, None, None] < keys - 9,
+        "additive": mx.random.normal((batch, heads, queries, keys), key=key),
+    }
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "boolean", "keys_only", "additive"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
+def test_blocked_attention_matches_mlx(mask_kind, heads, kv_heads, monkeypatch):
+    monkeypatch.setattr(attention, "MIN_SCORES", 0)
+    monkeypatch.setattr(attention, "BLOCK_SCORES", 4000)  # many blocks, a ragged last one
+    batch, queries, keys = 2, 45, 70  # queries < keys: a cache offset for "causal"
+    q, k, v = _qkv(batch, heads, kv_heads, queries, keys)
+    mask = _masks(batch, heads, queries, keys)[mask_kind]
+    got = attention.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+    if mask_kind == "boolean":  # MLX leaves a query with no visible key undefined (NaN)
+        got, want = got[:, :, 6:], want[:, :, 6:]
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=2e-6)
+
+
+def test_blocked_attention_gradients_are_mlx_gradients(monkeypatch):
+    monkeypatch.setattr(attention, "MIN_SCORES", 0)
+    monkeypatch.setattr(attention, "BLOCK_SCORES", 2000)
+    q, k, v = _qkv(1, 4, 2, 30, 30)
+
+    def loss(function):
+        return lambda q, k, v: (function(q, k, v, scale=0.2, mask="causal") ** 2).sum()
+
+    fast = mx.grad(loss(attention.scaled_dot_product_attention), argnums=(0, 1, 2))(q, k, v)
+    want = mx.grad(loss(mx.fast.scaled_dot_product_attention), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(fast, want):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
+def test_small_problems_and_opt_out_take_mlx_kernel(monkeypatch):
+    q, k, v = _qkv(1, 4, 4, 50, 50)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3)
+    # Below MIN_SCORES: exactly MLX's result.
+    assert mx.array_equal(attention.scaled_dot_product_attention(q, k, v, scale=0.3), want)
+    monkeypatch.setattr(attention, "MIN_SCORES", 0)
+    assert not mx.array_equal(attention.scaled_dot_product_attention(q, k, v, scale=0.3), want)
+    monkeypatch.setenv(fast_math.DISABLE_ENV, "1")
+    assert mx.array_equal(attention.scaled_dot_product_attention(q, k, v, scale=0.3), want)
+
+
+def test_blocked_attention_on_another_thread(monkeypatch):
+    """Its extra CPU streams are per thread (MLX streams belong to their thread)."""
+    monkeypatch.setattr(attention, "MIN_SCORES", 0)
+    monkeypatch.setattr(attention, "BLOCK_SCORES", 3000)
+    q, k, v = _qkv(1, 4, 4, 40, 40)
+    want = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3))
+    results = []
+
+    def work():
+        out = attention.scaled_dot_product_attention(q, k, v, scale=0.3)
+        results.append(np.array(out))
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2
+    for r in results:
+        np.testing.assert_allclose(r, want, rtol=1e-5, atol=2e-6)
+
+
+IMAGE = make_image(112, 84, seed=4)
+PROMPT = "Describe this image."
+
+
+def _logits_and_tokens(path):
+    model, processor = load(path)
+    inputs = prepare_inputs(processor, PROMPT, IMAGE, feature_names=model.feature_names)
+    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
+    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
+    tokens = generate(model, processor, PROMPT, IMAGE, max_tokens=16).tokens
+    return np.array(logits[0]), tokens
+
+
+@pytest.mark.parametrize("family", ["idefics3", "qwen2_vl", "qwen2_5_vl", "gemma3", "pixtral"])
+def test_models_on_fast_paths_match_standard_path(tiny_checkpoints, family, monkeypatch):
+    """Every attention and activation of the tiny model on the fast paths (thresholds
+    lowered): the same logits within float32 tolerance and the same greedy tokens."""
+    path = tiny_checkpoints.path(family, "hub")
+    monkeypatch.setenv(fast_math.DISABLE_ENV, "1")
+    standard_logits, standard_tokens = _logits_and_tokens(path)
+    monkeypatch.delenv(fast_math.DISABLE_ENV)
+
+    calls = []
+    blocked = attention._blocked_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return blocked(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_blocked_attention", counting)
+    monkeypatch.setattr(attention, "MIN_SCORES", 0)
+    monkeypatch.setattr(attention, "BLOCK_SCORES", 2000)
+    monkeypatch.setattr(fast_math, "SLICE_ELEMENTS", 2000)
+    fast_logits, fast_tokens = _logits_and_tokens(path)
+    assert calls, "the fast attention path was not taken"
+    np.testing.assert_allclose(fast_logits, standard_logits, rtol=1e-4, atol=1e-4)
+    assert fast_tokens == standard_tokens
