@@ -37,11 +37,16 @@ class FastPathReport:
     dequantized: int = 0  # layers turned into float32 layers
     dequantized_bytes: int = 0
     streamed: int = 0  # layers kept quantized, dequantized per multi-row call
+    fast_mlps: int = 0  # mlx-lm MLPs given fast_math's activation
     reason: str = ""
 
     def describe(self) -> str:
         if self.reason:
             return self.reason
+        maths = "exp-based activations and large attentions on fast_math's vectorised exp"
+        return f"{self._describe_quantized()}; {maths}"
+
+    def _describe_quantized(self) -> str:
         if self.dequantized:
             gb = self.dequantized_bytes / 1e9
             return f"{self.dequantized} quantized layers dequantized to float32 ({gb:.2f} GB)"
@@ -132,6 +137,15 @@ def apply_cpu_fast_paths(model: nn.Module) -> FastPathReport:
     """Rewrite the model's quantized layers for the CPU backend, in place."""
     if not fast_paths_enabled():
         return FastPathReport(reason="off (not on the CPU backend, or disabled)")
+    from mlxvlm.models.layers.mlx_lm_backbone import use_fast_mlps
+
+    fast_mlps = use_fast_mlps(model)
+    report = _apply_quantized_fast_paths(model)
+    report.fast_mlps = fast_mlps
+    return report
+
+
+def _apply_quantized_fast_paths(model: nn.Module) -> FastPathReport:
     quantized = [
         (name, m)
         for name, m in model.named_modules()

@@ -63,6 +63,9 @@ def test_exp_edges():
 def test_activations_match_mlx_in_value_and_gradient(fast, reference, monkeypatch):
     monkeypatch.setattr(fast_math, "SLICE_ELEMENTS", 4096)  # also exercise the slicing
     x = mx.random.normal((37, 301), key=mx.random.key(0)) * 6
+    assert x.size < fast_math.MIN_ELEMENTS  # small arrays: MLX's own kernel
+    assert mx.array_equal(fast(x), reference(x))
+    monkeypatch.setattr(fast_math, "MIN_ELEMENTS", 0)
     x = mx.concatenate([x, mx.array([[-100.0, -20.0, 0.0, 20.0, 100.0] + [0.0] * 296])])
     got, want = fast(x), reference(x)
     assert got.shape == want.shape and got.dtype == mx.float32
@@ -73,7 +76,8 @@ def test_activations_match_mlx_in_value_and_gradient(fast, reference, monkeypatc
 
 
 def test_half_precision_and_opt_out_take_mlx_functions(monkeypatch):
-    x = mx.random.normal((64, 64), key=mx.random.key(1))
+    x = mx.random.normal((256, 256), key=mx.random.key(1))
+    assert not mx.array_equal(fast_math.gelu_tanh(x), nn.gelu_approx(x))  # fast path taken
     assert not fast_math.use_fast_math(x.astype(mx.bfloat16))
     monkeypatch.setenv(fast_math.DISABLE_ENV, "1")
     assert not fast_math.use_fast_math(x)
@@ -210,7 +214,29 @@ def test_models_on_fast_paths_match_standard_path(tiny_checkpoints, family, monk
     monkeypatch.setattr(attention, "MIN_SCORES", 0)
     monkeypatch.setattr(attention, "BLOCK_SCORES", 2000)
     monkeypatch.setattr(fast_math, "SLICE_ELEMENTS", 2000)
+    monkeypatch.setattr(fast_math, "MIN_ELEMENTS", 0)
     fast_logits, fast_tokens = _logits_and_tokens(path)
     assert calls, "the fast attention path was not taken"
     np.testing.assert_allclose(fast_logits, standard_logits, rtol=1e-4, atol=1e-4)
     assert fast_tokens == standard_tokens
+
+
+@pytest.mark.parametrize("family,kind", [("idefics3", "llama"), ("gemma3", "gemma3_text"),
+                                         ("llava", "llama")])
+def test_mlx_lm_mlps_get_fast_activations_with_the_same_parameters(tiny_checkpoints, family,
+                                                                   kind, monkeypatch):
+    from mlx.utils import tree_flatten
+
+    from mlxvlm.models.layers.mlx_lm_backbone import GatedMLP
+
+    path = tiny_checkpoints.path(family, "hub")
+    monkeypatch.setenv(fast_math.DISABLE_ENV, "1")
+    standard, _ = load(path)
+    monkeypatch.delenv(fast_math.DISABLE_ENV)
+    fast, _ = load(path)
+    mlps = [m for _, m in fast.named_modules() if isinstance(m, GatedMLP)]
+    assert mlps and fast.cpu_fast_paths.fast_mlps == len(mlps)
+    assert not any(isinstance(m, GatedMLP) for _, m in standard.named_modules())
+    assert sorted(k for k, _ in tree_flatten(fast.parameters())) == sorted(
+        k for k, _ in tree_flatten(standard.parameters())
+    )

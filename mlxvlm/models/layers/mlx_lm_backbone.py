@@ -14,7 +14,11 @@ import dataclasses
 import importlib
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from mlxvlm.models.layers import fast_math
 
 # Hugging Face model_type -> mlx-lm module, where mlx-lm implements one with another.
 MLX_LM_MODULES = {
@@ -112,3 +116,40 @@ class MlxLmDecoder:
 
     def __call__(self, input_ids, cache=None, *, embeddings=None, state=None):
         return self.language_model(input_ids, cache=cache, input_embeddings=embeddings)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` over an mlx-lm MLP's own three projections (same
+    parameter names), with ``fast_math``'s activation: what mlx-lm's llama/mistral/qwen2
+    (SiLU) and gemma3_text (GELU, tanh form) MLPs compute, faster on the CPU backend."""
+
+    def __init__(self, mlp: nn.Module, act):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.act = act
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+# mlx-lm module -> the activation of its ``MLP`` class (read from its source: the class
+# computes down(act(gate(x)) * up(x)) with exactly these three children).
+_GATED_MLP_ACTIVATIONS = {
+    "mlx_lm.models.llama": fast_math.silu,
+    "mlx_lm.models.qwen2": fast_math.silu,
+    "mlx_lm.models.gemma3_text": fast_math.gelu_tanh,
+}
+
+
+def use_fast_mlps(model: nn.Module) -> int:
+    """Replace mlx-lm MLPs of the known kinds inside ``model`` by ``GatedMLP`` (same
+    parameters); returns how many were replaced."""
+    replacements = []
+    for name, module in model.named_modules():
+        cls = type(module)
+        act = _GATED_MLP_ACTIVATIONS.get(cls.__module__)
+        if cls.__name__ == "MLP" and act is not None:
+            replacements.append((name, GatedMLP(module, act)))
+    if replacements:
+        model.update_modules(tree_unflatten(replacements))
+    return len(replacements)

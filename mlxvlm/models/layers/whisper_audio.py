@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
 from mlxvlm.models.layers.attention import scaled_dot_product_attention
 
 
