@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlxvlm.models.layers import fast_math
 
 # Below this many scores (batch x heads x queries x keys) MLX's own kernel is as fast.
-MIN_SCORES = 1 << 18
+MIN_SCORES = 1 << 15
 # Scores per query block; see fast_math.SLICE_ELEMENTS.
 BLOCK_SCORES = 1 << 19
 

@@ -194,3 +194,18 @@ def _dispatching(fast_kernel: Callable, reference: Callable) -> Callable:
 gelu_tanh = _dispatching(_gelu_tanh_kernel, nn.gelu_approx)
 quick_gelu = _dispatching(_quick_gelu_kernel, nn.gelu_fast_approx)
 silu = _dispatching(_silu_kernel, nn.silu)
+
+
+def gated(act: Callable) -> Callable[[mx.array, mx.array], mx.array]:
+    """``(gate, up) -> act(gate) * up`` for one of this module's activations: on large
+    arrays through ``act``'s fast path, on small ones (decode steps) as one compiled MLX
+    kernel, like mlx-lm's ``swiglu``."""
+    reference = {gelu_tanh: nn.gelu_approx, quick_gelu: nn.gelu_fast_approx, silu: nn.silu}[act]
+    fused = mx.compile(lambda gate, up: reference(gate) * up, shapeless=True)
+
+    def function(gate: mx.array, up: mx.array) -> mx.array:
+        if gate.size >= MIN_ELEMENTS and use_fast_math(gate):
+            return act(gate) * up
+        return fused(gate, up)
+
+    return function

@@ -126,10 +126,10 @@ class GatedMLP(nn.Module):
     def __init__(self, mlp: nn.Module, act):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        self.act = act
+        self._gated = fast_math.gated(act)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self._gated(self.gate_proj(x), self.up_proj(x)))
 
 
 # mlx-lm module -> the activation of its ``MLP`` class (read from its source: the class

@@ -42,6 +42,9 @@ from mlxvlm.models.layers import fast_math
 from mlxvlm.models.layers.attention import scaled_dot_product_attention
 
 
+swiglu = fast_math.gated(fast_math.silu)
+
+
 @dataclass
 class TextConfig:
     hidden_size: int
@@ -458,7 +461,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(fast_math.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
