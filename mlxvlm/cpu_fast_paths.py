@@ -137,9 +137,10 @@ def apply_cpu_fast_paths(model: nn.Module) -> FastPathReport:
     """Rewrite the model's quantized layers for the CPU backend, in place."""
     if not fast_paths_enabled():
         return FastPathReport(reason="off (not on the CPU backend, or disabled)")
-    from mlxvlm.models.layers.mlx_lm_backbone import use_fast_mlps
+    from mlxvlm.models.layers.mlx_lm_backbone import use_fast_attention, use_fast_mlps
 
     fast_mlps = use_fast_mlps(model)
+    use_fast_attention(model)
     report = _apply_quantized_fast_paths(model)
     report.fast_mlps = fast_mlps
     return report

@@ -194,7 +194,9 @@ def _logits_and_tokens(path):
     return np.array(logits[0]), tokens
 
 
-@pytest.mark.parametrize("family", ["idefics3", "qwen2_vl", "qwen2_5_vl", "gemma3", "pixtral"])
+@pytest.mark.parametrize(
+    "family", ["idefics3", "qwen2_vl", "qwen2_5_vl", "gemma3", "pixtral", "llava_onevision"]
+)
 def test_models_on_fast_paths_match_standard_path(tiny_checkpoints, family, monkeypatch):
     """Every attention and activation of the tiny model on the fast paths (thresholds
     lowered): the same logits within float32 tolerance and the same greedy tokens."""
@@ -227,7 +229,7 @@ def test_mlx_lm_mlps_get_fast_activations_with_the_same_parameters(tiny_checkpoi
                                                                    kind, monkeypatch):
     from mlx.utils import tree_flatten
 
-    from mlxvlm.models.layers.mlx_lm_backbone import GatedMLP
+    from mlxvlm.models.layers.mlx_lm_backbone import GatedMLP, use_fast_attention
 
     path = tiny_checkpoints.path(family, "hub")
     monkeypatch.setenv(fast_math.DISABLE_ENV, "1")
@@ -237,6 +239,21 @@ def test_mlx_lm_mlps_get_fast_activations_with_the_same_parameters(tiny_checkpoi
     mlps = [m for _, m in fast.named_modules() if isinstance(m, GatedMLP)]
     assert mlps and fast.cpu_fast_paths.fast_mlps == len(mlps)
     assert not any(isinstance(m, GatedMLP) for _, m in standard.named_modules())
+    assert f"mlx_lm.models.{kind}" in use_fast_attention(fast)
+    # The text model's attention layers now take the blocked path...
+    calls = []
+    blocked = attention._blocked_attention
+    monkeypatch.setattr(attention, "_blocked_attention",
+                        lambda *a: calls.append(1) or blocked(*a))
+    monkeypatch.setattr(attention, "MIN_SCORES", 0)
+    ids = mx.array([[1, 2, 3, 4, 5, 6]])
+    out = fast(ids, fast.make_cache())
+    assert len(calls) == len(fast.layers)
+    # ...and compute what the standard model computes on MLX's kernels.
+    monkeypatch.setenv(fast_math.DISABLE_ENV, "1")
+    want = standard(ids, standard.make_cache())
+    assert len(calls) == len(fast.layers)
+    np.testing.assert_allclose(np.array(out), np.array(want), rtol=1e-4, atol=1e-4)
     assert sorted(k for k, _ in tree_flatten(fast.parameters())) == sorted(
         k for k, _ in tree_flatten(standard.parameters())
     )

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
+from mlx_lm.models import base as mlx_lm_base
 
-from mlxvlm.models.layers import fast_math
+from mlxvlm.models.layers import attention, fast_math
 
 # Hugging Face model_type -> mlx-lm module, where mlx-lm implements one with another.
 MLX_LM_MODULES = {
@@ -153,3 +155,35 @@ def use_fast_mlps(model: nn.Module) -> int:
     if replacements:
         model.update_modules(tree_unflatten(replacements))
     return len(replacements)
+
+
+def _mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    """mlx-lm's ``scaled_dot_product_attention`` (models/base.py), with ``attention``'s
+    blocked CPU path for what it covers; quantized caches and attention sinks go to
+    mlx-lm's own function."""
+    if sinks is not None or hasattr(cache, "bits"):
+        return mlx_lm_base.scaled_dot_product_attention(
+            queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks
+        )
+    return attention.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def use_fast_attention(model: nn.Module) -> list[str]:
+    """Point the mlx-lm model files that ``model`` uses at ``_mlx_lm_attention``.
+
+    mlx-lm's attention classes call the ``scaled_dot_product_attention`` their module
+    imported from ``mlx_lm.models.base``; that name is the one hook they offer, so it is
+    rebound in those modules (the function computes the same attention on every backend,
+    and is MLX's own kernel wherever ``attention`` does not take its CPU path). Returns
+    the modules rebound."""
+    rebound = []
+    for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
+        module = sys.modules.get(name)
+        if not name.startswith("mlx_lm.models.") or module is None:
+            continue
+        current = getattr(module, "scaled_dot_product_attention", None)
+        if current is mlx_lm_base.scaled_dot_product_attention:
+            module.scaled_dot_product_attention = _mlx_lm_attention
+        if getattr(module, "scaled_dot_product_attention", None) is _mlx_lm_attention:
+            rebound.append(name)
+    return rebound
