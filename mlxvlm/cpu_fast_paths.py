@@ -1,4 +1,4 @@
-"""Fast paths for quantized layers on MLX's CPU backend.
+"""Fast paths on MLX's CPU backend: quantized layers, and mlx-lm text models' maths.
 
 Measured on a 2-core x86-64 machine (mlx 0.32.4, OpenBLAS loaded, see ``_backend``):
 ``mx.quantized_matmul`` for a 4-bit 1x1536x8960 product takes 0.16 s, a float32 gemv of
@@ -13,8 +13,15 @@ about as much per row as dequantizing the whole matrix, so on the CPU:
   decode) dequantizes the layer's weight for that call and uses BLAS, while a single row
   (decode) uses the quantized kernel. Memory stays at the quantized size plus one layer.
 
-Metal (and CUDA) keep MLX's own quantized kernels: nothing here runs off the CPU backend.
-``MLXVLM_NO_CPU_FAST_PATHS=1`` (or ``load(..., cpu_fast_paths=False)``) turns this off.
+It also gives the text models from mlx-lm the exp-based maths of
+``models/layers/fast_math.py`` and the blocked attention of ``models/layers/attention.py``
+(the vision towers and mlxvlm's own decoders call those directly): their gated MLPs
+become ``GatedMLP`` over the same projections, and their attention calls are routed
+through ``attention`` (see ``models/layers/mlx_lm_backbone.py``).
+
+Metal (and CUDA) keep MLX's own kernels: nothing here runs off the CPU backend.
+``MLXVLM_NO_CPU_FAST_PATHS=1`` turns all of this off; ``load(..., cpu_fast_paths=False)``
+leaves the model's modules as they are (fine-tuning does).
 """
 
 from __future__ import annotations
