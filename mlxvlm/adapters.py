@@ -9,6 +9,13 @@ PEFT's DoRA layer does, so lora_a = A.T, lora_b = B.T and m = the magnitude vect
 
 HF module paths are mapped onto ours with the family's own ``sanitize`` when loading, and
 ours onto HF's with ``hf_module_name`` (see ``models/base.py``) when saving.
+
+A linear layer of ours that transformers splits in several (``hf_split_modules``: a fused
+q/k/v) is saved as one PEFT module per part: each gets a copy of lora_A and its rows of
+lora_B (and of DoRA's magnitude, which is per output row, so the split is exact). Loaded
+back, parts sharing one lora_A make one adapter of that rank again; parts with their own
+(as peft trains them) make one of the summed rank whose lora_B is block-diagonal, which
+is exact too. A part the adapter leaves out keeps its base rows.
 """
 
 from __future__ import annotations
@@ -81,6 +88,77 @@ def lora_scale(config: dict, hf_module: str = "", rank: int | None = None) -> fl
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
 
+# ------------------------------------------------------------------------------- naming
+
+
+def hf_module_parts(model: nn.Module, name: str) -> list[tuple[str, slice]]:
+    """transformers' module paths for our linear layer ``name``, each with the rows of our
+    output it holds: one module, or several where transformers splits the layer (see
+    ``hf_split_modules``). Raises NotImplementedError where the family cannot name it."""
+    split = getattr(model, "hf_split_modules", lambda _: None)(name)
+    if not split:
+        return [(model.hf_module_name(name), slice(None))]
+    parts, start = [], 0
+    for hf_module, rows in split:
+        parts.append((hf_module, slice(start, start + rows)))
+        start += rows
+    return parts
+
+
+def _split_modules(model: nn.Module) -> dict[str, tuple[str, list[tuple[str, slice]]]]:
+    """``{hf_module: (ours, all its parts)}`` for the model's layers that transformers splits."""
+    split = getattr(model, "hf_split_modules", None)
+    found = {}
+    for name, _ in model.named_modules() if split else ():
+        if split(name):
+            parts = hf_module_parts(model, name)
+            found.update({hf_module: (name, parts) for hf_module, _ in parts})
+    return found
+
+
+def _join_parts(config: dict, ours: str, parts: list[tuple[str, slice]],
+                present: dict[str, dict[str, mx.array]], magnitude: mx.array | None):
+    """One adapter for our layer ``ours`` from the PEFT modules of its ``present`` parts:
+    ``(tensors as set_adapter_weights takes them, rank, scale)``. ``magnitude`` (DoRA) is
+    the layer's own, kept for the rows of parts the adapter leaves out."""
+    ordered = [(hf, rows, present[hf]) for hf, rows in parts if hf in present]
+    for hf, _, tensors in ordered:
+        expected = {"A", "B", "M"} if magnitude is not None else {"A", "B"}
+        if set(tensors) != expected:
+            raise CheckpointError(
+                f"adapter module {hf!r} has tensors {sorted(tensors)}, not {sorted(expected)} "
+                "(A, B = lora_A, lora_B; M = lora_magnitude_vector)"
+            )
+    a_first = ordered[0][2]["A"]
+    shared = all(t["A"].shape == a_first.shape and mx.array_equal(t["A"], a_first).item()
+                 for _, _, t in ordered)
+    scales = [lora_scale(config, hf, t["A"].shape[0]) for hf, _, t in ordered]
+    scale = scales[0]
+    rank = a_first.shape[0] if shared else sum(t["A"].shape[0] for _, _, t in ordered)
+    out_dims = parts[-1][1].stop
+    b = mx.zeros((out_dims, rank), mx.float32)
+    m = None if magnitude is None else mx.array(magnitude, mx.float32)
+    column = 0
+    for (hf, rows, tensors), part_scale in zip(ordered, scales):
+        part_b = tensors["B"].astype(mx.float32)
+        r = tensors["A"].shape[0]
+        if part_b.shape != (rows.stop - rows.start, r):
+            raise CheckpointError(
+                f"adapter module {hf!r} has lora_B of shape {tuple(part_b.shape)}, not "
+                f"{(rows.stop - rows.start, r)} (its rows of {ours!r})"
+            )
+        if part_scale != scale:
+            part_b = part_b * (part_scale / scale)
+        columns = slice(0, r) if shared else slice(column, column + r)
+        b[rows, columns] = part_b
+        column += r
+        if m is not None:
+            m[rows] = tensors["M"].astype(mx.float32)
+    a = a_first if shared else mx.concatenate([t["A"] for _, _, t in ordered], axis=0)
+    joined = {"A": a, "B": b} if m is None else {"A": a, "B": b, "M": m}
+    return joined, rank, scale
+
+
 # ------------------------------------------------------------------------------ loading
 
 
@@ -139,8 +217,13 @@ def load_adapter(model: nn.Module, adapter_path: str | Path) -> nn.Module:
     layer_class = DoRALinear if config.get("use_dora") else LoRALinear
 
     modules = dict(model.named_modules())
+    split = _split_modules(model)
     replacements = []
+    joined: dict[str, dict[str, dict[str, mx.array]]] = {}  # ours -> {part: its tensors}
     for hf_module, module_tensors in tensors.items():
+        if hf_module in split:
+            joined.setdefault(split[hf_module][0], {})[hf_module] = module_tensors
+            continue
         ours = _hf_module_to_ours(model, hf_module)
         base = modules.get(ours)
         if base is None or not isinstance(base, (nn.Linear, nn.QuantizedLinear)):
@@ -150,6 +233,17 @@ def load_adapter(model: nn.Module, adapter_path: str | Path) -> nn.Module:
         rank = module_tensors["A"].shape[0]
         layer = layer_class.from_base(base, r=rank, scale=lora_scale(config, hf_module, rank))
         set_adapter_weights(layer, module_tensors, hf_module)
+        replacements.append((ours, layer))
+    for ours, present in joined.items():
+        base = modules[ours]
+        if not isinstance(base, (nn.Linear, nn.QuantizedLinear)):
+            raise CheckpointError(f"adapter targets {sorted(present)}, not linear layers here")
+        parts = split[next(iter(present))][1]
+        # DoRA keeps the base's row norms as the magnitude of rows no part adapts.
+        magnitude = DoRALinear.from_base(base, r=1).m if layer_class is DoRALinear else None
+        module_tensors, rank, scale = _join_parts(config, ours, parts, present, magnitude)
+        layer = layer_class.from_base(base, r=rank, scale=scale)
+        set_adapter_weights(layer, module_tensors, ours)
         replacements.append((ours, layer))
     model.update_modules(tree_unflatten(replacements))
     model.eval()
@@ -161,10 +255,27 @@ def load_adapter_weights(model: nn.Module, adapter_path: str | Path) -> None:
     """Put an adapter's weights into the model's existing LoRA/DoRA layers (resuming a
     run): every layer must get its tensors and every tensor a layer."""
     adapter_path = Path(adapter_path)
-    read_adapter_config(adapter_path)
+    config = read_adapter_config(adapter_path)
     layers = dict(adapter_layers(model))
     tensors = read_adapter_tensors(adapter_path)
-    found = {_hf_module_to_ours(model, hf): (hf, t) for hf, t in tensors.items()}
+    split = _split_modules(model)
+    found = {_hf_module_to_ours(model, hf): (hf, t) for hf, t in tensors.items() if hf not in split}
+    joined: dict[str, dict[str, dict[str, mx.array]]] = {}
+    for hf, t in tensors.items():
+        if hf in split:
+            joined.setdefault(split[hf][0], {})[hf] = t
+    for ours, present in joined.items():
+        parts = split[next(iter(present))][1]
+        if ours not in layers:
+            found[ours] = (ours, present)  # refused below: no layer to take it
+            continue
+        if len(present) != len(parts):
+            raise CheckpointError(
+                f"the adapter in {adapter_path} has {sorted(present)} but not all of "
+                f"{[hf for hf, _ in parts]}, which are one layer here ({ours!r})"
+            )
+        magnitude = layers[ours].m if isinstance(layers[ours], DoRALinear) else None
+        found[ours] = (ours, _join_parts(config, ours, parts, present, magnitude)[0])
     if set(found) != set(layers):
         missing = sorted(set(layers) - set(found)) or sorted(set(found) - set(layers))
         raise CheckpointError(
@@ -184,20 +295,21 @@ def adapter_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, ADAPTER_LAYERS)]
 
 
-def _target_modules(model: nn.Module, adapted: dict[str, str]) -> list[str]:
-    """PEFT's ``target_modules`` for the adapted modules (ours -> HF path): their leaf
-    names when those select nothing else in the model, else the full HF paths (PEFT
+def _target_modules(model: nn.Module, adapted: dict[str, list[str]]) -> list[str]:
+    """PEFT's ``target_modules`` for the adapted modules (ours -> their HF paths): the HF
+    leaf names when those select nothing else in the model, else the full HF paths (PEFT
     matches a list entry against the end of each module path)."""
-    leaves = {name.rpartition(".")[2] for name in adapted}
-    others = [
-        name
-        for name, _ in model.named_modules()
-        if name.rpartition(".")[2] in leaves
-        and name not in adapted
+    hf_paths = sorted(hf for paths in adapted.values() for hf in paths)
+    leaves = {hf.rpartition(".")[2] for hf in hf_paths}
+    split = getattr(model, "hf_split_modules", lambda _: None)
+    for name, _ in model.named_modules():
         # the base linear inside a wrapper is the adapted module itself
-        and name.rpartition(".")[0] not in adapted
-    ]
-    return sorted(leaves) if not others else sorted(adapted.values())
+        if name in adapted or name.rpartition(".")[0] in adapted:
+            continue
+        names = [hf for hf, _ in split(name) or ()] or [name]
+        if any(other.rpartition(".")[2] in leaves for other in names):
+            return hf_paths
+    return sorted(leaves)
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -235,22 +347,29 @@ def save_adapter(
     use_dora = kinds.pop() is DoRALinear
 
     tensors: dict[str, mx.array] = {}
-    adapted: dict[str, str] = {}
+    adapted: dict[str, list[str]] = {}
     for name, layer in layers:
         if not math.isclose(float(layer.scale), alpha / rank, rel_tol=1e-6):
             raise CheckpointError(
                 f"layer {name!r} has scale {layer.scale}, not lora_alpha / r = {alpha / rank}"
             )
         try:
-            hf = model.hf_module_name(name)
+            parts = hf_module_parts(model, name)
         except NotImplementedError as exc:
             raise CheckpointError(str(exc)) from None
-        adapted[name] = hf
-        prefix = f"{PEFT_PREFIX}{hf}"
-        tensors[f"{prefix}.lora_A.weight"] = layer.lora_a.T
-        tensors[f"{prefix}.lora_B.weight"] = layer.lora_b.T
-        if use_dora:
-            tensors[f"{prefix}.lora_magnitude_vector"] = layer.m
+        out_dims = layer.lora_b.shape[1]
+        if parts[-1][1].stop not in (None, out_dims):
+            raise CheckpointError(
+                f"layer {name!r} has {out_dims} outputs, but its transformers modules "
+                f"{[hf for hf, _ in parts]} have {parts[-1][1].stop}"
+            )
+        adapted[name] = [hf for hf, _ in parts]
+        for hf, rows in parts:  # a layer transformers splits: lora_A copied, rows of the rest
+            prefix = f"{PEFT_PREFIX}{hf}"
+            tensors[f"{prefix}.lora_A.weight"] = layer.lora_a.T
+            tensors[f"{prefix}.lora_B.weight"] = layer.lora_b.T[rows]
+            if use_dora:
+                tensors[f"{prefix}.lora_magnitude_vector"] = layer.m[rows]
     tensors = {k: mx.contiguous(v.astype(mx.float32)) for k, v in tensors.items()}
     mx.eval(tensors)
 

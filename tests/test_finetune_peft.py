@@ -1,7 +1,9 @@
 """PEFT interchange, both ways: adapters trained here load in transformers + peft and give
 the same logits; adapters made with peft (non-zero, LoRA and DoRA, rsLoRA, per-module
-alpha) load here and give peft's logits. Also: every family names its modules the
-transformers way, which is what makes the adapters' tensor names right."""
+alpha) load here and give peft's logits. Both on the decoder and on vision towers, among
+them Qwen2.5-Omni's, whose fused q/k/v is three layers in transformers. Also: every family
+names its modules the transformers way, which is what makes the adapters' tensor names
+right."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from finetune_helpers import small_dataset
 from tiny import BUILDERS, make_image
 from mlxvlm import load
+from mlxvlm.adapters import hf_module_parts
 from mlxvlm.finetune import FinetuneConfig, finetune
 from mlxvlm.prompt import prepare_inputs
 
@@ -29,30 +32,48 @@ def mlx_logits(model, processor) -> np.ndarray:
 
 def torch_logits(model, processor) -> np.ndarray:
     inputs = prepare_inputs(processor, MESSAGES, [IMAGE])
-    kwargs = {k: torch.tensor(np.array(v)) for k, v in inputs.features.items()
-              if k in ("pixel_values", "image_grid_thw", "mm_token_type_ids")}
+    # Integers as int64, as transformers' processors give them (Qwen2.5-Omni's rope index
+    # needs the attention mask, and writes positions into a tensor of the ids' type).
+    kwargs = {k: _torch_tensor(v) for k, v in inputs.features.items() if k in (
+        "pixel_values", "image_grid_thw", "image_sizes", "mm_token_type_ids", "attention_mask")}
     with torch.no_grad():
-        out = model(input_ids=torch.tensor(np.array(inputs.input_ids)), **kwargs)
+        out = model(input_ids=_torch_tensor(inputs.input_ids), **kwargs)
     return out.logits[0].float().numpy()
 
 
+def _torch_tensor(value) -> "torch.Tensor":
+    value = np.array(value)
+    return torch.tensor(value.astype(np.int64) if np.issubdtype(value.dtype, np.integer) else value)
+
+
 def reference_model(tiny_checkpoints, family):
-    """A fresh transformers model from the saved checkpoint (peft changes it in place)."""
+    """A fresh transformers model from the saved checkpoint (peft changes it in place), as
+    transformers 5 saves it (it cannot read every family's Hub layout, e.g. Pixtral's)."""
     model_class = type(tiny_checkpoints.model(family).model)
-    return model_class.from_pretrained(tiny_checkpoints.path(family, "hub"), dtype=torch.float32).eval()
+    path = tiny_checkpoints.path(family, "transformers")
+    return model_class.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("family,method,train_vision", [
-    ("qwen2_vl", "lora", False),
-    ("qwen2_5_vl", "lora", True),
-    ("qwen2_vl", "dora", True),
+# (family, method, train_vision, num_layers, target_modules): num_layers 0 with train_vision
+# adapts the vision side alone, so a vision adapter peft misplaced could not hide behind
+# the decoder's; Qwen2.5-Omni's cases adapt only its fused qkv, saved as q, k and v.
+@pytest.mark.parametrize("family,method,train_vision,num_layers,targets", [
+    ("qwen2_vl", "lora", False, -1, None),
+    ("qwen2_5_vl", "lora", True, -1, None),
+    ("qwen2_vl", "dora", True, -1, None),
+    ("llava", "lora", True, 0, None),
+    ("pixtral", "lora", True, 0, None),
+    ("qwen2_5_omni", "lora", True, 0, ["qkv"]),
+    ("qwen2_5_omni", "dora", True, 0, ["qkv"]),
 ])
-def test_adapter_trained_here_loads_in_peft(tiny_checkpoints, tmp_path, family, method, train_vision):
+def test_adapter_trained_here_loads_in_peft(tiny_checkpoints, tmp_path, family, method,
+                                            train_vision, num_layers, targets):
     checkpoint = tiny_checkpoints.path(family, "hub")
     data = small_dataset(tmp_path / "data", count=4)
     finetune(FinetuneConfig(
         model=str(checkpoint), data=str(data), output=str(tmp_path / "adapter"), method=method,
-        rank=4, alpha=8, train_vision=train_vision, batch_size=2, iters=3, learning_rate=1e-2,
+        rank=4, alpha=8, train_vision=train_vision, num_layers=num_layers,
+        target_modules=targets, batch_size=2, iters=3, learning_rate=1e-2,
     ))
     model, processor = load(checkpoint, adapter_path=tmp_path / "adapter")
     ours = mlx_logits(model, processor)
@@ -65,20 +86,34 @@ def test_adapter_trained_here_loads_in_peft(tiny_checkpoints, tmp_path, family, 
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("options", [
-    {"use_dora": False},
-    {"use_dora": True},
-    {"use_rslora": True, "alpha_pattern": {"v_proj": 3.0}},
-], ids=["lora", "dora", "rslora-alpha-pattern"])
-def test_adapter_made_with_peft_loads_here(tiny_checkpoints, tmp_path, options):
-    family = "qwen2_vl"
+DECODER_TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+# peft's regex form of target_modules (a full match of the module path): vision towers only.
+LLAVA_TOWER = r"model\.vision_tower\..*\.(q_proj|v_proj|out_proj|fc1|fc2)"
+PIXTRAL_TOWER = r"model\.vision_tower\..*\.(q_proj|o_proj|gate_proj|down_proj)"
+OMNI_QKV = r"model\.visual\.blocks\.\d+\.attn\.(q|k|v)"
+OMNI_QV = r"model\.visual\.blocks\.\d+\.attn\.(q|v)"
+
+
+@pytest.mark.parametrize("family,options", [
+    ("qwen2_vl", {"use_dora": False}),
+    ("qwen2_vl", {"use_dora": True}),
+    ("qwen2_vl", {"use_rslora": True, "alpha_pattern": {"v_proj": 3.0}}),
+    ("llava", {"target_modules": LLAVA_TOWER}),
+    ("pixtral", {"target_modules": PIXTRAL_TOWER, "use_dora": True}),
+    # q, k and v with their own lora_A (and k its own alpha): one fused layer here
+    ("qwen2_5_omni", {"target_modules": OMNI_QKV, "alpha_pattern": {"k": 3.0}}),
+    # k left out: its rows of the fused layer keep the base weights (and norms, with DoRA)
+    ("qwen2_5_omni", {"target_modules": OMNI_QV, "use_dora": True}),
+], ids=["lora", "dora", "rslora-alpha-pattern", "llava-tower", "pixtral-tower-dora",
+        "omni-qkv-alpha-pattern", "omni-qv-dora"])
+def test_adapter_made_with_peft_loads_here(tiny_checkpoints, tmp_path, family, options):
     torch.manual_seed(0)
     base = reference_model(tiny_checkpoints, family)
     model, processor = load(tiny_checkpoints.path(family, "hub"))
     before = torch_logits(base, processor)
     config = peft.LoraConfig(
         r=4, lora_alpha=8, init_lora_weights=False,  # random A and B: a non-zero update
-        target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], **options,
+        **{"target_modules": DECODER_TARGETS, **options},
     )
     adapted = peft.get_peft_model(base, config).eval()
     if options.get("use_dora"):  # move the magnitudes off their initial norms too
@@ -94,46 +129,74 @@ def test_adapter_made_with_peft_loads_here(tiny_checkpoints, tmp_path, options):
     np.testing.assert_allclose(mlx_logits(model, processor), theirs, atol=1e-4, rtol=1e-4)
 
 
-# Vision towers whose transformers names the family's HF_PREFIXES cannot give yet (the
-# family owners' to fix; --train-vision adapters of these families would not load in peft).
-_TOWER_LEVEL = ("its HF_PREFIXES list the tower's older '...vision_model.' prefix before "
-                "the one of transformers 5's module tree, which has no such level")
-VISION_NAMES_UNKNOWN = {
-    "llava": _TOWER_LEVEL,
-    "llava_next": _TOWER_LEVEL,
-    "llava_onevision": _TOWER_LEVEL,
-    "mistral3": "no HF_PREFIXES entry names the Pixtral tower",
-    "pixtral": "no HF_PREFIXES entry names the Pixtral tower",
-    "qwen2_5_omni": "the tower's fused qkv is three linear layers in transformers",
-}
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_fused_layer_adapter_resumes(tiny_checkpoints, tmp_path, method):
+    """Resuming (load_adapter_weights) joins the saved q, k and v of Qwen2.5-Omni's fused
+    qkv back into the layer exactly; an adapter with only some of them is refused."""
+    import mlx.core as mx
+
+    from mlxvlm.adapters import WEIGHTS_FILE, adapter_layers, load_adapter_weights, save_adapter
+    from mlxvlm.errors import CheckpointError
+    from mlxvlm.finetune.tuning import apply_tuning
+
+    def tuned():
+        model, _ = load(tiny_checkpoints.path("qwen2_5_omni", "hub"))
+        apply_tuning(model, method, rank=4, alpha=8, target_modules=["qkv"], num_layers=0,
+                     train_vision=True)
+        return model
+
+    trained = tuned()
+    for index, (_, layer) in enumerate(adapter_layers(trained)):
+        layer.lora_b = mx.random.normal(layer.lora_b.shape, key=mx.random.key(index))
+        if method == "dora":
+            layer.m = layer.m * 1.1
+    save_adapter(trained, tmp_path / "adapter", alpha=8)
+    saved = mx.load(str(tmp_path / "adapter" / WEIGHTS_FILE))
+    assert {name.split(".attn.")[1].split(".")[0] for name in saved} == {"q", "k", "v"}
+
+    resumed = tuned()
+    load_adapter_weights(resumed, tmp_path / "adapter")
+    for (name, layer), (_, expected) in zip(adapter_layers(resumed), adapter_layers(trained)):
+        for key in ("lora_a", "lora_b") + (("m",) if method == "dora" else ()):
+            np.testing.assert_array_equal(np.array(getattr(layer, key)),
+                                          np.array(getattr(expected, key)), err_msg=name)
+
+    partial = {k: v for k, v in saved.items() if ".attn.k." not in k}
+    mx.save_safetensors(str(tmp_path / "adapter" / WEIGHTS_FILE), partial)
+    with pytest.raises(CheckpointError, match="not all of"):
+        load_adapter_weights(tuned(), tmp_path / "adapter")
 
 
-def _cases():
-    for family in sorted(BUILDERS):
-        yield pytest.param(family, "decoder", id=f"{family}-decoder")
-        marks = ([pytest.mark.xfail(reason=VISION_NAMES_UNKNOWN[family], strict=True)]
-                 if family in VISION_NAMES_UNKNOWN else [])
-        yield pytest.param(family, "vision", id=f"{family}-vision", marks=marks)
-
-
-@pytest.mark.parametrize("family,part", _cases())
+@pytest.mark.parametrize("family,part", [
+    (family, part) for family in sorted(BUILDERS) for part in ("decoder", "vision")
+], ids=lambda value: value)
 def test_every_adaptable_layer_has_its_transformers_name(tiny_checkpoints, family, part):
     """hf_module_name inverts each family's sanitize onto transformers' module tree, for
-    every layer fine-tuning can adapt: in the decoder blocks, and on the vision side."""
+    every layer fine-tuning can adapt: in the decoder blocks, and on the vision side. A
+    layer transformers splits (hf_split_modules) maps onto linear layers that together
+    have its rows."""
     from mlxvlm.finetune.tuning import candidate_linears
 
     model, _ = load(tiny_checkpoints.path(family, tiny_layout(family)))
+    ours = dict(model.named_modules())
     hf_modules = dict(tiny_checkpoints.model(family).model.named_modules())
     paths = candidate_linears(model, num_layers=-1, train_vision=True)
     decoder = set(candidate_linears(model, num_layers=-1, train_vision=False))
     wrong = []
     for name in [p for p in paths if (p in decoder) == (part == "decoder")]:
         try:
-            hf_name = model.hf_module_name(name)
+            parts = hf_module_parts(model, name)
         except NotImplementedError:
-            hf_name = None
-        if not isinstance(hf_modules.get(hf_name), torch.nn.Linear):
-            wrong.append((name, hf_name))
+            parts = [(None, slice(None))]
+        out_dims, in_dims = ours[name].weight.shape
+        for hf_name, rows in parts:
+            hf = hf_modules.get(hf_name)
+            wanted = range(out_dims)[rows]
+            if not (isinstance(hf, torch.nn.Linear) and hf.out_features == len(wanted)
+                    and hf.in_features == in_dims):
+                wrong.append((name, hf_name))
+        if parts[-1][1].stop not in (None, out_dims):
+            wrong.append((name, [hf for hf, _ in parts]))
     assert not wrong, f"{len(wrong)} wrong, e.g. {wrong[:3]}"
 
 

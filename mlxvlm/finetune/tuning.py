@@ -17,6 +17,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 
+from mlxvlm.adapters import hf_module_parts
 from mlxvlm.errors import MlxvlmError
 
 METHODS = ("lora", "dora", "full")
@@ -144,7 +145,7 @@ def _check_peft_names(model: nn.Module, paths: list[str]) -> None:
     the first checkpoint, when the family cannot give one."""
     for path in paths:
         try:
-            model.hf_module_name(path)
+            hf_module_parts(model, path)
         except NotImplementedError as exc:
             raise MlxvlmError(
                 f"an adapter on {path} could not be saved in PEFT's format: {exc}; choose "

@@ -55,6 +55,10 @@ class VisionLanguageModel(nn.Module):
     ``hf_module_name(name)``
         The transformers module path of our module ``name``: ``sanitize`` for module
         names, inverted. The default reads the family module's ``HF_PREFIXES`` table.
+    ``hf_split_modules(name)``
+        For a linear layer of ours that is several in transformers, stacked along the
+        output (a fused q/k/v): their module paths and output sizes, in order. None (the
+        default) where ``hf_module_name`` names the one transformers module.
     """
 
     # Names of processor outputs (besides input_ids) that ``embed`` consumes.
@@ -109,6 +113,9 @@ class VisionLanguageModel(nn.Module):
             f"{type(self).__name__} cannot name its module {name!r} as transformers does "
             "(the family needs an HF_PREFIXES entry for it or its own hf_module_name)"
         )
+
+    def hf_split_modules(self, name: str) -> tuple[tuple[str, int], ...] | None:
+        return None
 
     def make_cache(self) -> list[Any]:
         return [KVCache() for _ in self.layers]

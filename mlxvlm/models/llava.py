@@ -47,7 +47,11 @@ from mlxvlm.models.weights import map_hf_weights, rename_prefix
 HF_PREFIXES = (
     ("model.language_model.", "language_model.model."),
     ("lm_head.", "language_model.lm_head."),
-    ("model.vision_tower.", "vision_tower."),
+    # transformers 5's module tree first (its tower has no vision_model level): adapters
+    # are named after it. transformers 4's (model.vision_tower.vision_model.*) still maps
+    # here, as the longer prefix.
+    ("model.vision_tower.", "vision_tower.vision_model."),
+    ("model.vision_tower.vision_model.", "vision_tower.vision_model."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("model.image_newline", "image_newline"),
 )

@@ -42,17 +42,18 @@ from mlxvlm.models.layers import mlx_lm_backbone
 from mlxvlm.models.layers.pixtral_vision import (
     PixtralVisionConfig,
     PixtralVisionTower,
-    hf_vision_name_to_mlx,
     sanitize_vision_tensor,
 )
 from mlxvlm.models.layers.activations import activation
 from mlxvlm.models.weights import has_transformers_names, map_hf_weights, rename_prefix
 
-# Hugging Face name prefix -> ours, first match wins; the vision tower's names are mapped
-# by ``hf_vision_name_to_mlx``. Hub checkpoints (transformers 4.4x-4.5x) already use
-# ``language_model.model.*`` / ``multi_modal_projector.*``; transformers 5 nests them
-# under ``model.``.
+# Hugging Face name prefix -> ours, the longest match wins. Hub checkpoints (transformers
+# 4.4x-4.5x) already use ``language_model.model.*`` / ``multi_modal_projector.*`` and put
+# the tower directly under ``vision_tower.``; transformers 5 nests them all under
+# ``model.``, which is listed first: adapters are named after that module tree.
 HF_PREFIXES = (
+    ("model.vision_tower.", "vision_tower.vision_model."),
+    ("vision_tower.", "vision_tower.vision_model."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("model.language_model.", "language_model.model."),
     ("lm_head.", "language_model.lm_head."),
@@ -73,8 +74,7 @@ def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
 
 
 def hf_to_mlx_name(name: str) -> str:
-    mapped = hf_vision_name_to_mlx(name)
-    return mapped if mapped != name else rename_prefix(name, HF_PREFIXES)
+    return rename_prefix(name, HF_PREFIXES)
 
 
 def text_config_for_mlx_lm(config: dict) -> dict:

@@ -171,6 +171,22 @@ class Model(qwen2_vl.Model):
             sanitized[name] = mx.concatenate([pieces["q"], pieces["k"], pieces["v"]], axis=0)
         return sanitized
 
+    def hf_split_modules(self, name: str) -> tuple[tuple[str, int], ...] | None:
+        """A vision block's fused ``attn.qkv``: transformers' ``attn.q``, ``attn.k`` and
+        ``attn.v``, each as wide as the tower."""
+        block, _, leaf = name.rpartition(".")
+        if leaf != "qkv" or not name.startswith("vision_tower.blocks."):
+            return None
+        hf_block = super().hf_module_name(block)
+        return tuple((f"{hf_block}.{part}", self.args.vision.hidden_size) for part in "qkv")
+
+    def hf_module_name(self, name: str) -> str:
+        if self.hf_split_modules(name) is not None:
+            raise NotImplementedError(
+                f"{name!r} is three linear layers in transformers (q, k, v); see hf_split_modules"
+            )
+        return super().hf_module_name(name)
+
     # -- the contract -----------------------------------------------------------------
 
     @property
