@@ -31,6 +31,7 @@ from mlx_lm.tuner.utils import build_schedule
 
 from mlxvlm.finetune.dataset import BatchOrder, ExampleSet, evaluation_batches
 from mlxvlm.finetune.masking import EncodedConversation
+from mlxvlm.models.feature_cache import no_feature_cache
 
 
 def model_inputs(model: nn.Module, encoded: EncodedConversation):
@@ -43,8 +44,10 @@ def model_inputs(model: nn.Module, encoded: EncodedConversation):
 
 def sequence_loss(model: nn.Module, input_ids: mx.array, loss_mask: mx.array,
                   features: dict) -> mx.array:
-    """Summed cross-entropy of the assistant tokens of one sequence."""
-    embeddings, state = model.embed(input_ids, **features)
+    """Summed cross-entropy of the assistant tokens of one sequence. The towers run on
+    every image (never the inference feature cache): the loss needs their gradients."""
+    with no_feature_cache():
+        embeddings, state = model.embed(input_ids, **features)
     logits = model(input_ids[:, :-1], embeddings=embeddings[:, :-1], state=state)
     losses = nn.losses.cross_entropy(logits.astype(mx.float32), input_ids[:, 1:])
     return (losses * loss_mask[None, 1:]).sum()

@@ -15,6 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from mlxvlm.models.feature_cache import FeatureCache
+
 
 class VisionLanguageModel(nn.Module):
     """Base class of every family's ``Model``.
@@ -63,6 +65,30 @@ class VisionLanguageModel(nn.Module):
 
     # Names of processor outputs (besides input_ids) that ``embed`` consumes.
     feature_names: tuple[str, ...] = ()
+
+    def __init__(self):
+        """``feature_cache`` (a ``models.feature_cache.FeatureCache``) holds the features
+        of the images (videos, audio) this model has encoded, keyed by their preprocessed
+        content, so that a chat's later turns do not run the towers again over earlier
+        images. Families reach it through ``feature_cache.cached_features``. Changing the
+        weights through ``update`` or ``update_modules`` empties it."""
+        super().__init__()
+        # A plain object, not a dict: it stays out of the parameter tree.
+        self.feature_cache = FeatureCache()
+
+    def update(self, parameters: dict, strict: bool = True) -> "VisionLanguageModel":
+        self._forget_features()
+        return super().update(parameters, strict=strict)
+
+    def update_modules(self, modules: dict, strict: bool = True) -> "VisionLanguageModel":
+        self._forget_features()
+        return super().update_modules(modules, strict=strict)
+
+    def _forget_features(self) -> None:
+        """New weights make every cached feature stale."""
+        cache = getattr(self, "feature_cache", None)
+        if cache is not None:
+            cache.clear()
 
     @classmethod
     def from_config(cls, config: dict) -> "VisionLanguageModel":

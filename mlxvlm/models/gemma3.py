@@ -29,6 +29,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it
+from mlxvlm.models.feature_cache import cached_rows
 from mlxvlm.models.layers import siglip
 from mlxvlm.models.weights import has_transformers_names, map_hf_weights, rename_prefix, tie_lm_head
 
@@ -330,8 +331,12 @@ class Model(VisionLanguageModel):
         """(images, mm_tokens_per_image, hidden) from the processor's (images, C, H, W)."""
         pixels = mx.array(pixel_values) if not isinstance(pixel_values, mx.array) else pixel_values
         dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
-        patches = self.vision_tower(pixels.transpose(0, 2, 3, 1).astype(dtype))
-        return self.multi_modal_projector(patches)
+
+        def encode(images: mx.array) -> mx.array:  # SigLIP sees each image on its own
+            patches = self.vision_tower(images.transpose(0, 2, 3, 1).astype(dtype))
+            return self.multi_modal_projector(patches)
+
+        return cached_rows(self, "image", encode, pixels)
 
     def __call__(self, input_ids, cache=None, *, embeddings=None, state=None) -> mx.array:
         h = embeddings if embeddings is not None else self.language_model.model.embed(input_ids)

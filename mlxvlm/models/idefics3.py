@@ -25,6 +25,7 @@ from mlx_lm.models import llama
 from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it, rope_parameters
+from mlxvlm.models.feature_cache import cached_rows
 from mlxvlm.models.layers import mlx_lm_backbone, siglip
 from mlxvlm.models.weights import map_hf_weights, rename_prefix, tie_lm_head
 
@@ -176,9 +177,12 @@ class Model(VisionLanguageModel):
             mask = mask[:, : rows * p, : columns * p].reshape(-1, rows, p, columns, p)
             patch_mask = mask.any(axis=(2, 4))
         dtype = self.vision_model.post_layernorm.weight.dtype  # never quantized
-        pixels = mx.array(pixels.transpose(0, 2, 3, 1)).astype(dtype)
-        patches = self.vision_model(pixels, patch_mask)
-        return self.connector(patches)
+
+        def encode(tiles: np.ndarray, masks: np.ndarray) -> mx.array:  # tile by tile
+            tiles = mx.array(tiles.transpose(0, 2, 3, 1)).astype(dtype)
+            return self.connector(self.vision_model(tiles, masks))
+
+        return cached_rows(self, "image tile", encode, pixels, patch_mask)
 
     def __call__(self, input_ids, cache=None, *, embeddings=None, state=None) -> mx.array:
         h = self.language_model(input_ids, cache, input_embeddings=embeddings)

@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it, rope_parameters
+from mlxvlm.models.feature_cache import cached_rows
 from mlxvlm.models.layers import mlx_lm_backbone
 from mlxvlm.models.layers import siglip
 from mlxvlm.models.layers.activations import activation
@@ -245,14 +246,19 @@ class Model(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
     # -- image features ---------------------------------------------------------------
 
     def tile_features(self, pixel_values: mx.array) -> mx.array:
-        """(N, C, H, W) tiles -> (N, tokens, text width) projected features."""
-        states = self.vision_tower.hidden_states(
-            pixel_values.transpose(0, 2, 3, 1), self.args.vision_feature_layers
-        )
-        selected = mx.concatenate(states, axis=-1)
-        if self.args.vision_feature_select_strategy == "default":
-            selected = selected[:, 1:]  # the class token
-        return self.multi_modal_projector(selected)
+        """(N, C, H, W) tiles -> (N, tokens, text width) projected features. The tower sees
+        each tile on its own, so tiles seen before come from the model's feature cache."""
+
+        def encode(tiles: mx.array) -> mx.array:
+            states = self.vision_tower.hidden_states(
+                tiles.transpose(0, 2, 3, 1), self.args.vision_feature_layers
+            )
+            selected = mx.concatenate(states, axis=-1)
+            if self.args.vision_feature_select_strategy == "default":
+                selected = selected[:, 1:]  # the class token
+            return self.multi_modal_projector(selected)
+
+        return cached_rows(self, "image tile", encode, pixel_values)
 
     def image_features(self, pixel_values: mx.array, **features: Any) -> mx.array:
         """All images' feature tokens, in prompt order: one per patch of each image."""

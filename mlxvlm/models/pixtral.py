@@ -38,6 +38,7 @@ from mlxvlm.models.config_utils import (
     token_id,
     vision_config,
 )
+from mlxvlm.models.feature_cache import cached_features
 from mlxvlm.models.layers import mlx_lm_backbone
 from mlxvlm.models.layers.pixtral_vision import (
     PixtralVisionConfig,
@@ -137,13 +138,29 @@ class PixtralFamilyModel(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
         features = None
         if pixel_values is not None:
             pixels = pixel_values if isinstance(pixel_values, mx.array) else mx.array(pixel_values)
-            sizes = np.asarray(image_sizes).reshape(-1, 2)
-            per_image = self.vision_tower(pixels, sizes, self.args.vision_feature_layer)
-            features = mx.concatenate(self.project(per_image, sizes), axis=0)
+            features = mx.concatenate(self.image_features(pixels, image_sizes), axis=0)
         h, _ = merge.embed_with_features(
             self.language_model.model.embed_tokens, input_ids, self.args.image_token_id, features
         )
         return h, None
+
+    def image_features(self, pixels: mx.array, image_sizes: Any) -> list[mx.array]:
+        """Per image, its projected tokens: the tower runs on each image at its own size
+        (its ``image_sizes`` crop of the padded batch), so images seen before come from
+        the model's feature cache."""
+        sizes = np.asarray(image_sizes).reshape(-1, 2)
+        patch = self.args.vision.patch_size
+        crops = [
+            (image[:, : int(h) // patch * patch, : int(w) // patch * patch], size)
+            for image, (h, w), size in zip(pixels, sizes.tolist(), sizes)
+        ]
+
+        def encode(indices: list[int]) -> list[tuple[mx.array]]:
+            batch = pixels if len(indices) == len(sizes) else pixels[mx.array(indices)]
+            per_image = self.vision_tower(batch, sizes[indices], self.args.vision_feature_layer)
+            return [(f,) for f in self.project(per_image, sizes[indices])]
+
+        return [f for (f,) in cached_features(self, "image", crops, encode)]
 
     def project(self, per_image: list[mx.array], image_sizes: np.ndarray) -> list[mx.array]:
         raise NotImplementedError

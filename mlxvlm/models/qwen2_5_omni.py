@@ -30,6 +30,7 @@ import numpy as np
 
 from mlxvlm.models import qwen2_5_vl, qwen2_vl
 from mlxvlm.models.config_utils import token_id
+from mlxvlm.models.feature_cache import cached_features
 from mlxvlm.models.layers.mrope_decoder import (
     AudioVideoSpan,
     LanguageModel,
@@ -246,7 +247,12 @@ class Model(qwen2_vl.Model):
         else:
             mel_frames = np.asarray(feature_attention_mask).reshape(features.shape[0], -1).sum(-1)
         valid = np.concatenate([f[:, :n] for f, n in zip(features, mel_frames)], axis=1)
-        tokens = self.audio_tower(mx.array(valid), mel_frames)
+        # One cache entry for the prompt's audio as a whole: the encoder pads every audio's
+        # windows to the longest of them all, so one audio's tokens may depend on the others.
+        [(tokens,)] = cached_features(
+            self, "audio", [(valid, mel_frames)],
+            lambda _: [(self.audio_tower(mx.array(valid), mel_frames),)],
+        )
         positions = np.flatnonzero(ids == self.args.audio_token_id)
         if tokens.shape[0] != positions.size:
             raise ValueError(

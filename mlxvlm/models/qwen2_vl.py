@@ -18,6 +18,7 @@ import numpy as np
 
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import rope_parameters, token_id, vision_config
+from mlxvlm.models.feature_cache import active_cache, cached_features, join_rows, split_rows
 from mlxvlm.models.layers.mrope_decoder import (
     LanguageModel,
     MRopeState,
@@ -187,6 +188,38 @@ class Model(VisionLanguageModel):
         """Qwen2-VL steps the temporal position by one per frame grid."""
         return 1.0
 
+    def vision_features(self, pixels: Any, grids: np.ndarray, kind: str = "image"):
+        """The vision tower's tokens for ``pixels`` -- the patch rows of every image (or
+        video) one after another -- with their (t, h, w) ``grids``, and the DeepStack taps
+        (Qwen3-VL; else an empty list). Each image or video is looked up in the model's
+        feature cache first; the tower runs, batched, on the others only. Attention never
+        crosses a frame, so an image's tokens do not depend on its batch."""
+        pixels = mx.array(pixels) if not isinstance(pixels, mx.array) else pixels
+        grids = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+        patches = grids.prod(axis=1)
+        if pixels.shape[0] != patches.sum():
+            raise ValueError(
+                f"got {pixels.shape[0]} {kind} patch rows but the grids {grids.tolist()} call "
+                f"for {patches.sum()}"
+            )
+        if active_cache(self) is None:
+            return self.vision_tower.encode(pixels, grids)
+        per_item = split_rows(pixels, patches)
+        merged = self.args.vision.spatial_merge_size**2
+
+        def encode(indices: list[int]):
+            if len(indices) == len(grids):
+                batch = pixels
+            else:
+                batch = join_rows([per_item[i] for i in indices])
+            features, deepstack = self.vision_tower.encode(batch, grids[indices])
+            tokens = patches[indices] // merged
+            return list(zip(*(split_rows(f, tokens) for f in (features, *deepstack))))
+
+        outputs = cached_features(self, kind, list(zip(per_item, grids)), encode)
+        columns = [join_rows(column) for column in zip(*outputs)]
+        return columns[0], columns[1:]
+
     def _merge_features(self, h, ids, token, pixels, grids) -> mx.array:
         """Run the vision tower and put its tokens at the placeholder positions."""
         positions = np.flatnonzero(ids == token)
@@ -197,8 +230,8 @@ class Model(VisionLanguageModel):
                     "pixel values were given for them"
                 )
             return h
-        pixels = mx.array(pixels) if not isinstance(pixels, mx.array) else pixels
-        features = self.vision_tower(pixels, grids)
+        kind = "video" if token == self.args.video_token_id else "image"
+        features, _ = self.vision_features(pixels, grids, kind)
         if features.shape[0] != positions.size:
             raise ValueError(
                 f"the vision tower produced {features.shape[0]} tokens but the prompt has "

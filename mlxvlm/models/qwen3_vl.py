@@ -154,8 +154,8 @@ class Model(qwen2_vl.Model):
         positions = merge.placeholder_positions(ids, token)
         features = tap = None
         if pixels is not None:
-            pixels = mx.array(pixels) if not isinstance(pixels, mx.array) else pixels
-            features, deepstack = self.vision_tower.encode(pixels, grids)
+            kind = "video" if token == self.args.video_token_id else "image"
+            features, deepstack = self.vision_features(pixels, grids, kind)
             tap = (positions, deepstack)
         return merge.merge_features(h, positions, features, f"placeholder tokens (id {token})"), tap
 
