@@ -179,7 +179,7 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
         if args.verbose:
             report = getattr(model, "cpu_fast_paths", None)
             if report is not None:
-                print(f"[mlxvlm] quantized layers: {report.describe()}", file=sys.stderr)
+                print(f"[mlxvlm] CPU fast paths: {report.describe()}", file=sys.stderr)
             if mx.default_device() == mx.cpu:
                 print("[mlxvlm] compute dtype: float32 (fastest on the CPU backend)", file=sys.stderr)
         last = None

@@ -50,7 +50,9 @@ class FastPathReport:
     def describe(self) -> str:
         if self.reason:
             return self.reason
-        maths = "exp-based activations and large attentions on fast_math's vectorised exp"
+        maths = "softmax, GELU and SiLU on a vectorised exp, blocked attention"
+        if self.fast_mlps:
+            maths += f" ({self.fast_mlps} mlx-lm MLPs)"
         return f"{self._describe_quantized()}; {maths}"
 
     def _describe_quantized(self) -> str:

@@ -3,6 +3,10 @@ from pathlib import Path
 
 import pytest
 
+# As a user's program does: mlxvlm before mlx.core, so that the CPU backend's BLAS set-up
+# (OpenBLAS and the sgemv shim, mlxvlm/_backend.py) is what the tests exercise.
+import mlxvlm  # noqa: F401
+
 # tests/ holds helper modules (tests/tiny/) imported by the tests.
 sys.path.insert(0, str(Path(__file__).parent))
 
