@@ -237,7 +237,9 @@ def test_mlx_community_checkpoints_load_unchanged(family, tiny_checkpoints, load
         converted("quantized", weights, mlx_format, quantization={"group_size": 32, "bits": 8})
     )
     _, expected = ours(our_logits, quantized, processor, "one_image")
-    np.testing.assert_array_equal(ours(our_logits, again, again_processor, "one_image")[1], expected)
+    # Loaded, it runs on the CPU fast paths (float32 BLAS), so equal to rounding.
+    np.testing.assert_allclose(ours(our_logits, again, again_processor, "one_image")[1], expected,
+                               rtol=1e-4, atol=1e-4)
 
     _, expected = ours(our_logits, model, processor, "one_image")
     plain = dict(tree_flatten(model.parameters()))

@@ -12,8 +12,9 @@ hashes of those preprocessed arrays -- pixel bytes, shape and dtype, and any per
 grid, size or mask -- so that the preprocessing settings (resolution limits, tiling)
 are part of the key: the same picture processed another way is another item. Only the
 misses go through the tower (together, as one batch); the features come back in the
-original order, equal bit for bit to what the tower gives for the whole batch, since
-every family's tower computes each item independently of the others in its batch.
+original order, equal to what the tower gives for the whole batch up to float32 rounding
+(every family's tower computes each item independently of the others in its batch; a
+BLAS may round a product differently for another number of rows).
 
 The cache is bounded in bytes (``MLXVLM_FEATURE_CACHE_GB``, default 1; 0 turns it off)
 and forgets the least recently used entries first. Entries are evaluated arrays with
