@@ -183,7 +183,7 @@ def test_small_problems_and_opt_out_take_mlx_kernel(monkeypatch):
 
 
 def test_blocked_attention_on_another_thread(monkeypatch):
-    """Its extra CPU streams are per thread (MLX streams belong to their thread)."""
+    """Models load on one thread and generate on another (the server does)."""
     monkeypatch.setattr(attention, "MIN_SCORES", 0)
     monkeypatch.setattr(attention, "BLOCK_SCORES", 3000)
     q, k, v = _qkv(1, 4, 4, 40, 40)
