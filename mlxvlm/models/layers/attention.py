@@ -69,7 +69,7 @@ def _blocked_attention(q, k, v, scale: float, mask) -> mx.array:
             mask = mask.reshape(mask.shape[0], -1, 1, *mask.shape[2:])
             if mask.shape[1] == heads:
                 mask = mask.reshape(B, kv_heads, repeats, *mask.shape[3:])
-    keys_t = k.swapaxes(-1, -2)
+    keys_t = mx.contiguous(k).swapaxes(-1, -2)  # one copy, not one per block
     values_and_ones = mx.concatenate([v, mx.ones((*v.shape[:-1], 1), v.dtype)], axis=-1)
     block = max(1, BLOCK_SCORES // (B * heads * keys))
     outputs = []
