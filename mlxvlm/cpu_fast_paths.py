@@ -143,7 +143,8 @@ def _as_float_module(layer: nn.Module) -> nn.Module:
 
 
 def apply_cpu_fast_paths(model: nn.Module) -> FastPathReport:
-    """Rewrite the model's quantized layers for the CPU backend, in place."""
+    """Rewrite the model for the CPU backend, in place: mlx-lm MLPs and attention onto the
+    fast maths, quantized layers onto BLAS (see the module docstring)."""
     if not fast_paths_enabled():
         return FastPathReport(reason="off (not on the CPU backend, or disabled)")
     from mlxvlm.models.layers.mlx_lm_backbone import use_fast_attention, use_fast_mlps

@@ -24,6 +24,7 @@ kernel, as does the backward pass (``fast_math.with_reference_vjp``).
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models import base as mlx_lm_base
 
 from mlxvlm.models.layers import fast_math
 
@@ -110,3 +111,14 @@ def scaled_dot_product_attention(
         lambda q, k, v: _blocked_attention(q, k, v, scale, mask), reference
     )
     return fast(q, k, v)
+
+
+def cached_attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
+    """Attention with mlx-lm's ``scaled_dot_product_attention`` signature (models/base.py):
+    a quantized KV cache (``--kv-bits``) or attention sinks go to mlx-lm's function, the
+    rest to ``scaled_dot_product_attention`` above. Text decoders call this one."""
+    if sinks is not None or hasattr(cache, "bits"):
+        return mlx_lm_base.scaled_dot_product_attention(
+            queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks
+        )
+    return scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

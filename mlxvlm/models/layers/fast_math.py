@@ -188,6 +188,7 @@ def _dispatching(fast_kernel: Callable, reference: Callable) -> Callable:
 
     function.__name__ = reference.__name__
     function.__doc__ = f"``{reference.__module__}.{reference.__name__}``, fast on the CPU."
+    function.reference = reference  # the MLX function it stands for
     return function
 
 
@@ -200,7 +201,7 @@ def gated(act: Callable) -> Callable[[mx.array, mx.array], mx.array]:
     """``(gate, up) -> act(gate) * up`` for one of this module's activations: on large
     arrays through ``act``'s fast path, on small ones (decode steps) as one compiled MLX
     kernel, like mlx-lm's ``swiglu``."""
-    reference = {gelu_tanh: nn.gelu_approx, quick_gelu: nn.gelu_fast_approx, silu: nn.silu}[act]
+    reference = act.reference
     fused = mx.compile(lambda gate, up: reference(gate) * up, shapeless=True)
 
     def function(gate: mx.array, up: mx.array) -> mx.array:

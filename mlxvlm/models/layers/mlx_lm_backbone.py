@@ -157,19 +157,8 @@ def use_fast_mlps(model: nn.Module) -> int:
     return len(replacements)
 
 
-def _mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx-lm's ``scaled_dot_product_attention`` (models/base.py), with ``attention``'s
-    blocked CPU path for what it covers; quantized caches and attention sinks go to
-    mlx-lm's own function."""
-    if sinks is not None or hasattr(cache, "bits"):
-        return mlx_lm_base.scaled_dot_product_attention(
-            queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks
-        )
-    return attention.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-
-
 def use_fast_attention(model: nn.Module) -> list[str]:
-    """Point the mlx-lm model files that ``model`` uses at ``_mlx_lm_attention``.
+    """Point the mlx-lm model files that ``model`` uses at ``attention.cached_attention``.
 
     mlx-lm's attention classes call the ``scaled_dot_product_attention`` their module
     imported from ``mlx_lm.models.base``; that name is the one hook they offer, so it is
@@ -183,7 +172,7 @@ def use_fast_attention(model: nn.Module) -> list[str]:
             continue
         current = getattr(module, "scaled_dot_product_attention", None)
         if current is mlx_lm_base.scaled_dot_product_attention:
-            module.scaled_dot_product_attention = _mlx_lm_attention
-        if getattr(module, "scaled_dot_product_attention", None) is _mlx_lm_attention:
+            module.scaled_dot_product_attention = attention.cached_attention
+        if getattr(module, "scaled_dot_product_attention", None) is attention.cached_attention:
             rebound.append(name)
     return rebound

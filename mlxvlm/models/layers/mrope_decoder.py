@@ -34,12 +34,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.base import scaled_dot_product_attention as quantized_cache_attention
 from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from mlxvlm.models.config_utils import text_config
 from mlxvlm.models.layers import fast_math
-from mlxvlm.models.layers.attention import scaled_dot_product_attention
+from mlxvlm.models.layers.attention import cached_attention
 
 
 swiglu = fast_math.gated(fast_math.silu)
@@ -444,12 +443,7 @@ class Attention(nn.Module):
         queries, keys = apply_rotary(queries, cos, sin), apply_rotary(keys, cos, sin)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-        if cache is not None and hasattr(cache, "bits"):  # quantized KV cache: mlx-lm's kernel
-            output = quantized_cache_attention(
-                queries, keys, values, cache=cache, scale=self.scale, mask=mask
-            )
-        else:
-            output = scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        output = cached_attention(queries, keys, values, cache, scale=self.scale, mask=mask)
         return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
