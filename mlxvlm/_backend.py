@@ -33,7 +33,7 @@ gemv_forward = None
 _SHIM_SOURCE = Path(__file__).with_name("_sgemm_gemv.c")
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "mlxvlm"
 
@@ -45,7 +45,7 @@ def _build_shim() -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler found (cc/gcc; set CC)")
     digest = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"libmlxvlm_sgemm_gemv-{digest}.so"
+    target = cache_dir() / f"libmlxvlm_sgemm_gemv-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -178,10 +178,13 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
             trust_remote_code=args.trust_remote_code,
         )
         if args.verbose:
+            from mlxvlm import kernels
+
             report = getattr(model, "cpu_fast_paths", None)
             if report is not None:
                 print(f"[mlxvlm] CPU fast paths: {report.describe()}", file=sys.stderr)
             if mx.default_device() == mx.cpu:
+                print(f"[mlxvlm] CPU kernels: {kernels.describe()}", file=sys.stderr)
                 print("[mlxvlm] compute dtype: float32 (fastest on the CPU backend)", file=sys.stderr)
         last = None
         for last in stream_generate(

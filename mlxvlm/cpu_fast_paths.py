@@ -13,6 +13,12 @@ about as much per row as dequantizing the whole matrix, so on the CPU:
   decode) dequantizes the layer's weight for that call and uses BLAS, while a single row
   (decode) uses the quantized kernel. Memory stays at the quantized size plus one layer.
 
+With mlxvlm's CPU kernels built (``mlxvlm.kernels``; they need a C++ compiler), a
+bfloat16/float16 checkpoint's linear and embedding weights stay 16-bit and are computed
+in float32 (``mlxvlm.half_weights``), and dequantized layers become 16-bit rather than
+float32 ones (``mx.dequantize`` gives the scales' dtype, so nothing is lost): half the
+memory of float32 weights, and decoding reads half the bytes.
+
 It also gives the text models from mlx-lm the exp-based maths of
 ``models/layers/fast_math.py`` and the blocked attention of ``models/layers/attention.py``
 (the vision towers and mlxvlm's own decoders call those directly): their gated MLPs
@@ -41,8 +47,10 @@ BUDGET_ENV = "MLXVLM_CPU_DEQUANTIZE_MAX_GB"
 class FastPathReport:
     """What ``apply_cpu_fast_paths`` did, for ``--verbose``."""
 
-    dequantized: int = 0  # layers turned into float32 layers
+    dequantized: int = 0  # layers turned into float32 (or 16-bit-weight) layers
     dequantized_bytes: int = 0
+    half_layers: int = 0  # linear/embedding layers computing in float32 on 16-bit weights
+    half_bytes: int = 0
     streamed: int = 0  # layers kept quantized, dequantized per multi-row call
     fast_mlps: int = 0  # mlx-lm MLPs given fast_math's activation
     reason: str = ""
@@ -53,12 +61,17 @@ class FastPathReport:
         maths = "softmax, GELU and SiLU on a vectorised exp, blocked attention"
         if self.fast_mlps:
             maths += f" ({self.fast_mlps} mlx-lm MLPs)"
-        return f"{self._describe_quantized()}; {maths}"
+        parts = [self._describe_quantized(), maths]
+        if self.half_layers:
+            parts.insert(0, f"{self.half_layers} layers keep 16-bit weights "
+                            f"({self.half_bytes / 1e9:.2f} GB), computed in float32")
+        return "; ".join(parts)
 
     def _describe_quantized(self) -> str:
         if self.dequantized:
             gb = self.dequantized_bytes / 1e9
-            return f"{self.dequantized} quantized layers dequantized to float32 ({gb:.2f} GB)"
+            kind = "16-bit" if self.half_layers else "float32"
+            return f"{self.dequantized} quantized layers dequantized to {kind} ({gb:.2f} GB)"
         if self.streamed:
             return (
                 f"{self.streamed} quantized layers kept quantized (float32 would exceed the "
@@ -71,6 +84,13 @@ def fast_paths_enabled() -> bool:
     return mx.default_device() == mx.cpu and os.environ.get(DISABLE_ENV, "") in ("", "0")
 
 
+def keeps_half_weights() -> bool:
+    """Whether 16-bit weights stay 16-bit here (the CPU backend, with the kernels)."""
+    from mlxvlm import kernels
+
+    return kernels.enabled()
+
+
 def dequantize_budget_bytes() -> int:
     if os.environ.get(BUDGET_ENV):
         return int(float(os.environ[BUDGET_ENV]) * 1e9)
@@ -81,7 +101,7 @@ def dequantize_budget_bytes() -> int:
     return total // 2
 
 
-def _dequantized_weight(layer: nn.Module) -> mx.array:
+def _dequantized_weight(layer: nn.Module, dtype=mx.float32) -> mx.array:
     return mx.dequantize(
         layer.weight,
         layer.scales,
@@ -89,7 +109,7 @@ def _dequantized_weight(layer: nn.Module) -> mx.array:
         group_size=layer.group_size,
         bits=layer.bits,
         mode=layer.mode,
-    ).astype(mx.float32)
+    ).astype(dtype)
 
 
 class CPUQuantizedLinear(nn.QuantizedLinear):
@@ -129,8 +149,8 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
         return y
 
 
-def _as_float_module(layer: nn.Module) -> nn.Module:
-    weight = _dequantized_weight(layer)
+def _as_float_module(layer: nn.Module, dtype) -> nn.Module:
+    weight = _dequantized_weight(layer, dtype)
     if isinstance(layer, nn.QuantizedEmbedding):
         module = nn.Embedding(*weight.shape)
         module.weight = weight
@@ -151,12 +171,17 @@ def apply_cpu_fast_paths(model: nn.Module) -> FastPathReport:
 
     fast_mlps = use_fast_mlps(model)
     use_fast_attention(model)
-    report = _apply_quantized_fast_paths(model)
+    half = keeps_half_weights()
+    report = _apply_quantized_fast_paths(model, half)
     report.fast_mlps = fast_mlps
+    if half:
+        from mlxvlm.half_weights import use_half_weight_layers
+
+        report.half_layers, report.half_bytes = use_half_weight_layers(model)
     return report
 
 
-def _apply_quantized_fast_paths(model: nn.Module) -> FastPathReport:
+def _apply_quantized_fast_paths(model: nn.Module, half: bool) -> FastPathReport:
     quantized = [
         (name, m)
         for name, m in model.named_modules()
@@ -164,14 +189,19 @@ def _apply_quantized_fast_paths(model: nn.Module) -> FastPathReport:
     ]
     if not quantized:
         return FastPathReport()
+    # Dequantized weights come out in the scales' dtype; 16-bit ones stay 16-bit when
+    # the kernels can compute with them.
+    dtypes = {name: m.scales.dtype if half and m.scales.dtype in (mx.bfloat16, mx.float16)
+              else mx.float32 for name, m in quantized}
     float_bytes = sum(
-        m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits * 4 for _, m in quantized
+        m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits * dtypes[name].size
+        for name, m in quantized
     )
     report = FastPathReport()
     replacements = []
     if float_bytes <= dequantize_budget_bytes():
         for name, layer in quantized:
-            replacements.append((name, _as_float_module(layer)))
+            replacements.append((name, _as_float_module(layer, dtypes[name])))
         report.dequantized, report.dequantized_bytes = len(quantized), float_bytes
     else:
         for name, layer in quantized:

@@ -172,13 +172,24 @@ def build_model(model_path: Path, config: dict, family, weights: dict[str, mx.ar
 
 
 def load_model(
-    model_path: Path, config: dict | None = None, dtype: mx.Dtype | None = None
+    model_path: Path,
+    config: dict | None = None,
+    dtype: mx.Dtype | None = None,
+    keep_half_weights: bool = False,
 ) -> nn.Module:
+    """The model of the checkpoint at ``model_path``. ``keep_half_weights``: with the
+    default compute dtype on the CPU, leave the 16-bit weights of linear and embedding
+    layers as they are (for ``mlxvlm.half_weights``) instead of converting them."""
     config = config if config is not None else read_config(model_path)
     family = get_family(config.get("model_type"))
     model = build_model(model_path, config, family, load_weights_files(model_path))
+    keep_half_weights = keep_half_weights and dtype is None
     dtype = compute_dtype_for_device(dtype)
-    if dtype is not None:
+    if dtype == mx.float32 and keep_half_weights:
+        from mlxvlm.half_weights import cast_to_float32_keeping_half_weights
+
+        cast_to_float32_keeping_half_weights(model)
+    elif dtype is not None:
         model.set_dtype(dtype)
     model.eval()
     mx.eval(model.parameters())
@@ -205,20 +216,24 @@ def load(
     ``dtype``: compute dtype for floating weights; by default float32 on the CPU backend
     (faster there than float16/bfloat16) and the checkpoint's own dtype elsewhere.
 
-    ``cpu_fast_paths``: on the CPU backend, run quantized layers through BLAS (see
+    ``cpu_fast_paths``: on the CPU backend, keep 16-bit weights 16-bit and compute in
+    float32 with mlxvlm's kernels, and run quantized layers through BLAS (see
     ``mlxvlm.cpu_fast_paths``; ``model.cpu_fast_paths`` reports what was done). Pass False
-    to keep MLX's quantized kernels, e.g. for QLoRA training on the quantized weights.
+    to keep MLX's own layers and kernels, e.g. for QLoRA training on the quantized weights.
     """
     from mlxvlm.tokenization import attach_generation_tokenizer
 
     model_path = resolve_model_path(path_or_repo, revision, trust_remote_code)
     config = read_config(model_path)
     family = get_family(config.get("model_type"))
-    model = load_model(model_path, config, dtype=dtype)
     if cpu_fast_paths:
-        from mlxvlm.cpu_fast_paths import apply_cpu_fast_paths
+        from mlxvlm.cpu_fast_paths import apply_cpu_fast_paths, keeps_half_weights
 
+        keep = keeps_half_weights()
+        model = load_model(model_path, config, dtype=dtype, keep_half_weights=keep)
         model.cpu_fast_paths = apply_cpu_fast_paths(model)
+    else:
+        model = load_model(model_path, config, dtype=dtype)
     processor = family.load_processor(model_path, config)
     attach_generation_tokenizer(
         processor, model_path, collect_eos_token_ids(model_path, config, processor.tokenizer)

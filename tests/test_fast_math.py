@@ -2,7 +2,8 @@
 
 - ``fast_math``: exp, GELU (tanh form), quick GELU and SiLU against MLX's functions, in
   value and in gradient; NaN and overflow behaviour; the slicing of large arrays.
-- ``attention``: the blocked CPU attention against ``mx.fast.scaled_dot_product_attention``
+- ``attention``: the blocked CPU attention (the C++ kernel of ``mlxvlm.kernels``, and the
+  MLX composition used without it) against ``mx.fast.scaled_dot_product_attention``
   for every mask kind the families pass (none, causal with a cache offset, boolean with
   fully masked rows, additive), grouped-query attention, gradients, threads.
 - Whole models with the thresholds lowered so that the tiny checkpoints take every fast
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 from tiny import make_image
-from mlxvlm import generate, load
+from mlxvlm import generate, kernels, load
 from mlxvlm.models.layers import attention, fast_math
 from mlxvlm.prompt import prepare_inputs
 
@@ -98,6 +99,22 @@ def test_max_last_axis():
     assert mx.array_equal(fast_math.max_last_axis(odd), odd.max(axis=-1, keepdims=True))
 
 
+@pytest.fixture(params=["kernel", "mlx"])
+def attention_path(request, monkeypatch):
+    """Runs the test on the C++ attention kernel and on the MLX composition used where the
+    kernels cannot be built; returns the list its calls are counted in."""
+    calls = []
+    if request.param == "mlx":
+        monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+        name, module = "_blocked_attention", attention
+    else:
+        assert kernels.enabled(), kernels.describe()
+        name, module = "attention", kernels
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    return calls
+
+
 def _qkv(batch, heads, kv_heads, queries, keys, dims=32, seed=0):
     k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
     q = mx.random.normal((batch, heads, queries, dims), key=k1) * 2
@@ -139,13 +156,14 @@ def _float64_attention(q, k, v, scale, mask):
 
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "boolean", "keys_only", "additive"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
-def test_blocked_attention_matches_mlx(mask_kind, heads, kv_heads, monkeypatch):
+def test_blocked_attention_matches_mlx(mask_kind, heads, kv_heads, attention_path, monkeypatch):
     monkeypatch.setattr(attention, "MIN_SCORES", 0)
     monkeypatch.setattr(attention, "BLOCK_SCORES", 4000)  # many blocks, a ragged last one
     batch, queries, keys = 2, 45, 70  # queries < keys: a cache offset for "causal"
     q, k, v = _qkv(batch, heads, kv_heads, queries, keys)
     mask = _masks(batch, heads, queries, keys)[mask_kind]
     got = attention.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+    assert attention_path
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
     truth = _float64_attention(q, k, v, 0.3, mask)
     got, want = np.array(got, dtype=np.float64), np.array(want, dtype=np.float64)
@@ -157,7 +175,7 @@ def test_blocked_attention_matches_mlx(mask_kind, heads, kv_heads, monkeypatch):
     assert np.abs(got - truth).max() <= 2 * mlx_error + 1e-6, (np.abs(got - truth).max(), mlx_error)
 
 
-def test_blocked_attention_gradients_are_mlx_gradients(monkeypatch):
+def test_blocked_attention_gradients_are_mlx_gradients(attention_path, monkeypatch):
     monkeypatch.setattr(attention, "MIN_SCORES", 0)
     monkeypatch.setattr(attention, "BLOCK_SCORES", 2000)
     q, k, v = _qkv(1, 4, 2, 30, 30)
@@ -166,6 +184,7 @@ def test_blocked_attention_gradients_are_mlx_gradients(monkeypatch):
         return lambda q, k, v: (function(q, k, v, scale=0.2, mask="causal") ** 2).sum()
 
     fast = mx.grad(loss(attention.scaled_dot_product_attention), argnums=(0, 1, 2))(q, k, v)
+    assert attention_path
     want = mx.grad(loss(mx.fast.scaled_dot_product_attention), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(fast, want):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
@@ -182,7 +201,7 @@ def test_small_problems_and_opt_out_take_mlx_kernel(monkeypatch):
     assert mx.array_equal(attention.scaled_dot_product_attention(q, k, v, scale=0.3), want)
 
 
-def test_blocked_attention_on_another_thread(monkeypatch):
+def test_blocked_attention_on_another_thread(attention_path, monkeypatch):
     """Models load on one thread and generate on another (the server does)."""
     monkeypatch.setattr(attention, "MIN_SCORES", 0)
     monkeypatch.setattr(attention, "BLOCK_SCORES", 3000)
@@ -199,9 +218,9 @@ def test_blocked_attention_on_another_thread(monkeypatch):
         t.start()
     for t in threads:
         t.join()
-    assert len(results) == 2
+    assert len(results) == 2 and len(attention_path) == 2
     for r in results:
-        np.testing.assert_allclose(r, want, rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(r, want, rtol=1e-5, atol=5e-6)
 
 
 IMAGE = make_image(112, 84, seed=4)
@@ -220,22 +239,16 @@ def _logits_and_tokens(path):
 @pytest.mark.parametrize(
     "family", ["idefics3", "qwen2_vl", "qwen2_5_vl", "gemma3", "pixtral", "llava_onevision"]
 )
-def test_models_on_fast_paths_match_standard_path(tiny_checkpoints, family, monkeypatch):
+def test_models_on_fast_paths_match_standard_path(tiny_checkpoints, family, attention_path,
+                                                  monkeypatch):
     """Every attention and activation of the tiny model on the fast paths (thresholds
     lowered): the same logits within float32 tolerance and the same greedy tokens."""
     path = tiny_checkpoints.path(family, "hub")
     monkeypatch.setenv(fast_math.DISABLE_ENV, "1")
     standard_logits, standard_tokens = _logits_and_tokens(path)
     monkeypatch.delenv(fast_math.DISABLE_ENV)
-
-    calls = []
-    blocked = attention._blocked_attention
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return blocked(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "_blocked_attention", counting)
+    assert not attention_path
+    calls = attention_path
     monkeypatch.setattr(attention, "MIN_SCORES", 0)
     monkeypatch.setattr(attention, "BLOCK_SCORES", 2000)
     monkeypatch.setattr(fast_math, "SLICE_ELEMENTS", 2000)
@@ -249,7 +262,8 @@ def test_models_on_fast_paths_match_standard_path(tiny_checkpoints, family, monk
 @pytest.mark.parametrize("family,kind", [("idefics3", "llama"), ("gemma3", "gemma3_text"),
                                          ("llava", "llama")])
 def test_mlx_lm_mlps_get_fast_activations_with_the_same_parameters(tiny_checkpoints, family,
-                                                                   kind, monkeypatch):
+                                                                   kind, attention_path,
+                                                                   monkeypatch):
     from mlx.utils import tree_flatten
 
     from mlxvlm.models.layers.mlx_lm_backbone import GatedMLP, use_fast_attention
@@ -264,10 +278,8 @@ def test_mlx_lm_mlps_get_fast_activations_with_the_same_parameters(tiny_checkpoi
     assert not any(isinstance(m, GatedMLP) for _, m in standard.named_modules())
     assert f"mlx_lm.models.{kind}" in use_fast_attention(fast)
     # The text model's attention layers now take the blocked path...
-    calls = []
-    blocked = attention._blocked_attention
-    monkeypatch.setattr(attention, "_blocked_attention",
-                        lambda *a: calls.append(1) or blocked(*a))
+    calls = attention_path
+    calls.clear()
     monkeypatch.setattr(attention, "MIN_SCORES", 0)
     ids = mx.array([[1, 2, 3, 4, 5, 6]])
     out = fast(ids, fast.make_cache())

@@ -1,0 +1,87 @@
+"""Linear and embedding layers that keep a checkpoint's 16-bit weights and compute in
+float32, on MLX's CPU backend.
+
+MLX's bfloat16/float16 matmuls are several times slower than float32 ones on the CPU, so
+mlxvlm computes in float32 there. Converting the weights to float32 doubled a bf16
+checkpoint's memory; with ``mlxvlm.kernels.half_linear`` the weights of every linear and
+embedding layer stay 16-bit (decode reads half the bytes, prefill converts them a chunk
+at a time) and only the small rest of the model (norms, biases, convolutions) is float32.
+
+The layers are ``nn.Linear`` / ``nn.Embedding`` subclasses with the same parameters, so
+LoRA wrapping, adapters and saving treat them as the layers they replace.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlxvlm import kernels
+
+HALF_DTYPES = (mx.bfloat16, mx.float16)
+
+
+class CPUHalfLinear(nn.Linear):
+    """``nn.Linear`` with a bfloat16/float16 weight, computed in float32."""
+
+    def __init__(self, layer: nn.Linear):
+        nn.Module.__init__(self)
+        self.weight = layer.weight
+        if "bias" in layer:
+            self.bias = layer.bias.astype(mx.float32)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = kernels.half_linear(x, self.weight)
+        if "bias" in self:
+            y = y + self.bias
+        return y
+
+
+class CPUHalfEmbedding(nn.Embedding):
+    """``nn.Embedding`` with a bfloat16/float16 table: rows and tied outputs in float32."""
+
+    def __init__(self, layer: nn.Embedding):
+        nn.Module.__init__(self)
+        self.weight = layer.weight
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.weight[x].astype(mx.float32)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return kernels.half_linear(x, self.weight)
+
+
+def _half_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if type(m) in (nn.Linear, nn.Embedding) and m.weight.dtype in HALF_DTYPES
+    ]
+
+
+def cast_to_float32_keeping_half_weights(model: nn.Module) -> None:
+    """Float32 for every floating parameter except the 16-bit weights of linear and
+    embedding layers (which ``use_half_weight_layers`` then computes with)."""
+    kept = {f"{name}.weight" if name else "weight" for name, _ in _half_layers(model)}
+    updates = [
+        (path, value.astype(mx.float32))
+        for path, value in tree_flatten(model.parameters())
+        if path not in kept and mx.issubdtype(value.dtype, mx.floating)
+        and value.dtype != mx.float32
+    ]
+    if updates:
+        model.update(tree_unflatten(updates))
+
+
+def use_half_weight_layers(model: nn.Module) -> tuple[int, int]:
+    """Swap the linear/embedding layers with 16-bit weights for the float32-computing
+    ones above, in place. Returns (layers swapped, bytes of their weights)."""
+    layers = _half_layers(model)
+    replacements = [
+        (name, CPUHalfEmbedding(m) if isinstance(m, nn.Embedding) else CPUHalfLinear(m))
+        for name, m in layers
+    ]
+    if replacements:
+        model.update_modules(tree_unflatten(replacements))
+    return len(layers), sum(m.weight.nbytes for _, m in layers)

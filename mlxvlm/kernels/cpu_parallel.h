@@ -1,0 +1,132 @@
+// A small persistent thread pool for the CPU kernels.
+//
+// MLX's CPU backend runs every primitive on its stream's single worker thread; the
+// kernels here split their row loops over this pool (the calling thread is worker 0).
+// Threads are created once (per process: a forked child makes its own) and wait on a
+// condition variable between jobs; a wake-up costs ~10 us, so callers only go parallel
+// for work of more than a few tens of microseconds.
+#pragma once
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace mlxvlm {
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int threads) : threads_(std::max(1, threads)) {
+    for (int i = 1; i < threads_; i++) workers_.emplace_back([this, i] { work(i); });
+  }
+
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+      generation_++;
+    }
+    wake_.notify_all();
+    for (auto& worker : workers_) worker.join();
+  }
+
+  int size() const { return threads_; }
+
+  // body(worker, workers) on every worker; returns when all have finished. One job at
+  // a time: a second caller (another MLX stream) waits for the first.
+  void run(const std::function<void(int, int)>& body) {
+    if (threads_ == 1) {
+      body(0, 1);
+      return;
+    }
+    std::lock_guard<std::mutex> one_job(job_mutex_);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      body_ = &body;
+      pending_ = threads_ - 1;
+      generation_++;
+    }
+    wake_.notify_all();
+    body(0, threads_);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return pending_ == 0; });
+    body_ = nullptr;
+  }
+
+ private:
+  void work(int index) {
+    uint64_t seen = 0;
+    while (true) {
+      const std::function<void(int, int)>* body;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (stopping_) return;
+        body = body_;
+      }
+      (*body)(index, threads_);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  int threads_;
+  std::vector<std::thread> workers_;
+  std::mutex job_mutex_, mutex_;
+  std::condition_variable wake_, done_;
+  const std::function<void(int, int)>* body_ = nullptr;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stopping_ = false;
+};
+
+// The CPUs this process may run on; MLXVLM_CPU_THREADS overrides.
+inline int default_threads() {
+  if (const char* env = std::getenv("MLXVLM_CPU_THREADS")) {
+    int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+inline ThreadPool& thread_pool() {
+  // Threads do not survive fork(): a child process builds its own pool (the parent's
+  // is leaked there, never joined).
+  static pid_t owner = 0;
+  static ThreadPool* pool = nullptr;
+  static std::mutex creating;
+  std::lock_guard<std::mutex> lock(creating);
+  if (pool == nullptr || owner != getpid()) {
+    pool = new ThreadPool(default_threads());
+    owner = getpid();
+  }
+  return *pool;
+}
+
+// fn(start, stop) over contiguous parts of [0, n), in parallel when each worker would get
+// at least `min_per_worker` items.
+template <class F>
+void parallel_for(int64_t n, int64_t min_per_worker, F&& fn) {
+  if (n <= 0) return;
+  ThreadPool& pool = thread_pool();
+  int64_t workers = std::min<int64_t>(pool.size(), n / std::max<int64_t>(1, min_per_worker));
+  if (workers <= 1) {
+    fn(int64_t(0), n);
+    return;
+  }
+  pool.run([&](int worker, int) {
+    if (worker >= workers) return;
+    int64_t start = n * worker / workers, stop = n * (worker + 1) / workers;
+    if (start < stop) fn(start, stop);
+  });
+}
+
+}  // namespace mlxvlm

@@ -1,0 +1,209 @@
+// y = x . W^T with W kept in bfloat16 or float16 and x, y in float32.
+//
+// On MLX's CPU backend a 16-bit matmul is several times slower than a float32 one, so
+// mlxvlm used to convert a bf16 checkpoint's weights to float32, doubling their memory.
+// This primitive keeps the 16-bit weights and computes in float32:
+// - up to four rows of x (decoding): a gemv that converts each weight row as it streams
+//   it, split over the CPU threads; it reads half the bytes a float32 gemv reads;
+// - more rows (prefill): the weight is converted in chunks of rows (at most ~4 MB of
+//   float32 at a time) and each chunk goes through the process's sgemm (OpenBLAS).
+#include <algorithm>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "blas.h"
+#include "cpu_parallel.h"
+#include "kernels.h"
+#include "vector_math.h"
+
+namespace mlxvlm {
+
+using namespace mlx::core;
+
+namespace {
+
+constexpr int64_t kMaxGemvRows = 4;
+constexpr int64_t kChunkFloats = 1 << 20;  // float32 scratch per converted chunk
+// Below this many weight elements per worker a gemv stays on one thread.
+constexpr int64_t kMinGemvPerWorker = 1 << 17;
+
+template <Half kind>
+void gemv_portable(const float* x, int64_t rows, int64_t K, const uint16_t* w,
+                   int64_t n0, int64_t n1, float* y, int64_t N) {
+  for (int64_t n = n0; n < n1; n++) {
+    const uint16_t* row = w + n * K;
+    for (int64_t m = 0; m < rows; m++) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; k++) acc += x[m * K + k] * half_to_float(row[k], kind);
+      y[m * N + n] = acc;
+    }
+  }
+}
+
+#ifdef MLXVLM_X86
+// R weight rows at a time against M rows of x: R x M independent accumulators.
+template <Half kind, int M, int R>
+MLXVLM_AVX2 int64_t gemv_tile_avx2(const float* x, int64_t K, const uint16_t* w, int64_t n0,
+                                  int64_t n1, float* y, int64_t N) {
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m256 acc[R][M];
+    for (int r = 0; r < R; r++)
+      for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      __m256 xs[M];
+      for (int m = 0; m < M; m++) xs[m] = _mm256_loadu_ps(x + m * K + k);
+      for (int r = 0; r < R; r++) {
+        __m256 wv = load_half8<kind>(w + (n + r) * K + k);
+        for (int m = 0; m < M; m++) acc[r][m] = _mm256_fmadd_ps(wv, xs[m], acc[r][m]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      for (int m = 0; m < M; m++) {
+        float total = sum8(acc[r][m]);
+        for (int64_t kk = k; kk < K; kk++)
+          total += x[m * K + kk] * half_to_float(w[(n + r) * K + kk], kind);
+        y[m * N + n + r] = total;
+      }
+    }
+  }
+  return n;
+}
+
+template <Half kind, int M>
+MLXVLM_AVX2 void gemv_avx2(const float* x, int64_t K, const uint16_t* w, int64_t n0,
+                           int64_t n1, float* y, int64_t N) {
+  constexpr int R = M <= 2 ? 4 : 2;
+  int64_t n = gemv_tile_avx2<kind, M, R>(x, K, w, n0, n1, y, N);
+  gemv_tile_avx2<kind, M, 1>(x, K, w, n, n1, y, N);
+}
+#endif
+
+template <Half kind>
+void gemv_rows(const float* x, int64_t rows, int64_t K, const uint16_t* w, int64_t n0,
+               int64_t n1, float* y, int64_t N) {
+#ifdef MLXVLM_X86
+  if (has_avx2()) {
+    switch (rows) {
+      case 1: return gemv_avx2<kind, 1>(x, K, w, n0, n1, y, N);
+      case 2: return gemv_avx2<kind, 2>(x, K, w, n0, n1, y, N);
+      case 3: return gemv_avx2<kind, 3>(x, K, w, n0, n1, y, N);
+      case 4: return gemv_avx2<kind, 4>(x, K, w, n0, n1, y, N);
+    }
+  }
+#endif
+  gemv_portable<kind>(x, rows, K, w, n0, n1, y, N);
+}
+
+void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
+                 int64_t N, float* y) {
+  if (rows <= kMaxGemvRows) {
+    parallel_for(N, std::max<int64_t>(1, kMinGemvPerWorker / K), [&](int64_t n0, int64_t n1) {
+      if (kind == Half::bfloat16)
+        gemv_rows<Half::bfloat16>(x, rows, K, w, n0, n1, y, N);
+      else
+        gemv_rows<Half::float16>(x, rows, K, w, n0, n1, y, N);
+    });
+    return;
+  }
+  int64_t chunk = std::min<int64_t>(N, std::max<int64_t>(64, kChunkFloats / K));
+  std::vector<float> converted(static_cast<size_t>(chunk * K));
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    int64_t n1 = std::min(N, n0 + chunk);
+    parallel_for(n1 - n0, 16, [&](int64_t start, int64_t stop) {
+      half_to_float(w + (n0 + start) * K, converted.data() + start * K, (stop - start) * K,
+                    kind);
+    });
+    sgemm(true, int(rows), int(n1 - n0), int(K), 1.0f, x, int(K), converted.data(), int(K),
+          0.0f, y + n0, int(N));
+  }
+}
+
+class HalfLinear : public UnaryPrimitive {
+ public:
+  explicit HalfLinear(Stream stream) : UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    const array& x = inputs[0];
+    const array& w = inputs[1];
+    out.set_data(allocator::malloc(out.nbytes()));
+    auto& encoder = cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_output_array(out);
+    int64_t K = w.shape(1), N = w.shape(0), rows = x.size() / K;
+    Half kind = w.dtype() == bfloat16 ? Half::bfloat16 : Half::float16;
+    encoder.dispatch([xp = x.data<float>(), wp = w.data<uint16_t>(), yp = out.data<float>(),
+                      rows, K, N, kind]() { half_matmul(xp, rows, K, wp, kind, N, yp); });
+  }
+
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("[mlxvlm.HalfLinear] CPU only");
+  }
+
+  std::vector<array> vjp(const std::vector<array>& primals,
+                         const std::vector<array>& cotangents,
+                         const std::vector<int>& argnums,
+                         const std::vector<array>&) override {
+    const array& x = primals[0];
+    const array& w = primals[1];
+    const array& cotangent = cotangents[0];
+    std::vector<array> grads;
+    for (int arg : argnums) {
+      if (arg == 0) {
+        grads.push_back(matmul(cotangent, astype(w, float32, stream()), stream()));
+      } else {
+        int64_t K = w.shape(1), N = w.shape(0);
+        array flat_cotangent = reshape(cotangent, {-1, int(N)}, stream());
+        array flat_x = reshape(x, {-1, int(K)}, stream());
+        grads.push_back(astype(matmul(transpose(flat_cotangent, stream()), flat_x, stream()),
+                               w.dtype(), stream()));
+      }
+    }
+    return grads;
+  }
+
+  std::vector<array> jvp(const std::vector<array>& primals,
+                         const std::vector<array>& tangents,
+                         const std::vector<int>& argnums) override {
+    const array& x = primals[0];
+    const array& w = primals[1];
+    std::optional<array> out;
+    for (size_t i = 0; i < argnums.size(); i++) {
+      array term = argnums[i] == 0
+          ? half_linear(tangents[i], w, stream())
+          : matmul(x, transpose(astype(tangents[i], float32, stream()), stream()), stream());
+      out = out ? add(*out, term, stream()) : term;
+    }
+    return {*out};
+  }
+
+  const char* name() const override { return "MlxvlmHalfLinear"; }
+  bool is_equivalent(const Primitive&) const override { return true; }
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+};
+
+}  // namespace
+
+array half_linear(const array& x, const array& weight, StreamOrDevice s) {
+  if (weight.ndim() != 2 || (weight.dtype() != bfloat16 && weight.dtype() != float16))
+    throw std::invalid_argument("[half_linear] weight must be a 2-D bfloat16/float16 matrix");
+  if (x.ndim() < 1 || x.shape(-1) != weight.shape(1))
+    throw std::invalid_argument("[half_linear] x's last axis must match the weight's columns");
+  Stream stream = to_stream(s);
+  array x32 = contiguous(astype(x, float32, stream), false, stream);
+  array w = contiguous(weight, false, stream);
+  Shape shape = x.shape();
+  shape.back() = weight.shape(0);
+  return array(shape, float32, std::make_shared<HalfLinear>(stream), std::vector<array>{x32, w});
+}
+
+}  // namespace mlxvlm

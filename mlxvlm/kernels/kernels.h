@@ -1,0 +1,22 @@
+// The operations this library adds to MLX (CPU only; see mlxvlm/kernels/__init__.py).
+#pragma once
+
+#include <optional>
+
+#include "mlx/array.h"
+#include "mlx/utils.h"
+
+namespace mlxvlm {
+
+// x (..., K) float32 . weight (N, K) bfloat16/float16 transposed -> (..., N) float32.
+mlx::core::array half_linear(const mlx::core::array& x, const mlx::core::array& weight,
+                             mlx::core::StreamOrDevice s = {});
+
+// softmax(scale * q k^T + mask) v: q (B, H, L, D), k and v (B, H_kv, S, D), mask additive
+// and broadcastable to (B, H, L, S); causal: query i sees keys up to i + S - L.
+mlx::core::array attention(const mlx::core::array& q, const mlx::core::array& k,
+                           const mlx::core::array& v, float scale, bool causal,
+                           const std::optional<mlx::core::array>& mask,
+                           mlx::core::StreamOrDevice s = {});
+
+}  // namespace mlxvlm

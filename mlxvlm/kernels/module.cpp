@@ -1,0 +1,27 @@
+// Python bindings (nanobind, in MLX's nanobind domain so mlx.core.array passes through).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/variant.h>
+
+#include "blas.h"
+#include "cpu_parallel.h"
+#include "kernels.h"
+#include "vector_math.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_mlxvlm_cpu_kernels, m) {
+  m.doc() = "mlxvlm's CPU kernels for MLX: attention and 16-bit-weight linear layers";
+  m.def("set_sgemm",
+        [](uintptr_t address) {
+          mlxvlm::sgemm_pointer() = reinterpret_cast<mlxvlm::sgemm_fn>(address);
+        },
+        "address"_a, "Use the cblas_sgemm at this address for the float32 products.");
+  m.def("threads", [] { return mlxvlm::thread_pool().size(); });
+  m.def("simd", [] { return mlxvlm::has_avx2() ? "avx2" : "portable"; });
+  m.def("half_linear", &mlxvlm::half_linear, "x"_a, "weight"_a, nb::kw_only(),
+        "stream"_a = nb::none());
+  m.def("attention", &mlxvlm::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a,
+        "causal"_a = false, "mask"_a = nb::none(), "stream"_a = nb::none());
+}
