@@ -1,6 +1,6 @@
 """mlxvlm's CPU kernels for MLX: attention, and linear layers with 16-bit weights.
 
-Two MLX primitives (C++ in this folder, compiled on first use by ``build.py``):
+MLX primitives (C++ in this folder, compiled on first use by ``build.py``):
 
 - ``attention(q, k, v, scale=, mask=)``: softmax(scale q k^T + mask) v in float32, blocked
   so the scores stay in cache, with a vectorised exponential and rows split over the CPU
@@ -9,6 +9,9 @@ Two MLX primitives (C++ in this folder, compiled on first use by ``build.py``):
 - ``half_linear(x, weight)``: x (float32) times a bfloat16/float16 weight, computed in
   float32 without keeping a float32 copy of the weight. Lets a bf16 checkpoint run at
   float32 speed with half the memory.
+- ``activation(x, kind, up=None)``: GELU (tanh form), quick GELU, SiLU or exp, optionally
+  times ``up`` (gated MLPs), vectorised and threaded: GELU over 1024 x 3072 floats
+  ~38 ms with ``fast_math``'s MLX composition, a few ms here.
 
 Used only on MLX's CPU backend (``cpu_fast_paths``, ``models/layers/attention.py``);
 ``MLXVLM_NO_CPU_KERNELS=1`` opts out, and so does ``MLXVLM_NO_CPU_FAST_PATHS``. When the
@@ -68,7 +71,8 @@ def load() -> ModuleType | None:
         print(f"mlxvlm: CPU kernels {status}", file=sys.stderr)
         return None
     _module = module
-    status = f"attention and 16-bit linear kernels ({module.simd()}, {module.threads()} threads)"
+    status = (f"attention, activation and 16-bit linear kernels "
+              f"({module.simd()}, {module.threads()} threads)")
     return module
 
 
@@ -103,6 +107,16 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None)
         # uniform weights instead of NaN (as models/layers/attention.py's MLX path does).
         array_mask = mx.where(array_mask, 0.0, mx.finfo(mx.float32).min)
     return _module.attention(q, k, v, scale=scale, causal=causal, mask=array_mask)
+
+
+ACTIVATIONS = ("gelu_tanh", "quick_gelu", "silu", "exp")
+
+
+def activation(x: mx.array, kind: str, up: mx.array | None = None) -> mx.array:
+    """``kind`` (one of ACTIVATIONS) of x in float32, times ``up`` if given."""
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {kind!r}; one of {ACTIVATIONS}")
+    return _module.activation(x, getattr(_module.Activation, kind), up)
 
 
 def half_linear(x: mx.array, weight: mx.array) -> mx.array:

@@ -26,7 +26,7 @@ using namespace mlx::core;
 namespace {
 
 constexpr int64_t kMaxGemvRows = 4;
-constexpr int64_t kChunkFloats = 1 << 20;  // float32 scratch per converted chunk
+constexpr int64_t kChunkFloats = 1 << 24;  // float32 scratch per converted chunk (64 MB)
 // Below this many weight elements per worker a gemv stays on one thread.
 constexpr int64_t kMinGemvPerWorker = 1 << 17;
 

@@ -8,6 +8,13 @@
 
 namespace mlxvlm {
 
+enum class Activation { gelu_tanh, quick_gelu, silu, exp };
+
+// act(x), or act(x) * up, element-wise in float32 (see activation.cpp).
+mlx::core::array activation(const mlx::core::array& x, Activation kind,
+                            const std::optional<mlx::core::array>& up,
+                            mlx::core::StreamOrDevice s = {});
+
 // x (..., K) float32 . weight (N, K) bfloat16/float16 transposed -> (..., N) float32.
 mlx::core::array half_linear(const mlx::core::array& x, const mlx::core::array& weight,
                              mlx::core::StreamOrDevice s = {});

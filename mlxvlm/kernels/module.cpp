@@ -20,6 +20,13 @@ NB_MODULE(_mlxvlm_cpu_kernels, m) {
         "address"_a, "Use the cblas_sgemm at this address for the float32 products.");
   m.def("threads", [] { return mlxvlm::thread_pool().size(); });
   m.def("simd", [] { return mlxvlm::has_avx2() ? "avx2" : "portable"; });
+  nb::enum_<mlxvlm::Activation>(m, "Activation")
+      .value("gelu_tanh", mlxvlm::Activation::gelu_tanh)
+      .value("quick_gelu", mlxvlm::Activation::quick_gelu)
+      .value("silu", mlxvlm::Activation::silu)
+      .value("exp", mlxvlm::Activation::exp);
+  m.def("activation", &mlxvlm::activation, "x"_a, "kind"_a, "up"_a = nb::none(),
+        nb::kw_only(), "stream"_a = nb::none());
   m.def("half_linear", &mlxvlm::half_linear, "x"_a, "weight"_a, nb::kw_only(),
         "stream"_a = nb::none());
   m.def("attention", &mlxvlm::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a,

@@ -4,7 +4,7 @@
 //
 // The exponential is Cephes' expf: e^x = 2^n e^r with n = round(x log2 e), r reduced
 // with a two-part ln 2, e^r from a degree-6 polynomial; relative error ~2e-7 over
-// [-87, 88], like the C library's.
+// [-87, 88], like the C library's; 0 below that range, inf above, NaN kept.
 #pragma once
 
 #include <cmath>
@@ -59,6 +59,12 @@ inline float float16_to_float(uint16_t bits) {
   return out;
 }
 
+// expf, flushed to 0 below -87.34 (no subnormal results) like the vector version and
+// MLX's exp.
+inline float exp_scalar(float x) {
+  return x < -87.3365478515625f ? 0.0f : std::exp(x);
+}
+
 inline float half_to_float(uint16_t bits, Half kind) {
   return kind == Half::bfloat16 ? bfloat16_to_float(bits) : float16_to_float(bits);
 }
@@ -68,10 +74,11 @@ inline float half_to_float(uint16_t bits, Half kind) {
 
 MLXVLM_AVX2 inline __m256 exp8(__m256 x) {
   const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
-  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  // Operand order keeps NaN: min/max return their second operand when one is NaN.
+  __m256 t = _mm256_max_ps(lo, _mm256_min_ps(hi, x));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f)),
                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), t);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
   __m256 p = _mm256_set1_ps(1.9875691500E-4f);
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
@@ -82,7 +89,10 @@ MLXVLM_AVX2 inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   __m256i bits = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  // Beyond the range, what expf gives: 0 below it, inf above.
+  out = _mm256_blendv_ps(out, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+  return _mm256_blendv_ps(out, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
 }
 
 MLXVLM_AVX2 inline float sum8(__m256 v) {
@@ -125,7 +135,7 @@ MLXVLM_AVX2 inline float exp_shifted_sum_avx2(float* x, int64_t n, float shift) 
   }
   float out = sum8(acc);
   for (; i < n; i++) {
-    x[i] = std::exp(x[i] - shift);
+    x[i] = exp_scalar(x[i] - shift);
     out += x[i];
   }
   return out;
@@ -155,7 +165,7 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
 #endif
   float out = 0.0f;
   for (int64_t i = 0; i < n; i++) {
-    x[i] = std::exp(x[i] - shift);
+    x[i] = exp_scalar(x[i] - shift);
     out += x[i];
   }
   return out;

@@ -29,6 +29,8 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxvlm import kernels
+
 DISABLE_ENV = "MLXVLM_NO_CPU_FAST_PATHS"
 
 # Smaller arrays (decode steps) keep MLX's single fused kernel: fewer dispatches.
@@ -145,12 +147,16 @@ def with_reference_vjp(fast: Callable, reference: Callable) -> Callable:
     return function
 
 
-_fast_exp = with_reference_vjp(lambda x: in_slices(exp_kernel, x), mx.exp)
+_mlx_exp = with_reference_vjp(lambda x: in_slices(exp_kernel, x), mx.exp)
+_kernel_exp = with_reference_vjp(lambda x: kernels.activation(x, "exp"), mx.exp)
 
 
 def exp(x: mx.array) -> mx.array:
-    """``mx.exp``, fast on the CPU (inputs above 88 give ~2.4e38 rather than inf)."""
-    return _fast_exp(x) if use_fast_math(x) else mx.exp(x)
+    """``mx.exp``, fast on the CPU (on the MLX composition, inputs above 88 give ~2.4e38
+    rather than inf)."""
+    if not use_fast_math(x):
+        return mx.exp(x)
+    return _kernel_exp(x) if kernels.enabled() else _mlx_exp(x)
 
 
 # GELU, tanh form: 0.5 x (1 + tanh(u)) = x * sigmoid(2u) = x / (1 + exp(-2u)),
@@ -180,21 +186,27 @@ def _silu_kernel(x: mx.array) -> mx.array:
     return _times_sigmoid_from_exp(x, exp_kernel(-x))
 
 
-def _dispatching(fast_kernel: Callable, reference: Callable) -> Callable:
-    fast = with_reference_vjp(lambda x: in_slices(fast_kernel, x), reference)
+def _dispatching(fast_kernel: Callable, reference: Callable, kind: str) -> Callable:
+    """``reference`` (an MLX activation) computed by mlxvlm's C++ kernel where it is built,
+    else by ``fast_kernel`` (the MLX composition above), on large float32 CPU arrays."""
+    composed = with_reference_vjp(lambda x: in_slices(fast_kernel, x), reference)
+    kernel = with_reference_vjp(lambda x: kernels.activation(x, kind), reference)
 
     def function(x: mx.array) -> mx.array:
-        return fast(x) if x.size >= MIN_ELEMENTS and use_fast_math(x) else reference(x)
+        if x.size < MIN_ELEMENTS or not use_fast_math(x):
+            return reference(x)
+        return kernel(x) if kernels.enabled() else composed(x)
 
     function.__name__ = reference.__name__
     function.__doc__ = f"``{reference.__module__}.{reference.__name__}``, fast on the CPU."
     function.reference = reference  # the MLX function it stands for
+    function.kind = kind  # its name in mlxvlm.kernels.ACTIVATIONS
     return function
 
 
-gelu_tanh = _dispatching(_gelu_tanh_kernel, nn.gelu_approx)
-quick_gelu = _dispatching(_quick_gelu_kernel, nn.gelu_fast_approx)
-silu = _dispatching(_silu_kernel, nn.silu)
+gelu_tanh = _dispatching(_gelu_tanh_kernel, nn.gelu_approx, "gelu_tanh")
+quick_gelu = _dispatching(_quick_gelu_kernel, nn.gelu_fast_approx, "quick_gelu")
+silu = _dispatching(_silu_kernel, nn.silu, "silu")
 
 
 def gated(act: Callable) -> Callable[[mx.array, mx.array], mx.array]:
@@ -203,10 +215,16 @@ def gated(act: Callable) -> Callable[[mx.array, mx.array], mx.array]:
     kernel, like mlx-lm's ``swiglu``."""
     reference = act.reference
     fused = mx.compile(lambda gate, up: reference(gate) * up, shapeless=True)
+    kernel = with_reference_vjp(
+        lambda gate, up: kernels.activation(gate, act.kind, up),
+        lambda gate, up: reference(gate) * up,
+    )
 
     def function(gate: mx.array, up: mx.array) -> mx.array:
-        if gate.size >= MIN_ELEMENTS and use_fast_math(gate):
-            return act(gate) * up
-        return fused(gate, up)
+        if gate.size < MIN_ELEMENTS or not use_fast_math(gate):
+            return fused(gate, up)
+        if kernels.enabled() and up.shape == gate.shape:
+            return kernel(gate, up)
+        return act(gate) * up
 
     return function
