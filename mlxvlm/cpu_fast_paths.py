@@ -15,9 +15,9 @@ about as much per row as dequantizing the whole matrix, so on the CPU:
 
 With mlxvlm's CPU kernels built (``mlxvlm.kernels``; they need a C++ compiler), a
 bfloat16/float16 checkpoint's linear and embedding weights stay 16-bit and are computed
-in float32 (``mlxvlm.half_weights``), and dequantized layers become 16-bit rather than
-float32 ones (``mx.dequantize`` gives the scales' dtype, so nothing is lost): half the
-memory of float32 weights, and decoding reads half the bytes.
+in float32 (``mlxvlm.half_weights``): half the memory of float32 weights, and decoding
+reads half the bytes. Dequantized layers stay float32: rounding ``scale * q + bias`` to
+16 bits would move the weights away from what MLX's quantized kernels compute.
 
 It also gives the text models from mlx-lm the exp-based maths of
 ``models/layers/fast_math.py`` and the blocked attention of ``models/layers/attention.py``
@@ -47,7 +47,7 @@ BUDGET_ENV = "MLXVLM_CPU_DEQUANTIZE_MAX_GB"
 class FastPathReport:
     """What ``apply_cpu_fast_paths`` did, for ``--verbose``."""
 
-    dequantized: int = 0  # layers turned into float32 (or 16-bit-weight) layers
+    dequantized: int = 0  # layers turned into float32 layers
     dequantized_bytes: int = 0
     half_layers: int = 0  # linear/embedding layers computing in float32 on 16-bit weights
     half_bytes: int = 0
@@ -70,8 +70,7 @@ class FastPathReport:
     def _describe_quantized(self) -> str:
         if self.dequantized:
             gb = self.dequantized_bytes / 1e9
-            kind = "16-bit" if self.half_layers else "float32"
-            return f"{self.dequantized} quantized layers dequantized to {kind} ({gb:.2f} GB)"
+            return f"{self.dequantized} quantized layers dequantized to float32 ({gb:.2f} GB)"
         if self.streamed:
             return (
                 f"{self.streamed} quantized layers kept quantized (float32 would exceed the "
@@ -101,7 +100,7 @@ def dequantize_budget_bytes() -> int:
     return total // 2
 
 
-def _dequantized_weight(layer: nn.Module, dtype=mx.float32) -> mx.array:
+def _dequantized_weight(layer: nn.Module) -> mx.array:
     return mx.dequantize(
         layer.weight,
         layer.scales,
@@ -109,7 +108,7 @@ def _dequantized_weight(layer: nn.Module, dtype=mx.float32) -> mx.array:
         group_size=layer.group_size,
         bits=layer.bits,
         mode=layer.mode,
-    ).astype(dtype)
+    ).astype(mx.float32)
 
 
 class CPUQuantizedLinear(nn.QuantizedLinear):
@@ -149,8 +148,8 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
         return y
 
 
-def _as_float_module(layer: nn.Module, dtype) -> nn.Module:
-    weight = _dequantized_weight(layer, dtype)
+def _as_float_module(layer: nn.Module) -> nn.Module:
+    weight = _dequantized_weight(layer)
     if isinstance(layer, nn.QuantizedEmbedding):
         module = nn.Embedding(*weight.shape)
         module.weight = weight
@@ -171,17 +170,16 @@ def apply_cpu_fast_paths(model: nn.Module) -> FastPathReport:
 
     fast_mlps = use_fast_mlps(model)
     use_fast_attention(model)
-    half = keeps_half_weights()
-    report = _apply_quantized_fast_paths(model, half)
+    report = _apply_quantized_fast_paths(model)
     report.fast_mlps = fast_mlps
-    if half:
+    if keeps_half_weights():
         from mlxvlm.half_weights import use_half_weight_layers
 
         report.half_layers, report.half_bytes = use_half_weight_layers(model)
     return report
 
 
-def _apply_quantized_fast_paths(model: nn.Module, half: bool) -> FastPathReport:
+def _apply_quantized_fast_paths(model: nn.Module) -> FastPathReport:
     quantized = [
         (name, m)
         for name, m in model.named_modules()
@@ -189,19 +187,14 @@ def _apply_quantized_fast_paths(model: nn.Module, half: bool) -> FastPathReport:
     ]
     if not quantized:
         return FastPathReport()
-    # Dequantized weights come out in the scales' dtype; 16-bit ones stay 16-bit when
-    # the kernels can compute with them.
-    dtypes = {name: m.scales.dtype if half and m.scales.dtype in (mx.bfloat16, mx.float16)
-              else mx.float32 for name, m in quantized}
     float_bytes = sum(
-        m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits * dtypes[name].size
-        for name, m in quantized
+        m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits * 4 for _, m in quantized
     )
     report = FastPathReport()
     replacements = []
     if float_bytes <= dequantize_budget_bytes():
         for name, layer in quantized:
-            replacements.append((name, _as_float_module(layer, dtypes[name])))
+            replacements.append((name, _as_float_module(layer)))
         report.dequantized, report.dequantized_bytes = len(quantized), float_bytes
     else:
         for name, layer in quantized:

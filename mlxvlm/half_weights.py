@@ -63,7 +63,8 @@ def _half_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def cast_to_float32_keeping_half_weights(model: nn.Module) -> None:
     """Float32 for every floating parameter except the 16-bit weights of linear and
     embedding layers (which ``use_half_weight_layers`` then computes with)."""
-    kept = {f"{name}.weight" if name else "weight" for name, _ in _half_layers(model)}
+    prefix = lambda name: f"{name}." if name else ""  # noqa: E731
+    kept = {f"{prefix(name)}weight" for name, _ in _half_layers(model)}
     updates = [
         (path, value.astype(mx.float32))
         for path, value in tree_flatten(model.parameters())

@@ -26,6 +26,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -36,6 +37,7 @@ DISABLE_ENV = "MLXVLM_NO_CPU_KERNELS"
 status: str = "not loaded yet"
 _module: ModuleType | None = None
 _attempted = False
+_loading = threading.Lock()  # one build and one import per process (the server's threads)
 
 
 def _sgemm_address() -> int:
@@ -57,10 +59,18 @@ def _import(path: Path) -> ModuleType:
 
 def load() -> ModuleType | None:
     """The kernels module (built on first use), or None with ``status`` saying why."""
-    global _module, _attempted, status
+    global _module, _attempted
     if _attempted:
         return _module
-    _attempted = True
+    with _loading:
+        if not _attempted:
+            _module = _build_and_import()
+            _attempted = True
+    return _module
+
+
+def _build_and_import() -> ModuleType | None:
+    global status
     from mlxvlm.kernels.build import BuildError, build
 
     try:
@@ -70,7 +80,6 @@ def load() -> ModuleType | None:
         status = f"not used: {exc}"
         print(f"mlxvlm: CPU kernels {status}", file=sys.stderr)
         return None
-    _module = module
     status = (f"attention, activation and 16-bit linear kernels "
               f"({module.simd()}, {module.threads()} threads)")
     return module

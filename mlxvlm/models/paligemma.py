@@ -297,7 +297,9 @@ class Model(VisionLanguageModel):
     def image_features(self, pixel_values: Any) -> mx.array:
         """(images, patches, text width) from the processor's (images, C, H, W)."""
         pixels = mx.array(pixel_values) if not isinstance(pixel_values, mx.array) else pixel_values
-        dtype = self.multi_modal_projector.linear.weight.dtype
+        # The compute dtype: a norm's (a linear layer's weight may stay 16-bit on the CPU,
+        # see mlxvlm.half_weights, and may be quantized).
+        dtype = self.vision_tower.vision_model.post_layernorm.weight.dtype
 
         def encode(images: mx.array) -> mx.array:  # SigLIP sees each image on its own
             patches = self.vision_tower(images.transpose(0, 2, 3, 1).astype(dtype))

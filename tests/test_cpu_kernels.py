@@ -1,0 +1,333 @@
+"""mlxvlm's CPU kernels (mlxvlm/kernels) compute what MLX computes, and models use them.
+
+- ``half_linear``: float32 input times a bfloat16/float16 weight against the float64
+  product of the same weights, for decode-sized (gemv) and prefill-sized inputs, with
+  MLX's gradients, forward-mode derivatives and ``mx.compile``.
+- ``activation``: GELU (tanh form), quick GELU, SiLU and exp against float64, at the edges
+  (NaN, +-inf, overflow) as MLX's functions, gated and not.
+- ``attention``: many query blocks with a ragged last one, strided (transposed) inputs,
+  a copy for non-unit column strides, broadcast masks.
+- bf16 checkpoints keep their linear/embedding weights in bf16 and give the logits and
+  greedy tokens of the float32-weight path; a 4-bit decoder next to a bf16 tower; LoRA
+  wraps the layers; ``MLXVLM_NO_CPU_KERNELS=1`` and a machine without a
+  compiler fall back to float32 weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from tiny import make_image
+from mlxvlm import generate, kernels, load
+from mlxvlm.half_weights import CPUHalfEmbedding, CPUHalfLinear
+from mlxvlm.loading import CONVERTED_MARKER
+from mlxvlm.prompt import prepare_inputs
+
+
+def test_the_kernels_build_and_load_here():
+    assert kernels.enabled(), kernels.describe()
+    assert "kernels" in kernels.describe()
+
+
+# ------------------------------------------------------------------------- half_linear
+
+
+def _float64_product(x: mx.array, w: mx.array) -> np.ndarray:
+    return np.array(x, dtype=np.float64) @ np.array(w.astype(mx.float32), dtype=np.float64).T
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 151])
+def test_half_linear_matches_the_float64_product(dtype, rows):
+    k1, k2 = mx.random.split(mx.random.key(rows), 2)
+    x = mx.random.normal((rows, 203), key=k1)  # 203: not a multiple of the 8-float lanes
+    w = (mx.random.normal((67, 203), key=k2) * 0.2).astype(dtype)
+    got = kernels.half_linear(x, w)
+    assert got.dtype == mx.float32 and got.shape == (rows, 67)
+    want = _float64_product(x, w)
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_half_linear_takes_any_leading_shape_and_checks_its_arguments():
+    x = mx.random.normal((2, 3, 16), key=mx.random.key(1))
+    w = mx.random.normal((5, 16), key=mx.random.key(2)).astype(mx.bfloat16)
+    np.testing.assert_allclose(np.array(kernels.half_linear(x, w)), _float64_product(x, w),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="last axis"):
+        kernels.half_linear(mx.zeros((2, 15)), w)
+    with pytest.raises(ValueError, match="bfloat16/float16"):
+        kernels.half_linear(x, w.astype(mx.float32))
+
+
+def test_half_linear_derivatives_are_the_float32_layers():
+    x = mx.random.normal((3, 24), key=mx.random.key(3))
+    w = mx.random.normal((10, 24), key=mx.random.key(4)).astype(mx.bfloat16)
+    cotangent = mx.random.normal((3, 10), key=mx.random.key(5))
+
+    def reference(x, w):
+        return x @ w.astype(mx.float32).T
+
+    _, (gx, gw) = mx.vjp(kernels.half_linear, [x, w], [cotangent])
+    _, (rx, rw) = mx.vjp(reference, [x, w], [cotangent])
+    np.testing.assert_allclose(np.array(gx), np.array(rx), rtol=1e-5, atol=1e-5)
+    assert gw.dtype == mx.bfloat16
+    np.testing.assert_allclose(np.array(gw.astype(mx.float32)),
+                               np.array(rw.astype(mx.float32)), rtol=1e-2, atol=1e-2)
+    tangents = [mx.random.normal(x.shape, key=mx.random.key(6)),
+                mx.random.normal(w.shape, key=mx.random.key(7)).astype(mx.bfloat16)]
+    _, (jvp,) = mx.jvp(kernels.half_linear, [x, w], tangents)
+    _, (want,) = mx.jvp(reference, [x, w], tangents)
+    np.testing.assert_allclose(np.array(jvp), np.array(want), rtol=1e-4, atol=1e-4)
+    compiled = mx.compile(lambda x: kernels.half_linear(x, w) * 2.0)
+    np.testing.assert_allclose(np.array(compiled(x)), 2 * np.array(reference(x, w)),
+                               rtol=1e-5, atol=1e-5)
+
+
+# -------------------------------------------------------------------------- activation
+
+_FLOAT64 = {
+    "gelu_tanh": lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))),
+    "quick_gelu": lambda x: x / (1 + np.exp(-1.702 * x)),
+    "silu": lambda x: x / (1 + np.exp(-x)),
+    "exp": np.exp,
+}
+_MLX = {"gelu_tanh": nn.gelu_approx, "quick_gelu": nn.gelu_fast_approx, "silu": nn.silu,
+        "exp": mx.exp}
+
+
+@pytest.mark.parametrize("kind", kernels.ACTIVATIONS)
+def test_activation_matches_float64_and_mlx_edges(kind):
+    x = mx.array(np.linspace(-30, 30, 100_003, dtype=np.float32))
+    with np.errstate(over="ignore"):
+        want = _FLOAT64[kind](np.array(x, dtype=np.float64))
+    got = np.array(kernels.activation(x, kind), dtype=np.float64)
+    scale = np.maximum(np.abs(want), 1e-3)  # relative, absolute near zero crossings
+    assert np.max(np.abs(got - want) / scale) < 2e-5
+    up = mx.random.normal(x.shape, key=mx.random.key(8))
+    np.testing.assert_allclose(np.array(kernels.activation(x, kind, up)),
+                               np.array(kernels.activation(x, kind)) * np.array(up),
+                               rtol=1e-6, atol=1e-30)
+    edges = mx.array([float("nan"), float("inf"), -float("inf"), 100.0, -100.0, 0.0] * 3)
+    got_edges, mlx_edges = np.array(kernels.activation(edges, kind)), np.array(_MLX[kind](edges))
+    np.testing.assert_array_equal(np.isnan(got_edges), np.isnan(mlx_edges))
+    finite = ~np.isnan(mlx_edges)
+    np.testing.assert_allclose(got_edges[finite], mlx_edges[finite], rtol=1e-5, atol=1e-30)
+
+
+def test_activation_rejects_unknown_kinds_and_shapes():
+    with pytest.raises(ValueError, match="unknown activation"):
+        kernels.activation(mx.zeros(3), "relu")
+    with pytest.raises(ValueError, match="shape"):
+        kernels.activation(mx.zeros(3), "silu", mx.zeros(4))
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _float64_attention(q, k, v, scale, mask=None):
+    q, k, v = (np.array(t, dtype=np.float64) for t in (q, k, v))
+    repeats = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, repeats, axis=1), np.repeat(v, repeats, axis=1)
+    scores = q @ k.transpose(0, 1, 3, 2) * scale
+    if mask is not None:
+        scores = scores + np.array(mask, dtype=np.float64)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+
+
+def test_attention_over_many_blocks_from_strided_inputs():
+    """Queries in blocks of 256 (the last one ragged), q/k/v as the (B, L, H, D) ->
+    (B, H, L, D) transposes models pass, grouped-query heads, a broadcast mask."""
+    B, L, H, KV, D = 1, 1000, 4, 2, 64
+    keys = mx.random.split(mx.random.key(9), 4)
+    q = mx.random.normal((B, L, H, D), key=keys[0]).transpose(0, 2, 1, 3)
+    k = mx.random.normal((B, L, KV, D), key=keys[1]).transpose(0, 2, 1, 3)
+    v = mx.random.normal((B, L, KV, D), key=keys[2]).transpose(0, 2, 1, 3)
+    mask = mx.random.normal((L, L), key=keys[3])
+    got = kernels.attention(q, k, v, scale=D**-0.5, mask=mask)
+    assert got.shape == (B, H, L, D)
+    want = _float64_attention(q, k, v, D**-0.5, mask)
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-5)
+    # The output is laid out (B, L, H, D): the transpose back is free and exact.
+    flat = got.transpose(0, 2, 1, 3).reshape(B, L, H * D)
+    np.testing.assert_allclose(np.array(flat), want.transpose(0, 2, 1, 3).reshape(B, L, -1),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_attention_copies_inputs_whose_columns_are_strided():
+    base = mx.random.normal((1, 2, 16, 40), key=mx.random.key(10))
+    q = base.swapaxes(-1, -2)  # (1, 2, 40, 16) with column stride 40
+    k = mx.random.normal((1, 2, 40, 16), key=mx.random.key(11))
+    v = mx.random.normal((1, 2, 40, 16), key=mx.random.key(12))
+    got = kernels.attention(q, k, v, scale=0.25)
+    np.testing.assert_allclose(np.array(got), _float64_attention(q, k, v, 0.25),
+                               rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ models
+
+IMAGE = make_image(112, 84, seed=5)
+PROMPT = "Describe this image."
+FAMILIES = ["idefics3", "qwen2_vl", "gemma3", "llava", "paligemma"]
+
+
+def _as_bf16_checkpoint(source, target):
+    """A copy of an HF-layout checkpoint with its floating tensors stored as bfloat16."""
+    shutil.copytree(source, target)
+    for file in target.glob("*.safetensors"):
+        tensors = mx.load(str(file))
+        tensors = {n: t.astype(mx.bfloat16) if mx.issubdtype(t.dtype, mx.floating) else t
+                   for n, t in tensors.items()}
+        mx.save_safetensors(str(file), tensors, metadata={"format": "pt"})
+    return target
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoints(tiny_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bf16")
+    return {f: _as_bf16_checkpoint(tiny_checkpoints.path(f, "hub"), root / f) for f in FAMILIES}
+
+
+def _logits_and_tokens(model, processor):
+    inputs = prepare_inputs(processor, PROMPT, IMAGE, feature_names=model.feature_names)
+    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
+    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
+    tokens = generate(model, processor, PROMPT, IMAGE, max_tokens=12).tokens
+    return np.array(logits[0]), tokens
+
+
+def _linear_like(model):
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_checkpoint_keeps_bf16_weights_and_float32_results(bf16_checkpoints, family,
+                                                                monkeypatch):
+    path = bf16_checkpoints[family]
+    model, processor = load(path)
+    report = model.cpu_fast_paths
+    layers = _linear_like(model)
+    assert layers and report.half_layers == len(layers)
+    assert all(type(m) in (CPUHalfLinear, CPUHalfEmbedding) for _, m in layers)
+    half = {f"{n}.weight" for n, _ in layers}
+    for name, value in tree_flatten(model.parameters()):
+        assert value.dtype == (mx.bfloat16 if name in half else mx.float32), name
+    assert report.half_bytes == sum(m.weight.nbytes for _, m in layers)
+    assert "16-bit weights" in report.describe()
+    logits, tokens = _logits_and_tokens(model, processor)
+
+    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    reference, reference_processor = load(path)
+    assert reference.cpu_fast_paths.half_layers == 0
+    assert all(v.dtype == mx.float32 for _, v in tree_flatten(reference.parameters()))
+    want_logits, want_tokens = _logits_and_tokens(reference, reference_processor)
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-4, atol=1e-4)
+    assert tokens == want_tokens
+
+
+def test_4bit_decoder_with_bf16_tower(bf16_checkpoints, tmp_path):
+    """The quantized decoder is dequantized to float32 (exactly what MLX's quantized
+    kernels compute with); the tower left in bf16 keeps bf16 weights."""
+    source = bf16_checkpoints["qwen2_vl"]
+    model, _ = load(source, cpu_fast_paths=False, dtype=mx.bfloat16)
+    nn.quantize(model.language_model, group_size=32, bits=4)
+    target = tmp_path / "qwen2_vl-bf16-4bit"
+    shutil.copytree(source, target)
+    for f in target.glob("*.safetensors"):
+        f.unlink()
+    mx.save_safetensors(str(target / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4, "mode": "affine"}
+    config[CONVERTED_MARKER] = "mlx"
+    (target / "config.json").write_text(json.dumps(config))
+
+    quantized, processor = load(target, cpu_fast_paths=False)
+    want_logits, want_tokens = _logits_and_tokens(quantized, processor)
+    fast, fast_processor = load(target)
+    report = fast.cpu_fast_paths
+    assert report.dequantized > 0 and "dequantized to float32" in report.describe()
+    decoder = [m for _, m in fast.language_model.named_modules() if isinstance(m, nn.Linear)]
+    assert decoder and all(type(m) is nn.Linear and m.weight.dtype == mx.float32
+                           for m in decoder)
+    tower = [m for _, m in fast.vision_tower.named_modules() if isinstance(m, nn.Linear)]
+    assert tower and all(type(m) is CPUHalfLinear and m.weight.dtype == mx.bfloat16
+                         for m in tower)
+    logits, tokens = _logits_and_tokens(fast, fast_processor)
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-4, atol=1e-4)
+    assert tokens == want_tokens
+
+
+def test_lora_wraps_half_weight_layers():
+    from mlx_lm.tuner.dora import DoRALinear
+    from mlx_lm.tuner.lora import LoRALinear
+
+    linear = nn.Linear(24, 10)
+    linear.weight = linear.weight.astype(mx.bfloat16)
+    half = CPUHalfLinear(linear)
+    x = mx.random.normal((2, 24), key=mx.random.key(13))
+    for wrapper in (LoRALinear, DoRALinear):
+        adapted = wrapper.from_base(half, r=4)
+        adapted.lora_b = mx.random.normal(adapted.lora_b.shape, key=mx.random.key(14))
+        float_base = nn.Linear(24, 10)
+        float_base.update({"weight": linear.weight.astype(mx.float32), "bias": linear.bias})
+        reference = wrapper.from_base(float_base, r=4)
+        reference.update({"lora_a": adapted.lora_a, "lora_b": adapted.lora_b})
+        if wrapper is DoRALinear:
+            reference.m = adapted.m
+        np.testing.assert_allclose(np.array(adapted(x)), np.array(reference(x)),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_opt_out_keeps_float32_weights(bf16_checkpoints, monkeypatch):
+    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    assert not kernels.enabled() and kernels.describe() == f"disabled by {kernels.DISABLE_ENV}"
+    model, _ = load(bf16_checkpoints["idefics3"])
+    assert not any(isinstance(m, (CPUHalfLinear, CPUHalfEmbedding)) for _, m in model.named_modules())
+
+
+def test_without_a_compiler_the_model_runs_on_float32_weights(bf16_checkpoints, tmp_path):
+    """A fresh cache and no C++ compiler: mlxvlm says why and falls back."""
+    script = (
+        "import mlxvlm, mlx.core as mx\n"
+        "from mlxvlm import kernels, load, generate\n"
+        "from mlx.utils import tree_flatten\n"
+        "from tiny import make_image\n"
+        "print('enabled', kernels.enabled())\n"
+        "print('describe', kernels.describe())\n"
+        f"model, processor = load({str(bf16_checkpoints['idefics3'])!r})\n"
+        "print('dtypes', sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())}))\n"
+        "out = generate(model, processor, 'Describe this image.', make_image(112, 84, seed=5),"
+        " max_tokens=4)\n"
+        "print('tokens', len(out.tokens))\n"
+    )
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"),
+               XDG_CACHE_HOME=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "enabled False" in result.stdout
+    assert "describe not used: no C++ compiler found" in result.stdout
+    assert "dtypes ['mlx.core.float32']" in result.stdout
+    assert "tokens 4" in result.stdout
+
+
+def test_the_build_is_cached_per_source_and_toolchain():
+    from mlxvlm._backend import cache_dir
+    from mlxvlm.kernels import build
+
+    first = build.build()
+    assert first.exists() and cache_dir() in first.parents
+    assert build.build() == first  # found, not rebuilt
