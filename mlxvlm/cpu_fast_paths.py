@@ -51,6 +51,7 @@ class FastPathReport:
     dequantized_bytes: int = 0
     half_layers: int = 0  # linear/embedding layers computing in float32 on 16-bit weights
     half_bytes: int = 0
+    kernel_norms: int = 0  # LayerNorm/RMSNorm layers on mlxvlm's norm kernel
     streamed: int = 0  # layers kept quantized, dequantized per multi-row call
     fast_mlps: int = 0  # mlx-lm MLPs given fast_math's activation
     reason: str = ""
@@ -61,6 +62,8 @@ class FastPathReport:
         maths = "softmax, GELU and SiLU on a vectorised exp, blocked attention"
         if self.fast_mlps:
             maths += f" ({self.fast_mlps} mlx-lm MLPs)"
+        if self.kernel_norms:
+            maths += f"; {self.kernel_norms} norm layers on the CPU kernel"
         parts = [self._describe_quantized(), maths]
         if self.half_layers:
             parts.insert(0, f"{self.half_layers} layers keep 16-bit weights "
@@ -173,9 +176,11 @@ def apply_cpu_fast_paths(model: nn.Module) -> FastPathReport:
     report = _apply_quantized_fast_paths(model)
     report.fast_mlps = fast_mlps
     if keeps_half_weights():
+        from mlxvlm.cpu_norms import use_cpu_norms
         from mlxvlm.half_weights import use_half_weight_layers
 
         report.half_layers, report.half_bytes = use_half_weight_layers(model)
+        report.kernel_norms = use_cpu_norms(model)
     return report
 
 

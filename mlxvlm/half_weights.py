@@ -32,10 +32,7 @@ class CPUHalfLinear(nn.Linear):
             self.bias = layer.bias.astype(mx.float32)
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = kernels.half_linear(x, self.weight)
-        if "bias" in self:
-            y = y + self.bias
-        return y
+        return kernels.half_linear(x, self.weight, self.get("bias"))
 
 
 class CPUHalfEmbedding(nn.Embedding):

@@ -59,6 +59,21 @@ def test_half_linear_matches_the_float64_product(dtype, rows):
     np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("rows", [1, 151])
+def test_half_linear_adds_the_bias(rows):
+    x = mx.random.normal((rows, 40), key=mx.random.key(20))
+    w = mx.random.normal((33, 40), key=mx.random.key(21)).astype(mx.bfloat16)
+    bias = mx.random.normal((33,), key=mx.random.key(22))
+    want = _float64_product(x, w) + np.array(bias, dtype=np.float64)
+    np.testing.assert_allclose(np.array(kernels.half_linear(x, w, bias)), want,
+                               rtol=1e-5, atol=1e-5)
+    grads = mx.grad(lambda b: (kernels.half_linear(x, w, b) ** 2).sum())(bias)
+    want_grads = mx.grad(lambda b: ((x @ w.astype(mx.float32).T + b) ** 2).sum())(bias)
+    np.testing.assert_allclose(np.array(grads), np.array(want_grads), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="bias"):
+        kernels.half_linear(x, w, mx.zeros((32,)))
+
+
 def test_half_linear_takes_any_leading_shape_and_checks_its_arguments():
     x = mx.random.normal((2, 3, 16), key=mx.random.key(1))
     w = mx.random.normal((5, 16), key=mx.random.key(2)).astype(mx.bfloat16)
@@ -130,6 +145,54 @@ def test_activation_rejects_unknown_kinds_and_shapes():
         kernels.activation(mx.zeros(3), "relu")
     with pytest.raises(ValueError, match="shape"):
         kernels.activation(mx.zeros(3), "silu", mx.zeros(4))
+
+
+# -------------------------------------------------------------------------------- norm
+
+
+@pytest.mark.parametrize("affine", ["weight_and_bias", "weight", "none"])
+def test_layer_norm_matches_mlx(affine):
+    x = mx.random.normal((3, 301, 203), key=mx.random.key(23)) * 3 + 5  # offset: no cancellation
+    weight = mx.random.normal((203,), key=mx.random.key(24)) if affine != "none" else None
+    bias = mx.random.normal((203,), key=mx.random.key(25)) if affine == "weight_and_bias" else None
+    got = kernels.norm(x, weight, bias, eps=1e-6)
+    want = mx.fast.layer_norm(x, weight, bias, 1e-6)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+
+
+def test_rms_norm_matches_mlx():
+    x = mx.random.normal((2, 77, 576), key=mx.random.key(26))
+    weight = mx.random.normal((576,), key=mx.random.key(27))
+    got = kernels.norm(x, weight, None, eps=1e-5, rms=True)
+    np.testing.assert_allclose(np.array(got), np.array(mx.fast.rms_norm(x, weight, 1e-5)),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="last axis"):
+        kernels.norm(x, mx.ones((5,)), None, eps=1e-5, rms=True)
+
+
+def test_norm_layers_swap_in_with_mlx_gradients():
+    from mlxvlm.cpu_norms import CPULayerNorm, CPURMSNorm, use_cpu_norms
+
+    model = nn.Sequential(nn.LayerNorm(96), nn.RMSNorm(96), nn.LayerNorm(96, affine=False))
+    reference = nn.Sequential(nn.LayerNorm(96), nn.RMSNorm(96), nn.LayerNorm(96, affine=False))
+    model.layers[0].weight = mx.random.normal((96,), key=mx.random.key(28))
+    model.layers[1].weight = mx.random.normal((96,), key=mx.random.key(29))
+    reference.update(model.parameters())
+    assert use_cpu_norms(model) == 3
+    assert [type(m) for m in model.layers] == [CPULayerNorm, CPURMSNorm, CPULayerNorm]
+    x = mx.random.normal((300, 96), key=mx.random.key(30))  # over fast_math.MIN_ELEMENTS
+    np.testing.assert_allclose(np.array(model(x)), np.array(reference(x)), rtol=1e-4, atol=1e-4)
+
+    def loss(m):
+        def function(params, x):
+            m.update(params)
+            return (m(x) ** 2).sum()
+        return function
+
+    got = mx.grad(loss(model), argnums=(0, 1))(model.trainable_parameters(), x)
+    want = mx.grad(loss(reference), argnums=(0, 1))(reference.trainable_parameters(), x)
+    for (name, a), (_, b) in zip(tree_flatten(got), tree_flatten(want)):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-3, err_msg=name)
 
 
 # --------------------------------------------------------------------------- attention

@@ -2,7 +2,8 @@
 //
 // On MLX's CPU backend a 16-bit matmul is several times slower than a float32 one, so
 // mlxvlm used to convert a bf16 checkpoint's weights to float32, doubling their memory.
-// This primitive keeps the 16-bit weights and computes in float32:
+// This primitive keeps the 16-bit weights and computes in float32 (plus an optional
+// float32 bias):
 // - up to four rows of x (decoding): a gemv that converts each weight row as it streams
 //   it, split over the CPU threads; it reads half the bytes a float32 gemv reads;
 // - more rows (prefill): the weight is converted in chunks of rows (at most ~4 MB of
@@ -99,14 +100,18 @@ void gemv_rows(const float* x, int64_t rows, int64_t K, const uint16_t* w, int64
   gemv_portable<kind>(x, rows, K, w, n0, n1, y, N);
 }
 
+// y (rows x N) = x (rows x K) . w^T (+ bias), w 16-bit (N x K).
 void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
-                 int64_t N, float* y) {
+                 int64_t N, const float* bias, float* y) {
   if (rows <= kMaxGemvRows) {
     parallel_for(N, std::max<int64_t>(1, kMinGemvPerWorker / K), [&](int64_t n0, int64_t n1) {
       if (kind == Half::bfloat16)
         gemv_rows<Half::bfloat16>(x, rows, K, w, n0, n1, y, N);
       else
         gemv_rows<Half::float16>(x, rows, K, w, n0, n1, y, N);
+      if (bias)
+        for (int64_t m = 0; m < rows; m++)
+          for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
     });
     return;
   }
@@ -118,8 +123,13 @@ void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Hal
       half_to_float(w + (n0 + start) * K, converted.data() + start * K, (stop - start) * K,
                     kind);
     });
+    if (bias) {  // the product is added to the bias rows (sgemm's beta = 1): no extra pass
+      parallel_for(rows, 16, [&](int64_t start, int64_t stop) {
+        for (int64_t m = start; m < stop; m++) std::copy(bias + n0, bias + n1, y + m * N + n0);
+      });
+    }
     sgemm(true, int(rows), int(n1 - n0), int(K), 1.0f, x, int(K), converted.data(), int(K),
-          0.0f, y + n0, int(N));
+          bias ? 1.0f : 0.0f, y + n0, int(N));
   }
 }
 
@@ -132,13 +142,15 @@ class HalfLinear : public UnaryPrimitive {
     const array& w = inputs[1];
     out.set_data(allocator::malloc(out.nbytes()));
     auto& encoder = cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
+    for (const array& input : inputs) encoder.set_input_array(input);
     encoder.set_output_array(out);
     int64_t K = w.shape(1), N = w.shape(0), rows = x.size() / K;
     Half kind = w.dtype() == bfloat16 ? Half::bfloat16 : Half::float16;
+    const float* bias = inputs.size() > 2 ? inputs[2].data<float>() : nullptr;
     encoder.dispatch([xp = x.data<float>(), wp = w.data<uint16_t>(), yp = out.data<float>(),
-                      rows, K, N, kind]() { half_matmul(xp, rows, K, wp, kind, N, yp); });
+                      bias, rows, K, N, kind]() {
+      half_matmul(xp, rows, K, wp, kind, N, bias, yp);
+    });
   }
 
   void eval_gpu(const std::vector<array>&, array&) override {
@@ -154,10 +166,13 @@ class HalfLinear : public UnaryPrimitive {
     const array& cotangent = cotangents[0];
     std::vector<array> grads;
     for (int arg : argnums) {
+      int64_t N = w.shape(0);
       if (arg == 0) {
         grads.push_back(matmul(cotangent, astype(w, float32, stream()), stream()));
+      } else if (arg == 2) {
+        grads.push_back(sum(reshape(cotangent, {-1, int(N)}, stream()), 0, false, stream()));
       } else {
-        int64_t K = w.shape(1), N = w.shape(0);
+        int64_t K = w.shape(1);
         array flat_cotangent = reshape(cotangent, {-1, int(N)}, stream());
         array flat_x = reshape(x, {-1, int(K)}, stream());
         grads.push_back(astype(matmul(transpose(flat_cotangent, stream()), flat_x, stream()),
@@ -174,8 +189,9 @@ class HalfLinear : public UnaryPrimitive {
     const array& w = primals[1];
     std::optional<array> out;
     for (size_t i = 0; i < argnums.size(); i++) {
-      array term = argnums[i] == 0
-          ? half_linear(tangents[i], w, stream())
+      array term = argnums[i] == 0 ? half_linear(tangents[i], w, std::nullopt, stream())
+          : argnums[i] == 2
+          ? broadcast_to(tangents[i], output_shapes(primals)[0], stream())
           : matmul(x, transpose(astype(tangents[i], float32, stream()), stream()), stream());
       out = out ? add(*out, term, stream()) : term;
     }
@@ -193,17 +209,23 @@ class HalfLinear : public UnaryPrimitive {
 
 }  // namespace
 
-array half_linear(const array& x, const array& weight, StreamOrDevice s) {
+array half_linear(const array& x, const array& weight, const std::optional<array>& bias,
+                  StreamOrDevice s) {
   if (weight.ndim() != 2 || (weight.dtype() != bfloat16 && weight.dtype() != float16))
     throw std::invalid_argument("[half_linear] weight must be a 2-D bfloat16/float16 matrix");
   if (x.ndim() < 1 || x.shape(-1) != weight.shape(1))
     throw std::invalid_argument("[half_linear] x's last axis must match the weight's columns");
   Stream stream = to_stream(s);
   array x32 = contiguous(astype(x, float32, stream), false, stream);
-  array w = contiguous(weight, false, stream);
+  std::vector<array> inputs{x32, contiguous(weight, false, stream)};
+  if (bias) {
+    if (bias->ndim() != 1 || bias->shape(0) != weight.shape(0))
+      throw std::invalid_argument("[half_linear] bias must have one value per output");
+    inputs.push_back(contiguous(astype(*bias, float32, stream), false, stream));
+  }
   Shape shape = x.shape();
   shape.back() = weight.shape(0);
-  return array(shape, float32, std::make_shared<HalfLinear>(stream), std::vector<array>{x32, w});
+  return array(shape, float32, std::make_shared<HalfLinear>(stream), std::move(inputs));
 }
 
 }  // namespace mlxvlm

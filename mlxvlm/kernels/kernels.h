@@ -15,9 +15,16 @@ mlx::core::array activation(const mlx::core::array& x, Activation kind,
                             const std::optional<mlx::core::array>& up,
                             mlx::core::StreamOrDevice s = {});
 
-// x (..., K) float32 . weight (N, K) bfloat16/float16 transposed -> (..., N) float32.
+// x (..., K) float32 . weight (N, K) bfloat16/float16 transposed (+ bias (N)) ->
+// (..., N) float32.
 mlx::core::array half_linear(const mlx::core::array& x, const mlx::core::array& weight,
+                             const std::optional<mlx::core::array>& bias = std::nullopt,
                              mlx::core::StreamOrDevice s = {});
+
+// LayerNorm (rms = false) or RMSNorm over the last axis, in float32 (see norm.cpp).
+mlx::core::array norm(const mlx::core::array& x, const std::optional<mlx::core::array>& weight,
+                      const std::optional<mlx::core::array>& bias, float eps, bool rms,
+                      mlx::core::StreamOrDevice s = {});
 
 // softmax(scale * q k^T + mask) v: q (B, H, L, D), k and v (B, H_kv, S, D), mask additive
 // and broadcastable to (B, H, L, S); causal: query i sees keys up to i + S - L.

@@ -27,8 +27,10 @@ NB_MODULE(_mlxvlm_cpu_kernels, m) {
       .value("exp", mlxvlm::Activation::exp);
   m.def("activation", &mlxvlm::activation, "x"_a, "kind"_a, "up"_a = nb::none(),
         nb::kw_only(), "stream"_a = nb::none());
-  m.def("half_linear", &mlxvlm::half_linear, "x"_a, "weight"_a, nb::kw_only(),
-        "stream"_a = nb::none());
+  m.def("half_linear", &mlxvlm::half_linear, "x"_a, "weight"_a, "bias"_a = nb::none(),
+        nb::kw_only(), "stream"_a = nb::none());
+  m.def("norm", &mlxvlm::norm, "x"_a, "weight"_a, "bias"_a, nb::kw_only(), "eps"_a,
+        "rms"_a, "stream"_a = nb::none());
   m.def("attention", &mlxvlm::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a,
         "causal"_a = false, "mask"_a = nb::none(), "stream"_a = nb::none());
 }

@@ -141,6 +141,38 @@ MLXVLM_AVX2 inline float exp_shifted_sum_avx2(float* x, int64_t n, float shift) 
   return out;
 }
 
+// Sums of x - shift and of its squares over the first n / 8 * 8 elements.
+MLXVLM_AVX2 inline void moments_avx2(const float* x, int64_t n, float shift, float& sum,
+                                     float& squares) {
+  __m256 s = _mm256_setzero_ps(), q = _mm256_setzero_ps(), c = _mm256_set1_ps(shift);
+  for (int64_t i = 0; i + 8 <= n; i += 8) {
+    __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + i), c);
+    s = _mm256_add_ps(s, d);
+    q = _mm256_fmadd_ps(d, d, q);
+  }
+  sum = sum8(s);
+  squares = sum8(q);
+}
+
+// y = (x - shift) * scale (* weight) (+ bias).
+MLXVLM_AVX2 inline void scale_shift_avx2(const float* x, float* y, int64_t n, float shift,
+                                         float scale, const float* weight, const float* bias) {
+  __m256 c = _mm256_set1_ps(shift), k = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), c), k);
+    if (weight) v = _mm256_mul_ps(v, _mm256_loadu_ps(weight + i));
+    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + i));
+    _mm256_storeu_ps(y + i, v);
+  }
+  for (; i < n; i++) {
+    float v = (x[i] - shift) * scale;
+    if (weight) v *= weight[i];
+    if (bias) v += bias[i];
+    y[i] = v;
+  }
+}
+
 template <Half kind>
 MLXVLM_AVX2 inline void half_to_float_avx2(const uint16_t* in, float* out, int64_t n) {
   int64_t i = 0;
@@ -169,6 +201,19 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
     out += x[i];
   }
   return out;
+}
+
+inline void scale_shift_row(const float* x, float* y, int64_t n, float shift, float scale,
+                            const float* weight, const float* bias) {
+#ifdef MLXVLM_X86
+  if (has_avx2()) return scale_shift_avx2(x, y, n, shift, scale, weight, bias);
+#endif
+  for (int64_t i = 0; i < n; i++) {
+    float v = (x[i] - shift) * scale;
+    if (weight) v *= weight[i];
+    if (bias) v += bias[i];
+    y[i] = v;
+  }
 }
 
 inline void half_to_float(const uint16_t* in, float* out, int64_t n, Half kind) {

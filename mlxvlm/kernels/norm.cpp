@@ -1,0 +1,137 @@
+// LayerNorm and RMSNorm over the last axis, in float32.
+//
+// MLX's CPU layer_norm takes ~5 ms for one SigLIP layer's 1024 x 768 activations on a
+// 2-core x86-64 machine (PyTorch: 0.5 ms); vectorised and split over the CPU threads by
+// rows, this one takes well under a millisecond. The maths is MLX's:
+//   layer: (x - mean) / sqrt(var + eps) * weight + bias   (var: the biased variance)
+//   rms:   x / sqrt(mean(x^2) + eps) * weight
+#include <cmath>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "cpu_parallel.h"
+#include "kernels.h"
+#include "vector_math.h"
+
+namespace mlxvlm {
+
+using namespace mlx::core;
+
+namespace {
+
+struct NormRows {
+  const float* x;
+  const float* weight;  // null: none
+  const float* bias;    // null: none
+  float* out;
+  int64_t dims;
+  float eps;
+  bool rms;
+};
+
+// sum of x[i] - shift, and of its squares.
+void moments(const float* x, int64_t n, float shift, double& sum, double& squares) {
+  int64_t i = 0;
+  float s = 0.0f, q = 0.0f;
+#ifdef MLXVLM_X86
+  if (has_avx2()) {
+    moments_avx2(x, n, shift, s, q);
+    i = n / 8 * 8;
+  }
+#endif
+  for (; i < n; i++) {
+    float d = x[i] - shift;
+    s += d;
+    q += d * d;
+  }
+  sum = s;
+  squares = q;
+}
+
+void normalise_row(const NormRows& r, int64_t row) {
+  const float* x = r.x + row * r.dims;
+  float* y = r.out + row * r.dims;
+  double sum, squares;
+  float mean = 0.0f, inv;
+  if (r.rms) {
+    moments(x, r.dims, 0.0f, sum, squares);
+    inv = 1.0f / std::sqrt(float(squares / r.dims) + r.eps);
+  } else {
+    moments(x, r.dims, 0.0f, sum, squares);
+    mean = float(sum / r.dims);
+    moments(x, r.dims, mean, sum, squares);  // the variance around the mean: no cancellation
+    inv = 1.0f / std::sqrt(float(squares / r.dims) + r.eps);
+  }
+  scale_shift_row(x, y, r.dims, mean, inv, r.weight, r.bias);
+}
+
+class NormPrimitive : public UnaryPrimitive {
+ public:
+  NormPrimitive(Stream stream, bool rms, float eps, bool has_weight, bool has_bias)
+      : UnaryPrimitive(stream), rms_(rms), eps_(eps), has_weight_(has_weight),
+        has_bias_(has_bias) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    out.set_data(allocator::malloc(out.nbytes()));
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (const array& input : inputs) encoder.set_input_array(input);
+    encoder.set_output_array(out);
+    const array& x = inputs[0];
+    int64_t dims = x.shape(-1), rows = dims ? int64_t(x.size()) / dims : 0;
+    NormRows r{x.data<float>(), has_weight_ ? inputs[1].data<float>() : nullptr,
+               has_bias_ ? inputs.back().data<float>() : nullptr, out.data<float>(), dims,
+               eps_, rms_};
+    encoder.dispatch([r, rows]() {
+      parallel_for(rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, r.dims)),
+                   [&](int64_t start, int64_t stop) {
+                     for (int64_t row = start; row < stop; row++) normalise_row(r, row);
+                   });
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("[mlxvlm.Norm] CPU only");
+  }
+
+  const char* name() const override { return "MlxvlmNorm"; }
+  bool is_equivalent(const Primitive& other) const override {
+    const auto& o = static_cast<const NormPrimitive&>(other);
+    return rms_ == o.rms_ && eps_ == o.eps_ && has_weight_ == o.has_weight_ &&
+        has_bias_ == o.has_bias_;
+  }
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  bool rms_;
+  float eps_;
+  bool has_weight_, has_bias_;
+};
+
+}  // namespace
+
+array norm(const array& x, const std::optional<array>& weight, const std::optional<array>& bias,
+           float eps, bool rms, StreamOrDevice s) {
+  if (x.ndim() < 1) throw std::invalid_argument("[norm] x needs at least one axis");
+  Stream stream = to_stream(s);
+  auto prepare = [&](const array& a) {
+    return contiguous(astype(a, float32, stream), false, stream);
+  };
+  std::vector<array> inputs{prepare(x)};
+  for (const auto* param : {&weight, &bias}) {
+    if (!*param) continue;
+    if ((*param)->ndim() != 1 || (*param)->shape(0) != x.shape(-1))
+      throw std::invalid_argument("[norm] weight and bias must match x's last axis");
+    inputs.push_back(prepare(**param));
+  }
+  return array(x.shape(), float32,
+               std::make_shared<NormPrimitive>(stream, rms, eps, weight.has_value(),
+                                               bias.has_value()),
+               std::move(inputs));
+}
+
+}  // namespace mlxvlm
