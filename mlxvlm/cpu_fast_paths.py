@@ -1,9 +1,12 @@
-"""Fast paths on MLX's CPU backend: quantized layers, and mlx-lm text models' maths.
+"""Fast paths on MLX's CPU backend: 16-bit and quantized layers, and mlx-lm text models'
+maths.
 
 Measured on a 2-core x86-64 machine (mlx 0.32.4, OpenBLAS loaded, see ``_backend``):
 ``mx.quantized_matmul`` for a 4-bit 1x1536x8960 product takes 0.16 s, a float32 gemv of
 the same shape 0.011 s, and for 256 rows 41 s against 0.23 s. The quantized kernel costs
-about as much per row as dequantizing the whole matrix, so on the CPU:
+about as much per row as dequantizing the whole matrix. With mlxvlm's CPU kernels built,
+affine 4/8-bit layers run on ``mlxvlm.kernels.quantized_linear`` and stay quantized
+(``mlxvlm.cpu_quantized``). Other quantized layers, or all of them without the kernels:
 
 - if the model's quantized layers fit in memory as float32 (within a budget: half of the
   machine's RAM by default, ``MLXVLM_CPU_DEQUANTIZE_MAX_GB`` to change it), they are
@@ -16,8 +19,8 @@ about as much per row as dequantizing the whole matrix, so on the CPU:
 With mlxvlm's CPU kernels built (``mlxvlm.kernels``; they need a C++ compiler), a
 bfloat16/float16 checkpoint's linear and embedding weights stay 16-bit and are computed
 in float32 (``mlxvlm.half_weights``): half the memory of float32 weights, and decoding
-reads half the bytes. Dequantized layers stay float32: rounding ``scale * q + bias`` to
-16 bits would move the weights away from what MLX's quantized kernels compute.
+reads half the bytes. Layers dequantized at load are float32 (``scale * q + bias`` in
+float32, exactly what the quantized kernels compute; 16 bits would round it).
 
 It also gives the text models from mlx-lm the exp-based maths of
 ``models/layers/fast_math.py`` and the blocked attention of ``models/layers/attention.py``
@@ -47,6 +50,7 @@ BUDGET_ENV = "MLXVLM_CPU_DEQUANTIZE_MAX_GB"
 class FastPathReport:
     """What ``apply_cpu_fast_paths`` did, for ``--verbose``."""
 
+    kernel_quantized: int = 0  # layers kept quantized, on mlxvlm's quantized kernel
     dequantized: int = 0  # layers turned into float32 layers
     dequantized_bytes: int = 0
     half_layers: int = 0  # linear/embedding layers computing in float32 on 16-bit weights
@@ -71,15 +75,17 @@ class FastPathReport:
         return "; ".join(parts)
 
     def _describe_quantized(self) -> str:
+        parts = []
+        if self.kernel_quantized:
+            parts.append(f"{self.kernel_quantized} quantized layers computed on their packed "
+                         "weights (CPU kernel)")
         if self.dequantized:
             gb = self.dequantized_bytes / 1e9
-            return f"{self.dequantized} quantized layers dequantized to float32 ({gb:.2f} GB)"
+            parts.append(f"{self.dequantized} quantized layers dequantized to float32 ({gb:.2f} GB)")
         if self.streamed:
-            return (
-                f"{self.streamed} quantized layers kept quantized (float32 would exceed the "
-                f"budget); multi-row products dequantize per layer"
-            )
-        return "no quantized layers"
+            parts.append(f"{self.streamed} quantized layers kept quantized (float32 would exceed "
+                         "the budget); multi-row products dequantize per layer")
+        return "; ".join(parts) or "no quantized layers"
 
 
 def fast_paths_enabled() -> bool:
@@ -103,11 +109,17 @@ def dequantize_budget_bytes() -> int:
     return total // 2
 
 
+def _float32(a):
+    """Float scales/biases in float32 (mx.dequantize returns their dtype: 16-bit ones would
+    round the weights); the mx/nv fp formats' integer scales as they are."""
+    return a.astype(mx.float32) if a is not None and mx.issubdtype(a.dtype, mx.floating) else a
+
+
 def _dequantized_weight(layer: nn.Module) -> mx.array:
     return mx.dequantize(
         layer.weight,
-        layer.scales,
-        layer.get("biases"),
+        _float32(layer.scales),
+        _float32(layer.get("biases")),
         group_size=layer.group_size,
         bits=layer.bits,
         mode=layer.mode,
@@ -192,20 +204,28 @@ def _apply_quantized_fast_paths(model: nn.Module) -> FastPathReport:
     ]
     if not quantized:
         return FastPathReport()
+    report = FastPathReport()
+    replacements = []
+    if keeps_half_weights():  # the kernels are here: supported layers stay quantized
+        from mlxvlm.cpu_quantized import kernel_layer, kernel_supports
+
+        for name, layer in quantized:
+            if kernel_supports(layer):
+                replacements.append((name, kernel_layer(layer)))
+        report.kernel_quantized = len(replacements)
+        quantized = [(n, m) for n, m in quantized if not kernel_supports(m)]
     float_bytes = sum(
         m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits * 4 for _, m in quantized
     )
-    report = FastPathReport()
-    replacements = []
-    if float_bytes <= dequantize_budget_bytes():
+    if quantized and float_bytes <= dequantize_budget_bytes():
         for name, layer in quantized:
             replacements.append((name, _as_float_module(layer)))
         report.dequantized, report.dequantized_bytes = len(quantized), float_bytes
-    else:
-        for name, layer in quantized:
-            if isinstance(layer, nn.QuantizedLinear):
-                replacements.append((name, CPUQuantizedLinear(layer)))
-        report.streamed = len(replacements)
+    elif quantized:
+        streamed = [(n, CPUQuantizedLinear(m)) for n, m in quantized
+                    if isinstance(m, nn.QuantizedLinear)]
+        replacements += streamed
+        report.streamed = len(streamed)
     model.update_modules(tree_unflatten(replacements))
     mx.eval(model.parameters())
     return report

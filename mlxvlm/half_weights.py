@@ -62,6 +62,14 @@ def cast_to_float32_keeping_half_weights(model: nn.Module) -> None:
     embedding layers (which ``use_half_weight_layers`` then computes with)."""
     prefix = lambda name: f"{name}." if name else ""  # noqa: E731
     kept = {f"{prefix(name)}weight" for name, _ in _half_layers(model)}
+    # Quantized layers' 16-bit scales and biases too: the quantized kernel reads them as
+    # they are (mlxvlm.cpu_quantized), and dequantizing casts them (cpu_fast_paths).
+    kept |= {
+        f"{prefix(name)}{part}"
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        for part in ("scales", "biases")
+    }
     updates = [
         (path, value.astype(mx.float32))
         for path, value in tree_flatten(model.parameters())

@@ -1,6 +1,7 @@
 """The CPU backend's fast paths give the standard MLX path's results, and can be turned off.
 
-- quantized layers dequantized to float32 at load, or kept quantized and dequantized per
+- quantized layers on mlxvlm's quantized CPU kernel (packed weights), or, without the
+  kernels, dequantized to float32 at load, or kept quantized and dequantized per
   multi-row product (when float32 would not fit the memory budget), against MLX's own
   quantized kernels;
 - the system OpenBLAS preloaded before mlx.core, or not (MLXVLM_NO_OPENBLAS=1).
@@ -21,8 +22,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from tiny import make_image
-from mlxvlm import generate, load
+from mlxvlm import generate, kernels, load
 from mlxvlm.cpu_fast_paths import BUDGET_ENV, DISABLE_ENV, CPUQuantizedLinear
+from mlxvlm.cpu_quantized import CPUKernelQuantizedLinear
 from mlxvlm.loading import CONVERTED_MARKER
 from mlxvlm.prompt import prepare_inputs
 
@@ -67,7 +69,20 @@ def standard(quantized_checkpoint):
     return logits_and_tokens(model, processor)
 
 
-def test_dequantized_at_load_matches_quantized_kernels(quantized_checkpoint, standard):
+def test_quantized_kernel_matches_mlx_quantized_kernels(quantized_checkpoint, standard):
+    model, processor = load(quantized_checkpoint)
+    assert quantized_types(model) == {CPUKernelQuantizedLinear}
+    report = model.cpu_fast_paths
+    assert report.kernel_quantized > 0 and report.dequantized == 0
+    assert "packed weights" in report.describe()
+    logits, tokens = logits_and_tokens(model, processor)
+    np.testing.assert_allclose(logits, standard[0], atol=1e-4, rtol=0)
+    assert tokens == standard[1]
+
+
+def test_dequantized_at_load_matches_quantized_kernels(quantized_checkpoint, standard,
+                                                       monkeypatch):
+    monkeypatch.setenv(kernels.DISABLE_ENV, "1")  # the path without the CPU kernels
     model, processor = load(quantized_checkpoint)
     assert quantized_types(model) == set()
     assert model.cpu_fast_paths.dequantized > 0
@@ -77,6 +92,7 @@ def test_dequantized_at_load_matches_quantized_kernels(quantized_checkpoint, sta
 
 
 def test_kept_quantized_over_budget_matches_quantized_kernels(quantized_checkpoint, standard, monkeypatch):
+    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
     monkeypatch.setenv(BUDGET_ENV, "0")
     model, processor = load(quantized_checkpoint)
     assert quantized_types(model) == {CPUQuantizedLinear}

@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from tiny import make_image
 from mlxvlm import generate, kernels, load
+from mlxvlm.cpu_quantized import CPUKernelQuantizedEmbedding, CPUKernelQuantizedLinear
 from mlxvlm.half_weights import CPUHalfEmbedding, CPUHalfLinear
 from mlxvlm.loading import CONVERTED_MARKER
 from mlxvlm.prompt import prepare_inputs
@@ -145,6 +146,67 @@ def test_activation_rejects_unknown_kinds_and_shapes():
         kernels.activation(mx.zeros(3), "relu")
     with pytest.raises(ValueError, match="shape"):
         kernels.activation(mx.zeros(3), "silu", mx.zeros(4))
+
+
+# -------------------------------------------------------------------- quantized_linear
+
+
+def _float64_dequantized_product(x, w, scales, biases, group_size, bits):
+    exact = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32),
+                          group_size=group_size, bits=bits)
+    return np.array(x, dtype=np.float64) @ np.array(exact, dtype=np.float64).T
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", [mx.float32, mx.bfloat16, mx.float16],
+                         ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 40])
+def test_quantized_linear_is_the_dequantized_product(bits, group_size, scale_dtype, rows):
+    keys = mx.random.split(mx.random.key(bits * group_size + rows), 3)
+    weight = mx.random.normal((72, 256), key=keys[0]).astype(scale_dtype)
+    w, scales, biases = mx.quantize(weight, group_size=group_size, bits=bits)
+    x = mx.random.normal((rows, 256), key=keys[1])
+    bias = mx.random.normal((72,), key=keys[2])
+    got = kernels.quantized_linear(x, w, scales, biases, group_size=group_size, bits=bits,
+                                   bias=bias)
+    want = _float64_dequantized_product(x, w, scales, biases, group_size, bits)
+    want += np.array(bias, dtype=np.float64)
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # MLX's own kernel computes the same product.
+    mlx = mx.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits) + bias
+    np.testing.assert_allclose(np.array(got), np.array(mlx), rtol=1e-4, atol=1e-4)
+
+
+def test_quantized_linear_gradient_and_errors():
+    w, scales, biases = mx.quantize(mx.random.normal((16, 64), key=mx.random.key(40)), 32, 4)
+    x = mx.random.normal((2, 5, 64), key=mx.random.key(41))
+    grad = mx.grad(lambda x: kernels.quantized_linear(x, w, scales, biases, group_size=32,
+                                                      bits=4).sum())(x)
+    want = mx.grad(lambda x: mx.quantized_matmul(x, w, scales, biases, group_size=32,
+                                                 bits=4).sum())(x)
+    np.testing.assert_allclose(np.array(grad), np.array(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="4- and 8-bit"):
+        kernels.quantized_linear(x, w, scales, biases, group_size=32, bits=3)
+    with pytest.raises(ValueError, match="last axis"):
+        kernels.quantized_linear(mx.zeros((2, 32)), w, scales, biases, group_size=32, bits=4)
+    with pytest.raises(ValueError, match="scales"):
+        kernels.quantized_linear(x, w, scales[:, :1], biases, group_size=32, bits=4)
+
+
+def test_quantized_embedding_rows_and_tied_output():
+    table = nn.Embedding(50, 64)
+    table.weight = table.weight.astype(mx.bfloat16)
+    quantized = nn.QuantizedEmbedding.from_embedding(table, group_size=32, bits=4)
+    layer = CPUKernelQuantizedEmbedding(quantized)
+    ids = mx.array([[3, 7, 49]])
+    exact = mx.dequantize(quantized.weight, quantized.scales.astype(mx.float32),
+                          quantized.biases.astype(mx.float32), group_size=32, bits=4)
+    np.testing.assert_allclose(np.array(layer(ids)), np.array(exact[ids]), rtol=1e-6, atol=1e-6)
+    h = mx.random.normal((1, 2, 64), key=mx.random.key(42))
+    np.testing.assert_allclose(np.array(layer.as_linear(h)),
+                               np.array(h, dtype=np.float64) @ np.array(exact, dtype=np.float64).T,
+                               rtol=1e-5, atol=1e-5)
 
 
 # -------------------------------------------------------------------------------- norm
@@ -300,8 +362,8 @@ def test_bf16_checkpoint_keeps_bf16_weights_and_float32_results(bf16_checkpoints
 
 
 def test_4bit_decoder_with_bf16_tower(bf16_checkpoints, tmp_path):
-    """The quantized decoder is dequantized to float32 (exactly what MLX's quantized
-    kernels compute with); the tower left in bf16 keeps bf16 weights."""
+    """The quantized decoder stays packed on the quantized kernel, with its bf16 scales;
+    the tower left in bf16 keeps bf16 weights; the results are MLX's quantized kernels'."""
     source = bf16_checkpoints["qwen2_vl"]
     model, _ = load(source, cpu_fast_paths=False, dtype=mx.bfloat16)
     nn.quantize(model.language_model, group_size=32, bits=4)
@@ -320,10 +382,11 @@ def test_4bit_decoder_with_bf16_tower(bf16_checkpoints, tmp_path):
     want_logits, want_tokens = _logits_and_tokens(quantized, processor)
     fast, fast_processor = load(target)
     report = fast.cpu_fast_paths
-    assert report.dequantized > 0 and "dequantized to float32" in report.describe()
-    decoder = [m for _, m in fast.language_model.named_modules() if isinstance(m, nn.Linear)]
-    assert decoder and all(type(m) is nn.Linear and m.weight.dtype == mx.float32
-                           for m in decoder)
+    assert report.kernel_quantized > 0 and report.dequantized == 0
+    decoder = [m for _, m in fast.language_model.named_modules()
+               if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+    assert decoder and all(type(m) is CPUKernelQuantizedLinear and m.weight.dtype == mx.uint32
+                           and m.scales.dtype == mx.bfloat16 for m in decoder)
     tower = [m for _, m in fast.vision_tower.named_modules() if isinstance(m, nn.Linear)]
     assert tower and all(type(m) is CPUHalfLinear and m.weight.dtype == mx.bfloat16
                          for m in tower)

@@ -9,6 +9,9 @@ MLX primitives (C++ in this folder, compiled on first use by ``build.py``):
 - ``half_linear(x, weight)``: x (float32) times a bfloat16/float16 weight, computed in
   float32 without keeping a float32 copy of the weight. Lets a bf16 checkpoint run at
   float32 speed with half the memory.
+- ``quantized_linear(x, weight, scales, biases, group_size=, bits=)``: MLX's affine
+  4/8-bit layers computed on the packed weights (decode) or dequantized a chunk at a
+  time into BLAS (prefill), so quantized checkpoints stay quantized in memory.
 - ``norm(x, weight, bias, eps=, rms=)``: LayerNorm / RMSNorm, vectorised and threaded
   (one SigLIP LayerNorm: ~5 ms in MLX, well under 1 ms here).
 - ``activation(x, kind, up=None)``: GELU (tanh form), quick GELU, SiLU or exp, optionally
@@ -82,7 +85,7 @@ def _build_and_import() -> ModuleType | None:
         status = f"not used: {exc}"
         print(f"mlxvlm: CPU kernels {status}", file=sys.stderr)
         return None
-    status = (f"attention, activation, norm and 16-bit linear kernels "
+    status = (f"attention, activation, norm, 16-bit and quantized linear kernels "
               f"({module.simd()}, {module.threads()} threads)")
     return module
 
@@ -143,6 +146,17 @@ def norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, *, eps: fl
     """LayerNorm (``rms=False``, like ``mx.fast.layer_norm``) or RMSNorm (like
     ``mx.fast.rms_norm``; ``bias`` must be None) over the last axis, in float32."""
     return _require().norm(x, weight, bias, eps=eps, rms=rms)
+
+
+QUANTIZED_BITS = (4, 8)
+
+
+def quantized_linear(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, *,
+                     group_size: int, bits: int, bias: mx.array | None = None) -> mx.array:
+    """``x @ mx.dequantize(weight, scales, biases, group_size, bits).T (+ bias)`` in
+    float32, on MLX's affine 4/8-bit packed weights (group_size a multiple of 8)."""
+    return _require().quantized_linear(x, weight, scales, biases, group_size=group_size,
+                                       bits=bits, bias=bias)
 
 
 def half_linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:

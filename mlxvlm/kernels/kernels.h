@@ -21,6 +21,14 @@ mlx::core::array half_linear(const mlx::core::array& x, const mlx::core::array& 
                              const std::optional<mlx::core::array>& bias = std::nullopt,
                              mlx::core::StreamOrDevice s = {});
 
+// x (..., K) . dequantize(packed, scales, biases)^T (+ bias) -> (..., N) float32, for
+// MLX's affine 4/8-bit weights (see quantized_linear.cpp).
+mlx::core::array quantized_linear(const mlx::core::array& x, const mlx::core::array& packed,
+                                  const mlx::core::array& scales,
+                                  const mlx::core::array& biases, int group_size, int bits,
+                                  const std::optional<mlx::core::array>& bias = std::nullopt,
+                                  mlx::core::StreamOrDevice s = {});
+
 // LayerNorm (rms = false) or RMSNorm over the last axis, in float32 (see norm.cpp).
 mlx::core::array norm(const mlx::core::array& x, const std::optional<mlx::core::array>& weight,
                       const std::optional<mlx::core::array>& bias, float eps, bool rms,

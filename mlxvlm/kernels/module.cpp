@@ -29,6 +29,9 @@ NB_MODULE(_mlxvlm_cpu_kernels, m) {
         nb::kw_only(), "stream"_a = nb::none());
   m.def("half_linear", &mlxvlm::half_linear, "x"_a, "weight"_a, "bias"_a = nb::none(),
         nb::kw_only(), "stream"_a = nb::none());
+  m.def("quantized_linear", &mlxvlm::quantized_linear, "x"_a, "packed"_a, "scales"_a,
+        "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a, "bias"_a = nb::none(),
+        "stream"_a = nb::none());
   m.def("norm", &mlxvlm::norm, "x"_a, "weight"_a, "bias"_a, nb::kw_only(), "eps"_a,
         "rms"_a, "stream"_a = nb::none());
   m.def("attention", &mlxvlm::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a,
