@@ -7,7 +7,8 @@
 //   scores = scale * q_block . k^T       sgemm (OpenBLAS, which threads itself)
 //   + mask, row max, exp, row sums       vectorised, rows split over the CPU threads
 //   out_block = weights . v, / row sums  sgemm, then the rows scaled
-// (Register-tiled AVX2 products on the CPU threads instead of sgemm measured no faster.)
+// (Register-tiled AVX2 products on mlxvlm's threads instead of sgemm measured no faster
+// end to end on a 2-core machine: 70 ms on one thread, 57 on two, as the sgemm path.)
 //
 // Masks: none, causal (query i sees keys up to i + keys - queries; later keys are not
 // computed), or an additive float32 mask with any broadcast strides over (batch, head,

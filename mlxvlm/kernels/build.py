@@ -25,11 +25,8 @@ from mlxvlm._backend import cache_dir
 
 MODULE_NAME = "_mlxvlm_cpu_kernels"
 SOURCE_DIR = Path(__file__).parent
-SOURCES = (
-    "activation.cpp", "attention.cpp", "half_linear.cpp", "module.cpp", "norm.cpp",
-    "quantized_linear.cpp",
-)
-HEADERS = ("blas.h", "cpu_parallel.h", "kernels.h", "vector_math.h")
+SOURCES = tuple(sorted(p.name for p in SOURCE_DIR.glob("*.cpp")))
+HEADERS = tuple(sorted(p.name for p in SOURCE_DIR.glob("*.h")))
 # nanobind 3.x: the ABI (internals v22) of the nanobind that mlx.core is built with.
 NANOBIND_REQUIREMENT = "nanobind>=3,<4"
 
