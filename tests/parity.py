@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxvlm import batch_generate, load, stream_generate
+from mlxvlm import batch_generate, generate, load, stream_generate
 from mlxvlm.models import get_family
 from mlxvlm.prompt import prepare_inputs
 
@@ -352,3 +352,13 @@ def assert_patch_weight_is_channels_last(weights: dict, name: str, vision) -> No
     assert weights[name].shape == (
         vision.hidden_size, vision.patch_size, vision.patch_size, vision.num_channels
     )
+
+
+def first_logits_and_greedy_tokens(model, processor, prompt: str, image, max_tokens: int):
+    """The first forward pass's logits (numpy) and the greedy tokens ``generate`` gives:
+    what a fast path must leave unchanged (tests of the CPU fast paths and kernels)."""
+    inputs = prepare_inputs(processor, prompt, image, feature_names=model.feature_names)
+    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
+    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
+    tokens = generate(model, processor, prompt, image, max_tokens=max_tokens).tokens
+    return np.array(logits[0]), tokens

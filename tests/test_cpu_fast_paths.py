@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from parity import first_logits_and_greedy_tokens
 from tiny import make_image
-from mlxvlm import generate, kernels, load
+from mlxvlm import kernels, load
 from mlxvlm.cpu_fast_paths import BUDGET_ENV, DISABLE_ENV, CPUQuantizedLinear
 from mlxvlm.cpu_quantized import CPUKernelQuantizedLinear
 from mlxvlm.loading import CONVERTED_MARKER
-from mlxvlm.prompt import prepare_inputs
 
 IMAGE = make_image(112, 84, seed=1)
 PROMPT = "Describe this image."
@@ -51,11 +51,7 @@ def quantized_checkpoint(tiny_checkpoints, tmp_path_factory):
 
 
 def logits_and_tokens(model, processor):
-    inputs = prepare_inputs(processor, PROMPT, IMAGE, feature_names=model.feature_names)
-    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
-    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
-    tokens = generate(model, processor, PROMPT, IMAGE, max_tokens=24).tokens
-    return np.array(logits[0]), tokens
+    return first_logits_and_greedy_tokens(model, processor, PROMPT, IMAGE, max_tokens=24)
 
 
 def quantized_types(model):

@@ -28,12 +28,12 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from parity import first_logits_and_greedy_tokens
 from tiny import make_image
-from mlxvlm import generate, kernels, load
+from mlxvlm import kernels, load
 from mlxvlm.cpu_quantized import CPUKernelQuantizedEmbedding, CPUKernelQuantizedLinear
 from mlxvlm.half_weights import CPUHalfEmbedding, CPUHalfLinear
 from mlxvlm.loading import CONVERTED_MARKER
-from mlxvlm.prompt import prepare_inputs
 
 
 def test_the_kernels_build_and_load_here():
@@ -325,11 +325,7 @@ def bf16_checkpoints(tiny_checkpoints, tmp_path_factory):
 
 
 def _logits_and_tokens(model, processor):
-    inputs = prepare_inputs(processor, PROMPT, IMAGE, feature_names=model.feature_names)
-    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
-    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
-    tokens = generate(model, processor, PROMPT, IMAGE, max_tokens=12).tokens
-    return np.array(logits[0]), tokens
+    return first_logits_and_greedy_tokens(model, processor, PROMPT, IMAGE, max_tokens=12)
 
 
 def _linear_like(model):

@@ -20,10 +20,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from parity import first_logits_and_greedy_tokens
 from tiny import make_image
-from mlxvlm import generate, kernels, load
+from mlxvlm import kernels, load
 from mlxvlm.models.layers import attention, fast_math
-from mlxvlm.prompt import prepare_inputs
 
 
 def _rel_error(fast: mx.array, reference: np.ndarray) -> float:
@@ -229,11 +229,7 @@ PROMPT = "Describe this image."
 
 def _logits_and_tokens(path):
     model, processor = load(path)
-    inputs = prepare_inputs(processor, PROMPT, IMAGE, feature_names=model.feature_names)
-    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
-    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
-    tokens = generate(model, processor, PROMPT, IMAGE, max_tokens=16).tokens
-    return np.array(logits[0]), tokens
+    return first_logits_and_greedy_tokens(model, processor, PROMPT, IMAGE, max_tokens=16)
 
 
 @pytest.mark.parametrize(

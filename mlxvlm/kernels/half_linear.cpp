@@ -15,8 +15,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
-#include "blas.h"
-#include "cpu_parallel.h"
+#include "compact_matmul.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -25,11 +24,6 @@ namespace mlxvlm {
 using namespace mlx::core;
 
 namespace {
-
-constexpr int64_t kMaxGemvRows = 4;
-constexpr int64_t kChunkFloats = 1 << 24;  // float32 scratch per converted chunk (64 MB)
-// Below this many weight elements per worker a gemv stays on one thread.
-constexpr int64_t kMinGemvPerWorker = 1 << 17;
 
 template <Half kind>
 void gemv_portable(const float* x, int64_t rows, int64_t K, const uint16_t* w,
@@ -103,34 +97,17 @@ void gemv_rows(const float* x, int64_t rows, int64_t K, const uint16_t* w, int64
 // y (rows x N) = x (rows x K) . w^T (+ bias), w 16-bit (N x K).
 void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
                  int64_t N, const float* bias, float* y) {
-  if (rows <= kMaxGemvRows) {
-    parallel_for(N, std::max<int64_t>(1, kMinGemvPerWorker / K), [&](int64_t n0, int64_t n1) {
-      if (kind == Half::bfloat16)
-        gemv_rows<Half::bfloat16>(x, rows, K, w, n0, n1, y, N);
-      else
-        gemv_rows<Half::float16>(x, rows, K, w, n0, n1, y, N);
-      if (bias)
-        for (int64_t m = 0; m < rows; m++)
-          for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
-    });
-    return;
-  }
-  int64_t chunk = std::min<int64_t>(N, std::max<int64_t>(64, kChunkFloats / K));
-  std::vector<float> converted(static_cast<size_t>(chunk * K));
-  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
-    int64_t n1 = std::min(N, n0 + chunk);
-    parallel_for(n1 - n0, 16, [&](int64_t start, int64_t stop) {
-      half_to_float(w + (n0 + start) * K, converted.data() + start * K, (stop - start) * K,
-                    kind);
-    });
-    if (bias) {  // the product is added to the bias rows (sgemm's beta = 1): no extra pass
-      parallel_for(rows, 16, [&](int64_t start, int64_t stop) {
-        for (int64_t m = start; m < stop; m++) std::copy(bias + n0, bias + n1, y + m * N + n0);
+  compact_matmul(
+      x, rows, K, N, bias, y,
+      [&](int64_t n0, int64_t n1) {
+        if (kind == Half::bfloat16)
+          gemv_rows<Half::bfloat16>(x, rows, K, w, n0, n1, y, N);
+        else
+          gemv_rows<Half::float16>(x, rows, K, w, n0, n1, y, N);
+      },
+      [&](int64_t n0, int64_t n1, float* out) {
+        half_to_float(w + n0 * K, out, (n1 - n0) * K, kind);
       });
-    }
-    sgemm(true, int(rows), int(n1 - n0), int(K), 1.0f, x, int(K), converted.data(), int(K),
-          bias ? 1.0f : 0.0f, y + n0, int(N));
-  }
 }
 
 class HalfLinear : public UnaryPrimitive {

@@ -14,14 +14,14 @@
 // bytes (4-bit: low nibble first), one scale and one bias per group of group_size
 // consecutive columns, scales/biases in float32, bfloat16 or float16.
 #include <algorithm>
+#include <numeric>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
-#include "blas.h"
-#include "cpu_parallel.h"
+#include "compact_matmul.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -30,10 +30,6 @@ namespace mlxvlm {
 using namespace mlx::core;
 
 namespace {
-
-constexpr int64_t kMaxGemvRows = 4;
-constexpr int64_t kChunkFloats = 1 << 24;  // float32 scratch per dequantized chunk (64 MB)
-constexpr int64_t kMinGemvPerWorker = 1 << 17;  // weights per worker before threading
 
 enum class ScaleType { float32, bfloat16, float16 };
 
@@ -175,38 +171,19 @@ void dequantize_rows(const Quantized& w, int64_t n0, int64_t n1, float* out) {
 
 void quantized_matmul(const Quantized& w, const float* x, int64_t rows, const float* bias,
                       float* y) {
-  const int64_t N = w.N, K = w.K;
+  std::vector<float> group_sums;  // sum of x over each group, for the gemv's bias terms
   if (rows <= kMaxGemvRows) {
-    std::vector<float> group_sums(static_cast<size_t>(rows * w.groups()));
+    group_sums.resize(static_cast<size_t>(rows * w.groups()));
     for (int64_t m = 0; m < rows; m++)
       for (int64_t g = 0; g < w.groups(); g++) {
-        float s = 0.0f;
-        for (int64_t k = g * w.group_size; k < (g + 1) * w.group_size; k++) s += x[m * K + k];
-        group_sums[m * w.groups() + g] = s;
+        const float* part = x + m * w.K + g * w.group_size;
+        group_sums[m * w.groups() + g] = std::accumulate(part, part + w.group_size, 0.0f);
       }
-    parallel_for(N, std::max<int64_t>(1, kMinGemvPerWorker / K), [&](int64_t n0, int64_t n1) {
-      gemv_rows(w, x, rows, group_sums.data(), n0, n1, y);
-      if (bias)
-        for (int64_t m = 0; m < rows; m++)
-          for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
-    });
-    return;
   }
-  int64_t chunk = std::min<int64_t>(N, std::max<int64_t>(64, kChunkFloats / K));
-  std::vector<float> dequantized(static_cast<size_t>(chunk * K));
-  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
-    int64_t n1 = std::min(N, n0 + chunk);
-    parallel_for(n1 - n0, 16, [&](int64_t start, int64_t stop) {
-      dequantize_rows(w, n0 + start, n0 + stop, dequantized.data() + start * K);
-    });
-    if (bias) {
-      parallel_for(rows, 16, [&](int64_t start, int64_t stop) {
-        for (int64_t m = start; m < stop; m++) std::copy(bias + n0, bias + n1, y + m * N + n0);
-      });
-    }
-    sgemm(true, int(rows), int(n1 - n0), int(K), 1.0f, x, int(K), dequantized.data(), int(K),
-          bias ? 1.0f : 0.0f, y + n0, int(N));
-  }
+  compact_matmul(
+      x, rows, w.K, w.N, bias, y,
+      [&](int64_t n0, int64_t n1) { gemv_rows(w, x, rows, group_sums.data(), n0, n1, y); },
+      [&](int64_t n0, int64_t n1, float* out) { dequantize_rows(w, n0, n1, out); });
 }
 
 ScaleType scale_type(Dtype dtype) {
