@@ -113,10 +113,13 @@ class SiglipVisionTransformer(nn.Module):
             if not keys_valid.all():
                 mask = mx.array(keys_valid)
         h = self.embeddings(pixels, position_ids)
-        hidden_states = [h]
+        # Kept only when asked for: a reference keeps every layer's output alive until
+        # the end of the (lazily evaluated) tower.
+        hidden_states = [h] if output_hidden_states else None
         for layer in self.encoder.layers:
             h = layer(h, mask)
-            hidden_states.append(h)
+            if output_hidden_states:
+                hidden_states.append(h)
         out = self.post_layernorm(h)
         return (out, hidden_states) if output_hidden_states else out
 
