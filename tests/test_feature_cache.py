@@ -441,3 +441,30 @@ def test_the_prompts_audio_is_encoded_once(tiny_checkpoints, monkeypatch):
     assert calls.count(id(model.audio_tower)) == 1
     assert_same(first, second)
     assert_same(second, run(plain))
+
+
+def test_towers_are_evaluated_without_running_far_ahead(monkeypatch):
+    """bounded_run_ahead: on the CPU, MLX may not allocate much past the memory in use
+    while a tower evaluates (it allocates each output when it schedules the operation),
+    and the process's memory limit is restored after."""
+    weight = mx.random.normal((512, 512), key=mx.random.key(0)) * 0.04
+    x = mx.random.normal((512, 512), key=mx.random.key(1))
+    mx.eval(weight, x)
+
+    def chain_peak() -> int:  # 40 products of 1 MB each, only the last one kept
+        h = x
+        for _ in range(40):
+            h = h @ weight
+        mx.reset_peak_memory()
+        start = mx.get_active_memory()
+        mx.eval(h)
+        return mx.get_peak_memory() - start
+
+    unbounded = chain_peak()
+    previous = mx.get_memory_limit()
+    monkeypatch.setattr(feature_cache, "RUN_AHEAD_BYTES", 4 << 20)
+    with feature_cache.bounded_run_ahead():
+        assert mx.get_memory_limit() <= mx.get_active_memory() + (4 << 20)
+        bounded = chain_peak()
+    assert mx.get_memory_limit() == previous
+    assert bounded <= (8 << 20) < unbounded, (bounded, unbounded)
