@@ -26,6 +26,7 @@
 #include "blas.h"
 #include "cpu_parallel.h"
 #include "kernels.h"
+#include "scratch.h"
 #include "vector_math.h"
 
 namespace mlxvlm {
@@ -89,7 +90,7 @@ void attention_blocks(const Problem& p) {
   const int64_t block = std::clamp<int64_t>(kBlockScores / std::max<int64_t>(1, p.keys), 1,
                                             p.queries);
   const int64_t out_row = p.heads * p.dims;
-  std::vector<float> scores(static_cast<size_t>(block * p.keys));
+  Scratch scores(static_cast<size_t>(block * p.keys));
   std::vector<float> inv(static_cast<size_t>(block));
   for (int64_t b = 0; b < p.batch; b++) {
     for (int64_t h = 0; h < p.heads; h++) {

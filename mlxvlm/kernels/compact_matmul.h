@@ -12,6 +12,7 @@
 
 #include "blas.h"
 #include "cpu_parallel.h"
+#include "scratch.h"
 
 namespace mlxvlm {
 
@@ -35,7 +36,7 @@ void compact_matmul(const float* x, int64_t rows, int64_t K, int64_t N, const fl
     return;
   }
   int64_t chunk = std::min<int64_t>(N, std::max<int64_t>(64, kChunkFloats / K));
-  std::vector<float> converted(static_cast<size_t>(chunk * K));
+  Scratch converted(static_cast<size_t>(chunk * K));
   for (int64_t n0 = 0; n0 < N; n0 += chunk) {
     int64_t n1 = std::min(N, n0 + chunk);
     parallel_for(n1 - n0, 16, [&](int64_t start, int64_t stop) {
