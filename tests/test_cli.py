@@ -70,9 +70,11 @@ def test_generate_streams_the_same_text_as_the_api(checkpoint, image_file):
     assert result.stdout == expected_text(checkpoint, image_file, 12) + "\n"
     assert "prompt:" in result.stderr and "tokens/s" in result.stderr
     assert "peak memory" in result.stderr and "OpenBLAS" in result.stderr
-    # The CPU set-up is reported: the sgemv shim's state and the maths fast paths.
+    # The CPU set-up is reported: the sgemv shim's state, the maths fast paths and the
+    # CPU kernels (built here: the test machine has the toolchain).
     assert "sgemv forwarding:" in result.stderr
     assert "CPU fast paths:" in result.stderr and "vectorised exp" in result.stderr
+    assert "CPU kernels: attention, activation, norm" in result.stderr
 
 
 def test_image_as_data_url_and_sampling_flags(checkpoint, image_file):
