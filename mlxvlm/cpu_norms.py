@@ -9,6 +9,8 @@ same parameters; decode-sized inputs, other dtypes and the backward pass keep ML
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
@@ -21,6 +23,30 @@ def _kernel_applies(x: mx.array) -> bool:
     return x.size >= fast_math.MIN_ELEMENTS and fast_math.use_fast_math(x) and kernels.enabled()
 
 
+@functools.lru_cache(maxsize=None)
+def _layer_norm(eps: float, has_weight: bool, has_bias: bool):
+    """The kernel's LayerNorm with MLX's VJP, as a function of (x, [weight], [bias]); one
+    per (eps, affine) combination, built once."""
+
+    def split(params):
+        params = list(params)
+        weight = params.pop(0) if has_weight else None
+        return weight, params.pop(0) if has_bias else None
+
+    return fast_math.with_reference_vjp(
+        lambda x, *params: kernels.norm(x, *split(params), eps=eps),
+        lambda x, *params: mx.fast.layer_norm(x, *split(params), eps),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _rms_norm(eps: float):
+    return fast_math.with_reference_vjp(
+        lambda x, weight: kernels.norm(x, weight, None, eps=eps, rms=True),
+        lambda x, weight: mx.fast.rms_norm(x, weight, eps),
+    )
+
+
 class CPULayerNorm(nn.LayerNorm):
     def __init__(self, layer: nn.LayerNorm):
         nn.Module.__init__(self)
@@ -31,15 +57,10 @@ class CPULayerNorm(nn.LayerNorm):
                 setattr(self, name, layer[name])
 
     def __call__(self, x: mx.array) -> mx.array:
-        weight, bias = self.get("weight"), self.get("bias")
-        if not _kernel_applies(x) or any(p is not None and p.dtype != mx.float32 for p in (weight, bias)):
+        params = [p for p in (self.get("weight"), self.get("bias")) if p is not None]
+        if not _kernel_applies(x) or any(p.dtype != mx.float32 for p in params):
             return super().__call__(x)
-        eps = self.eps
-        fast = fast_math.with_reference_vjp(
-            lambda x, *params: kernels.norm(x, *_affine(params, weight, bias), eps=eps),
-            lambda x, *params: mx.fast.layer_norm(x, *_affine(params, weight, bias), eps),
-        )
-        return fast(x, *[p for p in (weight, bias) if p is not None])
+        return _layer_norm(self.eps, "weight" in self, "bias" in self)(x, *params)
 
 
 class CPURMSNorm(nn.RMSNorm):
@@ -51,19 +72,7 @@ class CPURMSNorm(nn.RMSNorm):
     def __call__(self, x: mx.array) -> mx.array:
         if not _kernel_applies(x) or self.weight.dtype != mx.float32:
             return super().__call__(x)
-        eps = self.eps
-        fast = fast_math.with_reference_vjp(
-            lambda x, weight: kernels.norm(x, weight, None, eps=eps, rms=True),
-            lambda x, weight: mx.fast.rms_norm(x, weight, eps),
-        )
-        return fast(x, self.weight)
-
-
-def _affine(params, weight, bias):
-    """(weight or None, bias or None) from the arrays actually passed."""
-    params = list(params)
-    return (params.pop(0) if weight is not None else None,
-            params.pop(0) if bias is not None else None)
+        return _rms_norm(self.eps)(x, self.weight)
 
 
 def use_cpu_norms(model: nn.Module) -> int:

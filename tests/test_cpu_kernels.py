@@ -230,6 +230,8 @@ def test_rms_norm_matches_mlx():
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="last axis"):
         kernels.norm(x, mx.ones((5,)), None, eps=1e-5, rms=True)
+    with pytest.raises(ValueError, match="no bias"):
+        kernels.norm(x, weight, mx.zeros((576,)), eps=1e-5, rms=True)
 
 
 def test_norm_layers_swap_in_with_mlx_gradients():
@@ -255,6 +257,25 @@ def test_norm_layers_swap_in_with_mlx_gradients():
     want = mx.grad(loss(reference), argnums=(0, 1))(reference.trainable_parameters(), x)
     for (name, a), (_, b) in zip(tree_flatten(got), tree_flatten(want)):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-3, err_msg=name)
+
+
+def test_kernels_take_strided_inputs_as_they_come():
+    """Inputs are read in place when row-major and copied inside the kernel otherwise
+    (the graph gets no contiguous() node per input): a transposed input gives exactly
+    the result of its contiguous copy."""
+    keys = mx.random.split(mx.random.key(31), 3)
+    x = mx.random.normal((64, 7), key=keys[0]).T  # (7, 64), column-major
+    dense = mx.contiguous(x)
+    w16 = mx.random.normal((24, 64), key=keys[1]).astype(mx.bfloat16)
+    packed, scales, biases = mx.quantize(mx.random.normal((24, 64), key=keys[2]), 32, 4)
+    pairs = [
+        (lambda a: kernels.half_linear(a, w16)),
+        (lambda a: kernels.quantized_linear(a, packed, scales, biases, group_size=32, bits=4)),
+        (lambda a: kernels.activation(a, "silu", a)),
+        (lambda a: kernels.norm(a, None, None, eps=1e-5)),
+    ]
+    for function in pairs:
+        assert mx.array_equal(function(x), function(dense))
 
 
 # --------------------------------------------------------------------------- attention
@@ -444,6 +465,23 @@ def test_without_a_compiler_the_model_runs_on_float32_weights(bf16_checkpoints, 
     assert "describe not used: no C++ compiler found" in result.stdout
     assert "dtypes ['mlx.core.float32']" in result.stdout
     assert "tokens 4" in result.stdout
+
+
+def test_thread_count_follows_the_environment():
+    script = "import mlxvlm; from mlxvlm import kernels; print(kernels.describe())"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=dict(os.environ, MLXVLM_CPU_THREADS="1"), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "(avx2, 1 thread)" in result.stdout or "(portable, 1 thread)" in result.stdout
+
+
+def test_calling_a_kernel_that_could_not_be_built_says_why(monkeypatch):
+    monkeypatch.setattr(kernels, "_attempted", True)
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "status", "not used: no C++ compiler found (c++/g++; set CXX)")
+    assert not kernels.enabled()
+    with pytest.raises(RuntimeError, match="CPU kernels are not used: no C\\+\\+ compiler"):
+        kernels.half_linear(mx.zeros((1, 8)), mx.zeros((2, 8), dtype=mx.bfloat16))
 
 
 def test_the_build_is_cached_per_source_and_toolchain():

@@ -85,8 +85,9 @@ def _build_and_import() -> ModuleType | None:
         status = f"not used: {exc}"
         print(f"mlxvlm: CPU kernels {status}", file=sys.stderr)
         return None
+    threads = module.threads()
     status = (f"attention, activation, norm, 16-bit and quantized linear kernels "
-              f"({module.simd()}, {module.threads()} threads)")
+              f"({module.simd()}, {threads} thread{'s' if threads != 1 else ''})")
     return module
 
 

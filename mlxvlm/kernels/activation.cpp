@@ -10,11 +10,8 @@
 // and exp, for softmax-like uses.
 #include <vector>
 
-#include "mlx/backend/cpu/encoder.h"
-#include "mlx/ops.h"
-#include "mlx/primitives.h"
-
 #include "cpu_parallel.h"
+#include "cpu_primitive.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -82,26 +79,23 @@ void activate_range(const float* x, const float* up, float* out, int64_t n, Acti
   for (int64_t i = 0; i < n; i++) out[i] = activate(x[i], kind) * (up ? up[i] : 1.0f);
 }
 
-class ActivationPrimitive : public UnaryPrimitive {
+class ActivationPrimitive : public CpuPrimitive {
  public:
-  ActivationPrimitive(Stream stream, Activation kind) : UnaryPrimitive(stream), kind_(kind) {}
+  ActivationPrimitive(Stream stream, Activation kind) : CpuPrimitive(stream), kind_(kind) {}
 
-  void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    out.set_data(allocator::malloc(out.nbytes()));
-    auto& encoder = cpu::get_command_encoder(stream());
-    for (const array& input : inputs) encoder.set_input_array(input);
-    encoder.set_output_array(out);
-    const float* up = inputs.size() > 1 ? inputs[1].data<float>() : nullptr;
-    encoder.dispatch([x = inputs[0].data<float>(), up, y = out.data<float>(),
-                      n = int64_t(out.size()), kind = kind_]() {
+  void dispatch(const std::vector<array>& inputs, array& out,
+                cpu::CommandEncoder& encoder) override {
+    std::optional<array> up;
+    if (inputs.size() > 1) up = inputs[1];
+    encoder.dispatch([x = inputs[0], up, y = out.data<float>(), n = int64_t(out.size()),
+                      kind = kind_]() {
+      std::vector<float> x_copy, up_copy;
+      const float* xp = row_major(x, x_copy);
+      const float* upp = up ? row_major(*up, up_copy) : nullptr;
       parallel_for(n, kMinPerWorker, [&](int64_t start, int64_t stop) {
-        activate_range(x + start, up ? up + start : nullptr, y + start, stop - start, kind);
+        activate_range(xp + start, upp ? upp + start : nullptr, y + start, stop - start, kind);
       });
     });
-  }
-
-  void eval_gpu(const std::vector<array>&, array&) override {
-    throw std::runtime_error("[mlxvlm.Activation] CPU only");
   }
 
   const char* name() const override { return "MlxvlmActivation"; }
@@ -121,11 +115,11 @@ class ActivationPrimitive : public UnaryPrimitive {
 array activation(const array& x, Activation kind, const std::optional<array>& up,
                  StreamOrDevice s) {
   Stream stream = to_stream(s);
-  std::vector<array> inputs{contiguous(astype(x, float32, stream), false, stream)};
+  std::vector<array> inputs{astype(x, float32, stream)};
   if (up) {
     if (up->shape() != x.shape())
       throw std::invalid_argument("[activation] up must have x's shape");
-    inputs.push_back(contiguous(astype(*up, float32, stream), false, stream));
+    inputs.push_back(astype(*up, float32, stream));
   }
   return array(x.shape(), float32, std::make_shared<ActivationPrimitive>(stream, kind),
                std::move(inputs));

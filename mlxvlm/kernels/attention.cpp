@@ -19,12 +19,9 @@
 #include <algorithm>
 #include <vector>
 
-#include "mlx/backend/cpu/encoder.h"
-#include "mlx/ops.h"
-#include "mlx/primitives.h"
-
 #include "blas.h"
 #include "cpu_parallel.h"
+#include "cpu_primitive.h"
 #include "kernels.h"
 #include "scratch.h"
 #include "vector_math.h"
@@ -131,16 +128,13 @@ View view_of(const array& a, std::vector<float>& storage) {
   return {storage.data(), H * L * D, L * D, D};
 }
 
-class Attention : public UnaryPrimitive {
+class Attention : public CpuPrimitive {
  public:
   Attention(Stream stream, float scale, bool causal, bool has_mask)
-      : UnaryPrimitive(stream), scale_(scale), causal_(causal), has_mask_(has_mask) {}
+      : CpuPrimitive(stream), scale_(scale), causal_(causal), has_mask_(has_mask) {}
 
-  void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    out.set_data(allocator::malloc(out.nbytes()));
-    auto& encoder = cpu::get_command_encoder(stream());
-    for (const array& input : inputs) encoder.set_input_array(input);
-    encoder.set_output_array(out);
+  void dispatch(const std::vector<array>& inputs, array& out,
+                cpu::CommandEncoder& encoder) override {
     const array &q = inputs[0], &k = inputs[1], &v = inputs[2];
     Problem p{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3),
               {}, {}, {}, {}, causal_, scale_, out.data<float>()};
@@ -156,10 +150,6 @@ class Attention : public UnaryPrimitive {
       p.v = view_of(v, v_copy);
       attention_blocks(p);
     });
-  }
-
-  void eval_gpu(const std::vector<array>&, array&) override {
-    throw std::runtime_error("[mlxvlm.Attention] CPU only");
   }
 
   const char* name() const override { return "MlxvlmAttention"; }

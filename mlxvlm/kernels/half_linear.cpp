@@ -11,11 +11,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "mlx/backend/cpu/encoder.h"
-#include "mlx/ops.h"
-#include "mlx/primitives.h"
-
 #include "compact_matmul.h"
+#include "cpu_primitive.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -110,28 +107,22 @@ void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Hal
       });
 }
 
-class HalfLinear : public UnaryPrimitive {
+class HalfLinear : public CpuPrimitive {
  public:
-  explicit HalfLinear(Stream stream) : UnaryPrimitive(stream) {}
+  explicit HalfLinear(Stream stream) : CpuPrimitive(stream) {}
 
-  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+  void dispatch(const std::vector<array>& inputs, array& out,
+                cpu::CommandEncoder& encoder) override {
     const array& x = inputs[0];
     const array& w = inputs[1];
-    out.set_data(allocator::malloc(out.nbytes()));
-    auto& encoder = cpu::get_command_encoder(stream());
-    for (const array& input : inputs) encoder.set_input_array(input);
-    encoder.set_output_array(out);
     int64_t K = w.shape(1), N = w.shape(0), rows = x.size() / K;
     Half kind = w.dtype() == bfloat16 ? Half::bfloat16 : Half::float16;
     const float* bias = inputs.size() > 2 ? inputs[2].data<float>() : nullptr;
-    encoder.dispatch([xp = x.data<float>(), wp = w.data<uint16_t>(), yp = out.data<float>(),
-                      bias, rows, K, N, kind]() {
-      half_matmul(xp, rows, K, wp, kind, N, bias, yp);
+    encoder.dispatch([x, wp = w.data<uint16_t>(), yp = out.data<float>(), bias, rows, K, N,
+                      kind]() {
+      std::vector<float> x_copy;
+      half_matmul(row_major(x, x_copy), rows, K, wp, kind, N, bias, yp);
     });
-  }
-
-  void eval_gpu(const std::vector<array>&, array&) override {
-    throw std::runtime_error("[mlxvlm.HalfLinear] CPU only");
   }
 
   std::vector<array> vjp(const std::vector<array>& primals,
@@ -193,12 +184,11 @@ array half_linear(const array& x, const array& weight, const std::optional<array
   if (x.ndim() < 1 || x.shape(-1) != weight.shape(1))
     throw std::invalid_argument("[half_linear] x's last axis must match the weight's columns");
   Stream stream = to_stream(s);
-  array x32 = contiguous(astype(x, float32, stream), false, stream);
-  std::vector<array> inputs{x32, contiguous(weight, false, stream)};
+  std::vector<array> inputs{astype(x, float32, stream), contiguous_parameter(weight, stream)};
   if (bias) {
     if (bias->ndim() != 1 || bias->shape(0) != weight.shape(0))
       throw std::invalid_argument("[half_linear] bias must have one value per output");
-    inputs.push_back(contiguous(astype(*bias, float32, stream), false, stream));
+    inputs.push_back(contiguous_parameter(astype(*bias, float32, stream), stream));
   }
   Shape shape = x.shape();
   shape.back() = weight.shape(0);

@@ -8,11 +8,8 @@
 #include <cmath>
 #include <vector>
 
-#include "mlx/backend/cpu/encoder.h"
-#include "mlx/ops.h"
-#include "mlx/primitives.h"
-
 #include "cpu_parallel.h"
+#include "cpu_primitive.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -68,32 +65,27 @@ void normalise_row(const NormRows& r, int64_t row) {
   scale_shift_row(x, y, r.dims, mean, inv, r.weight, r.bias);
 }
 
-class NormPrimitive : public UnaryPrimitive {
+class NormPrimitive : public CpuPrimitive {
  public:
   NormPrimitive(Stream stream, bool rms, float eps, bool has_weight, bool has_bias)
-      : UnaryPrimitive(stream), rms_(rms), eps_(eps), has_weight_(has_weight),
+      : CpuPrimitive(stream), rms_(rms), eps_(eps), has_weight_(has_weight),
         has_bias_(has_bias) {}
 
-  void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    out.set_data(allocator::malloc(out.nbytes()));
-    auto& encoder = cpu::get_command_encoder(stream());
-    for (const array& input : inputs) encoder.set_input_array(input);
-    encoder.set_output_array(out);
+  void dispatch(const std::vector<array>& inputs, array& out,
+                cpu::CommandEncoder& encoder) override {
     const array& x = inputs[0];
     int64_t dims = x.shape(-1), rows = dims ? int64_t(x.size()) / dims : 0;
-    NormRows r{x.data<float>(), has_weight_ ? inputs[1].data<float>() : nullptr,
+    NormRows r{nullptr, has_weight_ ? inputs[1].data<float>() : nullptr,
                has_bias_ ? inputs.back().data<float>() : nullptr, out.data<float>(), dims,
                eps_, rms_};
-    encoder.dispatch([r, rows]() {
+    encoder.dispatch([r, rows, x]() mutable {
+      std::vector<float> x_copy;
+      r.x = row_major(x, x_copy);
       parallel_for(rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, r.dims)),
                    [&](int64_t start, int64_t stop) {
                      for (int64_t row = start; row < stop; row++) normalise_row(r, row);
                    });
     });
-  }
-
-  void eval_gpu(const std::vector<array>&, array&) override {
-    throw std::runtime_error("[mlxvlm.Norm] CPU only");
   }
 
   const char* name() const override { return "MlxvlmNorm"; }
@@ -118,15 +110,13 @@ array norm(const array& x, const std::optional<array>& weight, const std::option
            float eps, bool rms, StreamOrDevice s) {
   if (x.ndim() < 1) throw std::invalid_argument("[norm] x needs at least one axis");
   Stream stream = to_stream(s);
-  auto prepare = [&](const array& a) {
-    return contiguous(astype(a, float32, stream), false, stream);
-  };
-  std::vector<array> inputs{prepare(x)};
+  if (rms && bias) throw std::invalid_argument("[norm] RMSNorm takes no bias");
+  std::vector<array> inputs{astype(x, float32, stream)};
   for (const auto* param : {&weight, &bias}) {
     if (!*param) continue;
     if ((*param)->ndim() != 1 || (*param)->shape(0) != x.shape(-1))
       throw std::invalid_argument("[norm] weight and bias must match x's last axis");
-    inputs.push_back(prepare(**param));
+    inputs.push_back(contiguous_parameter(astype(**param, float32, stream), stream));
   }
   return array(x.shape(), float32,
                std::make_shared<NormPrimitive>(stream, rms, eps, weight.has_value(),

@@ -17,11 +17,8 @@
 #include <numeric>
 #include <vector>
 
-#include "mlx/backend/cpu/encoder.h"
-#include "mlx/ops.h"
-#include "mlx/primitives.h"
-
 #include "compact_matmul.h"
+#include "cpu_primitive.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -193,27 +190,22 @@ ScaleType scale_type(Dtype dtype) {
   throw std::invalid_argument("[quantized_linear] scales must be float32, bfloat16 or float16");
 }
 
-class QuantizedLinear : public UnaryPrimitive {
+class QuantizedLinear : public CpuPrimitive {
  public:
   QuantizedLinear(Stream stream, int group_size, int bits, bool has_bias)
-      : UnaryPrimitive(stream), group_size_(group_size), bits_(bits), has_bias_(has_bias) {}
+      : CpuPrimitive(stream), group_size_(group_size), bits_(bits), has_bias_(has_bias) {}
 
-  void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    out.set_data(allocator::malloc(out.nbytes()));
-    auto& encoder = cpu::get_command_encoder(stream());
-    for (const array& input : inputs) encoder.set_input_array(input);
-    encoder.set_output_array(out);
+  void dispatch(const std::vector<array>& inputs, array& out,
+                cpu::CommandEncoder& encoder) override {
     const array &x = inputs[0], &packed = inputs[1], &scales = inputs[2], &biases = inputs[3];
     Quantized w{packed.data<uint8_t>(), scales.data<uint8_t>(), biases.data<uint8_t>(),
                 scale_type(scales.dtype()), bits_, group_size_, packed.shape(0),
                 packed.shape(1) * 32 / bits_};
     const float* bias = has_bias_ ? inputs[4].data<float>() : nullptr;
-    encoder.dispatch([w, xp = x.data<float>(), rows = int64_t(x.size()) / w.K, bias,
-                      yp = out.data<float>()]() { quantized_matmul(w, xp, rows, bias, yp); });
-  }
-
-  void eval_gpu(const std::vector<array>&, array&) override {
-    throw std::runtime_error("[mlxvlm.QuantizedLinear] CPU only");
+    encoder.dispatch([w, x, rows = int64_t(x.size()) / w.K, bias, yp = out.data<float>()]() {
+      std::vector<float> x_copy;
+      quantized_matmul(w, row_major(x, x_copy), rows, bias, yp);
+    });
   }
 
   std::vector<array> vjp(const std::vector<array>& primals,
@@ -269,13 +261,13 @@ array quantized_linear(const array& x, const array& packed, const array& scales,
     throw std::invalid_argument("[quantized_linear] x's last axis must match the weight");
   scale_type(scales.dtype());  // throws for other dtypes
   Stream stream = to_stream(s);
-  auto as_contiguous = [&](const array& a) { return contiguous(a, false, stream); };
-  std::vector<array> inputs{as_contiguous(astype(x, float32, stream)), as_contiguous(packed),
-                            as_contiguous(scales), as_contiguous(astype(biases, scales.dtype(), stream))};
+  auto parameter = [&](const array& a) { return contiguous_parameter(a, stream); };
+  std::vector<array> inputs{astype(x, float32, stream), parameter(packed), parameter(scales),
+                            parameter(astype(biases, scales.dtype(), stream))};
   if (bias) {
     if (bias->ndim() != 1 || bias->shape(0) != N)
       throw std::invalid_argument("[quantized_linear] bias must have one value per output");
-    inputs.push_back(as_contiguous(astype(*bias, float32, stream)));
+    inputs.push_back(parameter(astype(*bias, float32, stream)));
   }
   Shape shape = x.shape();
   shape.back() = int(N);

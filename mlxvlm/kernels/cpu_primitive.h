@@ -1,0 +1,58 @@
+// What every kernel's MLX primitive shares: the output allocated and the arrays
+// registered with the CPU stream's encoder before the kernel is dispatched, no GPU
+// implementation, and the inputs taken as MLX gives them.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "mlx/backend/common/utils.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mlxvlm {
+
+class CpuPrimitive : public mlx::core::UnaryPrimitive {
+ public:
+  using UnaryPrimitive::UnaryPrimitive;
+
+  void eval_cpu(const std::vector<mlx::core::array>& inputs, mlx::core::array& out) final {
+    out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+    auto& encoder = mlx::core::cpu::get_command_encoder(stream());
+    for (const auto& input : inputs) encoder.set_input_array(input);
+    encoder.set_output_array(out);
+    dispatch(inputs, out, encoder);
+  }
+
+  void eval_gpu(const std::vector<mlx::core::array>&, mlx::core::array&) final {
+    throw std::runtime_error(std::string("[") + name() + "] runs on the CPU only");
+  }
+
+ protected:
+  // Queue the kernel on the encoder (the output is allocated).
+  virtual void dispatch(const std::vector<mlx::core::array>& inputs, mlx::core::array& out,
+                        mlx::core::cpu::CommandEncoder& encoder) = 0;
+};
+
+// `a`'s elements in row-major order: its own buffer when it is laid out so (nearly
+// always), else a copy in `storage`. Called inside a dispatched kernel, on the evaluated
+// input: the kernels take inputs as they come rather than adding a contiguous() node to
+// the graph for each (~5 us apiece, hundreds per decoded token).
+template <typename T>
+const T* row_major(const mlx::core::array& a, std::vector<T>& storage) {
+  if (a.flags().row_contiguous) return a.data<T>();
+  storage.resize(a.size());
+  const T* source = a.data<T>();
+  for (size_t i = 0; i < a.size(); i++) storage[i] = source[mlx::core::elem_to_loc(int(i), a)];
+  return storage.data();
+}
+
+// For parameters (already evaluated, hence with known strides): `a` itself when it is
+// row-major, else a contiguous copy in the graph.
+inline mlx::core::array contiguous_parameter(const mlx::core::array& a, mlx::core::Stream s) {
+  if (a.is_available() && a.flags().row_contiguous) return a;
+  return mlx::core::contiguous(a, false, s);
+}
+
+}  // namespace mlxvlm
