@@ -5,8 +5,11 @@
   MLX's gradients, forward-mode derivatives and ``mx.compile``.
 - ``activation``: GELU (tanh form), quick GELU, SiLU and exp against float64, at the edges
   (NaN, +-inf, overflow) as MLX's functions, gated and not.
-- ``attention``: many query blocks with a ragged last one, strided (transposed) inputs,
-  a copy for non-unit column strides, broadcast masks.
+- ``attention``: every models' head size and odd ones, lengths that are not multiples of
+  the tiles and blocks, causal with and without a cache offset, masks broadcast every
+  way, rows that see no key (NaN), strided (transposed) inputs, a copy for non-unit
+  column strides; on this CPU's instruction set and, capped by ``MLXVLM_CPU_ISA``, on the
+  narrower ones (AVX2, portable).
 - bf16 checkpoints keep their linear/embedding weights in bf16 and give the logits and
   greedy tokens of the float32-weight path; a 4-bit decoder next to a bf16 tower; LoRA
   wraps the layers; ``MLXVLM_NO_CPU_KERNELS=1`` and a machine without a
@@ -281,15 +284,72 @@ def test_kernels_take_strided_inputs_as_they_come():
 # --------------------------------------------------------------------------- attention
 
 
-def _float64_attention(q, k, v, scale, mask=None):
+def _float64_attention(q, k, v, scale, mask=None, causal=False):
     q, k, v = (np.array(t, dtype=np.float64) for t in (q, k, v))
     repeats = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, repeats, axis=1), np.repeat(v, repeats, axis=1)
     scores = q @ k.transpose(0, 1, 3, 2) * scale
     if mask is not None:
         scores = scores + np.array(mask, dtype=np.float64)
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+    if causal:  # the queries are the last positions: query i sees keys <= i + keys - queries
+        queries, keys = scores.shape[-2:]
+        visible = np.arange(queries)[:, None] + (keys - queries) >= np.arange(keys)[None]
+        scores = np.where(visible, scores, -np.inf)
+    with np.errstate(invalid="ignore"):  # a row with no visible key: NaN, as MLX gives
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+
+
+# (batch, heads, kv_heads, queries, keys, dims, mask, causal): key counts that are not a
+# multiple of the 16-key panels and span several 256-key blocks, query counts that are
+# not a multiple of the 6-row tiles or 48-query tiles, head sizes of every model family
+# (64, 72, 80, 128, 256) and odd ones, masks broadcast every way.
+ATTENTION_CASES = {
+    "siglip": (1, 12, 12, 1024, 1024, 64, None, False),
+    "so400m_odd_lengths": (1, 4, 4, 531, 531, 72, None, False),
+    "qwen_vision_dims": (1, 3, 3, 130, 300, 80, None, False),
+    "gqa_causal_prefill": (2, 6, 2, 151, 151, 64, None, True),
+    "causal_after_a_cache": (1, 4, 2, 100, 613, 128, None, True),
+    "more_queries_than_keys": (1, 2, 2, 60, 40, 32, None, True),  # first 20 rows: NaN
+    "gemma_head": (1, 2, 1, 70, 290, 256, "additive", False),
+    "odd_dims": (1, 3, 3, 37, 45, 20, "additive", True),
+    "mask_over_keys_only": (2, 4, 4, 50, 270, 64, "keys", False),
+    "mask_per_query_only": (1, 4, 4, 50, 66, 48, "queries", False),
+    "rows_fully_masked": (1, 2, 2, 20, 300, 64, "minus_inf_rows", False),
+}
+
+
+def _attention_case(batch, heads, kv_heads, queries, keys, dims, mask_kind, seed=0):
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(seed), 4)
+    q = mx.random.normal((batch, heads, queries, dims), key=k1) * 1.5
+    k = mx.random.normal((batch, kv_heads, keys, dims), key=k2) * 1.5
+    v = mx.random.normal((batch, kv_heads, keys, dims), key=k3)
+    mask = {
+        None: None,
+        "additive": mx.random.normal((batch, heads, queries, keys), key=k4),
+        "keys": mx.random.normal((batch, 1, 1, keys), key=k4),
+        "queries": mx.random.normal((queries, 1), key=k4),
+    }.get(mask_kind)
+    if mask_kind == "minus_inf_rows":  # rows 3 and 7 see nothing; others lose half the keys
+        hidden = (mx.arange(keys)[None] % 2 == 0) | (mx.arange(queries)[:, None] % 4 == 3)
+        mask = mx.where(hidden, -mx.inf, 0.0)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention_matches_float64(case):
+    """Every shape the models produce, on this CPU's attention path (AVX-512 register
+    tiles or the sgemm path; the other paths run in test_narrower_instruction_sets...)."""
+    batch, heads, kv_heads, queries, keys, dims, mask_kind, causal = ATTENTION_CASES[case]
+    q, k, v, mask = _attention_case(batch, heads, kv_heads, queries, keys, dims, mask_kind)
+    scale = dims**-0.5
+    got = np.array(kernels.attention(q, k, v, scale=scale, mask="causal" if causal else mask),
+                   dtype=np.float64)
+    want = _float64_attention(q, k, v, scale, None if causal else mask, causal)
+    assert got.shape == want.shape == (batch, heads, queries, dims)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))  # rows that see no key
+    assert np.isnan(want).any() == (case in ("more_queries_than_keys", "rows_fully_masked"))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5, equal_nan=True)
 
 
 def test_attention_over_many_blocks_from_strided_inputs():
@@ -472,7 +532,33 @@ def test_thread_count_follows_the_environment():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             env=dict(os.environ, MLXVLM_CPU_THREADS="1"), timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "(avx2, 1 thread)" in result.stdout or "(portable, 1 thread)" in result.stdout
+    assert result.stdout.strip().endswith(f"({kernels.simd()}, 1 thread)"), result.stdout
+
+
+# Each kernel has code for AVX-512, AVX2 and any CPU (chosen at run time); this machine
+# runs its widest in the tests above, and the narrower ones here, capped by
+# MLXVLM_CPU_ISA, on the same kernel tests (in a subprocess: the choice is made once).
+NARROWER = {"avx512": ["avx2", "portable"], "avx2": ["portable"], "portable": []}
+KERNEL_TESTS = ("attention or half_linear or activation or quantized_linear or norm or "
+                "strided")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_narrower_instruction_sets_give_the_same_results(isa):
+    if isa not in NARROWER[kernels.simd()]:
+        pytest.skip(f"this CPU's widest instruction set is {kernels.simd()}")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", f"({KERNEL_TESTS}) and not narrower and not models"],
+        capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, MLXVLM_CPU_ISA=isa), cwd=os.path.dirname(__file__),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+    script = "import mlxvlm; from mlxvlm import kernels; print(kernels.simd())"
+    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           env=dict(os.environ, MLXVLM_CPU_ISA=isa), timeout=300)
+    assert shown.stdout.strip() == isa
 
 
 def test_calling_a_kernel_that_could_not_be_built_says_why(monkeypatch):

@@ -1,9 +1,10 @@
-// softmax(scale * q k^T + mask) v in float32, for MLX's CPU backend.
+// softmax(scale * q k^T + mask) v in float32, for MLX's CPU backend: the MLX primitive,
+// and the path for CPUs without AVX-512 (those with it take attention_avx512.cpp's).
 //
 // MLX computes attention on the CPU as a score matmul, a softmax made of single-threaded
 // element-wise kernels and a value matmul (one SigLIP layer over 1024 patches: ~190 ms;
-// PyTorch's fused kernel: ~30 ms; this one: ~55-65 ms). For each (batch, head) and block
-// of query rows, so that the block's scores stay in cache:
+// PyTorch's fused kernel: ~30 ms; the path here: ~55-65 ms; AVX-512's: ~30 ms). For each
+// (batch, head) and block of query rows, so that the block's scores stay in cache:
 //   scores = scale * q_block . k^T       sgemm (OpenBLAS, which threads itself)
 //   + mask, row max, exp, row sums       vectorised, rows split over the CPU threads
 //   out_block = weights . v, / row sums  sgemm, then the rows scaled
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "attention.h"
 #include "blas.h"
 #include "cpu_parallel.h"
 #include "cpu_primitive.h"
@@ -28,50 +30,23 @@
 
 namespace mlxvlm {
 
-using namespace mlx::core;
+namespace attention_cpu {
 
 namespace {
-
-// A (batch, head, row, column) float32 tensor read through strides, columns unit-stride.
-struct View {
-  const float* data = nullptr;
-  int64_t batch = 0, head = 0, row = 0;
-  const float* at(int64_t b, int64_t h, int64_t r) const {
-    return data + b * batch + h * head + r * row;
-  }
-};
-
-struct MaskView {
-  const float* data = nullptr;  // null: no mask
-  int64_t batch = 0, head = 0, query = 0, key = 0;
-};
-
-struct Problem {
-  int64_t batch, heads, kv_heads, queries, keys, dims;
-  View q, k, v;
-  MaskView mask;
-  bool causal;
-  float scale;
-  float* out;  // (batch, queries, heads, dims), contiguous
-};
 
 // Scores per query block (1 MB of float32): measured fastest among 256 KB - 4 MB for a
 // SigLIP layer (12 heads x 1024 x 1024) on a 2-core x86-64 machine.
 constexpr int64_t kBlockScores = 1 << 18;
 
-int64_t causal_limit(const Problem& p, int64_t query) {  // keys query `query` sees
-  return std::clamp<int64_t>(query + p.keys - p.queries + 1, 0, p.keys);
-}
-
 // Mask, maximum, exponentials and sum of one row of scores; returns 1 / sum (NaN when the
 // row sees no key, as MLX gives).
 float softmax_row(const Problem& p, float* row, int64_t b, int64_t h, int64_t query,
                   int64_t width) {
-  int64_t seen = p.causal ? causal_limit(p, query) : p.keys;
+  int64_t seen = visible_keys(p, query);
   std::fill(row + seen, row + width, 0.0f);
   if (seen == 0) return NAN;
   if (p.mask.data) {
-    const float* m = p.mask.data + b * p.mask.batch + h * p.mask.head + query * p.mask.query;
+    const float* m = p.mask.row(b, h, query);
     if (p.mask.key == 1) {
       for (int64_t j = 0; j < seen; j++) row[j] += m[j];
     } else {
@@ -81,8 +56,9 @@ float softmax_row(const Problem& p, float* row, int64_t b, int64_t h, int64_t qu
   return 1.0f / exp_shifted_sum(row, seen, row_max(row, seen));
 }
 
+}  // namespace
 
-void attention_blocks(const Problem& p) {
+void attention_sgemm(const Problem& p) {
   const int64_t repeats = p.heads / p.kv_heads;
   const int64_t block = std::clamp<int64_t>(kBlockScores / std::max<int64_t>(1, p.keys), 1,
                                             p.queries);
@@ -95,7 +71,7 @@ void attention_blocks(const Problem& p) {
       for (int64_t i0 = 0; i0 < p.queries; i0 += block) {
         const int64_t rows = std::min(block, p.queries - i0);
         const int64_t visible =
-            p.causal ? std::max<int64_t>(causal_limit(p, i0 + rows - 1), 1) : p.keys;
+            p.causal ? std::max<int64_t>(visible_keys(p, i0 + rows - 1), 1) : p.keys;
         sgemm(true, int(rows), int(visible), int(p.dims), p.scale, p.q.at(b, h, i0),
               int(p.q.row), p.k.at(b, kv, 0), int(p.k.row), 0.0f, scores.data(), int(visible));
         parallel_for(rows, 8, [&](int64_t r0, int64_t r1) {
@@ -111,6 +87,13 @@ void attention_blocks(const Problem& p) {
     }
   }
 }
+
+}  // namespace attention_cpu
+
+using namespace mlx::core;
+using namespace attention_cpu;
+
+namespace {
 
 // A unit-stride-columns view of `a` (B, H, L, D), copying it into `storage` if its
 // columns or rows are not laid out for that.
@@ -148,7 +131,10 @@ class Attention : public CpuPrimitive {
       p.q = view_of(q, q_copy);
       p.k = view_of(k, k_copy);
       p.v = view_of(v, v_copy);
-      attention_blocks(p);
+      if (has_avx512())
+        attention_avx512(p);
+      else
+        attention_sgemm(p);
     });
   }
 

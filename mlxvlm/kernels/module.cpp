@@ -19,7 +19,7 @@ NB_MODULE(_mlxvlm_cpu_kernels, m) {
         },
         "address"_a, "Use the cblas_sgemm at this address for the float32 products.");
   m.def("threads", [] { return mlxvlm::thread_pool().size(); });
-  m.def("simd", [] { return mlxvlm::has_avx2() ? "avx2" : "portable"; });
+  m.def("simd", [] { return mlxvlm::isa_name(); });
   nb::enum_<mlxvlm::Activation>(m, "Activation")
       .value("gelu_tanh", mlxvlm::Activation::gelu_tanh)
       .value("quick_gelu", mlxvlm::Activation::quick_gelu)

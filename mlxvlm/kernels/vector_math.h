@@ -1,6 +1,6 @@
 // Vectorised row operations for the CPU kernels: softmax pieces and 16-bit -> float32
 // conversion, with AVX2/FMA versions on x86-64 CPUs that have them (checked at run time)
-// and portable loops everywhere else.
+// and portable loops everywhere else; and which instruction set the CPU offers.
 //
 // The exponential is Cephes' expf: e^x = 2^n e^r with n = round(x log2 e), r reduced
 // with a two-part ln 2, e^r from a degree-6 polynomial; relative error ~2e-7 over
@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -20,14 +21,46 @@ namespace mlxvlm {
 
 enum class Half { bfloat16, float16 };
 
-inline bool has_avx2() {
+// The widest instruction set the kernels use on this CPU: checked at run time, capped by
+// MLXVLM_CPU_ISA ("avx512", "avx2" or "portable"), which lets the tests, and a user who
+// suspects one, run the narrower code paths.
+enum class Isa { portable = 0, avx2 = 1, avx512 = 2 };
+
+inline Isa detect_isa() {
 #ifdef MLXVLM_X86
-  static const bool value = __builtin_cpu_supports("avx2") &&
-      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return value;
+  Isa found = Isa::portable;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    found = Isa::avx2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"))
+      found = Isa::avx512;
+  }
 #else
-  return false;
+  Isa found = Isa::portable;
 #endif
+  if (const char* cap = std::getenv("MLXVLM_CPU_ISA")) {
+    Isa wanted = std::strcmp(cap, "portable") == 0 ? Isa::portable
+                 : std::strcmp(cap, "avx2") == 0   ? Isa::avx2
+                                                   : Isa::avx512;
+    if (wanted < found) found = wanted;
+  }
+  return found;
+}
+
+inline Isa cpu_isa() {
+  static const Isa value = detect_isa();
+  return value;
+}
+
+inline bool has_avx2() { return cpu_isa() >= Isa::avx2; }
+inline bool has_avx512() { return cpu_isa() >= Isa::avx512; }
+
+inline const char* isa_name() {
+  switch (cpu_isa()) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    default: return "portable";
+  }
 }
 
 inline float bfloat16_to_float(uint16_t bits) {
@@ -71,6 +104,7 @@ inline float half_to_float(uint16_t bits, Half kind) {
 
 #ifdef MLXVLM_X86
 #define MLXVLM_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define MLXVLM_AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c")))
 
 MLXVLM_AVX2 inline __m256 exp8(__m256 x) {
   const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
