@@ -198,23 +198,34 @@ def generate_tokens(
     ):
         progress(done, total)
 
-    y, logprobs = step(input_ids[:, done:], embeddings[:, done:])
-    mx.async_eval(y, logprobs)
-    n = 0
-    while True:
-        if n != max_tokens:
-            next_y, next_logprobs = step(y.reshape(1, 1))
-            mx.async_eval(next_y, next_logprobs)
+    def schedule(tokens: mx.array, chunk_embeddings: mx.array | None = None):
+        result = step(tokens, chunk_embeddings)
+        mx.async_eval(*result)
+        return result
+
+    # Step n + 1 is scheduled before token n is read, so that building its graph overlaps
+    # token n's computation. On the CPU, MLX's async_eval returns only once all but the
+    # last few dozen operations have run, so scheduling the second step before reading
+    # the first token would hold that token back by a whole step (~65 ms of SmolVLM's time
+    # to first token): there the first token is read first.
+    first_token_first = generation_stream.device == mx.cpu
+    current = schedule(input_ids[:, done:], embeddings[:, done:])
+    for n in range(max_tokens):
+        last = n + 1 == max_tokens
+        ahead = not last and not (n == 0 and first_token_first)
+        if ahead:
+            upcoming = schedule(current[0].reshape(1, 1))
+        token = current[0].item()
         if n == 0:
-            mx.eval(y)
             progress(total, total)
-        if n == max_tokens:
+        yield token, current[1]
+        if last:
             break
-        yield y.item(), logprobs
+        if not ahead:
+            upcoming = schedule(current[0].reshape(1, 1))
         if n % 256 == 0:
             mx.clear_cache()
-        y, logprobs = next_y, next_logprobs
-        n += 1
+        current = upcoming
 
 
 class StopStrings:

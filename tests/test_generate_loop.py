@@ -43,6 +43,27 @@ def test_max_tokens_ends_with_length_and_statistics(qwen):
     assert last.logprobs.shape == (model.args.text.vocab_size,)
 
 
+def test_decode_steps_are_scheduled_one_ahead_and_no_further(qwen, monkeypatch):
+    """Each token's step is built before the previous token is read (overlapping graph
+    building with computation), except that on the CPU the first token is read before the
+    second step is scheduled (MLX's async_eval there returns only once most of a step
+    has run, so the first token would wait for two); no step is built past max_tokens."""
+    import mlx.core as mx
+
+    model, processor = qwen
+    built = []  # decode steps built (one-token model calls) when each token arrives
+    original = type(model).__call__
+    monkeypatch.setattr(type(model), "__call__", lambda self, ids, *a, **kw: (
+        built.append(ids.shape[1]) or original(self, ids, *a, **kw)))
+    seen = []
+    for result in stream_generate(model, processor, PROMPT, IMAGE, max_tokens=4):
+        seen.append(sum(1 for length in built if length == 1))
+    # The first step is the prompt's last token (prefill leaves it), so a one-token call too.
+    first_built = 1 if mx.default_device() == mx.cpu else 2
+    assert seen == [first_built, 3, 4, 4]
+    assert sum(1 for length in built if length == 1) == 4  # 4 tokens, 4 steps
+
+
 def test_text_segments_join_to_the_decoded_tokens(qwen):
     model, processor = qwen
     out = generate(model, processor, PROMPT, IMAGE, max_tokens=20)
