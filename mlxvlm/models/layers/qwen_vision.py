@@ -147,10 +147,14 @@ class VisionAttention(nn.Module):
     def __call__(self, x: mx.array, rotary, segments: Sequence[int]) -> mx.array:
         """Attention within each segment (a frame or a window) of ``x`` (N, D) only."""
         N = x.shape[0]
-        qkv = self.qkv(x).reshape(N, 3, self.num_heads, -1).transpose(1, 2, 0, 3)
-        q, k, v = qkv[0], qkv[1], qkv[2]  # (heads, N, head_dim)
-        cos, sin = rotary
+        qkv = self.qkv(x).reshape(N, 3, self.num_heads, -1)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # (N, heads, head_dim)
+        # Rotated in this layout, each patch's heads side by side: on MLX's CPU backend the
+        # element-wise products are ~3.5x faster than on the (heads, N, head_dim) views
+        # (Qwen2-VL-2B: 24 -> 7 ms per tensor and layer).
+        cos, sin = (table[:, None] for table in rotary)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 0, 2) for t in (q, k, v))  # (heads, N, head_dim)
         # One attention call per segment: memory grows with the segments' sizes, not N^2.
         bounds = np.cumsum(segments)[:-1].tolist()
         outputs = [
@@ -382,8 +386,7 @@ class QwenVisionTransformer(nn.Module):
             patch_order = (order[:, None] * unit + np.arange(unit)).reshape(-1)
             x = x[mx.array(patch_order)]
             rows_cols = rows_cols[patch_order]
-        cos, sin = self.rotary(mx.array(rows_cols))
-        rotary = (cos[None], sin[None])  # broadcast over heads
+        rotary = self.rotary(mx.array(rows_cols))  # cos, sin: (N, head_dim)
 
         deepstack = []
         for index, block in enumerate(self.blocks):
