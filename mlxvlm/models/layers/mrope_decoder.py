@@ -395,13 +395,11 @@ class MultimodalRotaryEmbedding:
         self.axis_of_frequency = mx.array(frequency_axes(mrope_section, interleaved))
 
     def __call__(self, position_ids: mx.array) -> tuple[mx.array, mx.array]:
-        """(3, L) ids -> (L, head_dim) tables; a batch's (B, 3, L) -> (B, 1, L, head_dim),
-        which broadcast over the attention heads."""
+        """(3, L) ids -> (L, 1, head_dim) tables; a batch's (B, 3, L) -> (B, L, 1,
+        head_dim): they broadcast over the heads of (B, L, heads, head_dim) projections."""
         positions = mx.take(position_ids, self.axis_of_frequency, axis=-2)  # (..., hd/2, L)
         angles = mx.swapaxes(positions, -1, -2).astype(mx.float32) * self.inv_freq
-        angles = mx.concatenate([angles, angles], axis=-1)
-        if angles.ndim == 3:
-            angles = angles[:, None]
+        angles = mx.concatenate([angles, angles], axis=-1)[..., None, :]
         return mx.cos(angles), mx.sin(angles)
 
 
@@ -436,11 +434,13 @@ class Attention(nn.Module):
         keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
         if "q_norm" in self:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
+        # Rotated before the heads move forward: MLX's CPU element-wise products are ~3x
+        # faster on this layout than on the transposed views.
+        cos, sin = rotary
+        queries, keys = apply_rotary(queries, cos, sin), apply_rotary(keys, cos, sin)
         queries = queries.transpose(0, 2, 1, 3)
         keys = keys.transpose(0, 2, 1, 3)
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        cos, sin = rotary
-        queries, keys = apply_rotary(queries, cos, sin), apply_rotary(keys, cos, sin)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
         output = cached_attention(queries, keys, values, cache, scale=self.scale, mask=mask)
