@@ -96,11 +96,14 @@ class Attention(nn.Module):
         """Full attention over one image's patches ``x`` (1, N, D)."""
         B, N, _ = x.shape
         q, k, v = (
-            proj(x).reshape(B, N, self.num_heads, -1).transpose(0, 2, 1, 3)
+            proj(x).reshape(B, N, self.num_heads, -1)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
-        cos, sin = rotary
+        # Rotated in the (B, N, heads, head_dim) layout (the tables broadcast over the
+        # heads), then transposed: MLX's CPU element-wise products are ~3x faster there.
+        cos, sin = (table[:, None] for table in rotary)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
         out = scaled_dot_product_attention(q, k, v, scale=self.scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
 
