@@ -32,7 +32,6 @@ gemv_forward_status: str = "not attempted"
 gemv_forward = None
 
 _SHIM_SOURCE = Path(__file__).with_name("_sgemm_gemv.c")
-OPENBLAS_SPIN_LOG2_CYCLES = 20
 
 
 def cache_dir() -> Path:
@@ -136,12 +135,6 @@ def preload_openblas() -> None:
         )
         return
     shim = _load_shim()  # first, so that libmlx's cblas_sgemm resolves to it
-    # After each product OpenBLAS's threads spin for 2^28 TSC cycles (~0.1 s) before they
-    # sleep, and mlxvlm's CPU kernels, on threads of their own, run right after products:
-    # the spinning threads take cores from them (a SigLIP layer's attention block ~100 ->
-    # ~78 ms). 2^20 cycles (~0.4 ms) still spans the gaps between a decoding step's
-    # products. Read by OpenBLAS when it loads; a user's own setting wins.
-    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", str(OPENBLAS_SPIN_LOG2_CYCLES))
     try:
         openblas = ctypes.CDLL(name, mode=os.RTLD_GLOBAL)
     except OSError as exc:
