@@ -26,7 +26,6 @@ from pathlib import Path
 
 # What happened, for --verbose: the library path loaded, or why none was.
 openblas_status: str = "not attempted"
-malloc_status: str = "not attempted"
 gemv_forward_status: str = "not attempted"
 # The loaded shim (mlxvlm_gemv_forwarded() counts the products it forwarded), or None.
 gemv_forward = None
@@ -73,47 +72,6 @@ def _load_shim():
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         gemv_forward_status = f"not used: {exc}"
         return None
-
-
-# glibc's malloc serves each request above its mmap threshold (128 KB at first, rising
-# to the largest size freed so far) with fresh pages, and returns the top of its heap to
-# the system once 2x that threshold is free there. MLX's CPU backend allocates every
-# operation's output with malloc, so a vision tower's activations (megabytes each, of
-# varying sizes) were faulted in anew again and again: ~180,000 page faults (~700 MB,
-# ~2.5 us each) per Qwen2-VL-2B image, ~44,000 per SmolVLM image. With the threshold at
-# its largest (32 MB) and the heap's free top kept up to 256 MB, freed activations are
-# reused: ~33,000 and ~29,000 on the first image, none after. Buffers above 32 MB (large
-# weights) still come from and go back to the system directly.
-MMAP_THRESHOLD_BYTES = 32 << 20
-TRIM_THRESHOLD_BYTES = 256 << 20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-
-
-def tune_malloc() -> None:
-    """Set glibc's malloc thresholds (Linux); ``MLXVLM_NO_MALLOC_TUNING=1`` opts out, and a
-    user's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ win."""
-    global malloc_status
-    if not sys.platform.startswith("linux"):
-        malloc_status = "not used off Linux"
-        return
-    if os.environ.get("MLXVLM_NO_MALLOC_TUNING", "").strip() not in ("", "0"):
-        malloc_status = "disabled by MLXVLM_NO_MALLOC_TUNING"
-        return
-    if any(f"MALLOC_{name}_THRESHOLD_" in os.environ for name in ("MMAP", "TRIM")):
-        malloc_status = "left to the MALLOC_*_THRESHOLD_ environment variables"
-        return
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        malloc_status = "not used: no mallopt (not glibc)"
-        return
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    if mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and mallopt(
-            _M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES):
-        malloc_status = (f"buffers up to {MMAP_THRESHOLD_BYTES >> 20} MB reused from the heap, "
-                         f"up to {TRIM_THRESHOLD_BYTES >> 20} MB of it kept when free")
-    else:
-        malloc_status = "not used: mallopt refused the thresholds"
 
 
 def preload_openblas() -> None:
