@@ -42,19 +42,15 @@ MLXVLM_AVX512 inline __mmask16 first_lanes(int64_t n) {
 // e^x for x <= 0 (scores minus their row maximum): Cephes' expf as vector_math.h's exp8,
 // 2^n applied with scalef, 0 below -87.34 and NaN kept.
 MLXVLM_AVX512 inline __m512 exp_nonpositive16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3365478515625f);
+  const __m512 lo = _mm512_set1_ps(kExpMin);
   const __mmask16 in_range = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);  // NaN included
   __m512 t = _mm512_max_ps(lo, x);  // -inf -> lo (NaN stays: max returns its 2nd operand)
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(kLog2e)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), t);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), t);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 p = _mm512_set1_ps(kExpPolynomial[0]);
+  for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPolynomial[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_maskz_scalef_ps(in_range, p, n);
 }
@@ -165,40 +161,47 @@ MLXVLM_AVX512 void value_rows(const float* p, int64_t p_row, const float* v, int
   }
 }
 
-// The score and value products of a tile's rows, kTileRows at a time, then the rest.
-MLXVLM_AVX512 void tile_scores(const float* q, int64_t q_row, int64_t rows, const float* packed,
-                               int64_t dims, int64_t panels, float scale, float* s) {
+// op.template rows<R>(r) over a tile's rows, kTileRows at a time, then the rest.
+template <class Op>
+MLXVLM_AVX512 inline void for_row_tiles(int64_t rows, const Op& op) {
   int64_t r = 0;
-  for (; r + kTileRows <= rows; r += kTileRows)
-    score_rows<kTileRows>(q + r * q_row, q_row, packed, dims, panels, scale, s + r * kKeyBlock, kKeyBlock);
-  const float* qr = q + r * q_row;
-  float* sr = s + r * kKeyBlock;
+  for (; r + kTileRows <= rows; r += kTileRows) op.template rows<kTileRows>(r);
   switch (rows - r) {
-    case 5: score_rows<5>(qr, q_row, packed, dims, panels, scale, sr, kKeyBlock); break;
-    case 4: score_rows<4>(qr, q_row, packed, dims, panels, scale, sr, kKeyBlock); break;
-    case 3: score_rows<3>(qr, q_row, packed, dims, panels, scale, sr, kKeyBlock); break;
-    case 2: score_rows<2>(qr, q_row, packed, dims, panels, scale, sr, kKeyBlock); break;
-    case 1: score_rows<1>(qr, q_row, packed, dims, panels, scale, sr, kKeyBlock); break;
+    case 5: op.template rows<5>(r); break;
+    case 4: op.template rows<4>(r); break;
+    case 3: op.template rows<3>(r); break;
+    case 2: op.template rows<2>(r); break;
+    case 1: op.template rows<1>(r); break;
     default: break;
   }
 }
 
-MLXVLM_AVX512 void tile_values(const float* s, int64_t rows, const float* v, int64_t v_row,
-                               int64_t keys, float* o, int64_t o_row, int64_t dims) {
-  int64_t r = 0;
-  for (; r + kTileRows <= rows; r += kTileRows)
-    value_rows<kTileRows>(s + r * kKeyBlock, kKeyBlock, v, v_row, keys, o + r * o_row, o_row, dims);
-  const float* sr = s + r * kKeyBlock;
-  float* orow = o + r * o_row;
-  switch (rows - r) {
-    case 5: value_rows<5>(sr, kKeyBlock, v, v_row, keys, orow, o_row, dims); break;
-    case 4: value_rows<4>(sr, kKeyBlock, v, v_row, keys, orow, o_row, dims); break;
-    case 3: value_rows<3>(sr, kKeyBlock, v, v_row, keys, orow, o_row, dims); break;
-    case 2: value_rows<2>(sr, kKeyBlock, v, v_row, keys, orow, o_row, dims); break;
-    case 1: value_rows<1>(sr, kKeyBlock, v, v_row, keys, orow, o_row, dims); break;
-    default: break;
+// Scores of a tile's query rows against `panels` packed 16-key panels, into `s`.
+struct TileScores {
+  const float* q;
+  int64_t q_row;
+  const float* packed;
+  int64_t dims, panels;
+  float scale;
+  float* s;
+  template <int R>
+  MLXVLM_AVX512 void rows(int64_t r) const {
+    score_rows<R>(q + r * q_row, q_row, packed, dims, panels, scale, s + r * kKeyBlock, kKeyBlock);
   }
-}
+};
+
+// Output rows += the tile's weights (in `s`) . `keys` value rows.
+struct TileValues {
+  const float* s;
+  const float* v;
+  int64_t v_row, keys;
+  float* o;
+  int64_t o_row, dims;
+  template <int R>
+  MLXVLM_AVX512 void rows(int64_t r) const {
+    value_rows<R>(s + r * kKeyBlock, kKeyBlock, v, v_row, keys, o + r * o_row, o_row, dims);
+  }
+};
 
 MLXVLM_AVX512 void add_mask(float* row, const float* mask, int64_t key_stride, int64_t n) {
   if (key_stride == 1) {
@@ -275,14 +278,15 @@ MLXVLM_AVX512 void query_tile(const Problem& p, int64_t b, int64_t h, int64_t kv
   const int64_t keys = visible_keys(p, i0 + rows - 1);  // the tile's last row sees most
   for (int64_t k0 = 0; k0 < keys; k0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, keys - k0);
-    tile_scores(q, p.q.row, rows, packed + k0 * p.dims, p.dims, (n + 15) / 16, p.scale, scores);
+    for_row_tiles(rows, TileScores{q, p.q.row, packed + k0 * p.dims, p.dims, (n + 15) / 16,
+                                   p.scale, scores});
     for (int64_t r = 0; r < rows; r++) {
       float* row = scores + r * kKeyBlock;
       if (p.mask.data) add_mask(row, p.mask.row(b, h, i0 + r) + k0 * p.mask.key, p.mask.key, n);
       const float alpha = softmax_step(row, n, visible_keys(p, i0 + r) - k0, state[r]);
       if (alpha != 1.0f) scale_row(out + r * out_row, p.dims, alpha);
     }
-    tile_values(scores, rows, v + k0 * p.v.row, p.v.row, n, out, out_row, p.dims);
+    for_row_tiles(rows, TileValues{scores, v + k0 * p.v.row, p.v.row, n, out, out_row, p.dims});
   }
   // A row that saw no key has sum 0: 0 * (1 / 0) gives NaN, as MLX's softmax does.
   for (int64_t r = 0; r < rows; r++) scale_row(out + r * out_row, p.dims, 1.0f / state[r].sum);

@@ -106,20 +106,24 @@ inline float half_to_float(uint16_t bits, Half kind) {
 #define MLXVLM_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define MLXVLM_AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c")))
 
+// Cephes' expf constants: ln 2 in two parts (ln2_hi + ln2_lo), and the degree-6
+// polynomial for e^r on [-ln2/2, ln2/2], highest degree first (the last two terms, r and
+// 1, are added separately).
+constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f,
+                kLn2Low = -2.12194440e-4f, kExpMin = -87.3365478515625f;
+constexpr float kExpPolynomial[] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                                    4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+
 MLXVLM_AVX2 inline __m256 exp8(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(kExpMin);
   // Operand order keeps NaN: min/max return their second operand when one is NaN.
   __m256 t = _mm256_max_ps(lo, _mm256_min_ps(hi, x));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f)),
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(kLog2e)),
                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), t);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), t);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
+  __m256 p = _mm256_set1_ps(kExpPolynomial[0]);
+  for (int i = 1; i < 6; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPolynomial[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   __m256i bits = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
