@@ -561,6 +561,18 @@ def test_narrower_instruction_sets_give_the_same_results(isa):
     assert shown.stdout.strip() == isa
 
 
+def test_an_unknown_instruction_set_cap_is_reported_and_ignored():
+    script = ("import mlxvlm; from mlxvlm import kernels; "
+              "print(kernels.describe()); print(kernels.simd())")
+    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           env=dict(os.environ, MLXVLM_CPU_ISA="sse9"), timeout=300)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    described, used = shown.stdout.strip().splitlines()
+    assert used == kernels.simd()  # the widest this CPU has, as without the variable
+    assert "MLXVLM_CPU_ISA='sse9' ignored (expected one of avx512, avx2, portable)" in described
+    assert "MLXVLM_CPU_ISA='sse9' ignored" in shown.stderr
+
+
 def test_calling_a_kernel_that_could_not_be_built_says_why(monkeypatch):
     monkeypatch.setattr(kernels, "_attempted", True)
     monkeypatch.setattr(kernels, "_module", None)

@@ -41,6 +41,8 @@ from types import ModuleType
 import mlx.core as mx
 
 DISABLE_ENV = "MLXVLM_NO_CPU_KERNELS"
+ISA_ENV = "MLXVLM_CPU_ISA"  # caps the instruction set; read by the C++ side (vector_math.h)
+ISAS = ("avx512", "avx2", "portable")
 
 status: str = "not loaded yet"
 _module: ModuleType | None = None
@@ -91,6 +93,11 @@ def _build_and_import() -> ModuleType | None:
     threads = module.threads()
     status = (f"attention, activation, norm, 16-bit and quantized linear kernels "
               f"({module.simd()}, {threads} thread{'s' if threads != 1 else ''})")
+    cap = os.environ.get(ISA_ENV, "")
+    if cap and cap not in ISAS:  # the kernels then use the widest set the CPU has
+        status += f"; {ISA_ENV}={cap!r} ignored (expected one of {', '.join(ISAS)})"
+        print(f"mlxvlm: {ISA_ENV}={cap!r} ignored: expected one of {', '.join(ISAS)}",
+              file=sys.stderr)
     return module
 
 

@@ -21,9 +21,7 @@
 
 #ifdef MLXVLM_X86
 
-#include <atomic>
 #include <cmath>
-#include <vector>
 
 namespace mlxvlm::attention_cpu {
 
@@ -290,19 +288,6 @@ MLXVLM_AVX512 void query_tile(const Problem& p, int64_t b, int64_t h, int64_t kv
   }
   // A row that saw no key has sum 0: 0 * (1 / 0) gives NaN, as MLX's softmax does.
   for (int64_t r = 0; r < rows; r++) scale_row(out + r * out_row, p.dims, 1.0f / state[r].sum);
-}
-
-// fn(task) for tasks [0, n), handed out one at a time to the pool's workers (tiles of a
-// causal problem differ in cost); fn(task, worker).
-template <class F>
-void parallel_tasks(int64_t n, F&& fn) {
-  ThreadPool& pool = thread_pool();
-  std::atomic<int64_t> next{0};
-  auto work = [&](int worker) {
-    for (int64_t task = next.fetch_add(1); task < n; task = next.fetch_add(1)) fn(task, worker);
-  };
-  if (n <= 1 || pool.size() == 1) return work(0);
-  pool.run([&](int worker, int) { work(worker); });
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -127,6 +128,20 @@ void parallel_for(int64_t n, int64_t min_per_worker, F&& fn) {
     int64_t start = n * worker / workers, stop = n * (worker + 1) / workers;
     if (start < stop) fn(start, stop);
   });
+}
+
+// fn(task, worker) for tasks [0, n), handed out one at a time to whichever worker is
+// free: for work items of uneven cost (a causal attention's query tiles).
+template <class F>
+void parallel_tasks(int64_t n, F&& fn) {
+  if (n <= 0) return;
+  ThreadPool& pool = thread_pool();
+  std::atomic<int64_t> next{0};
+  auto work = [&](int worker) {
+    for (int64_t task = next.fetch_add(1); task < n; task = next.fetch_add(1)) fn(task, worker);
+  };
+  if (n == 1 || pool.size() == 1) return work(0);
+  pool.run([&](int worker, int) { work(worker); });
 }
 
 }  // namespace mlxvlm
