@@ -42,6 +42,7 @@ from mlxvlm.generate import (
     prefill_chunks,
 )
 from mlxvlm.media import load_image
+from mlxvlm.models.feature_cache import bounded_run_ahead
 from mlxvlm.prefix_cache import PrefixCache, prompt_key
 from mlxvlm.prompt import PreparedInputs, build_messages, normalize_messages, prepare_inputs
 from mlxvlm.tokenization import generation_tokenizer
@@ -452,7 +453,7 @@ class BatchEngine:
                 hit = None
         start = hit.length if hit is not None else 0
         text_follows = hit is not None and not np.isin(np.asarray(ids[0, start:]), self.placeholders).any()
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream), bounded_run_ahead():
             if text_follows:
                 # Only text follows the reused prefix: no image is encoded again.
                 embeddings, _ = model.embed(ids[:, start:])

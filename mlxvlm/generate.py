@@ -19,6 +19,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlxvlm.errors import MlxvlmError, PromptTooLongError
+from mlxvlm.models.feature_cache import bounded_run_ahead
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
 from mlxvlm.tokenization import generation_tokenizer
 
@@ -171,7 +172,8 @@ def generate_tokens(
     input_ids = inputs.input_ids
     history = input_ids[0] if logits_processors else None
 
-    with mx.stream(generation_stream):
+    with mx.stream(generation_stream), bounded_run_ahead():
+        # Bounded here too: with the feature cache off, the towers evaluate in this eval.
         embeddings, state = model.embed(input_ids, **inputs.features)
         mx.eval(embeddings, state)
 

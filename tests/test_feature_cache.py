@@ -18,7 +18,7 @@ import pytest
 from parity import embedded, first_pass
 from tiny import make_image
 
-from mlxvlm import load
+from mlxvlm import generate, load
 from mlxvlm.models import feature_cache
 from mlxvlm.models.feature_cache import FeatureCache, content_key, no_feature_cache
 
@@ -468,3 +468,46 @@ def test_towers_are_evaluated_without_running_far_ahead(monkeypatch):
         bounded = chain_peak()
     assert mx.get_memory_limit() == previous
     assert bounded <= (8 << 20) < unbounded, (bounded, unbounded)
+
+
+@pytest.mark.parametrize("cache_gb", ["0", None], ids=["cache-off", "cache-on"])
+def test_generate_evaluates_the_towers_under_the_run_ahead_bound(
+    tiny_checkpoints, monkeypatch, cache_gb
+):
+    """With the feature cache off the towers are evaluated by the generate loop's own
+    eval of the embeddings, not by the cache's: that eval is bounded too (it was not:
+    SmolVLM-256M's peak was 70 MB higher without the cache). With the cache on, the
+    cache's own bound nests inside it without deadlocking, and the limit is restored."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the run-ahead bound applies to MLX's CPU backend only")
+    model, processor = fresh_model(tiny_checkpoints, "qwen2_vl", monkeypatch, cache_gb=cache_gb)
+    cls, name, _ = tower_entry(model)
+    original = getattr(cls, name)
+    limits_in_tower = []
+
+    def recording(self, *args, **kwargs):
+        limits_in_tower.append(mx.get_memory_limit() - mx.get_active_memory())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, recording)
+    previous = mx.get_memory_limit()
+    messages, images = TURN_1
+    generate(model, processor, messages, images, max_tokens=2)
+    assert limits_in_tower and all(
+        limit <= feature_cache.RUN_AHEAD_BYTES for limit in limits_in_tower
+    ), limits_in_tower
+    assert mx.get_memory_limit() == previous
+
+
+def test_nested_run_ahead_bounds_keep_the_outer_one():
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the run-ahead bound applies to MLX's CPU backend only")
+    previous = mx.get_memory_limit()
+    with feature_cache.bounded_run_ahead():
+        outer = mx.get_memory_limit()
+        assert outer < previous
+        mx.eval(mx.zeros((1 << 20,)))  # more memory in use: an inner bound would differ
+        with feature_cache.bounded_run_ahead():
+            assert mx.get_memory_limit() == outer
+        assert mx.get_memory_limit() == outer
+    assert mx.get_memory_limit() == previous
