@@ -485,8 +485,8 @@ class BatchEngine:
         if done is not None:
             seq.prefilled = done
             return
-        # The rest of the prompt (its last token, or a span that must not be split) gives
-        # the first new token, as in generate_tokens.
+        # The rest of the prompt (its final chunk) gives the first new token in the same
+        # pass, as in generate_tokens.
         self._prefilling = None
         rest = seq.cached_tokens + seq.prefilled
         with mx.stream(generation_stream):
@@ -495,6 +495,7 @@ class BatchEngine:
                 seq.cache,
                 embeddings=seq.embeddings[:, seq.prefilled :],
                 state=seq.state,
+                last_only=True,
             )[:, -1, :]
             for processor in seq.processors:
                 logits = processor(seq.history, logits)

@@ -114,11 +114,15 @@ def prefill_chunks(
     prefill_step_size: int,
     quantize: Callable[[list[Any]], None] | None = None,
 ) -> Generator[int, None, None]:
-    """Run all but the last of ``input_ids`` (and their ``embeddings``) through the model
-    into ``cache``, in chunks of ``prefill_step_size``; yield how many are done after each.
+    """Run ``input_ids`` (and their ``embeddings``) but their final chunk through the
+    model into ``cache``, in chunks of ``prefill_step_size``; yield how many are done after
+    each.
 
-    The last token is left for the caller's first sampling step. The tokens are the part
-    of the prompt not yet in ``cache``: all of it, or what follows a reused prefix.
+    The final chunk (at most ``prefill_step_size`` tokens, more only where a bidirectional
+    span reaches the prompt's end) is left for the caller's first sampling step, which
+    runs it and takes the logits of its last position in the same pass (``last_only``): a
+    prompt's last token costs no pass of its own. The tokens are the part of the prompt
+    not yet in ``cache``: all of it, or what follows a reused prefix.
     Shared by ``generate_tokens`` and the batching engine, so that a request's prefill is
     the same computation in both.
     """
@@ -129,8 +133,8 @@ def prefill_chunks(
     start = cache[0].offset if cache else 0
     spans = [(s - start, e - start) for s, e in model.bidirectional_spans(state)]
     with mx.stream(generation_stream):
-        while total - done > 1:
-            n = _chunk_length(done, min(prefill_step_size, total - done - 1), spans)
+        while total - done > prefill_step_size:
+            n = _chunk_length(done, prefill_step_size, spans)
             if done + n >= total:
                 break  # a span reaches the prompt's end: the first sampling step takes it
             model(
@@ -180,7 +184,7 @@ def generate_tokens(
     def step(tokens: mx.array, chunk_embeddings: mx.array | None = None):
         nonlocal history
         with mx.stream(generation_stream):
-            logits = model(tokens, cache, embeddings=chunk_embeddings, state=state)
+            logits = model(tokens, cache, embeddings=chunk_embeddings, state=state, last_only=True)
             logits = logits[:, -1, :]
             if logits_processors:
                 if chunk_embeddings is None:

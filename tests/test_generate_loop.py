@@ -58,10 +58,12 @@ def test_decode_steps_are_scheduled_one_ahead_and_no_further(qwen, monkeypatch):
     seen = []
     for result in stream_generate(model, processor, PROMPT, IMAGE, max_tokens=4):
         seen.append(sum(1 for length in built if length == 1))
-    # The first step is the prompt's last token (prefill leaves it), so a one-token call too.
-    first_built = 1 if mx.default_device() == mx.cpu else 2
-    assert seen == [first_built, 3, 4, 4]
-    assert sum(1 for length in built if length == 1) == 4  # 4 tokens, 4 steps
+    # The first token comes from the prompt's pass itself (its last chunk, here the whole
+    # prompt, with the last position's logits): no one-token pass for the prompt's end.
+    assert [length for length in built if length > 1] == [result.prompt_tokens]
+    first_built = 0 if mx.default_device() == mx.cpu else 1
+    assert seen == [first_built, 2, 3, 3]
+    assert len(built) == 4  # 4 tokens: the prompt's pass and 3 decoding steps
 
 
 def test_text_segments_join_to_the_decoded_tokens(qwen):

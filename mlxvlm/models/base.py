@@ -33,9 +33,12 @@ class VisionLanguageModel(nn.Module):
         Run the vision/audio towers on the processor's features, merge them at the
         placeholder tokens and return ``(embeddings, state)``. ``state`` is whatever the
         decoder needs per request besides the cache (e.g. M-RoPE position ids), or None.
-    ``__call__(input_ids, cache, *, embeddings=None, state=None)``
-        Logits for ``input_ids`` (or for ``embeddings`` when given). The decoder reads its
-        absolute position from the cache offset.
+    ``__call__(input_ids, cache, *, embeddings=None, state=None, last_only=False)``
+        Logits for ``input_ids`` (or for ``embeddings`` when given): (B, L, vocab), or with
+        ``last_only`` (B, 1, vocab) for the last position alone, the output head applied
+        to that position only (the generate loop's last prefill chunk gives the first
+        token this way, in the same pass). The decoder reads its absolute position from
+        the cache offset.
     ``layers``
         The language-model decoder blocks (LoRA and sharding walk these).
 

@@ -338,14 +338,16 @@ class Model(VisionLanguageModel):
 
         return cached_rows(self, "image", encode, pixels)
 
-    def __call__(self, input_ids, cache=None, *, embeddings=None, state=None) -> mx.array:
+    def __call__(
+        self, input_ids, cache=None, *, embeddings=None, state=None, last_only=False
+    ) -> mx.array:
         h = embeddings if embeddings is not None else self.language_model.model.embed(input_ids)
         if cache is None:
             cache = [None] * len(self.layers)
         offset = cache[0].offset if cache[0] is not None else 0
         blocks = state.chunk(offset, h.shape[1]) if state is not None else None
         h = self.language_model.model(h, cache, blocks)
-        return self.language_model.lm_head(h)
+        return self.language_model.lm_head(h[:, -1:] if last_only else h)
 
 
 def load_processor(model_path: str | Path, config: dict):

@@ -184,9 +184,11 @@ class Model(VisionLanguageModel):
 
         return cached_rows(self, "image tile", encode, pixels, patch_mask)
 
-    def __call__(self, input_ids, cache=None, *, embeddings=None, state=None) -> mx.array:
+    def __call__(
+        self, input_ids, cache=None, *, embeddings=None, state=None, last_only=False
+    ) -> mx.array:
         h = self.language_model(input_ids, cache, input_embeddings=embeddings)
-        return self.language_model.lm_head(h)
+        return self.language_model.lm_head(h[:, -1:] if last_only else h)
 
 
 def load_processor(model_path: str | Path, config: dict):

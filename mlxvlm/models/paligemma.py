@@ -227,8 +227,9 @@ class LanguageModel(nn.Module):
         self.softcap = args.text.final_logit_softcapping
         self.model = TextModel(args)
 
-    def __call__(self, h: mx.array, cache: list[Any], prefix: int) -> mx.array:
-        logits = self.model.embed_tokens.as_linear(self.model(h, cache, prefix))
+    def __call__(self, h: mx.array, cache: list[Any], prefix: int, last_only: bool = False) -> mx.array:
+        h = self.model(h, cache, prefix)
+        logits = self.model.embed_tokens.as_linear(h[:, -1:] if last_only else h)
         if self.softcap is not None:
             logits = mx.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -307,12 +308,14 @@ class Model(VisionLanguageModel):
 
         return cached_rows(self, "image", encode, pixels)
 
-    def __call__(self, input_ids, cache=None, *, embeddings=None, state=None) -> mx.array:
+    def __call__(
+        self, input_ids, cache=None, *, embeddings=None, state=None, last_only=False
+    ) -> mx.array:
         h = embeddings if embeddings is not None else self.language_model.model.embed(input_ids)
         if cache is None:
             cache = [None] * len(self.layers)
         prefix = state.length if isinstance(state, Prefix) else 0
-        return self.language_model(h, cache, prefix)
+        return self.language_model(h, cache, prefix, last_only)
 
 
 def prefix_length(ids: np.ndarray, token_type_ids: Any) -> int:

@@ -179,8 +179,10 @@ class Model(VisionLanguageModel):
         position_ids, delta = mrope_position_ids(ids, spans, self.args.vision.spatial_merge_size)
         return h, MRopeState(mx.array(position_ids), delta)
 
-    def __call__(self, input_ids, cache=None, *, embeddings=None, state=None) -> mx.array:
-        return self.language_model(input_ids, cache, embeddings, state)
+    def __call__(
+        self, input_ids, cache=None, *, embeddings=None, state=None, last_only=False
+    ) -> mx.array:
+        return self.language_model(input_ids, cache, embeddings, state, last_only)
 
     # -- helpers ----------------------------------------------------------------------
 

@@ -96,6 +96,13 @@ def text_model(args: Any) -> nn.Module:
     return mlx_lm_module(args.model_type).Model(args)
 
 
+# mlx-lm modules whose Model.__call__ is exactly ``self.model`` (the decoder) followed by
+# the head (``lm_head``, or the embedding when tied): for them, logits for the last
+# position alone skip the head's product over the others. Other modules get the full
+# logits sliced (the same numbers, without the saving).
+HEAD_AFTER_DECODER = frozenset({"llama", "qwen2", "qwen3", "gemma3_text", "ministral3"})
+
+
 class MlxLmDecoder:
     """The decoder side of the family contract (see models/base.py) for a model whose
     ``language_model`` is ``text_model(...)`` and whose ``args.max_context`` comes from
@@ -116,8 +123,15 @@ class MlxLmDecoder:
             return self.language_model.make_cache()
         return super().make_cache()
 
-    def __call__(self, input_ids, cache=None, *, embeddings=None, state=None):
-        return self.language_model(input_ids, cache=cache, input_embeddings=embeddings)
+    def __call__(self, input_ids, cache=None, *, embeddings=None, state=None, last_only=False):
+        lm = self.language_model
+        if not last_only or type(lm).__module__.rsplit(".", 1)[-1] not in HEAD_AFTER_DECODER:
+            logits = lm(input_ids, cache=cache, input_embeddings=embeddings)
+            return logits[:, -1:] if last_only else logits
+        # The head on the last position alone: what these modules' Model.__call__ does to
+        # every position (mlx-lm creates ``lm_head`` only when it is not tied).
+        h = lm.model(input_ids, cache, embeddings)[:, -1:]
+        return lm.lm_head(h) if "lm_head" in lm else lm.model.embed_tokens.as_linear(h)
 
 
 class GatedMLP(nn.Module):
