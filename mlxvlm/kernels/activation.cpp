@@ -98,6 +98,9 @@ class ActivationPrimitive : public CpuPrimitive {
     });
   }
 
+  // activate_range reads x[i] (and up[i]) before writing out[i]: x's buffer can be reused.
+  int in_place_input() const override { return 0; }
+
   const char* name() const override { return "MlxvlmActivation"; }
   bool is_equivalent(const Primitive& other) const override {
     return kind_ == static_cast<const ActivationPrimitive&>(other).kind_;

@@ -18,7 +18,12 @@ class CpuPrimitive : public mlx::core::UnaryPrimitive {
   using UnaryPrimitive::UnaryPrimitive;
 
   void eval_cpu(const std::vector<mlx::core::array>& inputs, mlx::core::array& out) final {
-    out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+    int donor = in_place_input();
+    if (donor >= 0 && donatable(inputs[donor], out)) {
+      out.copy_shared_buffer(inputs[donor]);
+    } else {
+      out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+    }
     auto& encoder = mlx::core::cpu::get_command_encoder(stream());
     for (const auto& input : inputs) encoder.set_input_array(input);
     encoder.set_output_array(out);
@@ -33,6 +38,18 @@ class CpuPrimitive : public mlx::core::UnaryPrimitive {
   // Queue the kernel on the encoder (the output is allocated).
   virtual void dispatch(const std::vector<mlx::core::array>& inputs, mlx::core::array& out,
                         mlx::core::cpu::CommandEncoder& encoder) = 0;
+
+  // The input whose buffer the output may take over when nothing else holds it (as MLX's
+  // own element-wise kernels do): a kernel that writes each element only after reading
+  // that input's element at the same place returns its index. Saves a fresh allocation
+  // (page faults, peak memory) per call, e.g. a tower MLP's 12-21 MB activation.
+  virtual int in_place_input() const { return -1; }
+
+ private:
+  static bool donatable(const mlx::core::array& in, const mlx::core::array& out) {
+    return in.is_donatable() && in.flags().row_contiguous && in.dtype() == out.dtype() &&
+           in.nbytes() == out.nbytes();
+  }
 };
 
 // `a`'s elements in row-major order: its own buffer when it is laid out so (nearly
