@@ -41,9 +41,10 @@ def test_last_only_logits_are_the_last_row_of_the_full_logits(family, tiny_check
         return
     cache = model.make_cache()
     model(input_ids[:, :cut], cache, embeddings=embeddings[:, :cut], state=state)
-    rest = np.array(
-        model(input_ids[:, cut:], cache, embeddings=embeddings[:, cut:], state=state, last_only=True)
+    rest = model(
+        input_ids[:, cut:], cache, embeddings=embeddings[:, cut:], state=state, last_only=True
     )
+    rest = np.array(rest)
     np.testing.assert_allclose(rest[0, 0], full[0, -1], rtol=1e-4, atol=1e-4)
 
 

@@ -227,7 +227,9 @@ class LanguageModel(nn.Module):
         self.softcap = args.text.final_logit_softcapping
         self.model = TextModel(args)
 
-    def __call__(self, h: mx.array, cache: list[Any], prefix: int, last_only: bool = False) -> mx.array:
+    def __call__(
+        self, h: mx.array, cache: list[Any], prefix: int, last_only: bool = False
+    ) -> mx.array:
         h = self.model(h, cache, prefix)
         logits = self.model.embed_tokens.as_linear(h[:, -1:] if last_only else h)
         if self.softcap is not None:

@@ -523,7 +523,9 @@ class LanguageModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def __call__(self, inputs, cache=None, embeddings=None, state=None, last_only=False) -> mx.array:
+    def __call__(
+        self, inputs, cache=None, embeddings=None, state=None, last_only=False
+    ) -> mx.array:
         h = self.model(inputs, cache, embeddings, state)
         if last_only:
             h = h[:, -1:]
