@@ -36,13 +36,13 @@ from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate import (
     GenerationOutput,
     SequenceText,
+    embed_prompt,
     eos_token_ids,
     fit_to_context,
     generation_stream,
     prefill_chunks,
 )
 from mlxvlm.media import load_image
-from mlxvlm.models.feature_cache import bounded_run_ahead
 from mlxvlm.prefix_cache import PrefixCache, prompt_key
 from mlxvlm.prompt import PreparedInputs, build_messages, normalize_messages, prepare_inputs
 from mlxvlm.tokenization import generation_tokenizer
@@ -453,14 +453,12 @@ class BatchEngine:
                 hit = None
         start = hit.length if hit is not None else 0
         text_follows = hit is not None and not np.isin(np.asarray(ids[0, start:]), self.placeholders).any()
-        with mx.stream(generation_stream), bounded_run_ahead():
-            if text_follows:
-                # Only text follows the reused prefix: no image is encoded again.
-                embeddings, _ = model.embed(ids[:, start:])
-            else:
-                embeddings, state = model.embed(ids, **seq.inputs.features)
-                embeddings = embeddings[:, start:]
-            mx.eval(embeddings, state)
+        if text_follows:
+            # Only text follows the reused prefix: no image is encoded again.
+            embeddings, _ = embed_prompt(model, ids[:, start:])
+        else:
+            embeddings, state = embed_prompt(model, ids, **seq.inputs.features)
+            embeddings = embeddings[:, start:]
         seq.cache = hit.cache if hit is not None else model.make_cache()
         seq.state, seq.embeddings, seq.cached_tokens = state, embeddings, start
         seq.history = ids[0] if seq.processors else None

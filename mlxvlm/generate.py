@@ -151,6 +151,17 @@ def prefill_chunks(
             yield done
 
 
+def embed_prompt(model: nn.Module, input_ids: mx.array, **features: Any) -> tuple[mx.array, Any]:
+    """``model.embed(input_ids, **features)``, evaluated on the generation stream with
+    MLX's run-ahead bounded (``bounded_run_ahead``): with the feature cache off, the
+    vision/audio towers run in this evaluation. Shared by ``generate_tokens`` and the
+    batching engine."""
+    with mx.stream(generation_stream), bounded_run_ahead():
+        embeddings, state = model.embed(input_ids, **features)
+        mx.eval(embeddings, state)
+    return embeddings, state
+
+
 def generate_tokens(
     model: nn.Module,
     inputs: PreparedInputs,
@@ -176,10 +187,7 @@ def generate_tokens(
     input_ids = inputs.input_ids
     history = input_ids[0] if logits_processors else None
 
-    with mx.stream(generation_stream), bounded_run_ahead():
-        # Bounded here too: with the feature cache off, the towers evaluate in this eval.
-        embeddings, state = model.embed(input_ids, **inputs.features)
-        mx.eval(embeddings, state)
+    embeddings, state = embed_prompt(model, input_ids, **inputs.features)
 
     def step(tokens: mx.array, chunk_embeddings: mx.array | None = None):
         nonlocal history

@@ -18,7 +18,7 @@ import pytest
 from parity import embedded, first_pass
 from tiny import make_image
 
-from mlxvlm import generate, load
+from mlxvlm import batch_generate, generate, load
 from mlxvlm.models import feature_cache
 from mlxvlm.models.feature_cache import FeatureCache, content_key, no_feature_cache
 
@@ -470,9 +470,10 @@ def test_towers_are_evaluated_without_running_far_ahead(monkeypatch):
     assert bounded <= (8 << 20) < unbounded, (bounded, unbounded)
 
 
+@pytest.mark.parametrize("engine", ["generate", "batch_generate"])
 @pytest.mark.parametrize("cache_gb", ["0", None], ids=["cache-off", "cache-on"])
 def test_generate_evaluates_the_towers_under_the_run_ahead_bound(
-    tiny_checkpoints, monkeypatch, cache_gb
+    tiny_checkpoints, monkeypatch, cache_gb, engine
 ):
     """With the feature cache off the towers are evaluated by the generate loop's own
     eval of the embeddings, not by the cache's: that eval is bounded too (it was not:
@@ -492,7 +493,10 @@ def test_generate_evaluates_the_towers_under_the_run_ahead_bound(
     monkeypatch.setattr(cls, name, recording)
     previous = mx.get_memory_limit()
     messages, images = TURN_1
-    generate(model, processor, messages, images, max_tokens=2)
+    if engine == "generate":
+        generate(model, processor, messages, images, max_tokens=2)
+    else:  # the server's batching engine
+        batch_generate(model, processor, [messages], [images], max_tokens=2)
     assert limits_in_tower and all(
         limit <= feature_cache.RUN_AHEAD_BYTES for limit in limits_in_tower
     ), limits_in_tower
