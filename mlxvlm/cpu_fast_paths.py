@@ -20,7 +20,10 @@ With mlxvlm's CPU kernels built (``mlxvlm.kernels``; they need a C++ compiler), 
 bfloat16/float16 checkpoint's linear and embedding weights stay 16-bit and are computed
 in float32 (``mlxvlm.half_weights``): half the memory of float32 weights, and decoding
 reads half the bytes. Layers dequantized at load are float32 (``scale * q + bias`` in
-float32, exactly what the quantized kernels compute; 16 bits would round it).
+float32, exactly what the quantized kernels compute; 16 bits would round it). The
+kernels also take the model's LayerNorm/RMSNorm layers (``mlxvlm.cpu_norms``) and its
+rotary embeddings (``mlxvlm.cpu_rope``): each one operation where MLX's CPU backend
+composes ~12-20, which is what a decoding step's time goes to (dispatch, not arithmetic).
 
 It also gives the text models from mlx-lm the exp-based maths of
 ``models/layers/fast_math.py`` and the blocked attention of ``models/layers/attention.py``
@@ -56,6 +59,7 @@ class FastPathReport:
     half_layers: int = 0  # linear/embedding layers computing in float32 on 16-bit weights
     half_bytes: int = 0
     kernel_norms: int = 0  # LayerNorm/RMSNorm layers on mlxvlm's norm kernel
+    kernel_ropes: int = 0  # rotary modules on mlxvlm's rope kernel
     streamed: int = 0  # layers kept quantized, dequantized per multi-row call
     fast_mlps: int = 0  # mlx-lm MLPs given fast_math's activation
     reason: str = ""
@@ -68,6 +72,8 @@ class FastPathReport:
             maths += f" ({self.fast_mlps} mlx-lm MLPs)"
         if self.kernel_norms:
             maths += f"; {self.kernel_norms} norm layers on the CPU kernel"
+        if self.kernel_ropes:
+            maths += f"; {self.kernel_ropes} rotary embeddings on the CPU kernel"
         parts = [self._describe_quantized(), maths]
         if self.half_layers:
             parts.insert(0, f"{self.half_layers} layers keep 16-bit weights "
@@ -189,10 +195,12 @@ def apply_cpu_fast_paths(model: nn.Module) -> FastPathReport:
     report.fast_mlps = fast_mlps
     if keeps_half_weights():
         from mlxvlm.cpu_norms import use_cpu_norms
+        from mlxvlm.cpu_rope import use_cpu_rope
         from mlxvlm.half_weights import use_half_weight_layers
 
         report.half_layers, report.half_bytes = use_half_weight_layers(model)
         report.kernel_norms = use_cpu_norms(model)
+        report.kernel_ropes = use_cpu_rope(model)
     return report
 
 

@@ -1,10 +1,13 @@
-"""LayerNorm and RMSNorm layers that use mlxvlm's CPU kernel on large inputs.
+"""LayerNorm and RMSNorm layers that use mlxvlm's CPU kernel.
 
 MLX's CPU ``layer_norm`` takes ~5 ms for one SigLIP layer's 1024 x 768 activations on a
 2-core x86-64 machine, twice per layer; ``mlxvlm.kernels.norm`` does it in well under a
-millisecond. The layers below are ``nn.LayerNorm`` / ``nn.RMSNorm`` subclasses with the
-same parameters; decode-sized inputs, other dtypes and the backward pass keep MLX's
-``mx.fast`` functions (``fast_math.with_reference_vjp``).
+millisecond. In a decoding step the work is a few hundred floats and the cost is
+dispatch: MLX's CPU backend composes ``mx.fast.rms_norm`` from ~12 operations (square,
+sum, rsqrt, products and their broadcasts) at ~10 us each, the kernel is one. The layers
+below are ``nn.LayerNorm`` / ``nn.RMSNorm`` subclasses with the same parameters; other
+dtypes and the backward pass keep MLX's ``mx.fast`` functions
+(``fast_math.with_reference_vjp``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from mlxvlm.models.layers import fast_math
 
 
 def _kernel_applies(x: mx.array) -> bool:
-    return x.size >= fast_math.MIN_ELEMENTS and fast_math.use_fast_math(x) and kernels.enabled()
+    return fast_math.use_fast_math(x) and kernels.enabled()
 
 
 @functools.lru_cache(maxsize=None)

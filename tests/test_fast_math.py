@@ -193,7 +193,13 @@ def test_blocked_attention_gradients_are_mlx_gradients(attention_path, monkeypat
 def test_small_problems_and_opt_out_take_mlx_kernel(monkeypatch):
     q, k, v = _qkv(1, 4, 4, 50, 50)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3)
-    # Below MIN_SCORES: exactly MLX's result.
+    # The C++ kernel takes every size (a decoding step's attention is one operation).
+    kernel = attention.scaled_dot_product_attention(q, k, v, scale=0.3)
+    assert not mx.array_equal(kernel, want)
+    np.testing.assert_allclose(np.array(kernel), np.array(want), rtol=1e-5, atol=1e-5)
+    # Without it, below MIN_SCORES: exactly MLX's result, since the MLX composition is
+    # slower than MLX's own kernel there.
+    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
     assert mx.array_equal(attention.scaled_dot_product_attention(q, k, v, scale=0.3), want)
     monkeypatch.setattr(attention, "MIN_SCORES", 0)
     assert not mx.array_equal(attention.scaled_dot_product_attention(q, k, v, scale=0.3), want)

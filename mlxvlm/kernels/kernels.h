@@ -41,4 +41,11 @@ mlx::core::array attention(const mlx::core::array& q, const mlx::core::array& k,
                            const std::optional<mlx::core::array>& mask,
                            mlx::core::StreamOrDevice s = {});
 
+// Rotary position embedding of x (..., T, D) float32 at positions offset + t (offset: a
+// scalar or one per entry of x's first axis), as mx.fast.rope computes it (see rope.cpp).
+mlx::core::array rope(const mlx::core::array& x, int dims, bool traditional,
+                      std::optional<float> base, float scale, const mlx::core::array& offset,
+                      const std::optional<mlx::core::array>& freqs,
+                      mlx::core::StreamOrDevice s = {});
+
 }  // namespace mlxvlm

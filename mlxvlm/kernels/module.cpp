@@ -36,4 +36,6 @@ NB_MODULE(_mlxvlm_cpu_kernels, m) {
         "rms"_a, "stream"_a = nb::none());
   m.def("attention", &mlxvlm::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a,
         "causal"_a = false, "mask"_a = nb::none(), "stream"_a = nb::none());
+  m.def("rope", &mlxvlm::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a,
+        "scale"_a, "offset"_a, "freqs"_a = nb::none(), "stream"_a = nb::none());
 }

@@ -17,8 +17,9 @@ machine, 290 ms of it in ``exp``. The CPU path here
 
 The maths is the reference softmax(q k^T * scale + mask) v with the row maximum
 subtracted; results agree with MLX's to float32 rounding (tests/test_fast_math.py).
-Small problems (decode steps, short prompts) and every other backend or dtype take MLX's
-kernel, as does the backward pass (``fast_math.with_reference_vjp``).
+Every other backend or dtype takes MLX's kernel, as does the backward pass
+(``fast_math.with_reference_vjp``); without mlxvlm's kernels, so do small problems
+(decode steps, short prompts).
 
 Where mlxvlm's CPU kernels are built (``mlxvlm.kernels``), the same blocked algorithm runs
 as one C++ primitive instead (a SigLIP layer's attention ~220 -> ~60 ms); the MLX
@@ -33,7 +34,9 @@ from mlx_lm.models import base as mlx_lm_base
 from mlxvlm import kernels
 from mlxvlm.models.layers import fast_math
 
-# Below this many scores (batch x heads x queries x keys) MLX's own kernel is as fast.
+# Without mlxvlm's kernels, below this many scores (batch x heads x queries x keys) MLX's
+# own attention is as fast as the blocked composition. The kernel takes every size: a
+# decoding step's attention is one operation there, against ~8 in MLX's composition.
 MIN_SCORES = 1 << 15
 # Scores per query block (3 MB of float32): 48-64 query rows for 12-16 heads over 1024
 # keys, measured fastest among 32-96 rows on a 2-core x86-64 machine; larger blocks keep
@@ -101,18 +104,19 @@ def scaled_dot_product_attention(
     (B, heads, queries, keys)."""
     B, heads, queries, _ = q.shape
     keys = k.shape[2]
+    use_kernel = kernels.enabled()
     if (
-        B * heads * queries * keys < MIN_SCORES
-        or not fast_math.use_fast_math(q)
+        not fast_math.use_fast_math(q)
         or k.dtype != mx.float32
         or v.dtype != mx.float32
+        or (not use_kernel and B * heads * queries * keys < MIN_SCORES)
     ):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
     def reference(q, k, v):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
-    if kernels.enabled():
+    if use_kernel:
         def forward(q, k, v):
             return kernels.attention(q, k, v, scale=scale, mask=mask)
     else:
