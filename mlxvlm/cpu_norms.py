@@ -5,14 +5,14 @@ MLX's CPU ``layer_norm`` takes ~5 ms for one SigLIP layer's 1024 x 768 activatio
 millisecond. In a decoding step the work is a few hundred floats and the cost is
 dispatch: MLX's CPU backend composes ``mx.fast.rms_norm`` from ~12 operations (square,
 sum, rsqrt, products and their broadcasts) at ~10 us each, the kernel is one. The layers
-below are ``nn.LayerNorm`` / ``nn.RMSNorm`` subclasses with the same parameters; other
-dtypes and the backward pass keep MLX's ``mx.fast`` functions
-(``fast_math.with_reference_vjp``).
+below are ``nn.LayerNorm`` / ``nn.RMSNorm`` subclasses with the same parameters (and a
+module for Gemma's ``1 + weight`` RMSNorm); other dtypes keep MLX's ``mx.fast``
+functions, and the kernel's derivatives are theirs.
 """
 
 from __future__ import annotations
 
-import functools
+import importlib
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,30 +24,6 @@ from mlxvlm.models.layers import fast_math
 
 def _kernel_applies(x: mx.array) -> bool:
     return fast_math.use_fast_math(x) and kernels.enabled()
-
-
-@functools.lru_cache(maxsize=None)
-def _layer_norm(eps: float, has_weight: bool, has_bias: bool):
-    """The kernel's LayerNorm with MLX's VJP, as a function of (x, [weight], [bias]); one
-    per (eps, affine) combination, built once."""
-
-    def split(params):
-        params = list(params)
-        weight = params.pop(0) if has_weight else None
-        return weight, params.pop(0) if has_bias else None
-
-    return fast_math.with_reference_vjp(
-        lambda x, *params: kernels.norm(x, *split(params), eps=eps),
-        lambda x, *params: mx.fast.layer_norm(x, *split(params), eps),
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _rms_norm(eps: float):
-    return fast_math.with_reference_vjp(
-        lambda x, weight: kernels.norm(x, weight, None, eps=eps, rms=True),
-        lambda x, weight: mx.fast.rms_norm(x, weight, eps),
-    )
 
 
 class CPULayerNorm(nn.LayerNorm):
@@ -63,7 +39,7 @@ class CPULayerNorm(nn.LayerNorm):
         params = [p for p in (self.get("weight"), self.get("bias")) if p is not None]
         if not _kernel_applies(x) or any(p.dtype != mx.float32 for p in params):
             return super().__call__(x)
-        return _layer_norm(self.eps, "weight" in self, "bias" in self)(x, *params)
+        return kernels.norm(x, self.get("weight"), self.get("bias"), eps=self.eps)
 
 
 class CPURMSNorm(nn.RMSNorm):
@@ -75,7 +51,28 @@ class CPURMSNorm(nn.RMSNorm):
     def __call__(self, x: mx.array) -> mx.array:
         if not _kernel_applies(x) or self.weight.dtype != mx.float32:
             return super().__call__(x)
-        return _rms_norm(self.eps)(x, self.weight)
+        return kernels.norm(x, self.weight, None, eps=self.eps, rms=True)
+
+
+# Gemma's RMSNorm (mlx-lm's gemma, gemma2, gemma3_text): scales by (1 + weight).
+_GEMMA_RMS_NORMS = tuple(
+    importlib.import_module(f"mlx_lm.models.{name}").RMSNorm
+    for name in ("gemma", "gemma2", "gemma3_text")
+)
+
+
+class CPUGemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm, ``mx.fast.rms_norm(x, 1 + weight, eps)``, on the kernel."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.eps = layer.eps
+        self.weight = layer.weight
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not _kernel_applies(x) or self.weight.dtype != mx.float32:
+            return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
+        return kernels.norm(x, 1.0 + self.weight, None, eps=self.eps, rms=True)
 
 
 def use_cpu_norms(model: nn.Module) -> int:
@@ -87,6 +84,8 @@ def use_cpu_norms(model: nn.Module) -> int:
             replacements.append((name, CPULayerNorm(m)))
         elif type(m) is nn.RMSNorm:
             replacements.append((name, CPURMSNorm(m)))
+        elif type(m) in _GEMMA_RMS_NORMS:
+            replacements.append((name, CPUGemmaRMSNorm(m)))
     if replacements:
         model.update_modules(tree_unflatten(replacements))
     return len(replacements)

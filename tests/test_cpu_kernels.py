@@ -35,6 +35,7 @@ from parity import first_logits_and_greedy_tokens
 from tiny import make_image
 from mlxvlm import kernels, load
 from mlxvlm.cpu_quantized import CPUKernelQuantizedEmbedding, CPUKernelQuantizedLinear
+from mlxvlm.cpu_rope import CPURoPE
 from mlxvlm.half_weights import CPUHalfEmbedding, CPUHalfLinear
 from mlxvlm.loading import CONVERTED_MARKER
 
@@ -444,6 +445,9 @@ def test_bf16_checkpoint_keeps_bf16_weights_and_float32_results(bf16_checkpoints
         assert value.dtype == (mx.bfloat16 if name in half else mx.float32), name
     assert report.half_bytes == sum(m.weight.nbytes for _, m in layers)
     assert "16-bit weights" in report.describe()
+    # mlx-lm's rotary modules run on the rope kernel (Qwen2-VL's M-RoPE is its own).
+    rotary = [m for _, m in model.named_modules() if isinstance(m, CPURoPE)]
+    assert report.kernel_ropes == len(rotary) and bool(rotary) == (family != "qwen2_vl")
     logits, tokens = _logits_and_tokens(model, processor)
 
     monkeypatch.setenv(kernels.DISABLE_ENV, "1")

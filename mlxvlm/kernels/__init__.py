@@ -18,7 +18,8 @@ MLX primitives (C++ in this folder, compiled on first use by ``build.py``):
   (one SigLIP LayerNorm: ~5 ms in MLX, well under 1 ms here).
 - ``rope(x, dims, traditional=, base=, scale=, offset=, freqs=)``: ``mx.fast.rope`` as
   one operation (MLX's CPU backend composes ~20 per call, each ~10 us of dispatch in a
-  decoding step, twice per layer).
+  decoding step, twice per layer); ``rotary(x, cos, sin)``: ``x * cos + rotate_half(x) *
+  sin`` from a model's own tables (Qwen's M-RoPE) as one operation, not seven.
 - ``activation(x, kind, up=None)``: GELU (tanh form), quick GELU, SiLU or exp, optionally
   times ``up`` (gated MLPs), vectorised and threaded: GELU over 1024 x 3072 floats
   ~38 ms with ``fast_math``'s MLX composition, a few ms here.
@@ -176,6 +177,12 @@ def rope(x: mx.array, dims: int, *, traditional: bool, base: float | None, scale
         offset = mx.array(offset, dtype=mx.int32)
     return _require().rope(x, dims, traditional=traditional, base=base, scale=scale,
                            offset=offset, freqs=freqs)
+
+
+def rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """``x * cos + rotate_half(x) * sin`` (transformers' rotary embedding, rotate_half(x)
+    = [-x2, x1] of x's halves) for float32 ``x`` and tables that broadcast to it."""
+    return _require().rotary(x, cos, sin)
 
 
 QUANTIZED_BITS = (4, 8)

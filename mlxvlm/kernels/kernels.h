@@ -48,4 +48,9 @@ mlx::core::array rope(const mlx::core::array& x, int dims, bool traditional,
                       const std::optional<mlx::core::array>& freqs,
                       mlx::core::StreamOrDevice s = {});
 
+// x * cos + rotate_half(x) * sin for float32 x (..., D) and cos/sin tables that broadcast
+// to it (transformers' apply_rotary_pos_emb; see rope.cpp).
+mlx::core::array rotary(const mlx::core::array& x, const mlx::core::array& cos,
+                        const mlx::core::array& sin, mlx::core::StreamOrDevice s = {});
+
 }  // namespace mlxvlm

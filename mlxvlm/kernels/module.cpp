@@ -38,4 +38,6 @@ NB_MODULE(_mlxvlm_cpu_kernels, m) {
         "causal"_a = false, "mask"_a = nb::none(), "stream"_a = nb::none());
   m.def("rope", &mlxvlm::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a,
         "scale"_a, "offset"_a, "freqs"_a = nb::none(), "stream"_a = nb::none());
+  m.def("rotary", &mlxvlm::rotary, "x"_a, "cos"_a, "sin"_a, nb::kw_only(),
+        "stream"_a = nb::none());
 }

@@ -11,6 +11,8 @@
 #include "cpu_parallel.h"
 #include "cpu_primitive.h"
 #include "kernels.h"
+#include "mlx/fast.h"
+#include "mlx/transforms.h"
 #include "vector_math.h"
 
 namespace mlxvlm {
@@ -75,17 +77,40 @@ class NormPrimitive : public CpuPrimitive {
                 cpu::CommandEncoder& encoder) override {
     const array& x = inputs[0];
     int64_t dims = x.shape(-1), rows = dims ? int64_t(x.size()) / dims : 0;
-    NormRows r{nullptr, has_weight_ ? inputs[1].data<float>() : nullptr,
-               has_bias_ ? inputs.back().data<float>() : nullptr, out.data<float>(), dims,
-               eps_, rms_};
-    encoder.dispatch([r, rows, x]() mutable {
-      std::vector<float> x_copy;
+    NormRows r{nullptr, nullptr, nullptr, out.data<float>(), dims, eps_, rms_};
+    std::optional<array> weight, bias;
+    if (has_weight_) weight = inputs[1];
+    if (has_bias_) bias = inputs.back();
+    encoder.dispatch([r, rows, x, weight, bias]() mutable {
+      std::vector<float> x_copy, weight_copy, bias_copy;
       r.x = row_major(x, x_copy);
+      if (weight) r.weight = row_major(*weight, weight_copy);
+      if (bias) r.bias = row_major(*bias, bias_copy);
       parallel_for(rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, r.dims)),
                    [&](int64_t start, int64_t stop) {
                      for (int64_t row = start; row < stop; row++) normalise_row(r, row);
                    });
     });
+  }
+
+  // Derivatives: those of MLX's mx.fast.layer_norm / rms_norm on the same inputs.
+  std::vector<array> vjp(const std::vector<array>& primals,
+                         const std::vector<array>& cotangents,
+                         const std::vector<int>& argnums,
+                         const std::vector<array>&) override {
+    auto grads = mlx::core::vjp(reference(), primals, cotangents).second;
+    std::vector<array> out;
+    for (int arg : argnums) out.push_back(grads[arg]);
+    return out;
+  }
+
+  std::vector<array> jvp(const std::vector<array>& primals,
+                         const std::vector<array>& tangents,
+                         const std::vector<int>& argnums) override {
+    std::vector<array> all_tangents;
+    for (const auto& p : primals) all_tangents.push_back(zeros_like(p, stream()));
+    for (size_t i = 0; i < argnums.size(); i++) all_tangents[argnums[i]] = tangents[i];
+    return mlx::core::jvp(reference(), primals, all_tangents).second;
   }
 
   const char* name() const override { return "MlxvlmNorm"; }
@@ -99,6 +124,17 @@ class NormPrimitive : public CpuPrimitive {
   }
 
  private:
+  std::function<std::vector<array>(const std::vector<array>&)> reference() {
+    return [s = stream(), rms = rms_, eps = eps_, has_weight = has_weight_,
+            has_bias = has_bias_](const std::vector<array>& in) {
+      std::optional<array> weight, bias;
+      if (has_weight) weight = in[1];
+      if (has_bias) bias = in.back();
+      return std::vector<array>{rms ? fast::rms_norm(in[0], weight, eps, s)
+                                    : fast::layer_norm(in[0], weight, bias, eps, s)};
+    };
+  }
+
   bool rms_;
   float eps_;
   bool has_weight_, has_bias_;
@@ -116,7 +152,7 @@ array norm(const array& x, const std::optional<array>& weight, const std::option
     if (!*param) continue;
     if ((*param)->ndim() != 1 || (*param)->shape(0) != x.shape(-1))
       throw std::invalid_argument("[norm] weight and bias must match x's last axis");
-    inputs.push_back(contiguous_parameter(astype(**param, float32, stream), stream));
+    inputs.push_back(astype(**param, float32, stream));
   }
   return array(x.shape(), float32,
                std::make_shared<NormPrimitive>(stream, rms, eps, weight.has_value(),

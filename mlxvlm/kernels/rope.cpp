@@ -10,12 +10,17 @@
 //   (x_a cos - x_b sin, x_a sin + x_b cos), with a = i, b = i + dims/2 (or a = 2i,
 //   b = 2i + 1 when traditional); features past `dims` pass through. The inverse
 //   rotation (sin negated) is the vector-Jacobian product.
+//
+// `rotary` is the same rotation from cos/sin tables that a model computed itself
+// (transformers' `x * cos + rotate_half(x) * sin`: Qwen's M-RoPE, whose angles come from
+// three position axes), one operation where MLX composes seven.
 #include <cmath>
 #include <vector>
 
 #include "cpu_parallel.h"
 #include "cpu_primitive.h"
 #include "kernels.h"
+#include "mlx/transforms.h"
 
 namespace mlxvlm {
 
@@ -137,7 +142,109 @@ class RopePrimitive : public CpuPrimitive {
   RopeParams p_;
 };
 
+// x * cos + rotate_half(x) * sin, rotate_half(x) = [-x[half:], x[:half]]: the
+// composition whose derivatives the kernel below takes.
+std::vector<array> rotary_reference(const std::vector<array>& in, Stream s) {
+  const array &x = in[0], &cos = in[1], &sin = in[2];
+  int half = x.shape(-1) / 2;
+  Shape start(x.ndim(), 0), middle = x.shape();
+  middle.back() = half;
+  Shape upper(x.ndim(), 0);
+  upper.back() = half;
+  array rotated = concatenate(
+      {negative(slice(x, upper, x.shape(), s), s), slice(x, start, middle, s)}, -1, s);
+  return {add(multiply(x, cos, s), multiply(rotated, sin, s), s)};
+}
+
+class RotaryTablePrimitive : public CpuPrimitive {
+ public:
+  using CpuPrimitive::CpuPrimitive;
+
+  void dispatch(const std::vector<array>& inputs, array& out,
+                cpu::CommandEncoder& encoder) override {
+    encoder.dispatch([x = inputs[0], cos = inputs[1], sin = inputs[2], y = out.data<float>()]() {
+      int64_t D = x.shape(-1), half = D / 2, rows = x.size() / D, ndim = x.ndim();
+      // Each table's strides over x's axes: 0 where it broadcasts.
+      auto aligned = [&](const array& t) {
+        std::vector<int64_t> strides(ndim, 0);
+        for (int64_t axis = 0; axis < t.ndim(); axis++) {
+          int64_t target = ndim - t.ndim() + axis;
+          if (t.shape(axis) != 1) strides[target] = t.strides()[axis];
+        }
+        return strides;
+      };
+      std::vector<int64_t> x_strides(x.strides().begin(), x.strides().end());
+      std::vector<int64_t> cos_strides = aligned(cos), sin_strides = aligned(sin);
+      const float *xs = x.data<float>(), *cs = cos.data<float>(), *ss = sin.data<float>();
+      parallel_for(rows, std::max<int64_t>(1, (1 << 14) / D), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; r++) {
+          int64_t xl = 0, cl = 0, sl = 0;  // where row r starts in each buffer
+          for (int64_t axis = ndim - 2, rest = r; axis >= 0; axis--) {
+            int64_t i = rest % x.shape(axis);
+            rest /= x.shape(axis);
+            xl += i * x_strides[axis];
+            cl += i * cos_strides[axis];
+            sl += i * sin_strides[axis];
+          }
+          const float *in = xs + xl, *c = cs + cl, *sn = ss + sl;
+          int64_t xd = x_strides.back(), cd = cos_strides.back(), sd = sin_strides.back();
+          float* o = y + r * D;
+          for (int64_t i = 0; i < half; i++) {
+            float a = in[i * xd], b = in[(i + half) * xd];
+            o[i] = a * c[i * cd] - b * sn[i * sd];
+            o[i + half] = b * c[(i + half) * cd] + a * sn[(i + half) * sd];
+          }
+        }
+      });
+    });
+  }
+
+  std::vector<array> vjp(const std::vector<array>& primals,
+                         const std::vector<array>& cotangents,
+                         const std::vector<int>& argnums,
+                         const std::vector<array>&) override {
+    Stream s = stream();
+    auto grads = mlx::core::vjp(
+        [s](const std::vector<array>& in) { return rotary_reference(in, s); }, primals,
+        cotangents).second;
+    std::vector<array> out;
+    for (int arg : argnums) out.push_back(grads[arg]);
+    return out;
+  }
+
+  std::vector<array> jvp(const std::vector<array>& primals,
+                         const std::vector<array>& tangents,
+                         const std::vector<int>& argnums) override {
+    Stream s = stream();
+    std::vector<array> all_tangents;
+    for (const auto& p : primals) all_tangents.push_back(zeros_like(p, s));
+    for (size_t i = 0; i < argnums.size(); i++) all_tangents[argnums[i]] = tangents[i];
+    return mlx::core::jvp(
+        [s](const std::vector<array>& in) { return rotary_reference(in, s); }, primals,
+        all_tangents).second;
+  }
+
+  const char* name() const override { return "MlxvlmRotary"; }
+  bool is_equivalent(const Primitive&) const override { return true; }
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
 }  // namespace
+
+array rotary(const array& x, const array& cos, const array& sin, StreamOrDevice s) {
+  if (x.dtype() != float32 || cos.dtype() != float32 || sin.dtype() != float32)
+    throw std::invalid_argument("[rotary] x, cos and sin must be float32");
+  if (x.ndim() < 1 || x.shape(-1) % 2)
+    throw std::invalid_argument("[rotary] x's last axis must be even");
+  for (const array* table : {&cos, &sin}) {
+    if (table->ndim() > x.ndim() || broadcast_shapes(table->shape(), x.shape()) != x.shape())
+      throw std::invalid_argument("[rotary] cos and sin must broadcast to x's shape");
+  }
+  return array(x.shape(), float32, std::make_shared<RotaryTablePrimitive>(to_stream(s)),
+               {x, cos, sin});
+}
 
 array rope(const array& x, int dims, bool traditional, std::optional<float> base, float scale,
            const array& offset, const std::optional<array>& freqs, StreamOrDevice s) {

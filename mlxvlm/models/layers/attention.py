@@ -17,9 +17,9 @@ machine, 290 ms of it in ``exp``. The CPU path here
 
 The maths is the reference softmax(q k^T * scale + mask) v with the row maximum
 subtracted; results agree with MLX's to float32 rounding (tests/test_fast_math.py).
-Every other backend or dtype takes MLX's kernel, as does the backward pass
-(``fast_math.with_reference_vjp``); without mlxvlm's kernels, so do small problems
-(decode steps, short prompts).
+Every other backend or dtype takes MLX's kernel, and the derivatives are those of MLX's
+attention (``fast_math.with_reference_vjp`` here, the kernel's own in C++); without
+mlxvlm's kernels, small problems (decode steps, short prompts) take MLX's kernel too.
 
 Where mlxvlm's CPU kernels are built (``mlxvlm.kernels``), the same blocked algorithm runs
 as one C++ primitive instead (a SigLIP layer's attention ~220 -> ~60 ms); the MLX
@@ -113,15 +113,15 @@ def scaled_dot_product_attention(
     ):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
+    if use_kernel:  # one operation; its derivatives are MLX's attention's
+        return kernels.attention(q, k, v, scale=scale, mask=mask)
+
     def reference(q, k, v):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
-    if use_kernel:
-        def forward(q, k, v):
-            return kernels.attention(q, k, v, scale=scale, mask=mask)
-    else:
-        def forward(q, k, v):
-            return _blocked_attention(q, k, v, scale, mask)
+    def forward(q, k, v):
+        return _blocked_attention(q, k, v, scale, mask)
+
     return fast_math.with_reference_vjp(forward, reference)(q, k, v)
 
 

@@ -39,6 +39,7 @@ from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 from mlxvlm.models.config_utils import text_config
 from mlxvlm.models.layers import fast_math
 from mlxvlm.models.layers.attention import cached_attention
+from mlxvlm.models.layers.rotary import apply_rotary
 
 
 swiglu = fast_math.gated(fast_math.silu)
@@ -401,15 +402,6 @@ class MultimodalRotaryEmbedding:
         angles = mx.swapaxes(positions, -1, -2).astype(mx.float32) * self.inv_freq
         angles = mx.concatenate([angles, angles], axis=-1)[..., None, :]
         return mx.cos(angles), mx.sin(angles)
-
-
-def rotate_half(x: mx.array) -> mx.array:
-    half = x.shape[-1] // 2
-    return mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-
-
-def apply_rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    return (x * cos + rotate_half(x) * sin).astype(x.dtype)
 
 
 class Attention(nn.Module):

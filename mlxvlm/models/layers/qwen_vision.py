@@ -38,6 +38,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.models.layers.activations import activation
+from mlxvlm.models.layers import rotary as rotary_embedding
 from mlxvlm.models.layers.attention import scaled_dot_product_attention
 
 
@@ -125,15 +126,9 @@ class VisionRotaryEmbedding:
         return mx.cos(angles), mx.sin(angles)
 
 
-def rotate_half(x: mx.array) -> mx.array:
-    half = x.shape[-1] // 2
-    return mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-
-
 def apply_rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     # In float32 whatever the weights' dtype, as the reference does.
-    x32 = x.astype(mx.float32)
-    return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)
+    return rotary_embedding.apply_rotary(x.astype(mx.float32), cos, sin).astype(x.dtype)
 
 
 class VisionAttention(nn.Module):
