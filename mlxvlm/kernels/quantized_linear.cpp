@@ -7,7 +7,7 @@
 // - up to four rows of x (decoding): per output row and group, the dot product of x with
 //   the unpacked integers, scaled, plus the group's bias times the sum of x over the
 //   group (precomputed) -- sum_g (s_g x_g.q_g + b_g sum(x_g)), the dequantized product
-//   rearranged; rows split over the CPU threads;
+//   rearranged (AVX-512, AVX2 or portable loops); rows split over the CPU threads;
 // - more rows (prefill): the weight dequantized to float32 a chunk of rows at a time
 //   and each chunk through the process's sgemm.
 // Layout (mx.quantize, mode "affine"): each row's integers packed little-endian into
@@ -101,6 +101,129 @@ MLXVLM_AVX2 void gemv_avx2(const Quantized& w, const float* x, const float* grou
   }
 }
 
+// 16 integers starting at column k (a multiple of 16), as floats.
+template <int bits>
+MLXVLM_AVX512 inline __m512 unpack16(const uint8_t* row, int64_t k) {
+  if constexpr (bits == 8) {
+    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+  } else {
+    // 8 bytes, each doubled (b0 b0 b1 b1 ...), widened, then the low nibble of the even
+    // lanes and the high nibble of the odd ones.
+    __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2));
+    __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));
+    v = _mm512_srlv_epi32(v, _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+  }
+}
+
+// R output rows at a time against M rows of x (independent accumulators: the FMA chains
+// of one row alone are latency-bound); group_size a multiple of 16.
+template <int bits, int M, int R>
+MLXVLM_AVX512 int64_t gemv_tile_avx512(const Quantized& w, const float* x,
+                                       const float* group_sums, int64_t n0, int64_t n1,
+                                       float* y) {
+  const int64_t groups = w.groups();
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m512 total[R][M];
+    float bias_terms[R][M] = {};
+    for (int r = 0; r < R; r++)
+      for (int m = 0; m < M; m++) total[r][m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+      __m512 acc[R][M];
+      for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+      for (int64_t k = g * w.group_size; k < (g + 1) * w.group_size; k += 16) {
+        __m512 xs[M];
+        for (int m = 0; m < M; m++) xs[m] = _mm512_loadu_ps(x + m * w.K + k);
+        for (int r = 0; r < R; r++) {
+          __m512 q = unpack16<bits>(w.row(n + r), k);
+          for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(q, xs[m], acc[r][m]);
+        }
+      }
+      for (int r = 0; r < R; r++) {
+        __m512 scale = _mm512_set1_ps(w.scale(n + r, g));
+        float bias = w.bias(n + r, g);
+        for (int m = 0; m < M; m++) {
+          total[r][m] = _mm512_fmadd_ps(scale, acc[r][m], total[r][m]);
+          bias_terms[r][m] += bias * group_sums[m * groups + g];
+        }
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int m = 0; m < M; m++)
+        y[m * w.N + n + r] = _mm512_reduce_add_ps(total[r][m]) + bias_terms[r][m];
+  }
+  return n;
+}
+
+// 4-bit: 16 bytes hold 32 columns, the low nibbles the even ones and the high nibbles
+// the odd ones; against x's even and odd columns (`x_split`: per row of x, its K/2 even
+// columns then its K/2 odd ones) a vector of bytes needs one widening, not two.
+// group_size a multiple of 32.
+template <int M, int R>
+MLXVLM_AVX512 int64_t gemv_tile_4bit_avx512(const Quantized& w, const float* x_split,
+                                            const float* group_sums, int64_t n0, int64_t n1,
+                                            float* y) {
+  const int64_t groups = w.groups(), half = w.K / 2;
+  const __m512i low = _mm512_set1_epi32(15);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m512 total[R][M];
+    float bias_terms[R][M] = {};
+    for (int r = 0; r < R; r++)
+      for (int m = 0; m < M; m++) total[r][m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+      __m512 acc[R][M];
+      for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+      for (int64_t j = g * w.group_size / 2; j < (g + 1) * w.group_size / 2; j += 16) {
+        __m512 even[M], odd[M];
+        for (int m = 0; m < M; m++) {
+          even[m] = _mm512_loadu_ps(x_split + m * w.K + j);
+          odd[m] = _mm512_loadu_ps(x_split + m * w.K + half + j);
+        }
+        for (int r = 0; r < R; r++) {
+          __m512i bytes = _mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.row(n + r) + j)));
+          __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));
+          __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+          for (int m = 0; m < M; m++)
+            acc[r][m] = _mm512_fmadd_ps(hi, odd[m], _mm512_fmadd_ps(lo, even[m], acc[r][m]));
+        }
+      }
+      for (int r = 0; r < R; r++) {
+        __m512 scale = _mm512_set1_ps(w.scale(n + r, g));
+        float bias = w.bias(n + r, g);
+        for (int m = 0; m < M; m++) {
+          total[r][m] = _mm512_fmadd_ps(scale, acc[r][m], total[r][m]);
+          bias_terms[r][m] += bias * group_sums[m * groups + g];
+        }
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int m = 0; m < M; m++)
+        y[m * w.N + n + r] = _mm512_reduce_add_ps(total[r][m]) + bias_terms[r][m];
+  }
+  return n;
+}
+
+template <int bits, int M>
+MLXVLM_AVX512 void gemv_avx512(const Quantized& w, const float* x, const float* x_split,
+                               const float* group_sums, int64_t n0, int64_t n1, float* y) {
+  constexpr int R = M == 1 ? 4 : 2;
+  if constexpr (bits == 4) {
+    if (w.group_size % 32 == 0) {
+      int64_t n = gemv_tile_4bit_avx512<M, R>(w, x_split, group_sums, n0, n1, y);
+      gemv_tile_4bit_avx512<M, 1>(w, x_split, group_sums, n, n1, y);
+      return;
+    }
+  }
+  int64_t n = gemv_tile_avx512<bits, M, R>(w, x, group_sums, n0, n1, y);
+  gemv_tile_avx512<bits, M, 1>(w, x, group_sums, n, n1, y);
+}
+
 template <int bits>
 MLXVLM_AVX2 void dequantize_rows_avx2(const Quantized& w, int64_t n0, int64_t n1, float* out) {
   for (int64_t n = n0; n < n1; n++) {
@@ -133,21 +256,25 @@ void gemv_portable(const Quantized& w, const float* x, int64_t rows, const float
   }
 }
 
-void gemv_rows(const Quantized& w, const float* x, int64_t rows, const float* group_sums,
-               int64_t n0, int64_t n1, float* y) {
+void gemv_rows(const Quantized& w, const float* x, const float* x_split, int64_t rows,
+               const float* group_sums, int64_t n0, int64_t n1, float* y) {
 #ifdef MLXVLM_X86
+#define MLXVLM_QUANTIZED_GEMV(ISA, BITS, ...)                                      \
+  switch (rows) {                                                                  \
+    case 1: return gemv_##ISA<BITS, 1>(w, x, __VA_ARGS__ group_sums, n0, n1, y);   \
+    case 2: return gemv_##ISA<BITS, 2>(w, x, __VA_ARGS__ group_sums, n0, n1, y);   \
+    case 3: return gemv_##ISA<BITS, 3>(w, x, __VA_ARGS__ group_sums, n0, n1, y);   \
+    case 4: return gemv_##ISA<BITS, 4>(w, x, __VA_ARGS__ group_sums, n0, n1, y);   \
+  }
+  if (has_avx512() && w.group_size % 16 == 0) {
+    if (w.bits == 4) { MLXVLM_QUANTIZED_GEMV(avx512, 4, x_split,) }
+    else { MLXVLM_QUANTIZED_GEMV(avx512, 8, x_split,) }
+  }
   if (has_avx2()) {
-#define MLXVLM_QUANTIZED_GEMV(BITS)                                          \
-  switch (rows) {                                                            \
-    case 1: return gemv_avx2<BITS, 1>(w, x, group_sums, n0, n1, y);          \
-    case 2: return gemv_avx2<BITS, 2>(w, x, group_sums, n0, n1, y);          \
-    case 3: return gemv_avx2<BITS, 3>(w, x, group_sums, n0, n1, y);          \
-    case 4: return gemv_avx2<BITS, 4>(w, x, group_sums, n0, n1, y);          \
+    if (w.bits == 4) { MLXVLM_QUANTIZED_GEMV(avx2, 4) }
+    else { MLXVLM_QUANTIZED_GEMV(avx2, 8) }
   }
-    if (w.bits == 4) { MLXVLM_QUANTIZED_GEMV(4) }
-    else { MLXVLM_QUANTIZED_GEMV(8) }
 #undef MLXVLM_QUANTIZED_GEMV
-  }
 #endif
   gemv_portable(w, x, rows, group_sums, n0, n1, y);
 }
@@ -169,6 +296,7 @@ void dequantize_rows(const Quantized& w, int64_t n0, int64_t n1, float* out) {
 void quantized_matmul(const Quantized& w, const float* x, int64_t rows, const float* bias,
                       float* y) {
   std::vector<float> group_sums;  // sum of x over each group, for the gemv's bias terms
+  std::vector<float> x_split;     // 4-bit: each row of x's even columns, then its odd ones
   if (rows <= kMaxGemvRows) {
     group_sums.resize(static_cast<size_t>(rows * w.groups()));
     for (int64_t m = 0; m < rows; m++)
@@ -176,10 +304,18 @@ void quantized_matmul(const Quantized& w, const float* x, int64_t rows, const fl
         const float* part = x + m * w.K + g * w.group_size;
         group_sums[m * w.groups() + g] = std::accumulate(part, part + w.group_size, 0.0f);
       }
+    if (w.bits == 4) {
+      x_split.resize(static_cast<size_t>(rows * w.K));
+      for (int64_t m = 0; m < rows; m++)
+        for (int64_t k = 0; k < w.K; k++)
+          x_split[m * w.K + (k % 2) * (w.K / 2) + k / 2] = x[m * w.K + k];
+    }
   }
   compact_matmul(
       x, rows, w.K, w.N, bias, y,
-      [&](int64_t n0, int64_t n1) { gemv_rows(w, x, rows, group_sums.data(), n0, n1, y); },
+      [&](int64_t n0, int64_t n1) {
+        gemv_rows(w, x, x_split.data(), rows, group_sums.data(), n0, n1, y);
+      },
       [&](int64_t n0, int64_t n1, float* out) { dequantize_rows(w, n0, n1, out); });
 }
 
