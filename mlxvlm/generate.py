@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlxvlm.errors import MlxvlmError, PromptTooLongError
-from mlxvlm.models.feature_cache import bounded_run_ahead
+from mlxvlm.models.run_ahead import bounded_run_ahead
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
 from mlxvlm.tokenization import generation_tokenizer
 
@@ -152,10 +152,9 @@ def prefill_chunks(
 
 
 def embed_prompt(model: nn.Module, input_ids: mx.array, **features: Any) -> tuple[mx.array, Any]:
-    """``model.embed(input_ids, **features)``, evaluated on the generation stream with
-    MLX's run-ahead bounded (``bounded_run_ahead``): with the feature cache off, the
-    vision/audio towers run in this evaluation. Shared by ``generate_tokens`` and the
-    batching engine."""
+    """``model.embed(input_ids, **features)``, evaluated on the generation stream with the
+    towers built inside ``bounded_run_ahead`` (a layer at a time on the CPU, with the
+    feature cache on or off). Shared by ``generate_tokens`` and the batching engine."""
     with mx.stream(generation_stream), bounded_run_ahead():
         embeddings, state = model.embed(input_ids, **features)
         mx.eval(embeddings, state)

@@ -19,7 +19,7 @@ from parity import embedded, first_pass
 from tiny import make_image
 
 from mlxvlm import batch_generate, generate, load
-from mlxvlm.models import feature_cache
+from mlxvlm.models import feature_cache, run_ahead
 from mlxvlm.models.feature_cache import FeatureCache, content_key, no_feature_cache
 
 # Features from the cache were computed for their image alone or in another batch; with
@@ -443,75 +443,98 @@ def test_the_prompts_audio_is_encoded_once(tiny_checkpoints, monkeypatch):
     assert_same(second, run(plain))
 
 
-def test_towers_are_evaluated_without_running_far_ahead(monkeypatch):
-    """bounded_run_ahead: on the CPU, MLX may not allocate much past the memory in use
-    while a tower evaluates (it allocates each output when it schedules the operation),
-    and the process's memory limit is restored after."""
+def test_towers_are_evaluated_a_layer_at_a_time():
+    """bounded_run_ahead: on the CPU, MLX allocates each operation's output when it
+    schedules it, far ahead of the computation; inside the context a tower's
+    ``layer_done`` evaluates each layer's output before the next is scheduled. MLX's
+    memory limit is left alone (over it, MLX's scheduler spins a core)."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the run-ahead bound applies to MLX's CPU backend only")
     weight = mx.random.normal((512, 512), key=mx.random.key(0)) * 0.04
     x = mx.random.normal((512, 512), key=mx.random.key(1))
     mx.eval(weight, x)
 
-    def chain_peak() -> int:  # 40 products of 1 MB each, only the last one kept
+    def chain_peak() -> int:  # 40 "layers" of 1 MB each, only the last one kept
+        mx.reset_peak_memory()
+        start = mx.get_active_memory()
         h = x
         for _ in range(40):
             h = h @ weight
-        mx.reset_peak_memory()
-        start = mx.get_active_memory()
+            run_ahead.layer_done(h)
         mx.eval(h)
         return mx.get_peak_memory() - start
 
     unbounded = chain_peak()
-    previous = mx.get_memory_limit()
-    monkeypatch.setattr(feature_cache, "RUN_AHEAD_BYTES", 4 << 20)
-    with feature_cache.bounded_run_ahead():
-        assert mx.get_memory_limit() <= mx.get_active_memory() + (4 << 20)
+    limit = mx.get_memory_limit()
+    with run_ahead.bounded_run_ahead():
+        assert run_ahead.active() and mx.get_memory_limit() == limit
         bounded = chain_peak()
-    assert mx.get_memory_limit() == previous
-    assert bounded <= (8 << 20) < unbounded, (bounded, unbounded)
+    assert not run_ahead.active()
+    assert bounded <= (3 << 20) < (20 << 20) < unbounded, (bounded, unbounded)
 
 
 @pytest.mark.parametrize("engine", ["generate", "batch_generate"])
 @pytest.mark.parametrize("cache_gb", ["0", None], ids=["cache-off", "cache-on"])
-def test_generate_evaluates_the_towers_under_the_run_ahead_bound(
+def test_generate_builds_the_towers_a_layer_at_a_time(
     tiny_checkpoints, monkeypatch, cache_gb, engine
 ):
-    """With the feature cache off the towers are evaluated by the generate loop's own
-    eval of the embeddings, not by the cache's: that eval is bounded too (it was not:
-    SmolVLM-256M's peak was 70 MB higher without the cache). With the cache on, the
-    cache's own bound nests inside it without deadlocking, and the limit is restored."""
+    """With the feature cache off the towers are built and evaluated by the generate
+    loop's own embedding step, with the cache on by the cache's: both inside the bound
+    (without it, SmolVLM-256M's peak was 70 MB higher), for every tower layer, and the
+    nested bound of the cache inside the loop's does not end the loop's."""
     if mx.default_device() != mx.cpu:
         pytest.skip("the run-ahead bound applies to MLX's CPU backend only")
     model, processor = fresh_model(tiny_checkpoints, "qwen2_vl", monkeypatch, cache_gb=cache_gb)
-    cls, name, _ = tower_entry(model)
-    original = getattr(cls, name)
-    limits_in_tower = []
+    calls = []
+    original = run_ahead.layer_done
 
-    def recording(self, *args, **kwargs):
-        limits_in_tower.append(mx.get_memory_limit() - mx.get_active_memory())
-        return original(self, *args, **kwargs)
+    def recording(*outputs):
+        calls.append(run_ahead.active())
+        return original(*outputs)
 
-    monkeypatch.setattr(cls, name, recording)
-    previous = mx.get_memory_limit()
+    monkeypatch.setattr(run_ahead, "layer_done", recording)
     messages, images = TURN_1
     if engine == "generate":
         generate(model, processor, messages, images, max_tokens=2)
     else:  # the server's batching engine
         batch_generate(model, processor, [messages], [images], max_tokens=2)
-    assert limits_in_tower and all(
-        limit <= feature_cache.RUN_AHEAD_BYTES for limit in limits_in_tower
-    ), limits_in_tower
-    assert mx.get_memory_limit() == previous
+    assert len(calls) == len(model.vision_tower.blocks) and all(calls), calls
+    assert not run_ahead.active()
+
+
+# family -> the tower layers its one image runs through.
+TOWER_LAYERS = {
+    "idefics3": lambda m: len(m.vision_model.encoder.layers),
+    "qwen2_vl": lambda m: len(m.vision_tower.blocks),
+    "gemma3": lambda m: len(m.vision_tower.vision_model.encoder.layers),
+}
+
+
+@pytest.mark.parametrize("family", ["idefics3", "qwen2_vl", "gemma3", "llava", "mistral3"])
+def test_every_tower_evaluates_each_layer_inside_the_bound(tiny_checkpoints, monkeypatch,
+                                                           family):
+    """SigLIP, CLIP, Pixtral and Qwen's towers end each layer with ``layer_done`` (the
+    same numbers as without the bound)."""
+    model, processor = fresh_model(tiny_checkpoints, family, monkeypatch, cache_gb="0")
+    messages, images = TURN_1
+    _, want, _ = embedded(model, processor, messages, images)
+    calls = []
+    original = run_ahead.layer_done
+    monkeypatch.setattr(run_ahead, "layer_done",
+                        lambda *o: calls.append(run_ahead.active()) or original(*o))
+    with run_ahead.bounded_run_ahead():
+        _, got, _ = embedded(model, processor, messages, images)
+    assert calls and all(calls)
+    if family in TOWER_LAYERS:
+        assert len(calls) == TOWER_LAYERS[family](model), len(calls)
+    assert mx.array_equal(got, want)
 
 
 def test_nested_run_ahead_bounds_keep_the_outer_one():
     if mx.default_device() != mx.cpu:
         pytest.skip("the run-ahead bound applies to MLX's CPU backend only")
-    previous = mx.get_memory_limit()
-    with feature_cache.bounded_run_ahead():
-        outer = mx.get_memory_limit()
-        assert outer < previous
-        mx.eval(mx.zeros((1 << 20,)))  # more memory in use: an inner bound would differ
-        with feature_cache.bounded_run_ahead():
-            assert mx.get_memory_limit() == outer
-        assert mx.get_memory_limit() == outer
-    assert mx.get_memory_limit() == previous
+    with run_ahead.bounded_run_ahead():
+        with run_ahead.bounded_run_ahead():
+            assert run_ahead.active()
+        assert run_ahead.active()  # the inner exit does not end the outer bound
+    assert not run_ahead.active()

@@ -41,6 +41,8 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
+from mlxvlm.models.run_ahead import bounded_run_ahead
+
 ENV_VAR = "MLXVLM_FEATURE_CACHE_GB"
 DEFAULT_GB = 1.0
 
@@ -235,12 +237,12 @@ def cached_features(
         else:
             found[key] = value
     if first_miss:
-        outputs = [tuple(out) for out in encode(list(first_miss.values()))]
-        if len(outputs) != len(first_miss):
-            raise ValueError(
-                f"the {kind} encoder gave {len(outputs)} results for {len(first_miss)} items"
-            )
-        with bounded_run_ahead():
+        with bounded_run_ahead():  # built and evaluated a layer at a time
+            outputs = [tuple(out) for out in encode(list(first_miss.values()))]
+            if len(outputs) != len(first_miss):
+                raise ValueError(
+                    f"the {kind} encoder gave {len(outputs)} results for {len(first_miss)} items"
+                )
             mx.eval(outputs)
         for key, out in zip(first_miss, outputs):
             # Own buffers: a slice of the batch's output would keep the whole batch alive.
@@ -248,40 +250,6 @@ def cached_features(
             cache.put(key, value)
             found[key] = value
     return [found[key] for key in keys]
-
-
-# How far past the memory in use when a tower starts MLX may allocate before it waits for
-# the work already scheduled (see bounded_run_ahead).
-RUN_AHEAD_BYTES = 64 << 20
-_run_ahead_lock = threading.Lock()
-_run_ahead_owner = threading.local()
-
-
-@contextlib.contextmanager
-def bounded_run_ahead() -> Iterator[None]:
-    """Evaluate a vision/audio tower without MLX running far ahead of it, on the CPU.
-
-    MLX's CPU backend allocates each operation's output when it schedules it, on the
-    calling thread, while one worker thread computes: scheduling runs many operations
-    ahead (a 12-layer SigLIP tower: ~100 MB of activations allocated at once, twice what
-    one layer needs). Over its memory limit MLX waits for scheduled work before going on,
-    so a limit just above the memory in use keeps the run-ahead (and peak memory) to a
-    layer or so, at no cost in speed: the worker is the bottleneck either way. (A tighter
-    bound stalls: with 48 MB, Qwen2-VL-2B's tower took 20-35% longer.) The previous limit
-    is restored after. Nested uses on one thread keep the outermost bound (the generate
-    loop bounds the whole ``embed``; a cached tower bounds its own evaluation inside it).
-    Elsewhere (Metal, CUDA) nothing changes."""
-    if mx.default_device() != mx.cpu or getattr(_run_ahead_owner, "inside", False):
-        yield
-        return
-    with _run_ahead_lock:  # the limit is process-wide: one tower at a time sets it
-        _run_ahead_owner.inside = True
-        previous = mx.set_memory_limit(mx.get_active_memory() + RUN_AHEAD_BYTES)
-        try:
-            yield
-        finally:
-            mx.set_memory_limit(previous)
-            _run_ahead_owner.inside = False
 
 
 def split_rows(array: mx.array, sizes: Sequence[int]) -> list[mx.array]:

@@ -20,6 +20,7 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxvlm.models import run_ahead
 from mlxvlm.models.layers.vit import Encoder
 
 
@@ -133,5 +134,6 @@ class CLIPVisionModel(nn.Module):
         states = [x]
         for block in self.vision_model.encoder.layers[: max(wanted)]:
             x = block(x)
+            run_ahead.layer_done(x)
             states.append(x)
         return [states[i] for i in wanted]

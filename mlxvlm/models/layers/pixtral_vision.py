@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlxvlm.models import run_ahead
 from mlxvlm.models.config_utils import rope_parameters
 from mlxvlm.models.layers.activations import activation
 from mlxvlm.models.layers.attention import scaled_dot_product_attention
@@ -166,6 +167,7 @@ class PixtralVisionModel(nn.Module):
         states = [x[0]]
         for layer in self.transformer.layers[:last_layer]:
             x = layer(x, rotary)
+            run_ahead.layer_done(x)
             states.append(x[0])
         return states
 

@@ -37,8 +37,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxvlm.models.layers.activations import activation
+from mlxvlm.models import run_ahead
 from mlxvlm.models.layers import rotary as rotary_embedding
+from mlxvlm.models.layers.activations import activation
 from mlxvlm.models.layers.attention import scaled_dot_product_attention
 
 
@@ -390,6 +391,7 @@ class QwenVisionTransformer(nn.Module):
             if index in config.deepstack_visual_indexes:
                 tap = config.deepstack_visual_indexes.index(index)
                 deepstack.append(self.deepstack_merger_list[tap](x))
+            run_ahead.layer_done(x, *deepstack)
 
         merged = [self.merger(x), *deepstack]
         if windowed:

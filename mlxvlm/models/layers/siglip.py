@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlxvlm.models import run_ahead
 from mlxvlm.models.layers.activations import activation
 from mlxvlm.models.layers.vit import Encoder
 
@@ -118,6 +119,7 @@ class SiglipVisionTransformer(nn.Module):
         hidden_states = [h] if output_hidden_states else None
         for layer in self.encoder.layers:
             h = layer(h, mask)
+            run_ahead.layer_done(h)
             if output_hidden_states:
                 hidden_states.append(h)
         out = self.post_layernorm(h)

@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlxvlm.models import run_ahead
 from mlxvlm.models.layers.attention import scaled_dot_product_attention
 
 
@@ -143,6 +144,7 @@ class AudioEncoder(nn.Module):
         mask = mx.array(keys[:, None, None, :])
         for layer in self.layers:
             x = layer(x, mask)
+            run_ahead.layer_done(x)
 
         # Each audio's tokens (windows concatenated), averaged in pairs.
         tokens = x.reshape(-1, x.shape[-1])[mx.array(np.flatnonzero(keys.reshape(-1)))]
