@@ -163,3 +163,56 @@ def test_opting_out_of_the_kernels_gives_mlxs_rope(monkeypatch):
     assert not mx.array_equal(holder.rope(x, offset=40), module(x, offset=40))
     monkeypatch.setenv(kernels.DISABLE_ENV, "1")
     assert mx.array_equal(holder.rope(x, offset=40), module(x, offset=40))
+
+
+def _rotate_half_composition(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+@pytest.mark.parametrize("layout", ["row-major", "heads-moved"])
+def test_rotary_from_tables_is_the_composition(layout):
+    """``kernels.rotary`` (Qwen's M-RoPE, the Qwen/Pixtral towers): x * cos +
+    rotate_half(x) * sin with tables broadcast over heads and batch, exactly; its
+    derivatives for x and both tables are the composition's."""
+    keys = mx.random.split(mx.random.key(9), 3)
+    if layout == "row-major":  # (B, L, H, D), the decoder's layout
+        x = mx.random.normal((2, 5, 4, 16), key=keys[0])
+    else:
+        x = mx.random.normal((2, 4, 5, 16), key=keys[0]).transpose(0, 2, 1, 3)
+    cos = mx.random.normal((5, 1, 16), key=keys[1])  # one per position, shared by heads
+    sin = mx.random.normal((2, 5, 1, 16), key=keys[2])  # one per batch entry and position
+    assert mx.array_equal(kernels.rotary(x, cos, sin), _rotate_half_composition(x, cos, sin))
+
+    def loss(rotate):
+        return lambda x, cos, sin: (rotate(x, cos, sin) ** 2).sum()
+
+    got = mx.grad(loss(kernels.rotary), argnums=(0, 1, 2))(x, cos, sin)
+    want = mx.grad(loss(_rotate_half_composition), argnums=(0, 1, 2))(x, cos, sin)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5)
+    _, (got_jvp,) = mx.jvp(kernels.rotary, [x, cos, sin], [x, cos, sin])
+    _, (want_jvp,) = mx.jvp(_rotate_half_composition, [x, cos, sin], [x, cos, sin])
+    np.testing.assert_allclose(np.array(got_jvp), np.array(want_jvp), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="broadcast"):
+        kernels.rotary(x, mx.zeros((3, 1, 16)), sin)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.rotary(x.astype(mx.float16), cos, sin)
+
+
+def test_the_models_rotation_takes_the_kernel_on_float32_only(monkeypatch):
+    from mlxvlm.models.layers.rotary import apply_rotary
+
+    x = mx.random.normal((1, 3, 2, 8), key=mx.random.key(10))
+    cos, sin = mx.cos(mx.arange(24).reshape(3, 1, 8)), mx.sin(mx.arange(24).reshape(3, 1, 8))
+    calls = []
+    original = kernels.rotary
+    monkeypatch.setattr(kernels, "rotary", lambda *a: calls.append(1) or original(*a))
+    assert mx.array_equal(apply_rotary(x, cos, sin), _rotate_half_composition(x, cos, sin))
+    assert calls == [1]
+    half = apply_rotary(x.astype(mx.bfloat16), cos.astype(mx.bfloat16), sin.astype(mx.bfloat16))
+    assert half.dtype == mx.bfloat16 and calls == [1]
+    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    apply_rotary(x, cos, sin)
+    assert calls == [1]

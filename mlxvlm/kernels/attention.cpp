@@ -26,7 +26,6 @@
 #include "cpu_primitive.h"
 #include "kernels.h"
 #include "mlx/fast.h"
-#include "mlx/transforms.h"
 #include "scratch.h"
 #include "vector_math.h"
 
@@ -113,10 +112,10 @@ View view_of(const array& a, std::vector<float>& storage) {
   return {storage.data(), H * L * D, L * D, D};
 }
 
-class Attention : public CpuPrimitive {
+class Attention : public ReferencedPrimitive {
  public:
   Attention(Stream stream, float scale, bool causal, bool has_mask)
-      : CpuPrimitive(stream), scale_(scale), causal_(causal), has_mask_(has_mask) {}
+      : ReferencedPrimitive(stream), scale_(scale), causal_(causal), has_mask_(has_mask) {}
 
   void dispatch(const std::vector<array>& inputs, array& out,
                 cpu::CommandEncoder& encoder) override {
@@ -140,27 +139,6 @@ class Attention : public CpuPrimitive {
     });
   }
 
-  // Derivatives: those of MLX's attention (on the same inputs, the mask additive as
-  // here), so that training through this kernel is training through MLX's.
-  std::vector<array> vjp(const std::vector<array>& primals,
-                         const std::vector<array>& cotangents,
-                         const std::vector<int>& argnums,
-                         const std::vector<array>&) override {
-    auto grads = mlx::core::vjp(reference(), primals, cotangents).second;
-    std::vector<array> out;
-    for (int arg : argnums) out.push_back(grads[arg]);
-    return out;
-  }
-
-  std::vector<array> jvp(const std::vector<array>& primals,
-                         const std::vector<array>& tangents,
-                         const std::vector<int>& argnums) override {
-    std::vector<array> all_tangents;
-    for (const auto& p : primals) all_tangents.push_back(zeros_like(p, stream()));
-    for (size_t i = 0; i < argnums.size(); i++) all_tangents[argnums[i]] = tangents[i];
-    return mlx::core::jvp(reference(), primals, all_tangents).second;
-  }
-
   const char* name() const override { return "MlxvlmAttention"; }
   bool is_equivalent(const Primitive& other) const override {
     const auto& o = static_cast<const Attention&>(other);
@@ -172,15 +150,15 @@ class Attention : public CpuPrimitive {
   }
 
  private:
-  // MLX's attention of (q, k, v[, mask]) in this primitive's output layout (B, L, H, D).
-  std::function<std::vector<array>(const std::vector<array>&)> reference() {
-    return [s = stream(), scale = scale_, causal = causal_](const std::vector<array>& in) {
-      std::optional<array> mask;
-      if (in.size() > 3) mask = in[3];
-      array out = fast::scaled_dot_product_attention(
-          in[0], in[1], in[2], scale, causal ? "causal" : (mask ? "array" : ""), mask, {}, false, s);
-      return std::vector<array>{transpose(out, {0, 2, 1, 3}, s)};
-    };
+  // MLX's attention of (q, k, v[, mask]) (the mask additive, as here) in this
+  // primitive's output layout (B, L, H, D): the derivatives' reference.
+  std::vector<array> reference(const std::vector<array>& in) override {
+    std::optional<array> mask;
+    if (in.size() > 3) mask = in[3];
+    array out = fast::scaled_dot_product_attention(in[0], in[1], in[2], scale_,
+                                                   causal_ ? "causal" : (mask ? "array" : ""),
+                                                   mask, {}, false, stream());
+    return {transpose(out, {0, 2, 1, 3}, stream())};
   }
 
   float scale_;

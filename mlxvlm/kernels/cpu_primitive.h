@@ -10,6 +10,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "mlx/transforms.h"
 
 namespace mlxvlm {
 
@@ -50,6 +51,39 @@ class CpuPrimitive : public mlx::core::UnaryPrimitive {
     return in.is_donatable() && in.flags().row_contiguous && in.dtype() == out.dtype() &&
            in.nbytes() == out.nbytes();
   }
+};
+
+// A kernel whose derivatives are those of `reference`: MLX operations computing the same
+// function of the same inputs (MLX's own version of it), so that training through the
+// kernel is training through MLX's.
+class ReferencedPrimitive : public CpuPrimitive {
+ public:
+  using CpuPrimitive::CpuPrimitive;
+
+  std::vector<mlx::core::array> vjp(const std::vector<mlx::core::array>& primals,
+                                    const std::vector<mlx::core::array>& cotangents,
+                                    const std::vector<int>& argnums,
+                                    const std::vector<mlx::core::array>&) override {
+    auto grads = mlx::core::vjp([this](const std::vector<mlx::core::array>& in) { return reference(in); }, primals,
+                                cotangents).second;
+    std::vector<mlx::core::array> out;
+    for (int arg : argnums) out.push_back(grads[arg]);
+    return out;
+  }
+
+  std::vector<mlx::core::array> jvp(const std::vector<mlx::core::array>& primals,
+                                    const std::vector<mlx::core::array>& tangents,
+                                    const std::vector<int>& argnums) override {
+    std::vector<mlx::core::array> all;
+    for (const auto& p : primals) all.push_back(mlx::core::zeros_like(p, stream()));
+    for (size_t i = 0; i < argnums.size(); i++) all[argnums[i]] = tangents[i];
+    return mlx::core::jvp([this](const std::vector<mlx::core::array>& in) { return reference(in); }, primals, all)
+        .second;
+  }
+
+ protected:
+  virtual std::vector<mlx::core::array> reference(
+      const std::vector<mlx::core::array>& inputs) = 0;
 };
 
 // `a`'s elements in row-major order: its own buffer when it is laid out so (nearly

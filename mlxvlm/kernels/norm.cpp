@@ -12,7 +12,6 @@
 #include "cpu_primitive.h"
 #include "kernels.h"
 #include "mlx/fast.h"
-#include "mlx/transforms.h"
 #include "vector_math.h"
 
 namespace mlxvlm {
@@ -67,10 +66,10 @@ void normalise_row(const NormRows& r, int64_t row) {
   scale_shift_row(x, y, r.dims, mean, inv, r.weight, r.bias);
 }
 
-class NormPrimitive : public CpuPrimitive {
+class NormPrimitive : public ReferencedPrimitive {
  public:
   NormPrimitive(Stream stream, bool rms, float eps, bool has_weight, bool has_bias)
-      : CpuPrimitive(stream), rms_(rms), eps_(eps), has_weight_(has_weight),
+      : ReferencedPrimitive(stream), rms_(rms), eps_(eps), has_weight_(has_weight),
         has_bias_(has_bias) {}
 
   void dispatch(const std::vector<array>& inputs, array& out,
@@ -93,26 +92,6 @@ class NormPrimitive : public CpuPrimitive {
     });
   }
 
-  // Derivatives: those of MLX's mx.fast.layer_norm / rms_norm on the same inputs.
-  std::vector<array> vjp(const std::vector<array>& primals,
-                         const std::vector<array>& cotangents,
-                         const std::vector<int>& argnums,
-                         const std::vector<array>&) override {
-    auto grads = mlx::core::vjp(reference(), primals, cotangents).second;
-    std::vector<array> out;
-    for (int arg : argnums) out.push_back(grads[arg]);
-    return out;
-  }
-
-  std::vector<array> jvp(const std::vector<array>& primals,
-                         const std::vector<array>& tangents,
-                         const std::vector<int>& argnums) override {
-    std::vector<array> all_tangents;
-    for (const auto& p : primals) all_tangents.push_back(zeros_like(p, stream()));
-    for (size_t i = 0; i < argnums.size(); i++) all_tangents[argnums[i]] = tangents[i];
-    return mlx::core::jvp(reference(), primals, all_tangents).second;
-  }
-
   const char* name() const override { return "MlxvlmNorm"; }
   bool is_equivalent(const Primitive& other) const override {
     const auto& o = static_cast<const NormPrimitive&>(other);
@@ -124,15 +103,13 @@ class NormPrimitive : public CpuPrimitive {
   }
 
  private:
-  std::function<std::vector<array>(const std::vector<array>&)> reference() {
-    return [s = stream(), rms = rms_, eps = eps_, has_weight = has_weight_,
-            has_bias = has_bias_](const std::vector<array>& in) {
-      std::optional<array> weight, bias;
-      if (has_weight) weight = in[1];
-      if (has_bias) bias = in.back();
-      return std::vector<array>{rms ? fast::rms_norm(in[0], weight, eps, s)
-                                    : fast::layer_norm(in[0], weight, bias, eps, s)};
-    };
+  // MLX's mx.fast.layer_norm / rms_norm of the same inputs: the derivatives' reference.
+  std::vector<array> reference(const std::vector<array>& in) override {
+    std::optional<array> weight, bias;
+    if (has_weight_) weight = in[1];
+    if (has_bias_) bias = in.back();
+    return {rms_ ? fast::rms_norm(in[0], weight, eps_, stream())
+                 : fast::layer_norm(in[0], weight, bias, eps_, stream())};
   }
 
   bool rms_;

@@ -118,11 +118,12 @@ MLXVLM_AVX512 inline __m512 unpack16(const uint8_t* row, int64_t k) {
 }
 
 // R output rows at a time against M rows of x (independent accumulators: the FMA chains
-// of one row alone are latency-bound); group_size a multiple of 16.
-template <int bits, int M, int R>
-MLXVLM_AVX512 int64_t gemv_tile_avx512(const Quantized& w, const float* x,
-                                       const float* group_sums, int64_t n0, int64_t n1,
-                                       float* y) {
+// of one row alone are latency-bound). `dot(n, g, acc)` adds group g's products of the
+// integers of rows n..n+R-1 with x into acc[r][m]; the scales, biases and sums are here.
+template <int M, int R, class GroupDot>
+MLXVLM_AVX512 int64_t quantized_tile_avx512(const Quantized& w, const float* group_sums,
+                                            int64_t n0, int64_t n1, float* y,
+                                            const GroupDot& dot) {
   const int64_t groups = w.groups();
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
@@ -134,14 +135,7 @@ MLXVLM_AVX512 int64_t gemv_tile_avx512(const Quantized& w, const float* x,
       __m512 acc[R][M];
       for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
-      for (int64_t k = g * w.group_size; k < (g + 1) * w.group_size; k += 16) {
-        __m512 xs[M];
-        for (int m = 0; m < M; m++) xs[m] = _mm512_loadu_ps(x + m * w.K + k);
-        for (int r = 0; r < R; r++) {
-          __m512 q = unpack16<bits>(w.row(n + r), k);
-          for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(q, xs[m], acc[r][m]);
-        }
-      }
+      dot.template add<M, R>(n, g, acc);
       for (int r = 0; r < R; r++) {
         __m512 scale = _mm512_set1_ps(w.scale(n + r, g));
         float bias = w.bias(n + r, g);
@@ -157,71 +151,67 @@ MLXVLM_AVX512 int64_t gemv_tile_avx512(const Quantized& w, const float* x,
   }
   return n;
 }
+
+// Group products 16 columns at a time (group_size a multiple of 16).
+template <int bits>
+struct UnpackedDot {
+  const Quantized& w;
+  const float* x;
+  template <int M, int R>
+  MLXVLM_AVX512 __attribute__((always_inline)) void add(int64_t n, int64_t g,
+                                                       __m512 (&acc)[R][M]) const {
+    for (int64_t k = g * w.group_size; k < (g + 1) * w.group_size; k += 16) {
+      __m512 xs[M];
+      for (int m = 0; m < M; m++) xs[m] = _mm512_loadu_ps(x + m * w.K + k);
+      for (int r = 0; r < R; r++) {
+        __m512 q = unpack16<bits>(w.row(n + r), k);
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(q, xs[m], acc[r][m]);
+      }
+    }
+  }
+};
 
 // 4-bit: 16 bytes hold 32 columns, the low nibbles the even ones and the high nibbles
 // the odd ones; against x's even and odd columns (`x_split`: per row of x, its K/2 even
 // columns then its K/2 odd ones) a vector of bytes needs one widening, not two.
 // group_size a multiple of 32.
-template <int M, int R>
-MLXVLM_AVX512 int64_t gemv_tile_4bit_avx512(const Quantized& w, const float* x_split,
-                                            const float* group_sums, int64_t n0, int64_t n1,
-                                            float* y) {
-  const int64_t groups = w.groups(), half = w.K / 2;
-  const __m512i low = _mm512_set1_epi32(15);
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    __m512 total[R][M];
-    float bias_terms[R][M] = {};
-    for (int r = 0; r < R; r++)
-      for (int m = 0; m < M; m++) total[r][m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-      __m512 acc[R][M];
-      for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
-      for (int64_t j = g * w.group_size / 2; j < (g + 1) * w.group_size / 2; j += 16) {
-        __m512 even[M], odd[M];
-        for (int m = 0; m < M; m++) {
-          even[m] = _mm512_loadu_ps(x_split + m * w.K + j);
-          odd[m] = _mm512_loadu_ps(x_split + m * w.K + half + j);
-        }
-        for (int r = 0; r < R; r++) {
-          __m512i bytes = _mm512_cvtepu8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.row(n + r) + j)));
-          __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));
-          __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-          for (int m = 0; m < M; m++)
-            acc[r][m] = _mm512_fmadd_ps(hi, odd[m], _mm512_fmadd_ps(lo, even[m], acc[r][m]));
-        }
+struct PairedNibbleDot {
+  const Quantized& w;
+  const float* x_split;
+  template <int M, int R>
+  MLXVLM_AVX512 __attribute__((always_inline)) void add(int64_t n, int64_t g,
+                                                       __m512 (&acc)[R][M]) const {
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int64_t j = g * w.group_size / 2; j < (g + 1) * w.group_size / 2; j += 16) {
+      __m512 even[M], odd[M];
+      for (int m = 0; m < M; m++) {
+        even[m] = _mm512_loadu_ps(x_split + m * w.K + j);
+        odd[m] = _mm512_loadu_ps(x_split + m * w.K + w.K / 2 + j);
       }
       for (int r = 0; r < R; r++) {
-        __m512 scale = _mm512_set1_ps(w.scale(n + r, g));
-        float bias = w.bias(n + r, g);
-        for (int m = 0; m < M; m++) {
-          total[r][m] = _mm512_fmadd_ps(scale, acc[r][m], total[r][m]);
-          bias_terms[r][m] += bias * group_sums[m * groups + g];
-        }
+        __m512i bytes = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.row(n + r) + j)));
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+        for (int m = 0; m < M; m++)
+          acc[r][m] = _mm512_fmadd_ps(hi, odd[m], _mm512_fmadd_ps(lo, even[m], acc[r][m]));
       }
     }
-    for (int r = 0; r < R; r++)
-      for (int m = 0; m < M; m++)
-        y[m * w.N + n + r] = _mm512_reduce_add_ps(total[r][m]) + bias_terms[r][m];
   }
-  return n;
-}
+};
 
 template <int bits, int M>
 MLXVLM_AVX512 void gemv_avx512(const Quantized& w, const float* x, const float* x_split,
                                const float* group_sums, int64_t n0, int64_t n1, float* y) {
   constexpr int R = M == 1 ? 4 : 2;
-  if constexpr (bits == 4) {
-    if (w.group_size % 32 == 0) {
-      int64_t n = gemv_tile_4bit_avx512<M, R>(w, x_split, group_sums, n0, n1, y);
-      gemv_tile_4bit_avx512<M, 1>(w, x_split, group_sums, n, n1, y);
-      return;
-    }
-  }
-  int64_t n = gemv_tile_avx512<bits, M, R>(w, x, group_sums, n0, n1, y);
-  gemv_tile_avx512<bits, M, 1>(w, x, group_sums, n, n1, y);
+  auto run = [&](const auto& dot) {
+    int64_t n = quantized_tile_avx512<M, R>(w, group_sums, n0, n1, y, dot);
+    quantized_tile_avx512<M, 1>(w, group_sums, n, n1, y, dot);
+  };
+  if (bits == 4 && w.group_size % 32 == 0)
+    run(PairedNibbleDot{w, x_split});
+  else
+    run(UnpackedDot<bits>{w, x});
 }
 
 template <int bits>

@@ -20,7 +20,6 @@
 #include "cpu_parallel.h"
 #include "cpu_primitive.h"
 #include "kernels.h"
-#include "mlx/transforms.h"
 
 namespace mlxvlm {
 
@@ -156,9 +155,9 @@ std::vector<array> rotary_reference(const std::vector<array>& in, Stream s) {
   return {add(multiply(x, cos, s), multiply(rotated, sin, s), s)};
 }
 
-class RotaryTablePrimitive : public CpuPrimitive {
+class RotaryTablePrimitive : public ReferencedPrimitive {
  public:
-  using CpuPrimitive::CpuPrimitive;
+  using ReferencedPrimitive::ReferencedPrimitive;
 
   void dispatch(const std::vector<array>& inputs, array& out,
                 cpu::CommandEncoder& encoder) override {
@@ -199,29 +198,8 @@ class RotaryTablePrimitive : public CpuPrimitive {
     });
   }
 
-  std::vector<array> vjp(const std::vector<array>& primals,
-                         const std::vector<array>& cotangents,
-                         const std::vector<int>& argnums,
-                         const std::vector<array>&) override {
-    Stream s = stream();
-    auto grads = mlx::core::vjp(
-        [s](const std::vector<array>& in) { return rotary_reference(in, s); }, primals,
-        cotangents).second;
-    std::vector<array> out;
-    for (int arg : argnums) out.push_back(grads[arg]);
-    return out;
-  }
-
-  std::vector<array> jvp(const std::vector<array>& primals,
-                         const std::vector<array>& tangents,
-                         const std::vector<int>& argnums) override {
-    Stream s = stream();
-    std::vector<array> all_tangents;
-    for (const auto& p : primals) all_tangents.push_back(zeros_like(p, s));
-    for (size_t i = 0; i < argnums.size(); i++) all_tangents[argnums[i]] = tangents[i];
-    return mlx::core::jvp(
-        [s](const std::vector<array>& in) { return rotary_reference(in, s); }, primals,
-        all_tangents).second;
+  std::vector<array> reference(const std::vector<array>& in) override {
+    return rotary_reference(in, stream());
   }
 
   const char* name() const override { return "MlxvlmRotary"; }
