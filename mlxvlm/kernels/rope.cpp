@@ -129,7 +129,7 @@ class RopePrimitive : public CpuPrimitive {
   array rotated(const array& x, const std::vector<array>& primals, bool forward) {
     RopeParams p = p_;
     p.forward = forward;
-    std::vector<array> inputs{x};
+    std::vector<array> inputs{astype(x, float32, stream())};
     inputs.insert(inputs.end(), primals.begin() + 1, primals.end());
     return array(x.shape(), float32, std::make_shared<RopePrimitive>(stream(), p),
                  std::move(inputs));
