@@ -5,7 +5,7 @@ reading the weights is MLX's dispatch, ~10 us per operation. MLX composes RoPE, 
 and attention from ~20, ~12 and ~8 operations on the CPU; mlxvlm's kernels make each one
 (``mlxvlm.cpu_rope``, ``mlxvlm.cpu_norms``, ``models/layers/attention.py``). This
 counts the operations of one step's graph (MLX's ``export_to_dot``) with and without the
-kernels, on tiny checkpoints whose decoders are mlx-lm's."""
+kernels, on tiny checkpoints: mlx-lm's decoders and Qwen2-VL's M-RoPE decoder."""
 
 from __future__ import annotations
 
