@@ -72,7 +72,7 @@ class CPUGemmaRMSNorm(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         if not _kernel_applies(x) or self.weight.dtype != mx.float32:
             return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
-        return kernels.norm(x, 1.0 + self.weight, None, eps=self.eps, rms=True)
+        return kernels.norm(x, self.weight, None, eps=self.eps, rms=True, weight_offset=1.0)
 
 
 def use_cpu_norms(model: nn.Module) -> int:

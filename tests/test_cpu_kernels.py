@@ -280,6 +280,36 @@ def test_norm_layers_swap_in_with_mlx_gradients():
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-3, err_msg=name)
 
 
+def test_gemma_rms_norm_swaps_in_with_its_one_plus_weight_inside_the_kernel():
+    """Gemma's RMSNorm scales by 1 + weight: the kernel adds the 1 itself (no addition
+    in the graph on every call), with the results and gradients of mlx-lm's module."""
+    from mlx_lm.models import gemma3_text
+
+    from mlxvlm.cpu_norms import CPUGemmaRMSNorm, use_cpu_norms
+
+    model, reference = nn.Sequential(gemma3_text.RMSNorm(96)), nn.Sequential(gemma3_text.RMSNorm(96))
+    model.layers[0].weight = mx.random.normal((96,), key=mx.random.key(40)) * 0.1
+    reference.update(model.parameters())
+    assert use_cpu_norms(model) == 1 and type(model.layers[0]) is CPUGemmaRMSNorm
+    x = mx.random.normal((3, 96), key=mx.random.key(41))
+    np.testing.assert_allclose(np.array(model(x)), np.array(reference(x)), rtol=1e-5, atol=1e-5)
+    direct = kernels.norm(x, model.layers[0].weight, None, eps=1e-5, rms=True, weight_offset=1.0)
+    np.testing.assert_allclose(np.array(direct),
+                               np.array(mx.fast.rms_norm(x, 1.0 + model.layers[0].weight, 1e-5)),
+                               rtol=1e-5, atol=1e-5)
+
+    def loss(m):
+        def function(params, x):
+            m.update(params)
+            return (m(x) * mx.arange(96)).sum()
+        return function
+
+    got = mx.grad(loss(model), argnums=(0, 1))(model.trainable_parameters(), x)
+    want = mx.grad(loss(reference), argnums=(0, 1))(reference.trainable_parameters(), x)
+    for (name, a), (_, b) in zip(tree_flatten(got), tree_flatten(want)):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4, err_msg=name)
+
+
 def test_kernels_take_strided_inputs_as_they_come():
     """Inputs are read in place when row-major and copied inside the kernel otherwise
     (the graph gets no contiguous() node per input): a transposed input gives exactly

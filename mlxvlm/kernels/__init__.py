@@ -162,10 +162,11 @@ def activation(x: mx.array, kind: str, up: mx.array | None = None) -> mx.array:
 
 
 def norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, *, eps: float,
-         rms: bool = False) -> mx.array:
+         rms: bool = False, weight_offset: float = 0.0) -> mx.array:
     """LayerNorm (``rms=False``, like ``mx.fast.layer_norm``) or RMSNorm (like
-    ``mx.fast.rms_norm``; ``bias`` must be None) over the last axis, in float32."""
-    return _require().norm(x, weight, bias, eps=eps, rms=rms)
+    ``mx.fast.rms_norm``; ``bias`` must be None) over the last axis, in float32, scaled by
+    ``weight + weight_offset`` (Gemma's RMSNorm: offset 1)."""
+    return _require().norm(x, weight, bias, eps=eps, rms=rms, weight_offset=weight_offset)
 
 
 def rope(x: mx.array, dims: int, *, traditional: bool, base: float | None, scale: float,

@@ -29,10 +29,11 @@ mlx::core::array quantized_linear(const mlx::core::array& x, const mlx::core::ar
                                   const std::optional<mlx::core::array>& bias = std::nullopt,
                                   mlx::core::StreamOrDevice s = {});
 
-// LayerNorm (rms = false) or RMSNorm over the last axis, in float32 (see norm.cpp).
+// LayerNorm (rms = false) or RMSNorm over the last axis, in float32, scaled by
+// weight + weight_offset (see norm.cpp).
 mlx::core::array norm(const mlx::core::array& x, const std::optional<mlx::core::array>& weight,
                       const std::optional<mlx::core::array>& bias, float eps, bool rms,
-                      mlx::core::StreamOrDevice s = {});
+                      float weight_offset = 0.0f, mlx::core::StreamOrDevice s = {});
 
 // softmax(scale * q k^T + mask) v: q (B, H, L, D), k and v (B, H_kv, S, D), mask additive
 // and broadcastable to (B, H, L, S); causal: query i sees keys up to i + S - L.

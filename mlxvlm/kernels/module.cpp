@@ -33,7 +33,7 @@ NB_MODULE(_mlxvlm_cpu_kernels, m) {
         "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a, "bias"_a = nb::none(),
         "stream"_a = nb::none());
   m.def("norm", &mlxvlm::norm, "x"_a, "weight"_a, "bias"_a, nb::kw_only(), "eps"_a,
-        "rms"_a, "stream"_a = nb::none());
+        "rms"_a, "weight_offset"_a = 0.0f, "stream"_a = nb::none());
   m.def("attention", &mlxvlm::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a,
         "causal"_a = false, "mask"_a = nb::none(), "stream"_a = nb::none());
   m.def("rope", &mlxvlm::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a,

@@ -5,6 +5,8 @@
 // rows, this one takes well under a millisecond. The maths is MLX's:
 //   layer: (x - mean) / sqrt(var + eps) * weight + bias   (var: the biased variance)
 //   rms:   x / sqrt(mean(x^2) + eps) * weight
+// with weight + weight_offset in place of weight when an offset is given (Gemma's RMSNorm
+// scales by 1 + weight: added here, not as an operation of its own on every call).
 #include <cmath>
 #include <vector>
 
@@ -68,9 +70,10 @@ void normalise_row(const NormRows& r, int64_t row) {
 
 class NormPrimitive : public ReferencedPrimitive {
  public:
-  NormPrimitive(Stream stream, bool rms, float eps, bool has_weight, bool has_bias)
+  NormPrimitive(Stream stream, bool rms, float eps, bool has_weight, bool has_bias,
+                float weight_offset)
       : ReferencedPrimitive(stream), rms_(rms), eps_(eps), has_weight_(has_weight),
-        has_bias_(has_bias) {}
+        has_bias_(has_bias), weight_offset_(weight_offset) {}
 
   void dispatch(const std::vector<array>& inputs, array& out,
                 cpu::CommandEncoder& encoder) override {
@@ -80,10 +83,15 @@ class NormPrimitive : public ReferencedPrimitive {
     std::optional<array> weight, bias;
     if (has_weight_) weight = inputs[1];
     if (has_bias_) bias = inputs.back();
-    encoder.dispatch([r, rows, x, weight, bias]() mutable {
+    encoder.dispatch([r, rows, x, weight, bias, offset = weight_offset_]() mutable {
       std::vector<float> x_copy, weight_copy, bias_copy;
       r.x = row_major(x, x_copy);
       if (weight) r.weight = row_major(*weight, weight_copy);
+      if (weight && offset != 0.0f) {  // Gemma's (1 + weight): one small vector per call
+        weight_copy.assign(r.weight, r.weight + r.dims);
+        for (float& w : weight_copy) w += offset;
+        r.weight = weight_copy.data();
+      }
       if (bias) r.bias = row_major(*bias, bias_copy);
       parallel_for(rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, r.dims)),
                    [&](int64_t start, int64_t stop) {
@@ -96,7 +104,7 @@ class NormPrimitive : public ReferencedPrimitive {
   bool is_equivalent(const Primitive& other) const override {
     const auto& o = static_cast<const NormPrimitive&>(other);
     return rms_ == o.rms_ && eps_ == o.eps_ && has_weight_ == o.has_weight_ &&
-        has_bias_ == o.has_bias_;
+        has_bias_ == o.has_bias_ && weight_offset_ == o.weight_offset_;
   }
   std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
     return {inputs[0].shape()};
@@ -106,7 +114,8 @@ class NormPrimitive : public ReferencedPrimitive {
   // MLX's mx.fast.layer_norm / rms_norm of the same inputs: the derivatives' reference.
   std::vector<array> reference(const std::vector<array>& in) override {
     std::optional<array> weight, bias;
-    if (has_weight_) weight = in[1];
+    if (has_weight_) weight = weight_offset_ != 0.0f ? add(in[1], array(weight_offset_), stream())
+                                                    : in[1];
     if (has_bias_) bias = in.back();
     return {rms_ ? fast::rms_norm(in[0], weight, eps_, stream())
                  : fast::layer_norm(in[0], weight, bias, eps_, stream())};
@@ -115,12 +124,13 @@ class NormPrimitive : public ReferencedPrimitive {
   bool rms_;
   float eps_;
   bool has_weight_, has_bias_;
+  float weight_offset_;  // the weight applied is weight + weight_offset
 };
 
 }  // namespace
 
 array norm(const array& x, const std::optional<array>& weight, const std::optional<array>& bias,
-           float eps, bool rms, StreamOrDevice s) {
+           float eps, bool rms, float weight_offset, StreamOrDevice s) {
   if (x.ndim() < 1) throw std::invalid_argument("[norm] x needs at least one axis");
   Stream stream = to_stream(s);
   if (rms && bias) throw std::invalid_argument("[norm] RMSNorm takes no bias");
@@ -133,7 +143,7 @@ array norm(const array& x, const std::optional<array>& weight, const std::option
   }
   return array(x.shape(), float32,
                std::make_shared<NormPrimitive>(stream, rms, eps, weight.has_value(),
-                                               bias.has_value()),
+                                               bias.has_value(), weight_offset),
                std::move(inputs));
 }
 
