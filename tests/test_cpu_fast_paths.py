@@ -141,3 +141,45 @@ def test_openblas_preload_and_opt_out():
     status, err = run_probe({"MLXVLM_NO_OPENBLAS": "1"})
     assert status == "disabled by MLXVLM_NO_OPENBLAS"
     assert err < 1e-3
+
+
+IDLE_PROBE = """
+import os, time
+import mlxvlm
+from mlxvlm import _backend
+import mlx.core as mx
+a = mx.random.normal((768, 768))
+mx.eval(a)
+time.sleep(0.3)  # threads started at import have settled
+for _ in range(3):
+    mx.eval(a @ a)
+start = time.process_time()
+time.sleep(0.1)
+print(os.environ.get("OPENBLAS_THREAD_TIMEOUT"), "|", time.process_time() - start)
+"""
+
+
+def idle_after_products(timeout):
+    """(OPENBLAS_THREAD_TIMEOUT as mlxvlm leaves it, CPU seconds the process burns in the
+    0.1 s of sleep right after three OpenBLAS products)."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if timeout is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = timeout
+    out = subprocess.run([sys.executable, "-c", IDLE_PROBE], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    value, cpu = (part.strip() for part in out.stdout.split("|"))
+    return value, float(cpu)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or (os.cpu_count() or 1) < 2,
+                    reason="OpenBLAS's worker threads: Linux, two cores or more")
+def test_openblas_workers_sleep_soon_after_a_product_unless_the_user_says_otherwise():
+    """OpenBLAS's idle workers spin for ~0.1 s after each product by default, taking
+    turns with mlxvlm's kernels; mlxvlm sets a 2^20-cycle timeout, the user's wins."""
+    value, cpu = idle_after_products(None)
+    assert value == "20"
+    assert cpu < 0.02, cpu  # asleep: a spinning worker burns most of the 0.1 s
+    value, cpu = idle_after_products("28")  # OpenBLAS's default, set by the user
+    assert value == "28"
+    assert cpu > 0.03, cpu
