@@ -10,13 +10,6 @@ cached) takes libmlx's ``cblas_sgemm`` and hands one-row and one-column products
 matmul of a decoding step) to OpenBLAS's ``sgemv``, which streams the weights about 3x
 faster than its ``sgemm`` does for them (see the C file). Without a compiler the shim is
 skipped and said so; ``MLXVLM_NO_GEMV_FORWARD=1`` opts out of it alone.
-
-OpenBLAS's idle workers spin on ``sched_yield`` for 2^28 cycles (~0.1 s) after each
-product before they sleep. Between products mlxvlm's own kernels (attention, norms,
-activations) keep both cores busy, and a spinning worker takes turns with them: in a
-SigLIP tower a fifth of the CPU samples were that spin. mlxvlm sets
-``OPENBLAS_THREAD_TIMEOUT=20`` (2^20 cycles, ~0.4 ms: long enough to stay awake between
-the back-to-back products of a layer) unless the user has set it.
 """
 
 from __future__ import annotations
@@ -30,9 +23,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-# log2 of the cycles an idle OpenBLAS worker spins before it sleeps (OpenBLAS: 2^28).
-OPENBLAS_THREAD_TIMEOUT = "20"
 
 # What happened, for --verbose: the library path loaded, or why none was.
 openblas_status: str = "not attempted"
@@ -103,8 +93,6 @@ def preload_openblas() -> None:
         )
         return
     shim = _load_shim()  # first, so that libmlx's cblas_sgemm resolves to it
-    # Read once, when OpenBLAS initialises its threads (pthread builds; others ignore it).
-    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_THREAD_TIMEOUT)
     try:
         openblas = ctypes.CDLL(name, mode=os.RTLD_GLOBAL)
     except OSError as exc:
@@ -112,10 +100,7 @@ def preload_openblas() -> None:
         if shim is not None:  # uninitialised, it passes every product on (RTLD_NEXT)
             gemv_forward_status = "not used: OpenBLAS did not load"
         return
-    openblas_status = (
-        f"loaded {name}; idle threads sleep after "
-        f"2^{os.environ['OPENBLAS_THREAD_TIMEOUT']} cycles (OPENBLAS_THREAD_TIMEOUT)"
-    )
+    openblas_status = f"loaded {name}"
     if shim is not None:
         address = lambda symbol: ctypes.cast(getattr(openblas, symbol), ctypes.c_void_p)  # noqa: E731
         shim.mlxvlm_gemv_forward_init(address("cblas_sgemm"), address("cblas_sgemv"))
