@@ -11,6 +11,7 @@ from mlxvlm import _backend
 
 # Must run before anything imports mlx.core (see _backend).
 _backend.preload_openblas()
+_backend.tune_malloc()
 
 # `python -m mlxvlm.generate` runs a module this package already imported (to export the
 # `generate` function, as mlx-lm does); runpy's warning about that is harmless here.

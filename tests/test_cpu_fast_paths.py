@@ -141,3 +141,44 @@ def test_openblas_preload_and_opt_out():
     status, err = run_probe({"MLXVLM_NO_OPENBLAS": "1"})
     assert status == "disabled by MLXVLM_NO_OPENBLAS"
     assert err < 1e-3
+
+
+FAULTS_PROBE = """
+import resource
+import mlxvlm
+from mlxvlm import _backend
+import mlx.core as mx
+x = mx.random.normal((1024, 3072))  # 12 MB
+mx.eval(x)
+def faults_of_a_round():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(3):
+        parts = [x * float(i) for i in range(4)]  # 48 MB alive at once, then freed
+        mx.eval(parts)
+        del parts
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults_of_a_round()
+print(_backend.malloc_status, "|", faults_of_a_round())
+"""
+
+
+def page_faults_of_reused_activations(env_extra):
+    env = {**os.environ, **env_extra}
+    out = subprocess.run([sys.executable, "-c", FAULTS_PROBE], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    status, faults = (part.strip() for part in out.stdout.split("|"))
+    return status, int(faults)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc thresholds")
+def test_freed_activations_are_reused_not_faulted_in_again():
+    """Arrays of a few MB freed and allocated again (a tower's activations, layer after
+    layer) come back from malloc's arenas: no page faults once warm. Without the tuning
+    glibc returns them to the kernel and every 4 KB page faults in again."""
+    status, faults = page_faults_of_reused_activations({"MLXVLM_NO_MALLOC_TUNING": ""})
+    assert status.startswith("blocks under 32 MB reused"), status
+    assert faults < 1000, faults
+    status, faults = page_faults_of_reused_activations({"MLXVLM_NO_MALLOC_TUNING": "1"})
+    assert status == "disabled by MLXVLM_NO_MALLOC_TUNING"
+    assert faults > 5000, faults  # 12 rounds of 12 MB: ~3,000 pages each
