@@ -538,3 +538,26 @@ def test_nested_run_ahead_bounds_keep_the_outer_one():
             assert run_ahead.active()
         assert run_ahead.active()  # the inner exit does not end the outer bound
     assert not run_ahead.active()
+
+
+def test_the_audio_tower_evaluates_each_layer_inside_the_bound(tiny_checkpoints, monkeypatch):
+    """The Whisper-style audio encoder (Qwen2.5-Omni) ends each layer with ``layer_done``
+    too, with the same numbers as without the bound."""
+    from av_media import sine
+
+    from mlxvlm.prompt import prepare_inputs
+
+    model, processor = fresh_model(tiny_checkpoints, "qwen2_5_omni", monkeypatch, cache_gb="0")
+    messages = [{"role": "user", "content": [
+        {"type": "audio"}, {"type": "text", "text": "Listen and tell me a story."}]}]
+    inputs = prepare_inputs(processor, messages, audio=[sine(1.0, 16000, 440.0)],
+                            feature_names=model.feature_names)
+    want, _ = model.embed(inputs.input_ids, **inputs.features)
+    calls = []
+    original = run_ahead.layer_done
+    monkeypatch.setattr(run_ahead, "layer_done",
+                        lambda *o: calls.append(run_ahead.active()) or original(*o))
+    with run_ahead.bounded_run_ahead():
+        got, _ = model.embed(inputs.input_ids, **inputs.features)
+    assert len(calls) == len(model.audio_tower.layers) and all(calls), calls
+    assert mx.array_equal(got, want)
