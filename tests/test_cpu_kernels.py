@@ -400,10 +400,11 @@ def test_attention_matches_float64(case):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5, equal_nan=True)
 
 
-def test_attention_over_many_blocks_from_strided_inputs():
+@pytest.mark.parametrize("B, L, H, KV, D", [(1, 1000, 4, 2, 64), (2, 517, 16, 16, 80)])
+def test_attention_over_many_blocks_from_strided_inputs(B, L, H, KV, D):
     """Queries in blocks of 256 (the last one ragged), q/k/v as the (B, L, H, D) ->
-    (B, H, L, D) transposes models pass, grouped-query heads, a broadcast mask."""
-    B, L, H, KV, D = 1, 1000, 4, 2, 64
+    (B, H, L, D) transposes models pass (the values are copied to consecutive rows per
+    kv head), grouped-query heads, Qwen2-VL's tower's 16 x 80 heads, a broadcast mask."""
     keys = mx.random.split(mx.random.key(9), 4)
     q = mx.random.normal((B, L, H, D), key=keys[0]).transpose(0, 2, 1, 3)
     k = mx.random.normal((B, L, KV, D), key=keys[1]).transpose(0, 2, 1, 3)

@@ -7,7 +7,8 @@
 //   scores = scale * q_tile . k_block^T    6 x 64 register tiles, k packed 16 keys wide
 //   + mask, running row max, exp, sums     the tile's scores stay in L1/L2
 //   out_tile = out_tile * alpha + p . v    6 x 64 register tiles over the value rows
-// and divides by the row sums at the end. One SigLIP layer's attention (12 heads x 1024
+// and divides by the row sums at the end. Keys are packed per kv head; values read from
+// a (batch, keys, heads, dims) view are copied to consecutive rows first. One SigLIP layer's attention (12 heads x 1024
 // patches x 64 dims) on a 2-core Xeon: 63 ms on the sgemm path, ~30 ms here (PyTorch's
 // fused kernel: ~31 ms).
 //
@@ -21,6 +22,7 @@
 
 #ifdef MLXVLM_X86
 
+#include <algorithm>
 #include <cmath>
 
 namespace mlxvlm::attention_cpu {
@@ -65,6 +67,15 @@ MLXVLM_AVX512 void pack_keys(const float* k, int64_t k_row, int64_t keys, int64_
       for (int64_t d = 0; d < dims; d++) out[d * 16 + j] = j < n ? row[d] : 0.0f;
     }
   }
+}
+
+// One (batch, kv head)'s value rows [j0, j1) copied to `packed` (row stride dims): the
+// value pass then streams consecutive rows. Read in place from a (batch, keys, heads,
+// dims) view, each row sits heads x dims floats after the last, across a page boundary
+// every row or two, where the prefetchers stop (Qwen2-VL's tower: 16 heads x 80 dims).
+MLXVLM_AVX512 void pack_values(const float* v, int64_t v_row, int64_t dims, int64_t j0,
+                               int64_t j1, float* packed) {
+  for (int64_t j = j0; j < j1; j++) std::copy(v + j * v_row, v + j * v_row + dims, packed + j * dims);
 }
 
 // s[r][c * 16 + j] = scale * sum_d q[r][d] * panel_c[d][j], for R rows and C panels.
@@ -265,11 +276,11 @@ MLXVLM_AVX512 void scale_row(float* row, int64_t n, float factor) {
 }
 
 // Queries [i0, i0 + rows) of head h against its kv head's packed keys and values.
-MLXVLM_AVX512 void query_tile(const Problem& p, int64_t b, int64_t h, int64_t kv, int64_t i0,
-                              int64_t rows, const float* packed, float* scores) {
+MLXVLM_AVX512 void query_tile(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t rows,
+                              const float* packed, const float* v, int64_t v_row,
+                              float* scores) {
   const int64_t out_row = p.heads * p.dims;
   const float* q = p.q.at(b, h, i0);
-  const float* v = p.v.at(b, kv, 0);
   float* out = p.out + (b * p.queries + i0) * out_row + h * p.dims;
   RowState state[kQueryTile];
   for (int64_t r = 0; r < rows; r++) std::fill(out + r * out_row, out + r * out_row + p.dims, 0.0f);
@@ -284,7 +295,7 @@ MLXVLM_AVX512 void query_tile(const Problem& p, int64_t b, int64_t h, int64_t kv
       const float alpha = softmax_step(row, n, visible_keys(p, i0 + r) - k0, state[r]);
       if (alpha != 1.0f) scale_row(out + r * out_row, p.dims, alpha);
     }
-    for_row_tiles(rows, TileValues{scores, v + k0 * p.v.row, p.v.row, n, out, out_row, p.dims});
+    for_row_tiles(rows, TileValues{scores, v + k0 * v_row, v_row, n, out, out_row, p.dims});
   }
   // A row that saw no key has sum 0: 0 * (1 / 0) gives NaN, as MLX's softmax does.
   for (int64_t r = 0; r < rows; r++) scale_row(out + r * out_row, p.dims, 1.0f / state[r].sum);
@@ -297,19 +308,29 @@ void attention_avx512(const Problem& p) {
   const int64_t panels = (p.keys + 15) / 16;
   const int64_t tiles = (p.queries + kQueryTile - 1) / kQueryTile;
   const int workers = thread_pool().size();
+  // Values already in consecutive rows (a (batch, heads, keys, dims) layout) are read in
+  // place; a single query row reads each value once, so copying would not pay either.
+  const bool copy_values = p.v.row != p.dims && p.queries > 1;
   Scratch packed(static_cast<size_t>(panels * 16 * p.dims));
+  Scratch packed_values(copy_values ? static_cast<size_t>(p.keys * p.dims) : 0);
   Scratch scores(static_cast<size_t>(workers * kQueryTile * kKeyBlock));
   for (int64_t b = 0; b < p.batch; b++) {
     for (int64_t kv = 0; kv < p.kv_heads; kv++) {
       const float* k = p.k.at(b, kv, 0);
+      const float* v = p.v.at(b, kv, 0);
       parallel_for(panels, 16, [&](int64_t begin, int64_t end) {
         pack_keys(k, p.k.row, p.keys, p.dims, begin, end, packed.data());
+        if (copy_values)
+          pack_values(v, p.v.row, p.dims, begin * 16, std::min(p.keys, end * 16),
+                      packed_values.data());
       });
+      const float* values = copy_values ? packed_values.data() : v;
+      const int64_t value_row = copy_values ? p.dims : p.v.row;
       // The heads sharing this kv head, a tile of queries each.
       parallel_tasks(repeats * tiles, [&](int64_t task, int worker) {
         const int64_t h = kv * repeats + task / tiles, i0 = (task % tiles) * kQueryTile;
-        query_tile(p, b, h, kv, i0, std::min(kQueryTile, p.queries - i0), packed.data(),
-                   scores.data() + worker * kQueryTile * kKeyBlock);
+        query_tile(p, b, h, i0, std::min(kQueryTile, p.queries - i0), packed.data(), values,
+                   value_row, scores.data() + worker * kQueryTile * kKeyBlock);
       });
     }
   }
