@@ -124,12 +124,17 @@ print(_backend.openblas_status, "|", err)
 """
 
 
-def run_probe(env_extra):
+def probe(script, env_extra):
+    """What a fresh interpreter running ``script`` prints, as "status | value" parts."""
     env = {**os.environ, **env_extra}
-    out = subprocess.run([sys.executable, "-c", OPENBLAS_PROBE], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    status, err = (part.strip() for part in out.stdout.split("|"))
+    return [part.strip() for part in out.stdout.split("|")]
+
+
+def run_probe(env_extra):
+    status, err = probe(OPENBLAS_PROBE, env_extra)
     return status, float(err)
 
 
@@ -163,11 +168,7 @@ print(_backend.malloc_status, "|", faults_of_a_round())
 
 
 def page_faults_of_reused_activations(env_extra):
-    env = {**os.environ, **env_extra}
-    out = subprocess.run([sys.executable, "-c", FAULTS_PROBE], capture_output=True,
-                         text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    status, faults = (part.strip() for part in out.stdout.split("|"))
+    status, faults = probe(FAULTS_PROBE, env_extra)
     return status, int(faults)
 
 
