@@ -420,6 +420,30 @@ def test_attention_over_many_blocks_from_strided_inputs(B, L, H, KV, D):
                                rtol=1e-4, atol=1e-5)
 
 
+def test_a_boolean_mask_is_converted_once_for_all_layers(monkeypatch):
+    """A model passes one mask to every layer (the server's batched decoding: a boolean
+    one per step); it becomes additive once, not once per layer, with the same results."""
+    q, k, v, _ = _attention_case(2, 4, 2, 3, 50, 32, None)
+    mask = mx.random.uniform(shape=(2, 1, 3, 50), key=mx.random.key(13)) > 0.3
+    additive = mx.where(mask, 0.0, mx.finfo(mx.float32).min)
+    conversions = []
+    where = mx.where
+    monkeypatch.setattr(mx, "where", lambda *a, **kw: conversions.append(1) or where(*a, **kw))
+    layers = [kernels.attention(q, k, v, scale=0.2, mask=mask) for _ in range(4)]
+    assert len(conversions) == 1
+    want = kernels.attention(q, k, v, scale=0.2, mask=additive)
+    for got in layers:
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+    other = mx.logical_not(mask)  # the next pass's mask: converted anew
+    np.testing.assert_array_equal(
+        np.array(kernels.attention(q, k, v, scale=0.2, mask=other)),
+        np.array(kernels.attention(q, k, v, scale=0.2,
+                                   mask=where(other, 0.0, mx.finfo(mx.float32).min))))
+    assert len(conversions) == 2
+    del other  # the additive form goes with its mask
+    assert kernels._last_converted == (None, None)
+
+
 def test_attention_copies_inputs_whose_columns_are_strided():
     base = mx.random.normal((1, 2, 16, 40), key=mx.random.key(10))
     q = base.swapaxes(-1, -2)  # (1, 2, 40, 16) with column stride 40
