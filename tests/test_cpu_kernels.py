@@ -337,8 +337,11 @@ def _float64_attention(q, k, v, scale, mask=None, causal=False):
     repeats = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, repeats, axis=1), np.repeat(v, repeats, axis=1)
     scores = q @ k.transpose(0, 1, 3, 2) * scale
-    if mask is not None:
-        scores = scores + np.array(mask, dtype=np.float64)
+    if mask is not None:  # a boolean one adds the lowest float32 where it is False
+        mask = np.array(mask)
+        if mask.dtype == bool:
+            mask = np.where(mask, 0.0, np.finfo(np.float32).min)
+        scores = scores + mask.astype(np.float64)
     if causal:  # the queries are the last positions: query i sees keys <= i + keys - queries
         queries, keys = scores.shape[-2:]
         visible = np.arange(queries)[:, None] + (keys - queries) >= np.arange(keys)[None]
@@ -364,6 +367,7 @@ ATTENTION_CASES = {
     "mask_over_keys_only": (2, 4, 4, 50, 270, 64, "keys", False),
     "mask_per_query_only": (1, 4, 4, 50, 66, 48, "queries", False),
     "rows_fully_masked": (1, 2, 2, 20, 300, 64, "minus_inf_rows", False),
+    "boolean_mask": (2, 4, 2, 37, 300, 80, "boolean", False),
 }
 
 
@@ -378,6 +382,8 @@ def _attention_case(batch, heads, kv_heads, queries, keys, dims, mask_kind, seed
         "keys": mx.random.normal((batch, 1, 1, keys), key=k4),
         "queries": mx.random.normal((queries, 1), key=k4),
     }.get(mask_kind)
+    if mask_kind == "boolean":  # True: attend; broadcast over heads
+        mask = mx.random.uniform(shape=(batch, 1, queries, keys), key=k4) > 0.3
     if mask_kind == "minus_inf_rows":  # rows 3 and 7 see nothing; others lose half the keys
         hidden = (mx.arange(keys)[None] % 2 == 0) | (mx.arange(queries)[:, None] % 4 == 3)
         mask = mx.where(hidden, -mx.inf, 0.0)
@@ -420,9 +426,10 @@ def test_attention_over_many_blocks_from_strided_inputs(B, L, H, KV, D):
                                rtol=1e-4, atol=1e-5)
 
 
-def test_a_boolean_mask_is_converted_once_for_all_layers(monkeypatch):
+def test_a_boolean_mask_is_read_by_the_kernel_as_it_is(monkeypatch):
     """A model passes one mask to every layer (the server's batched decoding: a boolean
-    one per step); it becomes additive once, not once per layer, with the same results."""
+    one per step); the kernel reads it as it is, with no conversion operation per layer,
+    and gives exactly what its additive form (the lowest float where False) gives."""
     q, k, v, _ = _attention_case(2, 4, 2, 3, 50, 32, None)
     mask = mx.random.uniform(shape=(2, 1, 3, 50), key=mx.random.key(13)) > 0.3
     additive = mx.where(mask, 0.0, mx.finfo(mx.float32).min)
@@ -430,18 +437,26 @@ def test_a_boolean_mask_is_converted_once_for_all_layers(monkeypatch):
     where = mx.where
     monkeypatch.setattr(mx, "where", lambda *a, **kw: conversions.append(1) or where(*a, **kw))
     layers = [kernels.attention(q, k, v, scale=0.2, mask=mask) for _ in range(4)]
-    assert len(conversions) == 1
+    assert len(conversions) == 0
     want = kernels.attention(q, k, v, scale=0.2, mask=additive)
     for got in layers:
         np.testing.assert_array_equal(np.array(got), np.array(want))
-    other = mx.logical_not(mask)  # the next pass's mask: converted anew
+    other = mx.logical_not(mask)  # the next pass's mask
     np.testing.assert_array_equal(
         np.array(kernels.attention(q, k, v, scale=0.2, mask=other)),
         np.array(kernels.attention(q, k, v, scale=0.2,
                                    mask=where(other, 0.0, mx.finfo(mx.float32).min))))
-    assert len(conversions) == 2
-    del other  # the additive form goes with its mask
-    assert kernels._last_converted == (None, None)
+    assert len(conversions) == 0
+    # Derivatives: those of MLX's attention over the additive form.
+    cotangent = mx.random.normal(want.shape, key=mx.random.key(14))
+    for argument in range(3):
+        def loss(t, m):
+            args = [q, k, v]
+            args[argument] = t
+            return (kernels.attention(*args, scale=0.2, mask=m) * cotangent).sum()
+        np.testing.assert_allclose(np.array(mx.grad(loss)((q, k, v)[argument], mask)),
+                                   np.array(mx.grad(loss)((q, k, v)[argument], additive)),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_attention_copies_inputs_whose_columns_are_strided():

@@ -39,7 +39,6 @@ import os
 import subprocess
 import sys
 import threading
-import weakref
 from pathlib import Path
 from types import ModuleType
 
@@ -143,35 +142,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None)
     causal = isinstance(mask, str)
     if causal and mask != "causal":
         raise ValueError(f"unknown mask {mask!r}")
-    array_mask = None if causal or mask is None else mask
-    if array_mask is not None and array_mask.dtype == mx.bool_:
-        array_mask = _additive(array_mask)
+    array_mask = None if causal or mask is None else mask  # boolean masks: read as they are
     return _require().attention(q, k, v, scale=scale, causal=causal, mask=array_mask)
-
-
-# A weak reference to the last boolean mask converted, and its additive form: a model
-# passes the same mask to every layer of a forward pass (batched decoding: one per step),
-# so it is converted once per pass rather than once per layer. The additive form is
-# dropped with the mask.
-_last_converted: tuple = (None, None)
-
-
-def _forget(dead_mask) -> None:
-    global _last_converted
-    if _last_converted[0] is dead_mask:
-        _last_converted = (None, None)
-
-
-def _additive(mask: mx.array) -> mx.array:
-    global _last_converted
-    seen, converted = _last_converted
-    if seen is not None and seen() is mask:
-        return converted
-    # The most negative finite float, not -inf: a row with no visible key then gets
-    # uniform weights instead of NaN (as models/layers/attention.py's MLX path does).
-    converted = mx.where(mask, 0.0, mx.finfo(mx.float32).min)
-    _last_converted = (weakref.ref(mask, _forget), converted)
-    return converted
 
 
 ACTIVATIONS = ("gelu_tanh", "quick_gelu", "silu", "exp")

@@ -12,7 +12,7 @@
 // end to end on a 2-core machine: 70 ms on one thread, 57 on two, as the sgemm path.)
 //
 // Masks: none, causal (query i sees keys up to i + keys - queries; later keys are not
-// computed), or an additive float32 mask with any broadcast strides over (batch, head,
+// computed), or an additive float32 (or boolean) mask with any broadcast strides over (batch, head,
 // query, key). Grouped-query attention maps head h to kv head h / (heads / kv_heads).
 // q, k and v are read through their strides (the usual (B, L, H, D) -> (B, H, L, D)
 // transposes cost no copy), and the output is written as (B, L, H, D) and returned
@@ -46,14 +46,7 @@ float softmax_row(const Problem& p, float* row, int64_t b, int64_t h, int64_t qu
   int64_t seen = visible_keys(p, query);
   std::fill(row + seen, row + width, 0.0f);
   if (seen == 0) return NAN;
-  if (p.mask.data) {
-    const float* m = p.mask.row(b, h, query);
-    if (p.mask.key == 1) {
-      for (int64_t j = 0; j < seen; j++) row[j] += m[j];
-    } else {
-      for (int64_t j = 0; j < seen; j++) row[j] += m[j * p.mask.key];
-    }
-  }
+  if (p.mask.data) p.mask.add_to(row, b, h, query, 0, seen);
   return 1.0f / exp_shifted_sum(row, seen, row_max(row, seen));
 }
 
@@ -114,8 +107,9 @@ View view_of(const array& a, std::vector<float>& storage) {
 
 class Attention : public ReferencedPrimitive {
  public:
-  Attention(Stream stream, float scale, bool causal, bool has_mask)
-      : ReferencedPrimitive(stream), scale_(scale), causal_(causal), has_mask_(has_mask) {}
+  Attention(Stream stream, float scale, bool causal, bool has_mask, bool boolean_mask)
+      : ReferencedPrimitive(stream), scale_(scale), causal_(causal), has_mask_(has_mask),
+        boolean_mask_(boolean_mask) {}
 
   void dispatch(const std::vector<array>& inputs, array& out,
                 cpu::CommandEncoder& encoder) override {
@@ -124,7 +118,8 @@ class Attention : public ReferencedPrimitive {
               {}, {}, {}, {}, causal_, scale_, out.data<float>()};
     if (has_mask_) {
       const array& m = inputs[3];
-      p.mask = {m.data<float>(), m.strides(0), m.strides(1), m.strides(2), m.strides(3)};
+      p.mask = {m.data<void>(), boolean_mask_, m.strides(0), m.strides(1), m.strides(2),
+                m.strides(3)};
     }
     // Arrays are captured so their buffers outlive the task; views are taken in it.
     encoder.dispatch([p, q, k, v]() mutable {
@@ -142,7 +137,8 @@ class Attention : public ReferencedPrimitive {
   const char* name() const override { return "MlxvlmAttention"; }
   bool is_equivalent(const Primitive& other) const override {
     const auto& o = static_cast<const Attention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_ && has_mask_ == o.has_mask_;
+    return scale_ == o.scale_ && causal_ == o.causal_ && has_mask_ == o.has_mask_ &&
+        boolean_mask_ == o.boolean_mask_;
   }
   std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
     const Shape& q = inputs[0].shape();
@@ -150,11 +146,13 @@ class Attention : public ReferencedPrimitive {
   }
 
  private:
-  // MLX's attention of (q, k, v[, mask]) (the mask additive, as here) in this
-  // primitive's output layout (B, L, H, D): the derivatives' reference.
+  // MLX's attention of (q, k, v[, mask]) (a boolean mask in its additive form, as here)
+  // in this primitive's output layout (B, L, H, D): the derivatives' reference.
   std::vector<array> reference(const std::vector<array>& in) override {
     std::optional<array> mask;
-    if (in.size() > 3) mask = in[3];
+    if (in.size() > 3)
+      mask = boolean_mask_ ? where(in[3], array(0.0f), array(MaskView::kMaskedOut), stream())
+                           : in[3];
     array out = fast::scaled_dot_product_attention(in[0], in[1], in[2], scale_,
                                                    causal_ ? "causal" : (mask ? "array" : ""),
                                                    mask, {}, false, stream());
@@ -162,7 +160,7 @@ class Attention : public ReferencedPrimitive {
   }
 
   float scale_;
-  bool causal_, has_mask_;
+  bool causal_, has_mask_, boolean_mask_;
 };
 
 }  // namespace
@@ -177,13 +175,15 @@ array attention(const array& q, const array& k, const array& v, float scale, boo
   Stream stream = to_stream(s);
   std::vector<array> inputs{astype(q, float32, stream), astype(k, float32, stream),
                             astype(v, float32, stream)};
-  if (mask) {
+  const bool boolean_mask = mask && mask->dtype() == bool_;
+  if (mask) {  // read in place through broadcast strides; a boolean one as it is
     Shape scores{q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
-    inputs.push_back(broadcast_to(astype(*mask, float32, stream), scores, stream));
+    inputs.push_back(broadcast_to(boolean_mask ? *mask : astype(*mask, float32, stream),
+                                  scores, stream));
   }
   Shape out_shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)};  // (B, L, H, D)
   array out(out_shape, float32,
-            std::make_shared<Attention>(stream, scale, causal, mask.has_value()),
+            std::make_shared<Attention>(stream, scale, causal, mask.has_value(), boolean_mask),
             std::move(inputs));
   return transpose(out, {0, 2, 1, 3}, stream);
 }

@@ -1,6 +1,6 @@
 // The attention problem as the CPU kernels see it (attention.cpp builds it from MLX's
 // arrays): float32 q, k, v read through strides with unit-stride columns, an optional
-// additive mask with broadcast strides, and the output written (batch, query, head, dim).
+// additive or boolean mask with broadcast strides, and the output written (batch, query, head, dim).
 #pragma once
 
 #include <algorithm>
@@ -17,12 +17,33 @@ struct View {
   }
 };
 
+// The mask: additive float32 values, or booleans (true: attend), whose false entries add
+// the most negative finite float, exactly as their additive form would (a row that sees
+// no key then gets uniform weights, not NaN, as models/layers/attention.py's MLX path).
 struct MaskView {
-  const float* data = nullptr;  // null: no mask
+  const void* data = nullptr;  // null: no mask
+  bool boolean = false;
   int64_t batch = 0, head = 0, query = 0, key = 0;
-  const float* row(int64_t b, int64_t h, int64_t query_index) const {
-    return data + b * batch + h * head + query_index * query;
+
+  // row[j] += the mask's entry for key first_key + j, j < n, of query `query_index`.
+  void add_to(float* row, int64_t b, int64_t h, int64_t query_index, int64_t first_key,
+              int64_t n) const {
+    const int64_t offset = b * batch + h * head + query_index * query + first_key * key;
+    if (boolean) {
+      const bool* m = static_cast<const bool*>(data) + offset;
+      for (int64_t j = 0; j < n; j++)
+        if (!m[j * key]) row[j] += kMaskedOut;
+      return;
+    }
+    const float* m = static_cast<const float*>(data) + offset;
+    if (key == 1) {
+      for (int64_t j = 0; j < n; j++) row[j] += m[j];
+    } else {
+      for (int64_t j = 0; j < n; j++) row[j] += m[j * key];
+    }
   }
+
+  static constexpr float kMaskedOut = -3.40282347e+38f;  // the lowest finite float
 };
 
 struct Problem {

@@ -8,9 +8,9 @@
 //   + mask, running row max, exp, sums     the tile's scores stay in L1/L2
 //   out_tile = out_tile * alpha + p . v    6 x 64 register tiles over the value rows
 // and divides by the row sums at the end. Keys are packed per kv head; values read from
-// a (batch, keys, heads, dims) view are copied to consecutive rows first. One SigLIP layer's attention (12 heads x 1024
-// patches x 64 dims) on a 2-core Xeon: 63 ms on the sgemm path, ~30 ms here (PyTorch's
-// fused kernel: ~31 ms).
+// a (batch, keys, heads, dims) view are copied to consecutive rows first. One SigLIP
+// layer's attention (12 heads x 1024 patches x 64 dims) on a 2-core Xeon: 63 ms on the
+// sgemm path, ~30 ms here (PyTorch's fused kernel: ~31 ms).
 //
 // Semantics are the sgemm path's: causal rows see a prefix of the keys (later ones are
 // neither computed nor weighted), a row that sees no key (or whose every score is -inf)
@@ -75,7 +75,8 @@ MLXVLM_AVX512 void pack_keys(const float* k, int64_t k_row, int64_t keys, int64_
 // every row or two, where the prefetchers stop (Qwen2-VL's tower: 16 heads x 80 dims).
 MLXVLM_AVX512 void pack_values(const float* v, int64_t v_row, int64_t dims, int64_t j0,
                                int64_t j1, float* packed) {
-  for (int64_t j = j0; j < j1; j++) std::copy(v + j * v_row, v + j * v_row + dims, packed + j * dims);
+  for (int64_t j = j0; j < j1; j++)
+    std::copy(v + j * v_row, v + j * v_row + dims, packed + j * dims);
 }
 
 // s[r][c * 16 + j] = scale * sum_d q[r][d] * panel_c[d][j], for R rows and C panels.
@@ -212,17 +213,6 @@ struct TileValues {
   }
 };
 
-MLXVLM_AVX512 void add_mask(float* row, const float* mask, int64_t key_stride, int64_t n) {
-  if (key_stride == 1) {
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16)
-      _mm512_storeu_ps(row + j, _mm512_add_ps(_mm512_loadu_ps(row + j), _mm512_loadu_ps(mask + j)));
-    for (; j < n; j++) row[j] += mask[j];
-  } else {
-    for (int64_t j = 0; j < n; j++) row[j] += mask[j * key_stride];
-  }
-}
-
 // Running softmax state of one query row.
 struct RowState {
   float max = -INFINITY, sum = 0.0f;
@@ -291,7 +281,7 @@ MLXVLM_AVX512 void query_tile(const Problem& p, int64_t b, int64_t h, int64_t i0
                                    p.scale, scores});
     for (int64_t r = 0; r < rows; r++) {
       float* row = scores + r * kKeyBlock;
-      if (p.mask.data) add_mask(row, p.mask.row(b, h, i0 + r) + k0 * p.mask.key, p.mask.key, n);
+      if (p.mask.data) p.mask.add_to(row, b, h, i0 + r, k0, n);
       const float alpha = softmax_step(row, n, visible_keys(p, i0 + r) - k0, state[r]);
       if (alpha != 1.0f) scale_row(out + r * out_row, p.dims, alpha);
     }

@@ -36,7 +36,8 @@ mlx::core::array norm(const mlx::core::array& x, const std::optional<mlx::core::
                       float weight_offset = 0.0f, mlx::core::StreamOrDevice s = {});
 
 // softmax(scale * q k^T + mask) v: q (B, H, L, D), k and v (B, H_kv, S, D), mask additive
-// and broadcastable to (B, H, L, S); causal: query i sees keys up to i + S - L.
+// or boolean (true: attend; false adds the lowest float) and broadcastable to
+// (B, H, L, S); causal: query i sees keys up to i + S - L.
 mlx::core::array attention(const mlx::core::array& q, const mlx::core::array& k,
                            const mlx::core::array& v, float scale, bool causal,
                            const std::optional<mlx::core::array>& mask,
