@@ -5,16 +5,11 @@ takes ~4.9 s on a 2-core x86-64 machine, 0.07 s once the system OpenBLAS is load
 RTLD_GLOBAL before libmlx, because libmlx's ``cblas_sgemm`` then resolves to OpenBLAS.
 Set ``MLXVLM_NO_OPENBLAS=1`` to opt out.
 
-With it, a small shim (``_blas_shim.c``, compiled once with the system C compiler and
-cached) takes every float32 product of the process (libmlx's ``cblas_sgemm`` and the CPU
-kernels'):
-- one-row and one-column products (every matmul of a decoding step) go to OpenBLAS's
-  ``sgemv``, which streams the weights about 3x faster than its ``sgemm`` does for them;
-- larger ones are split over mlxvlm's threads (``MLXVLM_CPU_THREADS``, default: the CPUs
-  this process may use), OpenBLAS running single-threaded inside each, so that no
-  OpenBLAS worker spins next to the CPU kernels between products (see the C file).
-Without a compiler the shim is skipped and said so, and OpenBLAS keeps its own threads;
-``MLXVLM_NO_GEMV_FORWARD=1`` opts out of the shim alone.
+With it, a small shim (``_sgemm_gemv.c``, compiled once with the system C compiler and
+cached) takes libmlx's ``cblas_sgemm`` and hands one-row and one-column products (every
+matmul of a decoding step) to OpenBLAS's ``sgemv``, which streams the weights about 3x
+faster than its ``sgemm`` does for them (see the C file). Without a compiler the shim is
+skipped and said so; ``MLXVLM_NO_GEMV_FORWARD=1`` opts out of it alone.
 """
 
 from __future__ import annotations
@@ -38,13 +33,10 @@ malloc_status: str = "not attempted"
 # What happened, for --verbose: the library path loaded, or why none was.
 openblas_status: str = "not attempted"
 gemv_forward_status: str = "not attempted"
-# The loaded shim (mlxvlm_gemv_forwarded() counts the products it forwarded to sgemv,
-# mlxvlm_products_split() those it split over threads), or None.
+# The loaded shim (mlxvlm_gemv_forwarded() counts the products it forwarded), or None.
 gemv_forward = None
-# Threads the shim splits products over (1: OpenBLAS threads them itself, or no shim).
-product_threads: int = 1
 
-_SHIM_SOURCE = Path(__file__).with_name("_blas_shim.c")
+_SHIM_SOURCE = Path(__file__).with_name("_sgemm_gemv.c")
 
 
 def cache_dir() -> Path:
@@ -59,15 +51,14 @@ def _build_shim() -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler found (cc/gcc; set CC)")
     digest = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
-    target = cache_dir() / f"libmlxvlm_blas_shim-{digest}.so"
+    target = cache_dir() / f"libmlxvlm_sgemm_gemv-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, "-O2", "-shared", "-fPIC", str(_SHIM_SOURCE), "-o", str(built), "-ldl",
-             "-lpthread"],
+            [compiler, "-O2", "-shared", "-fPIC", str(_SHIM_SOURCE), "-o", str(built), "-ldl"],
             capture_output=True, text=True, timeout=120,
         )
         if result.returncode != 0:
@@ -89,20 +80,8 @@ def _load_shim():
         return None
 
 
-def cpu_threads() -> int:
-    """The threads mlxvlm computes on: ``MLXVLM_CPU_THREADS``, else the CPUs this process
-    may run on (its affinity mask, which containers and ``taskset`` narrow)."""
-    value = os.environ.get("MLXVLM_CPU_THREADS", "").strip()
-    if value.isdigit() and int(value) > 0:
-        return int(value)
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def preload_openblas() -> None:
-    global openblas_status, gemv_forward_status, gemv_forward, product_threads
+    global openblas_status, gemv_forward_status, gemv_forward
     if sys.platform == "darwin":
         openblas_status = "not used on macOS (Accelerate/Metal)"
         return
@@ -130,20 +109,10 @@ def preload_openblas() -> None:
     openblas_status = f"loaded {name}"
     if shim is not None:
         address = lambda symbol: ctypes.cast(getattr(openblas, symbol), ctypes.c_void_p)  # noqa: E731
-        threads = cpu_threads()
-        try:
-            openblas.openblas_set_num_threads(1)  # the shim's threads call it, one each
-        except AttributeError:  # a BLAS without OpenBLAS's thread control threads itself
-            threads = 1
-        shim.mlxvlm_blas_init(address("cblas_sgemm"), address("cblas_sgemv"), threads)
+        shim.mlxvlm_gemv_forward_init(address("cblas_sgemm"), address("cblas_sgemv"))
         shim.mlxvlm_gemv_forwarded.restype = ctypes.c_long
-        shim.mlxvlm_products_split.restype = ctypes.c_long
-        gemv_forward, product_threads = shim, threads
-        gemv_forward_status = (
-            "one-row and one-column float32 products use OpenBLAS's sgemv; "
-            + (f"products split over {threads} mlxvlm threads, OpenBLAS single-threaded"
-               if threads > 1 else "products on one thread")
-        )
+        gemv_forward = shim
+        gemv_forward_status = "one-row and one-column float32 products use OpenBLAS's sgemv"
 
 
 def tune_malloc() -> None:

@@ -7,7 +7,6 @@
 // for work of more than a few tens of microseconds.
 #pragma once
 
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -89,19 +88,12 @@ class ThreadPool {
   bool stopping_ = false;
 };
 
-// The CPUs this process may run on (its affinity mask, which containers and taskset
-// narrow); MLXVLM_CPU_THREADS overrides. The same rule as mlxvlm._backend.cpu_threads,
-// whose count the float32 products are split over.
+// The CPUs this process may run on; MLXVLM_CPU_THREADS overrides.
 inline int default_threads() {
   if (const char* env = std::getenv("MLXVLM_CPU_THREADS")) {
     int n = std::atoi(env);
     if (n > 0) return n;
   }
-#ifdef __linux__
-  cpu_set_t allowed;
-  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0 && CPU_COUNT(&allowed) > 0)
-    return CPU_COUNT(&allowed);
-#endif
   unsigned n = std::thread::hardware_concurrency();
   return n == 0 ? 1 : static_cast<int>(n);
 }
