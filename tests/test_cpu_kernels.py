@@ -18,9 +18,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -426,6 +428,13 @@ def test_attention_over_many_blocks_from_strided_inputs(B, L, H, KV, D):
                                rtol=1e-4, atol=1e-5)
 
 
+def graph_operations(output: mx.array) -> list[str]:
+    """The operations MLX would run to compute ``output``, sorted (from its dot export)."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, output)
+    return sorted(re.findall(r'label ="([^"]+)"', dot.getvalue()))
+
+
 def test_a_boolean_mask_is_read_by_the_kernel_as_it_is(monkeypatch):
     """A model passes one mask to every layer (the server's batched decoding: a boolean
     one per step); the kernel reads it as it is, with no conversion operation per layer,
@@ -438,6 +447,13 @@ def test_a_boolean_mask_is_read_by_the_kernel_as_it_is(monkeypatch):
     monkeypatch.setattr(mx, "where", lambda *a, **kw: conversions.append(1) or where(*a, **kw))
     layers = [kernels.attention(q, k, v, scale=0.2, mask=mask) for _ in range(4)]
     assert len(conversions) == 0
+    # Nor one in C++: between the evaluated mask and the kernel there is only its
+    # broadcast (a float mask gets an AsType there, which this check sees).
+    mx.eval(q, k, v, mask, additive)
+    assert graph_operations(kernels.attention(q, k, v, scale=0.2, mask=mask)) == [
+        "Broadcast", "MlxvlmAttention", "Transpose"]
+    assert "AsType" in graph_operations(
+        kernels.attention(q, k, v, scale=0.2, mask=mask.astype(mx.float16)))
     want = kernels.attention(q, k, v, scale=0.2, mask=additive)
     for got in layers:
         np.testing.assert_array_equal(np.array(got), np.array(want))
