@@ -5,11 +5,17 @@ takes ~4.9 s on a 2-core x86-64 machine, 0.07 s once the system OpenBLAS is load
 RTLD_GLOBAL before libmlx, because libmlx's ``cblas_sgemm`` then resolves to OpenBLAS.
 Set ``MLXVLM_NO_OPENBLAS=1`` to opt out.
 
-With it, a small shim (``_sgemm_gemv.c``, compiled once with the system C compiler and
-cached) takes libmlx's ``cblas_sgemm`` and hands one-row and one-column products (every
-matmul of a decoding step) to OpenBLAS's ``sgemv``, which streams the weights about 3x
-faster than its ``sgemm`` does for them (see the C file). Without a compiler the shim is
-skipped and said so; ``MLXVLM_NO_GEMV_FORWARD=1`` opts out of it alone.
+With it, a small shim (``_blas_shim.c``, compiled once with the system C compiler and
+cached) holds mlxvlm's CPU threads and takes every float32 product of the process
+(libmlx's ``cblas_sgemm`` and the CPU kernels'):
+- one pool of threads (``MLXVLM_CPU_THREADS``, default: the CPUs this process may use)
+  runs the CPU kernels and the products, OpenBLAS single-threaded inside each part, so
+  that no idle OpenBLAS worker spins next to the kernels; the pool's threads spin
+  briefly between jobs before they sleep (see the C file);
+- one-row and one-column products (every matmul of a decoding step) go to OpenBLAS's
+  ``sgemv``, which streams the weights about 3x faster than its ``sgemm`` does for them.
+Without a compiler the shim is skipped and said so, OpenBLAS keeps its own threads and
+the kernels their own pool; ``MLXVLM_NO_GEMV_FORWARD=1`` opts out of the shim alone.
 """
 
 from __future__ import annotations
@@ -33,10 +39,16 @@ malloc_status: str = "not attempted"
 # What happened, for --verbose: the library path loaded, or why none was.
 openblas_status: str = "not attempted"
 gemv_forward_status: str = "not attempted"
-# The loaded shim (mlxvlm_gemv_forwarded() counts the products it forwarded), or None.
+# The loaded shim (mlxvlm_gemv_forwarded() counts the products it forwarded to sgemv,
+# mlxvlm_products_split() those it split over the pool, mlxvlm_pool_jobs() the jobs its
+# pool ran, the CPU kernels' included), or None.
 gemv_forward = None
+# The shim's pool size (the kernels use it too); 1 when there is no shim.
+pool_threads: int = 1
+# How long an idle pool thread spins for the next job before it sleeps (microseconds).
+SPIN_US = 1000
 
-_SHIM_SOURCE = Path(__file__).with_name("_sgemm_gemv.c")
+_SHIM_SOURCE = Path(__file__).with_name("_blas_shim.c")
 
 
 def cache_dir() -> Path:
@@ -51,14 +63,15 @@ def _build_shim() -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler found (cc/gcc; set CC)")
     digest = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
-    target = cache_dir() / f"libmlxvlm_sgemm_gemv-{digest}.so"
+    target = cache_dir() / f"libmlxvlm_blas_shim-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, "-O2", "-shared", "-fPIC", str(_SHIM_SOURCE), "-o", str(built), "-ldl"],
+            [compiler, "-O2", "-shared", "-fPIC", str(_SHIM_SOURCE), "-o", str(built), "-ldl",
+             "-lpthread"],
             capture_output=True, text=True, timeout=120,
         )
         if result.returncode != 0:
@@ -80,8 +93,27 @@ def _load_shim():
         return None
 
 
+def cpu_threads() -> int:
+    """The threads mlxvlm computes on: ``MLXVLM_CPU_THREADS``, else the CPUs this process
+    may run on (its affinity mask, which containers and ``taskset`` narrow)."""
+    value = os.environ.get("MLXVLM_CPU_THREADS", "").strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def spin_microseconds() -> int:
+    """How long an idle pool thread waits for the next job before it sleeps:
+    ``MLXVLM_CPU_SPIN_US`` (0 sleeps at once: for a machine shared with other work)."""
+    value = os.environ.get("MLXVLM_CPU_SPIN_US", "").strip()
+    return int(value) if value.isdigit() else SPIN_US
+
+
 def preload_openblas() -> None:
-    global openblas_status, gemv_forward_status, gemv_forward
+    global openblas_status, gemv_forward_status, gemv_forward, pool_threads
     if sys.platform == "darwin":
         openblas_status = "not used on macOS (Accelerate/Metal)"
         return
@@ -109,10 +141,26 @@ def preload_openblas() -> None:
     openblas_status = f"loaded {name}"
     if shim is not None:
         address = lambda symbol: ctypes.cast(getattr(openblas, symbol), ctypes.c_void_p)  # noqa: E731
-        shim.mlxvlm_gemv_forward_init(address("cblas_sgemm"), address("cblas_sgemv"))
+        threads = cpu_threads()
+        try:
+            openblas.openblas_set_num_threads(1)  # the pool's threads call it, one each
+            single_threaded = True
+        except AttributeError:  # a BLAS without OpenBLAS's thread control threads itself
+            single_threaded = False
+        split = single_threaded and threads > 1
+        shim.mlxvlm_blas_init(address("cblas_sgemm"), address("cblas_sgemv"), threads,
+                              int(split), ctypes.c_long(spin_microseconds()))
         shim.mlxvlm_gemv_forwarded.restype = ctypes.c_long
-        gemv_forward = shim
-        gemv_forward_status = "one-row and one-column float32 products use OpenBLAS's sgemv"
+        shim.mlxvlm_products_split.restype = ctypes.c_long
+        shim.mlxvlm_pool_jobs.restype = ctypes.c_long
+        gemv_forward, pool_threads = shim, threads
+        if split:
+            products = f"products split over mlxvlm's {threads} threads, OpenBLAS single-threaded"
+        elif single_threaded:
+            products = "products on one thread"
+        else:
+            products = "the BLAS threads the products itself"
+        gemv_forward_status = f"one-row and one-column float32 products use OpenBLAS's sgemv; {products}"
 
 
 def tune_malloc() -> None:

@@ -170,7 +170,7 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
         if args.verbose:
             print(f"[mlxvlm] device: {mx.default_device()}", file=sys.stderr)
             print(f"[mlxvlm] OpenBLAS: {_backend.openblas_status}", file=sys.stderr)
-            print(f"[mlxvlm] sgemv forwarding: {_backend.gemv_forward_status}", file=sys.stderr)
+            print(f"[mlxvlm] float32 products: {_backend.gemv_forward_status}", file=sys.stderr)
             print(f"[mlxvlm] malloc: {_backend.malloc_status}", file=sys.stderr)
         model, processor = load(
             args.model,

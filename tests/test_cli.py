@@ -72,7 +72,7 @@ def test_generate_streams_the_same_text_as_the_api(checkpoint, image_file):
     assert "peak memory" in result.stderr and "OpenBLAS" in result.stderr
     # The CPU set-up is reported: the sgemv shim's state, the maths fast paths and the
     # CPU kernels (built here: the test machine has the toolchain).
-    assert "sgemv forwarding:" in result.stderr
+    assert "float32 products:" in result.stderr
     assert "malloc:" in result.stderr
     assert "CPU fast paths:" in result.stderr and "vectorised exp" in result.stderr
     assert "CPU kernels: attention, activation, norm" in result.stderr

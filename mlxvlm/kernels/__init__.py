@@ -96,7 +96,8 @@ def _build_and_import() -> ModuleType | None:
         return None
     threads = module.threads()
     status = (f"attention, activation, norm, rotary, 16-bit and quantized linear kernels "
-              f"({module.simd()}, {threads} thread{'s' if threads != 1 else ''})")
+              f"({module.simd()}, {threads} thread{'s' if threads != 1 else ''}"
+              f"{', shared with the float32 products' if module.shares_blas_pool() else ''})")
     cap = os.environ.get(ISA_ENV, "")
     if cap and cap not in ISAS:  # the kernels then use the widest set the CPU has
         status += f"; {ISA_ENV}={cap!r} ignored (expected one of {', '.join(ISAS)})"

@@ -1,12 +1,18 @@
-// A small persistent thread pool for the CPU kernels.
+// The thread pool the CPU kernels split their row loops over.
 //
 // MLX's CPU backend runs every primitive on its stream's single worker thread; the
-// kernels here split their row loops over this pool (the calling thread is worker 0).
-// Threads are created once (per process: a forked child makes its own) and wait on a
-// condition variable between jobs; a wake-up costs ~10 us, so callers only go parallel
-// for work of more than a few tens of microseconds.
+// kernels here split their loops over a pool (the calling thread is worker 0). When
+// mlxvlm loaded its BLAS shim (mlxvlm/_blas_shim.c, Linux with OpenBLAS), that is the
+// shim's pool, which the float32 products run on too: one set of threads, spinning
+// briefly between jobs, so that neither OpenBLAS's idle threads spin next to a kernel
+// nor each operation of a decoding step wakes a sleeping thread. Without the shim the
+// kernels keep a pool of their own here, whose threads wait on a condition variable
+// between jobs; callers only go parallel for work of more than a few tens of
+// microseconds either way.
 #pragma once
 
+#include <dlfcn.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -88,17 +94,43 @@ class ThreadPool {
   bool stopping_ = false;
 };
 
-// The CPUs this process may run on; MLXVLM_CPU_THREADS overrides.
+// The CPUs this process may run on (its affinity mask, which containers and taskset
+// narrow); MLXVLM_CPU_THREADS overrides. The same rule as mlxvlm._backend.cpu_threads.
 inline int default_threads() {
   if (const char* env = std::getenv("MLXVLM_CPU_THREADS")) {
     int n = std::atoi(env);
     if (n > 0) return n;
   }
+#ifdef __linux__
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0 && CPU_COUNT(&allowed) > 0)
+    return CPU_COUNT(&allowed);
+#endif
   unsigned n = std::thread::hardware_concurrency();
   return n == 0 ? 1 : static_cast<int>(n);
 }
 
-inline ThreadPool& thread_pool() {
+// The BLAS shim's pool, found in the process (the shim is loaded with RTLD_GLOBAL); it
+// serves once the shim is initialised (threads() > 0).
+struct SharedPool {
+  using part_fn = void (*)(const void* job, int part, int parts);
+  void (*run)(part_fn, const void*) = nullptr;
+  int (*threads)() = nullptr;
+};
+
+inline const SharedPool& shared_pool() {
+  static const SharedPool pool = [] {
+    SharedPool found;
+    found.run = reinterpret_cast<void (*)(SharedPool::part_fn, const void*)>(
+        dlsym(RTLD_DEFAULT, "mlxvlm_pool_run"));
+    found.threads = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "mlxvlm_pool_threads"));
+    if (found.run == nullptr || found.threads == nullptr) found = SharedPool{};
+    return found;
+  }();
+  return pool;
+}
+
+inline ThreadPool& own_thread_pool() {
   // Threads do not survive fork(): a child process builds its own pool (the parent's
   // is leaked there, never joined).
   static pid_t owner = 0;
@@ -112,12 +144,32 @@ inline ThreadPool& thread_pool() {
   return *pool;
 }
 
+// The pool the kernels use: its size, and body(worker, workers) on every worker.
+class Pool {
+ public:
+  int size() const { return shared() ? shared_pool().threads() : own_thread_pool().size(); }
+
+  // Whether this is the BLAS shim's pool (the float32 products' threads too).
+  static bool shared() { return shared_pool().run != nullptr && shared_pool().threads() > 0; }
+
+  void run(const std::function<void(int, int)>& body) const {
+    if (!shared()) return own_thread_pool().run(body);
+    shared_pool().run(
+        [](const void* job, int part, int parts) {
+          (*static_cast<const std::function<void(int, int)>*>(job))(part, parts);
+        },
+        &body);
+  }
+};
+
+inline Pool thread_pool() { return Pool{}; }
+
 // fn(start, stop) over contiguous parts of [0, n), in parallel when each worker would get
 // at least `min_per_worker` items.
 template <class F>
 void parallel_for(int64_t n, int64_t min_per_worker, F&& fn) {
   if (n <= 0) return;
-  ThreadPool& pool = thread_pool();
+  Pool pool = thread_pool();
   int64_t workers = std::min<int64_t>(pool.size(), n / std::max<int64_t>(1, min_per_worker));
   if (workers <= 1) {
     fn(int64_t(0), n);
@@ -135,7 +187,7 @@ void parallel_for(int64_t n, int64_t min_per_worker, F&& fn) {
 template <class F>
 void parallel_tasks(int64_t n, F&& fn) {
   if (n <= 0) return;
-  ThreadPool& pool = thread_pool();
+  Pool pool = thread_pool();
   std::atomic<int64_t> next{0};
   auto work = [&](int worker) {
     for (int64_t task = next.fetch_add(1); task < n; task = next.fetch_add(1)) fn(task, worker);

@@ -19,6 +19,8 @@ NB_MODULE(_mlxvlm_cpu_kernels, m) {
         },
         "address"_a, "Use the cblas_sgemm at this address for the float32 products.");
   m.def("threads", [] { return mlxvlm::thread_pool().size(); });
+  m.def("shares_blas_pool", [] { return mlxvlm::thread_pool().shared(); },
+        "Whether the kernels run on the BLAS shim's threads (mlxvlm/_blas_shim.c).");
   m.def("simd", [] { return mlxvlm::isa_name(); });
   nb::enum_<mlxvlm::Activation>(m, "Activation")
       .value("gelu_tanh", mlxvlm::Activation::gelu_tanh)
