@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -35,6 +36,14 @@ def forwarded() -> int:
 
 def rng_array(*shape, seed=0):
     return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+def in_two_threads(work):
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def check(got: mx.array, want: np.ndarray):
@@ -232,8 +241,6 @@ def test_openblas_runs_single_threaded_inside_the_split():
 def test_concurrent_streams_get_right_products():
     """Two threads, each with its own MLX stream, multiply at once: the one that finds
     the threads busy computes its product whole on its own thread."""
-    import threading
-
     a, b = rng_array(400, 300, seed=31), rng_array(300, 500, seed=32)
     want = a @ b
     errors = []
@@ -245,11 +252,7 @@ def test_concurrent_streams_get_right_products():
                 got = np.array(mx.array(a) @ mx.array(b))
             errors.append(float(np.abs(got - want).max()))
 
-    threads = [threading.Thread(target=work) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_two_threads(work)
     assert len(errors) == 40 and max(errors) < 1e-2
 
 
@@ -427,8 +430,6 @@ def test_a_forked_child_starts_its_own_threads():
 def test_two_streams_share_the_pool_with_the_kernels():
     """Kernels and products from two threads at once: the caller that finds the pool busy
     runs its job alone, and every result is right."""
-    import threading
-
     from mlxvlm import kernels
 
     if kernels.load() is None:
@@ -448,9 +449,5 @@ def test_two_streams_share_the_pool_with_the_kernels():
             errors.append(max(float(np.abs(np.array(got) - want).max()),
                               float(np.abs(np.array(product) - a @ b).max()) / 100))
 
-    threads = [threading.Thread(target=work) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_two_threads(work)
     assert len(errors) == 30 and max(errors) < 1e-4
