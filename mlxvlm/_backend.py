@@ -41,7 +41,8 @@ openblas_status: str = "not attempted"
 gemv_forward_status: str = "not attempted"
 # The loaded shim (mlxvlm_gemv_forwarded() counts the products it forwarded to sgemv,
 # mlxvlm_products_split() those it split over the pool, mlxvlm_pool_jobs() the jobs its
-# pool ran, the CPU kernels' included), or None.
+# pool ran, the CPU kernels' included, mlxvlm_pool_sleeps() the times an idle thread
+# went to sleep), or None.
 gemv_forward = None
 # The shim's pool size (the kernels use it too); 1 when there is no shim.
 pool_threads: int = 1
@@ -153,6 +154,7 @@ def preload_openblas() -> None:
         shim.mlxvlm_gemv_forwarded.restype = ctypes.c_long
         shim.mlxvlm_products_split.restype = ctypes.c_long
         shim.mlxvlm_pool_jobs.restype = ctypes.c_long
+        shim.mlxvlm_pool_sleeps.restype = ctypes.c_long
         gemv_forward, pool_threads = shim, threads
         if split:
             products = f"products split over mlxvlm's {threads} threads, OpenBLAS single-threaded"

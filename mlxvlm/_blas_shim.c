@@ -42,7 +42,9 @@ typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const fl
 static sgemm_fn real_sgemm = NULL;
 static sgemv_fn real_sgemv = NULL;
 static int split_products = 0; /* OpenBLAS is single-threaded: split products here */
-static long forwarded = 0, split = 0, pooled = 0;
+/* Counters, for tests and profiling: products forwarded to sgemv, products split over
+ * the pool, jobs the pool ran, and the times an idle thread went to sleep. */
+static long forwarded = 0, products_split = 0, pooled = 0, sleeps = 0;
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, CONJ_TRANS = 113 };
 
@@ -111,6 +113,7 @@ static void *worker(void *unused) {
             if (round % 16 == 0 && now_ns() - spun_since > pool.spin_ns) {
                 pthread_mutex_lock(&pool.lock);
                 __atomic_add_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
+                __atomic_add_fetch(&sleeps, 1, __ATOMIC_RELAXED);
                 while (job_number(__atomic_load_n(&pool.state, __ATOMIC_SEQ_CST)) == seen)
                     pthread_cond_wait(&pool.wake, &pool.lock);
                 __atomic_sub_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
@@ -188,6 +191,9 @@ int mlxvlm_pool_threads(void) { return pool.threads; }
 /* Jobs run on the pool's threads so far (not those a busy pool left to their caller). */
 long mlxvlm_pool_jobs(void) { return __atomic_load_n(&pooled, __ATOMIC_RELAXED); }
 
+/* The times an idle thread has gone to sleep (it spun spin_us without a job). */
+long mlxvlm_pool_sleeps(void) { return __atomic_load_n(&sleeps, __ATOMIC_RELAXED); }
+
 /* ---- products --------------------------------------------------------------------- */
 
 /* [*start, *stop) of n for `part` of `parts`, in multiples of MIN_PART but the last. */
@@ -261,7 +267,7 @@ static void gemv(int trans, int rows, int cols, float alpha, const float *a, int
         gemv_part(&g, 0, 1);
     } else {
         mlxvlm_pool_run(gemv_part, &g);
-        __atomic_add_fetch(&split, 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&products_split, 1, __ATOMIC_RELAXED);
     }
 }
 
@@ -280,7 +286,7 @@ void mlxvlm_blas_init(sgemm_fn sgemm, sgemv_fn sgemv, int threads, int split, lo
 
 long mlxvlm_gemv_forwarded(void) { return __atomic_load_n(&forwarded, __ATOMIC_RELAXED); }
 
-long mlxvlm_products_split(void) { return __atomic_load_n(&split, __ATOMIC_RELAXED); }
+long mlxvlm_products_split(void) { return __atomic_load_n(&products_split, __ATOMIC_RELAXED); }
 
 /* y = beta * y before an sgemv that must not read an uninitialised y when beta == 0. */
 static void zero_if_no_beta(float beta, float *y, int n, int stride) {
@@ -323,7 +329,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
             gemm_job g = {trans_a, trans_b, m, n, k, lda, ldb, ldc, by_rows,
                           alpha, beta, a, b, c};
             mlxvlm_pool_run(gemm_part, &g);
-            __atomic_add_fetch(&split, 1, __ATOMIC_RELAXED);
+            __atomic_add_fetch(&products_split, 1, __ATOMIC_RELAXED);
             return;
         }
     }

@@ -371,12 +371,65 @@ def test_threads_that_sleep_after_every_job(threads):
     """MLXVLM_CPU_SPIN_US=0: the threads sleep as soon as a job is done, so every job
     wakes them; 3 threads on this machine's CPUs also makes them wait for a core."""
     out = run_probe("err = check_all(100)\n"
-                    "print(module.threads(), _backend.gemv_forward.mlxvlm_pool_jobs(), err)",
-                    MLXVLM_CPU_SPIN_US="0", MLXVLM_CPU_THREADS=threads)
-    count, jobs, err = out.split()
+                    "shim = _backend.gemv_forward\n"
+                    "print(module.threads(), shim.mlxvlm_pool_jobs(), shim.mlxvlm_pool_sleeps(), err)",
+                    MLXVLM_CPU_SPIN_US="0", MLXVLM_CPU_THREADS=threads,
+                    # numpy's own OpenBLAS (the references) would otherwise spin a thread
+                    # after each of its products, and the pool's idle thread, yielding to
+                    # it, would rarely get round to sleeping between rounds.
+                    OPENBLAS_NUM_THREADS="1")
+    count, jobs, sleeps, err = out.split()
     pooled = str(int(jobs) >= 300)  # each round: an attention, a product, a one-row product
     assert count == threads and pooled == "True"
+    # They did sleep: at least once a round (the numpy references between rounds take
+    # milliseconds; a round's own jobs follow each other within microseconds).
+    assert int(sleeps) >= 100
     assert float(err) < 1e-4
+
+
+SPIN_PROBE = """
+import mlxvlm
+from mlxvlm import _backend
+import mlx.core as mx
+a, b = mx.random.normal((300, 200)), mx.random.normal((200, 250))
+mx.eval(a, b, a @ b)
+shim = _backend.gemv_forward
+jobs, sleeps = shim.mlxvlm_pool_jobs(), shim.mlxvlm_pool_sleeps()
+for _ in range(200):  # split products back to back: microseconds between jobs
+    mx.eval(a @ b)
+print(shim.mlxvlm_pool_jobs() - jobs, shim.mlxvlm_pool_sleeps() - sleeps)
+"""
+
+
+@needs_shim
+@needs_threads
+@pytest.mark.parametrize("spin_us", ["0", "1000000"])
+def test_spin_setting_decides_when_idle_threads_sleep(spin_us):
+    """Between back-to-back jobs an idle thread sleeps at once with MLXVLM_CPU_SPIN_US=0,
+    and never within a 1 s spin."""
+    out = subprocess.run([sys.executable, "-c", SPIN_PROBE], capture_output=True, text=True,
+                         env={**os.environ, "MLXVLM_CPU_SPIN_US": spin_us}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    jobs, sleeps = map(int, out.stdout.split())
+    assert jobs == 200
+    if spin_us == "0":  # not after every job: a thread looks at the clock every 16 yields
+        assert sleeps >= 20
+    else:
+        assert sleeps == 0
+
+
+@pytest.mark.parametrize("value, expected", [("", 1000), ("0", 0), ("250", 250),
+                                             ("-5", 1000), ("fast", 1000)])
+def test_spin_setting_is_read_from_the_environment(monkeypatch, value, expected):
+    monkeypatch.setenv("MLXVLM_CPU_SPIN_US", value)
+    assert _backend.spin_microseconds() == expected
+
+
+def test_thread_count_setting_is_read_from_the_environment(monkeypatch):
+    allowed = len(os.sched_getaffinity(0))
+    for value, expected in [("3", 3), ("", allowed), ("0", allowed), ("many", allowed)]:
+        monkeypatch.setenv("MLXVLM_CPU_THREADS", value)
+        assert _backend.cpu_threads() == expected
 
 
 FORK_PROBE = """

@@ -44,6 +44,8 @@ from types import ModuleType
 
 import mlx.core as mx
 
+from mlxvlm import _backend
+
 DISABLE_ENV = "MLXVLM_NO_CPU_KERNELS"
 ISA_ENV = "MLXVLM_CPU_ISA"  # caps the instruction set; read by the C++ side (vector_math.h)
 ISAS = ("avx512", "avx2", "portable")
@@ -90,6 +92,7 @@ def _build_and_import() -> ModuleType | None:
     try:
         module = _import(build(verbose=True))
         module.set_sgemm(_sgemm_address())
+        module.set_threads(_backend.cpu_threads())  # for its own pool, without the shim
     except (BuildError, OSError, ImportError, AttributeError, subprocess.SubprocessError) as exc:
         status = f"not used: {exc}"
         print(f"mlxvlm: CPU kernels {status}", file=sys.stderr)

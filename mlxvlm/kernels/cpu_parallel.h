@@ -12,7 +12,6 @@
 #pragma once
 
 #include <dlfcn.h>
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -94,18 +93,15 @@ class ThreadPool {
   bool stopping_ = false;
 };
 
-// The CPUs this process may run on (its affinity mask, which containers and taskset
-// narrow); MLXVLM_CPU_THREADS overrides. The same rule as mlxvlm._backend.cpu_threads.
+// The kernels' own pool's size: set from Python (mlxvlm._backend.cpu_threads, the one
+// place that reads MLXVLM_CPU_THREADS and the affinity mask) before the pool is made.
+inline int& configured_threads() {
+  static int threads = 0;
+  return threads;
+}
+
 inline int default_threads() {
-  if (const char* env = std::getenv("MLXVLM_CPU_THREADS")) {
-    int n = std::atoi(env);
-    if (n > 0) return n;
-  }
-#ifdef __linux__
-  cpu_set_t allowed;
-  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0 && CPU_COUNT(&allowed) > 0)
-    return CPU_COUNT(&allowed);
-#endif
+  if (configured_threads() > 0) return configured_threads();
   unsigned n = std::thread::hardware_concurrency();
   return n == 0 ? 1 : static_cast<int>(n);
 }

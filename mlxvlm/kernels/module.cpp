@@ -18,6 +18,8 @@ NB_MODULE(_mlxvlm_cpu_kernels, m) {
           mlxvlm::sgemm_pointer() = reinterpret_cast<mlxvlm::sgemm_fn>(address);
         },
         "address"_a, "Use the cblas_sgemm at this address for the float32 products.");
+  m.def("set_threads", [](int threads) { mlxvlm::configured_threads() = threads; }, "threads"_a,
+        "The size of the kernels' own pool (used without the BLAS shim), before first use.");
   m.def("threads", [] { return mlxvlm::thread_pool().size(); });
   m.def("shares_blas_pool", [] { return mlxvlm::thread_pool().shared(); },
         "Whether the kernels run on the BLAS shim's threads (mlxvlm/_blas_shim.c).");
