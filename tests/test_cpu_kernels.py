@@ -354,9 +354,10 @@ def _float64_attention(q, k, v, scale, mask=None, causal=False):
 
 
 # (batch, heads, kv_heads, queries, keys, dims, mask, causal): key counts that are not a
-# multiple of the 16-key panels and span several 256-key blocks, query counts that are
-# not a multiple of the 6-row tiles or 48-query tiles, head sizes of every model family
-# (64, 72, 80, 128, 256) and odd ones, masks broadcast every way.
+# multiple of the 16-key panels or of the 64 keys a product pass takes, and that span
+# several 1024-key softmax blocks, query counts that are not a multiple of the 6-row tiles
+# or 48-query tiles, head sizes of every model family (64, 72, 80, 128, 256) and odd ones,
+# masks broadcast every way.
 ATTENTION_CASES = {
     "siglip": (1, 12, 12, 1024, 1024, 64, None, False),
     "so400m_odd_lengths": (1, 4, 4, 531, 531, 72, None, False),
@@ -370,6 +371,9 @@ ATTENTION_CASES = {
     "mask_per_query_only": (1, 4, 4, 50, 66, 48, "queries", False),
     "rows_fully_masked": (1, 2, 2, 20, 300, 64, "minus_inf_rows", False),
     "boolean_mask": (2, 4, 2, 37, 300, 80, "boolean", False),
+    "causal_over_key_blocks": (1, 4, 2, 90, 2200, 64, None, True),  # blocks 1024 + 1024 + 152
+    # Odd rows see no key of the first 1024-key block, rows 3 and 7 none at all.
+    "first_key_block_masked": (1, 2, 2, 20, 2100, 80, "late_keys", False),
 }
 
 
@@ -389,6 +393,10 @@ def _attention_case(batch, heads, kv_heads, queries, keys, dims, mask_kind, seed
     if mask_kind == "minus_inf_rows":  # rows 3 and 7 see nothing; others lose half the keys
         hidden = (mx.arange(keys)[None] % 2 == 0) | (mx.arange(queries)[:, None] % 4 == 3)
         mask = mx.where(hidden, -mx.inf, 0.0)
+    if mask_kind == "late_keys":  # odd rows: keys from 1100 on; rows 3 and 7: none
+        rows, columns = mx.arange(queries)[:, None], mx.arange(keys)[None]
+        hidden = ((rows % 2 == 1) & (columns < 1100)) | (rows % 4 == 3)
+        mask = mx.where(hidden, -mx.inf, 0.0)
     return q, k, v, mask
 
 
@@ -404,7 +412,8 @@ def test_attention_matches_float64(case):
     want = _float64_attention(q, k, v, scale, None if causal else mask, causal)
     assert got.shape == want.shape == (batch, heads, queries, dims)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))  # rows that see no key
-    assert np.isnan(want).any() == (case in ("more_queries_than_keys", "rows_fully_masked"))
+    assert np.isnan(want).any() == (
+        case in ("more_queries_than_keys", "rows_fully_masked", "first_key_block_masked"))
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5, equal_nan=True)
 
 
