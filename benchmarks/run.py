@@ -5,9 +5,10 @@
         --mlx-vlm-python /path/to/venv-with-mlx-vlm/bin/python
 
 Every run is a fresh process (so load time and memory are measured from a cold start)
-and the engines alternate run by run, so that a slower or faster stretch of the machine
-falls on all of them alike. Prints median/min/max of each statistic and mlxvlm's ratios to
-the other engines; ``--output`` also writes the raw runs as JSON.
+and the engines alternate run by run (in reverse order every other run), so that a slower
+or faster stretch of the machine falls on all of them alike. Prints median/min/max of each
+statistic and mlxvlm's ratios to the other engines, of the medians and run by run;
+``--output`` also writes the raw runs as JSON.
 """
 
 from __future__ import annotations
@@ -50,22 +51,34 @@ def run_once(command: list[str], timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
+def run_order(engines: list[str], index: int) -> list[str]:
+    """The engines in the order run ``index`` runs them: reversed every other run, so that
+    no engine always runs right after another (whose page cache or idle threads linger)."""
+    return list(engines) if index % 2 == 0 else list(reversed(engines))
+
+
+def _range(values: list[float], fmt: str) -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}–{max(values):{fmt}})"
+
+
 def table(results: dict[str, list[dict]]) -> str:
+    """Median (min–max) of each metric per engine; then, for each other engine, the ratio
+    of mlxvlm's median to its median, and the run-by-run ratios (run i of mlxvlm against
+    run i of the other, minutes or seconds apart), median (min–max): on a machine whose
+    speed drifts, the second is the steadier comparison."""
     engines = list(results)
     header = "| metric | " + " | ".join(f"{e} median (min–max)" for e in engines)
     others = [e for e in engines if e != "mlxvlm"]
-    header += "".join(f" | mlxvlm ÷ {e}" for e in others) + " |"
-    lines = [header, "|" + " --- |" * (1 + len(engines) + len(others))]
+    header += "".join(f" | mlxvlm ÷ {e} | run by run" for e in others) + " |"
+    lines = [header, "|" + " --- |" * (1 + len(engines) + 2 * len(others))]
     for label, key, fmt, _ in METRICS:
-        cells = []
-        medians = {}
-        for engine in engines:
-            values = [run[key] for run in results[engine]]
-            medians[engine] = statistics.median(values)
-            cells.append(f"{medians[engine]:{fmt}} ({min(values):{fmt}}–{max(values):{fmt}})")
+        values = {engine: [run[key] for run in results[engine]] for engine in engines}
+        cells = [_range(values[engine], fmt) for engine in engines]
         for other in others:
-            ratio = medians["mlxvlm"] / medians[other] if medians[other] else float("nan")
-            cells.append(f"{ratio:.2f}×")
+            theirs = statistics.median(values[other])
+            ratio = statistics.median(values["mlxvlm"]) / theirs if theirs else float("nan")
+            pairs = [a / b for a, b in zip(values["mlxvlm"], values[other]) if b]
+            cells += [f"{ratio:.2f}×", _range(pairs, ".2f") if pairs else "–"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -105,7 +118,7 @@ def main() -> int:
 
     results: dict[str, list[dict]] = {e: [] for e in engines}
     for index in range(args.runs):
-        for engine in engines:
+        for engine in run_order(engines, index):
             command = engine_command(engine, pythons[engine], checkpoint, image, prompt,
                                      args.max_tokens)
             run = run_once(command, args.timeout)
