@@ -34,6 +34,18 @@ class CPUHalfLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
         return kernels.half_linear(x, self.weight, self.get("bias"))
 
+    def add_to(self, residual: mx.array, x: mx.array) -> mx.array:
+        """``residual + self(x)``, the residual summed in the product's own output pass
+        (and its buffer reused for the output when nothing else holds it)."""
+        return kernels.half_linear(x, self.weight, self.get("bias"), residual)
+
+
+def residual_plus(residual: mx.array, layer: nn.Module, x: mx.array) -> mx.array:
+    """``residual + layer(x)``: one operation where the layer can add the residual itself
+    (``CPUHalfLinear``), MLX's addition otherwise (float32, quantized or LoRA layers)."""
+    add_to = getattr(layer, "add_to", None)
+    return add_to(residual, x) if add_to is not None else residual + layer(x)
+
 
 class CPUHalfEmbedding(nn.Embedding):
     """``nn.Embedding`` with a bfloat16/float16 table: rows and tied outputs in float32."""

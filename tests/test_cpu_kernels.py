@@ -38,7 +38,7 @@ from tiny import make_image
 from mlxvlm import kernels, load
 from mlxvlm.cpu_quantized import CPUKernelQuantizedEmbedding, CPUKernelQuantizedLinear
 from mlxvlm.cpu_rope import CPURoPE
-from mlxvlm.half_weights import CPUHalfEmbedding, CPUHalfLinear
+from mlxvlm.half_weights import CPUHalfEmbedding, CPUHalfLinear, residual_plus
 from mlxvlm.loading import CONVERTED_MARKER
 
 
@@ -79,6 +79,73 @@ def test_half_linear_adds_the_bias(rows):
     np.testing.assert_allclose(np.array(grads), np.array(want_grads), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="bias"):
         kernels.half_linear(x, w, mx.zeros((32,)))
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("rows", [1, 4, 5, 151])
+def test_half_linear_adds_a_residual_in_its_product(rows, with_bias):
+    """residual + x W^T (+ b): rows <= 4 on the gemv, more through sgemm, where the output
+    may take over the residual's buffer (a residual nothing else holds: ``fresh``)."""
+    keys = mx.random.split(mx.random.key(rows + 100 * with_bias), 4)
+    x = mx.random.normal((2, rows, 40), key=keys[0])
+    w = mx.random.normal((33, 40), key=keys[1]).astype(mx.bfloat16)
+    bias = mx.random.normal((33,), key=keys[2]) if with_bias else None
+    residual = mx.random.normal((2, rows, 33), key=keys[3])
+    mx.eval(residual)
+    want = (np.array(residual, dtype=np.float64)
+            + np.array(x, dtype=np.float64) @ np.array(w.astype(mx.float32), dtype=np.float64).T
+            + (np.array(bias, dtype=np.float64) if with_bias else 0.0))
+    kept = kernels.half_linear(x, w, bias, residual)
+    fresh = kernels.half_linear(x, w, bias, residual * 1.0)
+    for got in (kept, fresh):
+        np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5)
+    # The residual the caller still holds is left as it was.
+    np.testing.assert_array_equal(np.array(residual), np.array(residual * 1.0))
+    with pytest.raises(ValueError, match="residual"):
+        kernels.half_linear(x, w, bias, residual[..., :5])
+
+
+def test_half_linear_residual_derivatives_are_the_float32_layers():
+    keys = mx.random.split(mx.random.key(8), 5)
+    x = mx.random.normal((7, 24), key=keys[0])
+    w = mx.random.normal((10, 24), key=keys[1]).astype(mx.bfloat16)
+    bias = mx.random.normal((10,), key=keys[2])
+    residual = mx.random.normal((7, 10), key=keys[3])
+    cotangent = mx.random.normal((7, 10), key=keys[4])
+
+    def reference(x, bias, residual):
+        return residual + x @ w.astype(mx.float32).T + bias
+
+    def kernel(x, bias, residual):
+        return kernels.half_linear(x, w, bias, residual)
+
+    primals = [x, bias, residual]
+    _, got = mx.vjp(kernel, primals, [cotangent])
+    _, want = mx.vjp(reference, primals, [cotangent])
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.array(g), np.array(r), rtol=1e-5, atol=1e-5)
+    tangents = [mx.random.normal(p.shape, key=mx.random.key(30 + i)) for i, p in enumerate(primals)]
+    _, (jvp,) = mx.jvp(kernel, primals, tangents)
+    _, (want_jvp,) = mx.jvp(reference, primals, tangents)
+    np.testing.assert_allclose(np.array(jvp), np.array(want_jvp), rtol=1e-4, atol=1e-4)
+
+
+def test_residual_plus_uses_the_layer_product_where_it_can():
+    """``residual_plus`` sums in the 16-bit layer's product and falls back to MLX's
+    addition for any other layer, with the same result."""
+    x = mx.random.normal((9, 16), key=mx.random.key(40))
+    residual = mx.random.normal((9, 12), key=mx.random.key(41))
+    plain = nn.Linear(16, 12)
+    half = nn.Linear(16, 12)
+    half.update({"weight": plain.weight.astype(mx.bfloat16), "bias": plain.bias})
+    half = CPUHalfLinear(half)
+    mx.eval(x, residual, plain.parameters(), half.parameters())
+    want = residual + x @ plain.weight.astype(mx.bfloat16).astype(mx.float32).T + plain.bias
+    got = residual_plus(residual, half, x)
+    assert "MlxvlmHalfLinear" in graph_operations(got) and "Add" not in graph_operations(got)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(residual_plus(residual, plain, x)),
+                               np.array(residual + plain(x)), rtol=1e-6, atol=1e-6)
 
 
 def test_half_linear_takes_any_leading_shape_and_checks_its_arguments():

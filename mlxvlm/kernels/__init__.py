@@ -197,6 +197,9 @@ def quantized_linear(x: mx.array, weight: mx.array, scales: mx.array, biases: mx
                                        bits=bits, bias=bias)
 
 
-def half_linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
-    """``x @ weight.T (+ bias)`` in float32 for a bfloat16/float16 ``weight`` (N, K)."""
-    return _require().half_linear(x, weight, bias)
+def half_linear(x: mx.array, weight: mx.array, bias: mx.array | None = None,
+                residual: mx.array | None = None) -> mx.array:
+    """``x @ weight.T (+ bias) (+ residual)`` in float32 for a bfloat16/float16 ``weight``
+    (N, K); ``residual`` (the output's shape) is summed in the product's own output pass,
+    in place of a separate addition."""
+    return _require().half_linear(x, weight, bias, residual)

@@ -1,5 +1,7 @@
 // The driver shared by the 16-bit and the quantized linear kernels: y = x . W^T (+ bias)
-// for a weight stored compactly, known through two callbacks.
+// (+ addend, a (rows x N) row-major matrix: a residual that the layer's output is added
+// to, which may be y's own buffer in prefill) for a weight stored compactly, known
+// through two callbacks.
 //   gemv(n0, n1):          for up to kMaxGemvRows rows of x, y[:, n0:n1) from the
 //                          compact weight directly (decoding: reads the fewest bytes);
 //   to_float(n0, n1, out): weight rows [n0, n1) as float32, row-major (prefill: a chunk
@@ -25,13 +27,17 @@ constexpr int64_t kMinGemvPerWorker = 1 << 17;
 
 template <class Gemv, class ToFloat>
 void compact_matmul(const float* x, int64_t rows, int64_t K, int64_t N, const float* bias,
-                    float* y, Gemv&& gemv, ToFloat&& to_float) {
-  if (rows <= kMaxGemvRows) {
+                    const float* addend, float* y, Gemv&& gemv, ToFloat&& to_float) {
+  if (rows <= kMaxGemvRows) {  // the gemv writes y first: addend must not be y here
     parallel_for(N, std::max<int64_t>(1, kMinGemvPerWorker / K), [&](int64_t n0, int64_t n1) {
       gemv(n0, n1);
-      if (bias)
-        for (int64_t m = 0; m < rows; m++)
-          for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
+      for (int64_t m = 0; m < rows; m++) {
+        float* out = y + m * N;
+        if (bias)
+          for (int64_t n = n0; n < n1; n++) out[n] += bias[n];
+        if (addend)
+          for (int64_t n = n0; n < n1; n++) out[n] += addend[m * N + n];
+      }
     });
     return;
   }
@@ -42,13 +48,20 @@ void compact_matmul(const float* x, int64_t rows, int64_t K, int64_t N, const fl
     parallel_for(n1 - n0, 16, [&](int64_t start, int64_t stop) {
       to_float(n0 + start, n0 + stop, converted.data() + start * K);
     });
-    if (bias) {  // the product is added to the bias rows (sgemm's beta = 1): no extra pass
+    // The product is added to the bias and addend rows (sgemm's beta = 1): no extra pass.
+    if (bias || addend) {
       parallel_for(rows, 16, [&](int64_t start, int64_t stop) {
-        for (int64_t m = start; m < stop; m++) std::copy(bias + n0, bias + n1, y + m * N + n0);
+        for (int64_t m = start; m < stop; m++) {
+          float* out = y + m * N;
+          if (addend && addend != y) std::copy(addend + m * N + n0, addend + m * N + n1, out + n0);
+          if (!addend) std::copy(bias + n0, bias + n1, out + n0);
+          else if (bias)
+            for (int64_t n = n0; n < n1; n++) out[n] += bias[n];
+        }
       });
     }
     sgemm(true, int(rows), int(n1 - n0), int(K), 1.0f, x, int(K), converted.data(), int(K),
-          bias ? 1.0f : 0.0f, y + n0, int(N));
+          bias || addend ? 1.0f : 0.0f, y + n0, int(N));
   }
 }
 

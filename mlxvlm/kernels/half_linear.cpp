@@ -150,11 +150,11 @@ void gemv_rows(const float* x, int64_t rows, int64_t K, const uint16_t* w, int64
   gemv_portable<kind>(x, rows, K, w, n0, n1, y, N);
 }
 
-// y (rows x N) = x (rows x K) . w^T (+ bias), w 16-bit (N x K).
+// y (rows x N) = x (rows x K) . w^T (+ bias) (+ residual), w 16-bit (N x K).
 void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
-                 int64_t N, const float* bias, float* y) {
+                 int64_t N, const float* bias, const float* residual, float* y) {
   compact_matmul(
-      x, rows, K, N, bias, y,
+      x, rows, K, N, bias, residual, y,
       [&](int64_t n0, int64_t n1) {
         if (kind == Half::bfloat16)
           gemv_rows<Half::bfloat16>(x, rows, K, w, n0, n1, y, N);
@@ -166,9 +166,12 @@ void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Hal
       });
 }
 
+// Inputs: x, the weight, then the bias and the residual where there are ones.
 class HalfLinear : public CpuPrimitive {
  public:
-  explicit HalfLinear(Stream stream) : CpuPrimitive(stream) {}
+  HalfLinear(Stream stream, bool has_bias, bool has_residual, bool residual_in_place)
+      : CpuPrimitive(stream), has_bias_(has_bias), has_residual_(has_residual),
+        residual_in_place_(residual_in_place) {}
 
   void dispatch(const std::vector<array>& inputs, array& out,
                 cpu::CommandEncoder& encoder) override {
@@ -176,13 +179,23 @@ class HalfLinear : public CpuPrimitive {
     const array& w = inputs[1];
     int64_t K = w.shape(1), N = w.shape(0), rows = x.size() / K;
     Half kind = w.dtype() == bfloat16 ? Half::bfloat16 : Half::float16;
-    const float* bias = inputs.size() > 2 ? inputs[2].data<float>() : nullptr;
-    encoder.dispatch([x, wp = w.data<uint16_t>(), yp = out.data<float>(), bias, rows, K, N,
-                      kind]() {
-      std::vector<float> x_copy;
-      half_matmul(row_major(x, x_copy), rows, K, wp, kind, N, bias, yp);
+    const float* bias = has_bias_ ? inputs[2].data<float>() : nullptr;
+    std::optional<array> residual;
+    if (has_residual_) residual = inputs[residual_index()];
+    encoder.dispatch([x, residual, wp = w.data<uint16_t>(), yp = out.data<float>(), bias, rows,
+                      K, N, kind]() {
+      std::vector<float> x_copy, residual_copy;
+      // Taken over as the output (in_place_input), the residual is y itself.
+      const float* added = !residual ? nullptr
+          : residual->data<float>() == yp ? yp
+          : row_major(*residual, residual_copy);
+      half_matmul(row_major(x, x_copy), rows, K, wp, kind, N, bias, added, yp);
     });
   }
+
+  // The output takes over the residual's buffer when nothing else holds it, in prefill
+  // (the small-row gemv writes the output before it reads the residual).
+  int in_place_input() const override { return residual_in_place_ ? residual_index() : -1; }
 
   std::vector<array> vjp(const std::vector<array>& primals,
                          const std::vector<array>& cotangents,
@@ -196,7 +209,9 @@ class HalfLinear : public CpuPrimitive {
       int64_t N = w.shape(0);
       if (arg == 0) {
         grads.push_back(matmul(cotangent, astype(w, float32, stream()), stream()));
-      } else if (arg == 2) {
+      } else if (has_residual_ && arg == residual_index()) {
+        grads.push_back(cotangent);
+      } else if (has_bias_ && arg == 2) {
         grads.push_back(sum(reshape(cotangent, {-1, int(N)}, stream()), 0, false, stream()));
       } else {
         int64_t K = w.shape(1);
@@ -216,8 +231,10 @@ class HalfLinear : public CpuPrimitive {
     const array& w = primals[1];
     std::optional<array> out;
     for (size_t i = 0; i < argnums.size(); i++) {
-      array term = argnums[i] == 0 ? half_linear(tangents[i], w, std::nullopt, stream())
-          : argnums[i] == 2
+      const int arg = argnums[i];
+      array term = arg == 0 ? half_linear(tangents[i], w, std::nullopt, std::nullopt, stream())
+          : has_residual_ && arg == residual_index() ? tangents[i]
+          : has_bias_ && arg == 2
           ? broadcast_to(tangents[i], output_shapes(primals)[0], stream())
           : matmul(x, transpose(astype(tangents[i], float32, stream()), stream()), stream());
       out = out ? add(*out, term, stream()) : term;
@@ -226,18 +243,27 @@ class HalfLinear : public CpuPrimitive {
   }
 
   const char* name() const override { return "MlxvlmHalfLinear"; }
-  bool is_equivalent(const Primitive&) const override { return true; }
+  bool is_equivalent(const Primitive& other) const override {
+    const auto& o = static_cast<const HalfLinear&>(other);
+    return has_bias_ == o.has_bias_ && has_residual_ == o.has_residual_ &&
+           residual_in_place_ == o.residual_in_place_;
+  }
   std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
     Shape shape = inputs[0].shape();
     shape.back() = inputs[1].shape(0);
     return {shape};
   }
+
+ private:
+  int residual_index() const { return has_bias_ ? 3 : 2; }
+
+  bool has_bias_, has_residual_, residual_in_place_;
 };
 
 }  // namespace
 
 array half_linear(const array& x, const array& weight, const std::optional<array>& bias,
-                  StreamOrDevice s) {
+                  const std::optional<array>& residual, StreamOrDevice s) {
   if (weight.ndim() != 2 || (weight.dtype() != bfloat16 && weight.dtype() != float16))
     throw std::invalid_argument("[half_linear] weight must be a 2-D bfloat16/float16 matrix");
   if (x.ndim() < 1 || x.shape(-1) != weight.shape(1))
@@ -251,7 +277,16 @@ array half_linear(const array& x, const array& weight, const std::optional<array
   }
   Shape shape = x.shape();
   shape.back() = weight.shape(0);
-  return array(shape, float32, std::make_shared<HalfLinear>(stream), std::move(inputs));
+  if (residual) {
+    if (residual->shape() != shape)
+      throw std::invalid_argument("[half_linear] residual must have the output's shape");
+    inputs.push_back(astype(*residual, float32, stream));
+  }
+  const bool prefill = x.size() / weight.shape(1) > kMaxGemvRows;
+  return array(shape, float32,
+               std::make_shared<HalfLinear>(stream, bias.has_value(), residual.has_value(),
+                                            residual.has_value() && prefill),
+               std::move(inputs));
 }
 
 }  // namespace mlxvlm

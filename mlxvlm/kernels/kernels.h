@@ -15,10 +15,11 @@ mlx::core::array activation(const mlx::core::array& x, Activation kind,
                             const std::optional<mlx::core::array>& up,
                             mlx::core::StreamOrDevice s = {});
 
-// x (..., K) float32 . weight (N, K) bfloat16/float16 transposed (+ bias (N)) ->
-// (..., N) float32.
+// x (..., K) float32 . weight (N, K) bfloat16/float16 transposed (+ bias (N))
+// (+ residual (..., N), summed in the product's own output pass) -> (..., N) float32.
 mlx::core::array half_linear(const mlx::core::array& x, const mlx::core::array& weight,
                              const std::optional<mlx::core::array>& bias = std::nullopt,
+                             const std::optional<mlx::core::array>& residual = std::nullopt,
                              mlx::core::StreamOrDevice s = {});
 
 // x (..., K) . dequantize(packed, scales, biases)^T (+ bias) -> (..., N) float32, for

@@ -302,7 +302,7 @@ void quantized_matmul(const Quantized& w, const float* x, int64_t rows, const fl
     }
   }
   compact_matmul(
-      x, rows, w.K, w.N, bias, y,
+      x, rows, w.K, w.N, bias, nullptr, y,
       [&](int64_t n0, int64_t n1) {
         gemv_rows(w, x, x_split.data(), rows, group_sums.data(), n0, n1, y);
       },

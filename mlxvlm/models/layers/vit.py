@@ -14,6 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxvlm.half_weights import residual_plus
 from mlxvlm.models.layers.activations import activation
 from mlxvlm.models.layers.attention import scaled_dot_product_attention
 
@@ -29,8 +30,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dims, dims)
         self.out_proj = nn.Linear(dims, dims)
 
-    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
-        """``mask``: which keys each query may attend to (None: all of them)."""
+    def __call__(self, x: mx.array, mask: mx.array | None = None,
+                 residual: mx.array | None = None) -> mx.array:
+        """``mask``: which keys each query may attend to (None: all of them); with
+        ``residual``, returns ``residual`` plus the attention's output."""
         B, L, _ = x.shape
 
         def heads(t: mx.array) -> mx.array:
@@ -38,7 +41,8 @@ class Attention(nn.Module):
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
         out = scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.out_proj(out) if residual is None else residual_plus(residual, self.out_proj, out)
 
 
 class MLP(nn.Module):
@@ -48,8 +52,9 @@ class MLP(nn.Module):
         self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
         self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.fc2(self.activation(self.fc1(x)))
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        hidden = self.activation(self.fc1(x))
+        return self.fc2(hidden) if residual is None else residual_plus(residual, self.fc2, hidden)
 
 
 class EncoderLayer(nn.Module):
@@ -61,8 +66,10 @@ class EncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
-        x = x + self.self_attn(self.layer_norm1(x), mask)
-        return x + self.mlp(self.layer_norm2(x))
+        # The residual additions happen inside the output products where the layers can
+        # take them (16-bit weights on the CPU: one pass less per addition).
+        x = self.self_attn(self.layer_norm1(x), mask, residual=x)
+        return self.mlp(self.layer_norm2(x), residual=x)
 
 
 class Encoder(nn.Module):
