@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from parity import first_logits_and_greedy_tokens
 from tiny import make_image
@@ -146,6 +146,30 @@ def test_residual_plus_uses_the_layer_product_where_it_can():
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.array(residual_plus(residual, plain, x)),
                                np.array(residual + plain(x)), rtol=1e-6, atol=1e-6)
+
+
+def test_vit_blocks_add_their_residuals_inside_16_bit_products():
+    """A SigLIP/CLIP block with 16-bit weights: its two residual additions happen in the
+    out and fc2 products (two MLX additions fewer), with the unfused block's result."""
+    from types import SimpleNamespace
+
+    from mlxvlm.half_weights import use_half_weight_layers
+    from mlxvlm.models.layers.vit import EncoderLayer
+
+    config = SimpleNamespace(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                             num_hidden_layers=1, hidden_act="gelu_pytorch_tanh",
+                             layer_norm_eps=1e-6)
+    layer = EncoderLayer(config)
+    layer.update(tree_map(lambda p: p.astype(mx.bfloat16) if p.ndim == 2 else p,
+                          layer.parameters()))
+    assert use_half_weight_layers(layer)[0] == 6
+    x = mx.random.normal((2, 9, 64), key=mx.random.key(50))
+    mx.eval(x, layer.parameters())
+    fused = layer(x)
+    h = x + layer.self_attn(layer.layer_norm1(x))
+    unfused = h + layer.mlp(layer.layer_norm2(h))
+    assert graph_operations(fused).count("Add") == graph_operations(unfused).count("Add") - 2
+    np.testing.assert_allclose(np.array(fused), np.array(unfused), rtol=1e-5, atol=1e-5)
 
 
 def test_half_linear_takes_any_leading_shape_and_checks_its_arguments():

@@ -7,10 +7,12 @@ MLX primitives (C++ in this folder, compiled on first use by ``build.py``):
   the CPU threads; elsewhere: blocked so the scores stay in cache, the matmuls through
   the process's BLAS, a vectorised softmax. One SigLIP layer's attention over 1024
   patches on a 2-core x86-64 machine: ~220 ms composed of MLX ops, ~60 ms on the BLAS
-  path, ~30 ms with AVX-512.
-- ``half_linear(x, weight)``: x (float32) times a bfloat16/float16 weight, computed in
-  float32 without keeping a float32 copy of the weight. Lets a bf16 checkpoint run at
-  float32 speed with half the memory.
+  path, 23-32 ms with AVX-512.
+- ``half_linear(x, weight, bias=None, residual=None)``: x (float32) times a
+  bfloat16/float16 weight, computed in float32 without keeping a float32 copy of the
+  weight. Lets a bf16 checkpoint run at float32 speed with half the memory. A residual
+  (the output's shape) is summed in the pass that writes the output rows, in place of a
+  separate addition (``half_weights.residual_plus``).
 - ``quantized_linear(x, weight, scales, biases, group_size=, bits=)``: MLX's affine
   4/8-bit layers computed on the packed weights (decode) or dequantized a chunk at a
   time into BLAS (prefill), so quantized checkpoints stay quantized in memory.
