@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 
 from parity import first_logits_and_greedy_tokens
 from tiny import make_image
-from mlxvlm import kernels, load
+from mlxvlm import _backend, kernels, load
 from mlxvlm.cpu_fast_paths import BUDGET_ENV, DISABLE_ENV, CPUQuantizedLinear
 from mlxvlm.cpu_quantized import CPUKernelQuantizedLinear
 from mlxvlm.loading import CONVERTED_MARKER
@@ -183,3 +183,96 @@ def test_freed_activations_are_reused_not_faulted_in_again():
     status, faults = page_faults_of_reused_activations({"MLXVLM_NO_MALLOC_TUNING": "1"})
     assert status == "disabled by MLXVLM_NO_MALLOC_TUNING"
     assert faults > 5000, faults  # 12 rounds of 12 MB: ~3,000 pages each
+
+
+AMD_AVX512_FLAGS = frozenset({"fpu", "avx2", "fma", *_backend.AVX512_CORE_FLAGS})
+
+
+def test_openblas_is_told_its_avx512_kernels_on_an_amd_avx512_cpu():
+    choose = _backend.openblas_core_choice
+    assert choose({}, "AuthenticAMD", AMD_AVX512_FLAGS) == "SkylakeX"
+    # The user's choice stands, whatever it is.
+    assert choose({"OPENBLAS_CORETYPE": "Haswell"}, "AuthenticAMD", AMD_AVX512_FLAGS) is None
+    assert choose({"OPENBLAS_CORETYPE": "Zen"}, "AuthenticAMD", AMD_AVX512_FLAGS) is None
+    # Without every instruction set SkylakeX's kernels use (Zen 3: AVX2 only; a CPU
+    # without AVX-512BW), OpenBLAS keeps its own choice.
+    assert choose({}, "AuthenticAMD", frozenset({"avx2", "fma"})) is None
+    assert choose({}, "AuthenticAMD", AMD_AVX512_FLAGS - {"avx512bw"}) is None
+    # Intel's AVX-512 CPUs are recognised by OpenBLAS itself.
+    assert choose({}, "GenuineIntel", AMD_AVX512_FLAGS) is None
+    assert choose({}, "", frozenset()) is None
+
+
+def test_cpu_vendor_and_flags_read_proc_cpuinfo_layout(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n"
+        "flags\t\t: fpu avx2 avx512f avx512bw\n\n"
+        "processor\t: 1\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu\n")
+    assert _backend.cpu_vendor_and_flags(str(cpuinfo)) == (
+        "AuthenticAMD", frozenset({"fpu", "avx2", "avx512f", "avx512bw"}))
+    assert _backend.cpu_vendor_and_flags(str(tmp_path / "missing")) == ("", frozenset())
+
+
+def test_verbose_names_openblas_kernels_and_who_chose_them():
+    note = _backend.openblas_core_note
+    assert note("Haswell", None, {}, frozenset({"avx2"})) == ", Haswell kernels"
+    assert "chosen by mlxvlm" in note("SkylakeX", "SkylakeX", {}, AMD_AVX512_FLAGS)
+    # A user's OPENBLAS_CORETYPE that leaves an AVX-512 CPU on AVX2 kernels is respected
+    # and said, with the faster choice.
+    hint = note("Haswell", None, {"OPENBLAS_CORETYPE": "Haswell"}, AMD_AVX512_FLAGS)
+    assert "OPENBLAS_CORETYPE=Haswell" in hint and "OPENBLAS_CORETYPE=SkylakeX" in hint
+    assert note("SkylakeX", None, {"OPENBLAS_CORETYPE": "SkylakeX"},
+                AMD_AVX512_FLAGS) == ", SkylakeX kernels"
+
+
+CORE_PROBE = """
+import ctypes, os, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import importlib.util
+spec = importlib.util.spec_from_file_location("backend_alone", sys.argv[2])
+backend = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(backend)
+flags = backend.cpu_vendor_and_flags()[1]
+backend.cpu_vendor_and_flags = lambda: ("AuthenticAMD", flags)  # as on a Zen 4 or 5
+backend.preload_openblas()
+blas = ctypes.CDLL(None)
+I, P = ctypes.c_int, ctypes.c_void_p
+blas.cblas_sgemm.argtypes = [I, I, I, I, I, I, ctypes.c_float, P, I, P, I, ctypes.c_float, P, I]
+a = np.random.default_rng(0).normal(size=(150, 300)).astype(np.float32)
+b = np.random.default_rng(1).normal(size=(300, 200)).astype(np.float32)
+c = np.zeros((150, 200), np.float32)
+blas.cblas_sgemm(101, 111, 111, 150, 200, 300, 1.0, a.ctypes.data, 300, b.ctypes.data, 200,
+                 0.0, c.ctypes.data, 200)
+err = float(np.abs(c - a.astype(np.float64) @ b).max())
+print(backend.openblas_status, "|", os.environ.get("OPENBLAS_CORETYPE", "unset"), "|", err)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not _backend.AVX512_CORE_FLAGS
+                    <= _backend.cpu_vendor_and_flags()[1],
+                    reason="runs OpenBLAS's AVX-512 kernels: needs a Linux CPU with AVX-512")
+def test_openblas_loads_with_the_kernels_mlxvlm_names_and_computes_right():
+    """On an AVX-512 CPU presented as AMD, OpenBLAS loads with its SkylakeX kernels,
+    the user's environment is left as it was, and products are right; with the user's
+    OPENBLAS_CORETYPE, theirs are used."""
+    backend_file = _backend.__file__
+    args = [os.path.dirname(os.path.dirname(backend_file)), backend_file]
+
+    def run(env_extra):
+        env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+        env.update(env_extra)
+        out = subprocess.run([sys.executable, "-c", CORE_PROBE, *args], capture_output=True,
+                             text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        status, coretype, err = (part.strip() for part in out.stdout.split("|"))
+        assert float(err) < 1e-3
+        return status, coretype
+
+    status, coretype = run({})
+    assert "SkylakeX kernels (chosen by mlxvlm" in status, status
+    assert coretype == "unset"
+    status, coretype = run({"OPENBLAS_CORETYPE": "Haswell"})
+    assert "Haswell kernels (OPENBLAS_CORETYPE=Haswell" in status, status
+    assert coretype == "Haswell"
