@@ -76,6 +76,42 @@ def test_activations_match_mlx_in_value_and_gradient(fast, reference, monkeypatc
     np.testing.assert_allclose(np.array(grad_fast), np.array(grad_reference), rtol=1e-5, atol=1e-5)
 
 
+_SILU_GATED = fast_math.gated(fast_math.silu)
+
+
+@pytest.mark.parametrize(
+    "fast,reference,arity",
+    [
+        (fast_math.gelu_tanh, nn.gelu_approx, 1),
+        (fast_math.quick_gelu, nn.gelu_fast_approx, 1),
+        (fast_math.silu, nn.silu, 1),
+        (fast_math.exp, mx.exp, 1),
+        (_SILU_GATED, lambda gate, up: nn.silu(gate) * up, 2),
+    ],
+    ids=["gelu_tanh", "quick_gelu", "silu", "exp", "gated_silu"],
+)
+def test_fast_activations_write_over_a_temporary_input(fast, reference, arity):
+    """What the layers call (a tower MLP's activation of its first product's output)
+    writes over that output's buffer when nothing else holds it: one 1024 x 3072 buffer,
+    not two (12.6 MB less at a SigLIP layer's peak). Derivatives stay MLX's."""
+    inputs = [mx.random.normal((1024, 3072), key=mx.random.key(i)) for i in range(arity)]
+    mx.eval(inputs)
+    want = reference(*inputs)
+    mx.eval(want)
+    mx.reset_peak_memory()
+    start = mx.get_active_memory()
+    out = fast(inputs[0] * 1.0, *inputs[1:])  # the product is held by nothing else
+    mx.eval(out)
+    assert mx.get_peak_memory() - start < 1.5 * inputs[0].nbytes
+    np.testing.assert_allclose(np.array(out), np.array(want), rtol=2e-5, atol=2e-6)
+    small = [x[:64, :300] * 2 for x in inputs]
+    grads = mx.grad(lambda *a: (fast(*a) * a[0]).sum(), argnums=tuple(range(arity)))(*small)
+    want_grads = mx.grad(lambda *a: (reference(*a) * a[0]).sum(),
+                         argnums=tuple(range(arity)))(*small)
+    for got, expected in zip(grads, want_grads):
+        np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-5, atol=1e-5)
+
+
 def test_half_precision_and_opt_out_take_mlx_functions(monkeypatch):
     x = mx.random.normal((256, 256), key=mx.random.key(1))
     assert not mx.array_equal(fast_math.gelu_tanh(x), nn.gelu_approx(x))  # fast path taken
@@ -175,7 +211,21 @@ def test_blocked_attention_matches_mlx(mask_kind, heads, kv_heads, attention_pat
     assert np.abs(got - truth).max() <= 2 * mlx_error + 1e-6, (np.abs(got - truth).max(), mlx_error)
 
 
+def _float64_causal_attention(q, k, v, scale):
+    """Causal attention as MLX operations in float64 (differentiable), grouped heads
+    repeated: the reference the float32 gradients are measured against."""
+    q, k, v = (t.astype(mx.float64) for t in (q, k, v))
+    repeats = q.shape[1] // k.shape[1]
+    k, v = mx.repeat(k, repeats, axis=1), mx.repeat(v, repeats, axis=1)
+    scores = (q * scale) @ k.swapaxes(-1, -2)
+    queries, keys = scores.shape[-2:]
+    visible = mx.arange(keys)[None] <= mx.arange(queries)[:, None] + (keys - queries)
+    scores = mx.where(visible, scores, -mx.inf)
+    return mx.softmax(scores, axis=-1) @ v
+
+
 def test_blocked_attention_gradients_are_mlx_gradients(attention_path, monkeypatch):
+    """The gradients are as close to the float64 ones as MLX's own kernel's are."""
     monkeypatch.setattr(attention, "MIN_SCORES", 0)
     monkeypatch.setattr(attention, "BLOCK_SCORES", 2000)
     q, k, v = _qkv(1, 4, 2, 30, 30)
@@ -186,8 +236,14 @@ def test_blocked_attention_gradients_are_mlx_gradients(attention_path, monkeypat
     fast = mx.grad(loss(attention.scaled_dot_product_attention), argnums=(0, 1, 2))(q, k, v)
     assert attention_path
     want = mx.grad(loss(mx.fast.scaled_dot_product_attention), argnums=(0, 1, 2))(q, k, v)
-    for a, b in zip(fast, want):
-        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+    truth = mx.grad(lambda q, k, v: (_float64_causal_attention(q, k, v, 0.2) ** 2).sum(),
+                    argnums=(0, 1, 2))(q, k, v)
+    for got, mlx_grad, exact in zip(fast, want, truth):
+        exact = np.array(exact)
+        error, mlx_error = (np.abs(np.array(g, dtype=np.float64) - exact).max()
+                            for g in (got, mlx_grad))
+        assert mlx_error < 1e-4  # the reference is right
+        assert error <= 2 * mlx_error + 1e-6, (error, mlx_error)
 
 
 def test_small_problems_and_opt_out_take_mlx_kernel(monkeypatch):

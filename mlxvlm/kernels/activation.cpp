@@ -79,9 +79,14 @@ void activate_range(const float* x, const float* up, float* out, int64_t n, Acti
   for (int64_t i = 0; i < n; i++) out[i] = activate(x[i], kind) * (up ? up[i] : 1.0f);
 }
 
-class ActivationPrimitive : public CpuPrimitive {
+// Its derivatives are those of MLX's own functions (mlx.nn's gelu_approx, gelu_fast_approx
+// and silu, mx.exp; times up when gated), written with the same operations below. Being
+// the primitive's own (not an mx.custom_function around it, which holds on to x), x's
+// buffer can be taken over as the output.
+class ActivationPrimitive : public ReferencedPrimitive {
  public:
-  ActivationPrimitive(Stream stream, Activation kind) : CpuPrimitive(stream), kind_(kind) {}
+  ActivationPrimitive(Stream stream, Activation kind)
+      : ReferencedPrimitive(stream), kind_(kind) {}
 
   void dispatch(const std::vector<array>& inputs, array& out,
                 cpu::CommandEncoder& encoder) override {
@@ -102,11 +107,32 @@ class ActivationPrimitive : public CpuPrimitive {
   int in_place_input() const override { return 0; }
 
   const char* name() const override { return "MlxvlmActivation"; }
+
   bool is_equivalent(const Primitive& other) const override {
     return kind_ == static_cast<const ActivationPrimitive&>(other).kind_;
   }
   std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
     return {inputs[0].shape()};
+  }
+
+ protected:
+  std::vector<array> reference(const std::vector<array>& in) override {
+    const Stream s = stream();
+    const array& x = in[0];
+    auto scalar = [](double v) { return array(float(v), float32); };
+    array y = [&]() -> array {
+      switch (kind_) {
+        case Activation::exp: return exp(x, s);
+        case Activation::gelu_tanh: {  // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+          array inner = multiply(scalar(0.7978845608028654),
+                                 add(x, multiply(scalar(0.044715), power(x, scalar(3), s), s), s), s);
+          return multiply(multiply(scalar(0.5), x, s), add(scalar(1), tanh(inner, s), s), s);
+        }
+        case Activation::quick_gelu: return multiply(x, sigmoid(multiply(scalar(1.702), x, s), s), s);
+        default: return multiply(x, sigmoid(x, s), s);  // silu
+      }
+    }();
+    return {in.size() > 1 ? multiply(y, in[1], s) : y};
   }
 
  private:

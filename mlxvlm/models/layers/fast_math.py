@@ -148,7 +148,12 @@ def with_reference_vjp(fast: Callable, reference: Callable) -> Callable:
 
 
 _mlx_exp = with_reference_vjp(lambda x: in_slices(exp_kernel, x), mx.exp)
-_kernel_exp = with_reference_vjp(lambda x: kernels.activation(x, "exp"), mx.exp)
+
+
+# The kernel's primitive carries mx.exp's derivatives itself (no custom_function around
+# it, which would hold on to x and keep the kernel from writing over x's buffer).
+def _kernel_exp(x: mx.array) -> mx.array:
+    return kernels.activation(x, "exp")
 
 
 def exp(x: mx.array) -> mx.array:
@@ -190,7 +195,8 @@ def _dispatching(fast_kernel: Callable, reference: Callable, kind: str) -> Calla
     """``reference`` (an MLX activation) computed by mlxvlm's C++ kernel where it is built,
     else by ``fast_kernel`` (the MLX composition above), on large float32 CPU arrays."""
     composed = with_reference_vjp(lambda x: in_slices(fast_kernel, x), reference)
-    kernel = with_reference_vjp(lambda x: kernels.activation(x, kind), reference)
+    def kernel(x: mx.array) -> mx.array:  # with reference's derivatives (see _kernel_exp)
+        return kernels.activation(x, kind)
 
     def function(x: mx.array) -> mx.array:
         if x.size < MIN_ELEMENTS or not use_fast_math(x):
@@ -215,10 +221,8 @@ def gated(act: Callable) -> Callable[[mx.array, mx.array], mx.array]:
     kernel, like mlx-lm's ``swiglu``."""
     reference = act.reference
     fused = mx.compile(lambda gate, up: reference(gate) * up, shapeless=True)
-    kernel = with_reference_vjp(
-        lambda gate, up: kernels.activation(gate, act.kind, up),
-        lambda gate, up: reference(gate) * up,
-    )
+    def kernel(gate: mx.array, up: mx.array) -> mx.array:  # reference's derivatives too
+        return kernels.activation(gate, act.kind, up)
 
     def function(gate: mx.array, up: mx.array) -> mx.array:
         if gate.size < MIN_ELEMENTS or not use_fast_math(gate):
