@@ -66,6 +66,28 @@ def test_half_linear_matches_the_float64_product(dtype, rows):
     np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("rows,K,N", [(5, 16, 1), (145, 161, 33), (300, 700, 1000)],
+                         ids=["one_column", "block_edges", "many_blocks"])
+def test_half_linear_prefill_blocks_and_edges(dtype, rows, K, N):
+    """Prefill's products over several depth slices (160), row blocks (144) and 12 x 32
+    register tiles, with ragged edges on every side and the output columns split over
+    the threads; with a bias and a residual added, as the towers' layers add them."""
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(rows + K + N), 4)
+    x = mx.random.normal((rows, K), key=k1)
+    w = (mx.random.normal((N, K), key=k2) * 0.2).astype(dtype)
+    bias = mx.random.normal((N,), key=k3)
+    residual = mx.random.normal((rows, N), key=k4)
+    mx.eval(x, w, bias, residual)
+    product = _float64_product(x, w)
+    scale = np.abs(product).max()
+    np.testing.assert_allclose(np.array(kernels.half_linear(x, w)), product,
+                               rtol=1e-5, atol=1e-5 * scale)
+    want = product + np.array(bias, dtype=np.float64) + np.array(residual, dtype=np.float64)
+    got = kernels.half_linear(x, w, bias, residual)
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5 * scale)
+
+
 @pytest.mark.parametrize("rows", [1, 151])
 def test_half_linear_adds_the_bias(rows):
     x = mx.random.normal((rows, 40), key=mx.random.key(20))

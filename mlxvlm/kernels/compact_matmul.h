@@ -25,6 +25,22 @@ constexpr int64_t kChunkFloats = 1 << 22;
 // Below this many weight elements per worker a gemv stays on one thread.
 constexpr int64_t kMinGemvPerWorker = 1 << 17;
 
+// y[:, n0:n1) = addend (+ bias), or bias, for a product then added to it (sgemm's
+// beta = 1); nothing without either. The addend may be y itself.
+inline void put_bias_and_addend(int64_t rows, int64_t N, int64_t n0, int64_t n1,
+                                const float* bias, const float* addend, float* y) {
+  if (!bias && !addend) return;
+  parallel_for(rows, 16, [&](int64_t start, int64_t stop) {
+    for (int64_t m = start; m < stop; m++) {
+      float* out = y + m * N;
+      if (addend && addend != y) std::copy(addend + m * N + n0, addend + m * N + n1, out + n0);
+      if (!addend) std::copy(bias + n0, bias + n1, out + n0);
+      else if (bias)
+        for (int64_t n = n0; n < n1; n++) out[n] += bias[n];
+    }
+  });
+}
+
 template <class Gemv, class ToFloat>
 void compact_matmul(const float* x, int64_t rows, int64_t K, int64_t N, const float* bias,
                     const float* addend, float* y, Gemv&& gemv, ToFloat&& to_float) {
@@ -49,17 +65,7 @@ void compact_matmul(const float* x, int64_t rows, int64_t K, int64_t N, const fl
       to_float(n0 + start, n0 + stop, converted.data() + start * K);
     });
     // The product is added to the bias and addend rows (sgemm's beta = 1): no extra pass.
-    if (bias || addend) {
-      parallel_for(rows, 16, [&](int64_t start, int64_t stop) {
-        for (int64_t m = start; m < stop; m++) {
-          float* out = y + m * N;
-          if (addend && addend != y) std::copy(addend + m * N + n0, addend + m * N + n1, out + n0);
-          if (!addend) std::copy(bias + n0, bias + n1, out + n0);
-          else if (bias)
-            for (int64_t n = n0; n < n1; n++) out[n] += bias[n];
-        }
-      });
-    }
+    put_bias_and_addend(rows, N, n0, n1, bias, addend, y);
     sgemm(true, int(rows), int(n1 - n0), int(K), 1.0f, x, int(K), converted.data(), int(K),
           bias || addend ? 1.0f : 0.0f, y + n0, int(N));
   }

@@ -7,13 +7,16 @@
 // - up to four rows of x (decoding): a gemv that converts each weight row as it streams
 //   it (AVX-512, AVX2 or portable loops), split over the CPU threads; it reads half the
 //   bytes a float32 gemv reads;
-// - more rows (prefill): the weight is converted in chunks of rows (at most ~4 MB of
-//   float32 at a time) and each chunk goes through the process's sgemm (OpenBLAS).
+// - more rows (prefill): on CPUs with AVX-512, a blocked GEMM of our own that converts the
+//   weights as it packs them (half_gemm_avx512.cpp); elsewhere the weight is converted in
+//   chunks of rows (at most 16 MB of float32 at a time) and each chunk goes through the
+//   process's sgemm (OpenBLAS).
 #include <algorithm>
 #include <vector>
 
 #include "compact_matmul.h"
 #include "cpu_primitive.h"
+#include "half_gemm.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -79,15 +82,6 @@ MLXVLM_AVX2 void gemv_avx2(const float* x, int64_t K, const uint16_t* w, int64_t
 #ifdef MLXVLM_X86
 // The same with 16-wide vectors: half the instructions per weight byte, and R x M
 // independent accumulators (8 for one row of x) to cover the FMA latency.
-template <Half kind>
-MLXVLM_AVX512 inline __m512 load_half16(const uint16_t* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  if constexpr (kind == Half::bfloat16)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  else
-    return _mm512_cvtph_ps(h);
-}
-
 template <Half kind, int M, int R>
 MLXVLM_AVX512 int64_t gemv_tile_avx512(const float* x, int64_t K, const uint16_t* w,
                                        int64_t n0, int64_t n1, float* y, int64_t N) {
@@ -153,6 +147,10 @@ void gemv_rows(const float* x, int64_t rows, int64_t K, const uint16_t* w, int64
 // y (rows x N) = x (rows x K) . w^T (+ bias) (+ residual), w 16-bit (N x K).
 void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
                  int64_t N, const float* bias, const float* residual, float* y) {
+  if (rows > kMaxGemvRows && has_avx512()) {  // prefill: converted as they are packed
+    put_bias_and_addend(rows, N, 0, N, bias, residual, y);
+    return half_gemm_avx512(x, rows, K, w, kind, N, y, bias || residual);
+  }
   compact_matmul(
       x, rows, K, N, bias, residual, y,
       [&](int64_t n0, int64_t n1) {

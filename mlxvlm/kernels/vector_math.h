@@ -154,6 +154,16 @@ MLXVLM_AVX2 inline __m256 load_half8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
+// 16 halves as float32 (AVX-512).
+template <Half kind>
+MLXVLM_AVX512 inline __m512 load_half16(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (kind == Half::bfloat16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  else
+    return _mm512_cvtph_ps(h);
+}
+
 MLXVLM_AVX2 inline float row_max_avx2(const float* x, int64_t n) {
   __m256 m = _mm256_set1_ps(-INFINITY);
   int64_t i = 0;
