@@ -765,7 +765,7 @@ def test_thread_count_follows_the_environment():
 
     # With the BLAS shim (mlxvlm/_blas_shim.c) the kernels run on its pool.
     shared = ", shared with the float32 products" if _backend.gemv_forward is not None else ""
-    assert result.stdout.strip().endswith(f"({kernels.simd()}, 1 thread{shared})"), result.stdout
+    assert f"({kernels.simd()}, 1 thread{shared});" in result.stdout, result.stdout
 
 
 # Each kernel has code for AVX-512, AVX2 and any CPU (chosen at run time); this machine
@@ -792,6 +792,40 @@ def test_narrower_instruction_sets_give_the_same_results(isa):
     shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            env=dict(os.environ, MLXVLM_CPU_ISA=isa), timeout=300)
     assert shown.stdout.strip() == isa
+
+
+@pytest.mark.parametrize("path", ["own", "blas"])
+def test_both_prefill_paths_give_the_same_results(path):
+    """Prefill's 16-bit products run on mlxvlm's AVX-512 GEMM or through the BLAS, the
+    faster here (measured at first use); each, chosen with MLXVLM_HALF_GEMM, passes the
+    half_linear tests above, and says that it was chosen so."""
+    if path == "own" and kernels.simd() != "avx512":
+        pytest.skip("mlxvlm's GEMM needs AVX-512")
+    env = dict(os.environ, MLXVLM_HALF_GEMM=path)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "half_linear and not narrower and not models"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=os.path.dirname(__file__),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+    script = "import mlxvlm; from mlxvlm import kernels; print(kernels.prefill_products())"
+    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           env=env, timeout=300)
+    assert shown.stdout.strip().endswith(f"(MLXVLM_HALF_GEMM={path})"), shown.stdout
+
+
+def test_the_prefill_path_is_measured_and_described():
+    """Without MLXVLM_HALF_GEMM the choice is measured (on AVX-512 CPUs) and shown by
+    --verbose's description of the kernels."""
+    described = kernels.prefill_products()
+    if os.environ.get("MLXVLM_HALF_GEMM"):
+        pytest.skip("the path is forced in this run")
+    if kernels.simd() == "avx512":
+        assert "measured at first use" in described and " ms against " in described
+    else:
+        assert described == "conversion + sgemm (the GEMM needs AVX-512)"
+    assert described in kernels.describe()
 
 
 def test_an_unknown_instruction_set_cap_is_reported_and_ignored():

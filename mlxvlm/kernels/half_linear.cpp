@@ -8,10 +8,15 @@
 //   it (AVX-512, AVX2 or portable loops), split over the CPU threads; it reads half the
 //   bytes a float32 gemv reads;
 // - more rows (prefill): on CPUs with AVX-512, a blocked GEMM of our own that converts the
-//   weights as it packs them (half_gemm_avx512.cpp); elsewhere the weight is converted in
-//   chunks of rows (at most 16 MB of float32 at a time) and each chunk goes through the
-//   process's sgemm (OpenBLAS).
+//   weights as it packs them (half_gemm_avx512.cpp), where it measures faster; otherwise
+//   the weight is converted in chunks of rows (at most 16 MB of float32 at a time) and
+//   each chunk goes through the process's sgemm (OpenBLAS).
 #include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "compact_matmul.h"
@@ -144,13 +149,10 @@ void gemv_rows(const float* x, int64_t rows, int64_t K, const uint16_t* w, int64
   gemv_portable<kind>(x, rows, K, w, n0, n1, y, N);
 }
 
-// y (rows x N) = x (rows x K) . w^T (+ bias) (+ residual), w 16-bit (N x K).
-void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
-                 int64_t N, const float* bias, const float* residual, float* y) {
-  if (rows > kMaxGemvRows && has_avx512()) {  // prefill: converted as they are packed
-    put_bias_and_addend(rows, N, 0, N, bias, residual, y);
-    return half_gemm_avx512(x, rows, K, w, kind, N, y, bias || residual);
-  }
+// y (rows x N) = x (rows x K) . w^T (+ bias) (+ residual), w 16-bit (N x K): the gemv for
+// a few rows, else the weight converted a chunk at a time into the process's sgemm.
+void half_matmul_blas(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
+                      int64_t N, const float* bias, const float* residual, float* y) {
   compact_matmul(
       x, rows, K, N, bias, residual, y,
       [&](int64_t n0, int64_t n1) {
@@ -162,6 +164,68 @@ void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Hal
       [&](int64_t n0, int64_t n1, float* out) {
         half_to_float(w + n0 * K, out, (n1 - n0) * K, kind);
       });
+}
+
+// The same for more rows through half_gemm_avx512.
+void half_matmul_own(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
+                     int64_t N, const float* bias, const float* residual, float* y) {
+  put_bias_and_addend(rows, N, 0, N, bias, residual, y);
+  half_gemm_avx512(x, rows, K, w, kind, N, y, bias || residual);
+}
+
+// Which of the two prefill's products take, decided once per process (see half_gemm.h):
+// MLXVLM_HALF_GEMM ("own" or "blas") if set, else the faster of the two on a 192 x 768 x
+// 768 product (the best of four alternating runs each, ~10 ms in all). On a Zen 5 EPYC
+// whose OpenBLAS runs its AVX2 kernels the GEMM takes ~0.6x the time; a CPU whose
+// AVX-512 units are no wider than its AVX2 ones (Zen 4 runs 512-bit operations in two
+// halves) may do better with the BLAS.
+PrefillChoice choose_prefill_path() {
+  const char* forced = std::getenv("MLXVLM_HALF_GEMM");
+  const std::string wanted = forced ? forced : "";
+  if (!has_avx512()) return {false, 0, 0, "conversion + sgemm (the GEMM needs AVX-512)"};
+  if (wanted == "blas") return {false, 0, 0, "conversion + sgemm (MLXVLM_HALF_GEMM=blas)"};
+  if (wanted == "own") return {true, 0, 0, "mlxvlm's AVX-512 GEMM (MLXVLM_HALF_GEMM=own)"};
+  if (sgemm_pointer() == nullptr) return {true, 0, 0, "mlxvlm's AVX-512 GEMM (no sgemm)"};
+  constexpr int64_t rows = 192, K = 768, N = 768;
+  std::vector<float> x(rows * K), y(rows * N);
+  std::vector<uint16_t> w(N * K);
+  uint32_t state = 12345;
+  auto next = [&state] { state = state * 1664525u + 1013904223u; return state; };
+  for (auto& v : x) v = float(int(next() >> 9) - (1 << 22)) / float(1 << 22);
+  for (auto& v : w) v = uint16_t(0x3c00 | (next() >> 22));  // bf16 in [2^-7, 2)
+  auto milliseconds = [&](auto&& product) {
+    auto start = std::chrono::steady_clock::now();
+    product(x.data(), rows, K, w.data(), Half::bfloat16, N, nullptr, nullptr, y.data());
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+        .count();
+  };
+  double own = INFINITY, blas = INFINITY;
+  for (int round = 0; round < 4; round++) {
+    own = std::min(own, milliseconds(half_matmul_own));
+    blas = std::min(blas, milliseconds(half_matmul_blas));
+  }
+  char why[160];
+  std::snprintf(why, sizeof why, "%s (%.2f ms against %.2f ms for %s, measured at first use)",
+                own < blas ? "mlxvlm's AVX-512 GEMM" : "conversion + sgemm",
+                own < blas ? own : blas, own < blas ? blas : own,
+                own < blas ? "conversion + sgemm" : "the AVX-512 GEMM");
+  return {own < blas, own, blas, why};
+}
+
+}  // namespace
+
+const PrefillChoice& prefill_choice() {
+  static const PrefillChoice choice = choose_prefill_path();
+  return choice;
+}
+
+namespace {
+
+void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
+                 int64_t N, const float* bias, const float* residual, float* y) {
+  if (rows > kMaxGemvRows && prefill_choice().own_gemm)
+    return half_matmul_own(x, rows, K, w, kind, N, bias, residual, y);
+  half_matmul_blas(x, rows, K, w, kind, N, bias, residual, y);
 }
 
 // Inputs: x, the weight, then the bias and the residual where there are ones.

@@ -1,10 +1,12 @@
 // Python bindings (nanobind, in MLX's nanobind domain so mlx.core.array passes through).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 
 #include "blas.h"
 #include "cpu_parallel.h"
+#include "half_gemm.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -24,6 +26,8 @@ NB_MODULE(_mlxvlm_cpu_kernels, m) {
   m.def("shares_blas_pool", [] { return mlxvlm::thread_pool().shared(); },
         "Whether the kernels run on the BLAS shim's threads (mlxvlm/_blas_shim.c).");
   m.def("simd", [] { return mlxvlm::isa_name(); });
+  m.def("prefill_products", [] { return mlxvlm::prefill_choice().why; },
+        "How 16-bit prefill products are computed here, and why (decided at first use).");
   nb::enum_<mlxvlm::Activation>(m, "Activation")
       .value("gelu_tanh", mlxvlm::Activation::gelu_tanh)
       .value("quick_gelu", mlxvlm::Activation::quick_gelu)
