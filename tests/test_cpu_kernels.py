@@ -297,7 +297,7 @@ def _float64_dequantized_product(x, w, scales, biases, group_size, bits):
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("scale_dtype", [mx.float32, mx.bfloat16, mx.float16],
                          ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 40])
+@pytest.mark.parametrize("rows", [1, 3, 4, 40, 151])
 def test_quantized_linear_is_the_dequantized_product(bits, group_size, scale_dtype, rows):
     keys = mx.random.split(mx.random.key(bits * group_size + rows), 3)
     weight = mx.random.normal((72, 256), key=keys[0]).astype(scale_dtype)
@@ -796,15 +796,15 @@ def test_narrower_instruction_sets_give_the_same_results(isa):
 
 @pytest.mark.parametrize("path", ["own", "blas"])
 def test_both_prefill_paths_give_the_same_results(path):
-    """Prefill's 16-bit products run on mlxvlm's AVX-512 GEMM or through the BLAS, the
-    faster here (measured at first use); each, chosen with MLXVLM_HALF_GEMM, passes the
-    half_linear tests above, and says that it was chosen so."""
+    """Prefill's 16-bit and quantized products run on mlxvlm's AVX-512 GEMM or through the
+    BLAS, the faster here (measured at first use); each, chosen with MLXVLM_HALF_GEMM,
+    passes the half_linear and quantized_linear tests above, and says it was chosen so."""
     if path == "own" and kernels.simd() != "avx512":
         pytest.skip("mlxvlm's GEMM needs AVX-512")
     env = dict(os.environ, MLXVLM_HALF_GEMM=path)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "half_linear and not narrower and not models"],
+         "-k", "(half_linear or quantized_linear) and not narrower and not models"],
         capture_output=True, text=True, timeout=600, env=env, cwd=os.path.dirname(__file__),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

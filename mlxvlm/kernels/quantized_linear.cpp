@@ -8,8 +8,10 @@
 //   the unpacked integers, scaled, plus the group's bias times the sum of x over the
 //   group (precomputed) -- sum_g (s_g x_g.q_g + b_g sum(x_g)), the dequantized product
 //   rearranged (AVX-512, AVX2 or portable loops); rows split over the CPU threads;
-// - more rows (prefill): the weight dequantized to float32 a chunk of rows at a time
-//   and each chunk through the process's sgemm.
+// - more rows (prefill): where prefill_choice() takes mlxvlm's AVX-512 GEMM (see
+//   half_gemm.h), the weights dequantized as it packs them (packed_gemm.h); otherwise
+//   dequantized to float32 a chunk of rows at a time, each chunk through the process's
+//   sgemm.
 // Layout (mx.quantize, mode "affine"): each row's integers packed little-endian into
 // bytes (4-bit: low nibble first), one scale and one bias per group of group_size
 // consecutive columns, scales/biases in float32, bfloat16 or float16.
@@ -19,7 +21,9 @@
 
 #include "compact_matmul.h"
 #include "cpu_primitive.h"
+#include "half_gemm.h"
 #include "kernels.h"
+#include "packed_gemm.h"
 #include "vector_math.h"
 
 namespace mlxvlm {
@@ -214,6 +218,29 @@ MLXVLM_AVX512 void gemv_avx512(const Quantized& w, const float* x, const float* 
     run(UnpackedDot<bits>{w, x});
 }
 
+// W's rows dequantized to float32 for packed_gemm (its k0 and these 16-column steps are
+// multiples of 16, and so are MLX's group sizes: no step crosses a group).
+template <int bits>
+struct DequantizedRows {
+  const Quantized& w;
+
+  MLXVLM_AVX512 void row(int64_t n, int64_t k0, int64_t kc, float* out) const {
+    const uint8_t* packed = w.row(n);
+    int64_t k = 0;
+    if (w.group_size % 16 == 0)
+      for (; k + 16 <= kc; k += 16) {
+        const int64_t g = (k0 + k) / w.group_size;
+        _mm512_storeu_ps(out + k, _mm512_fmadd_ps(unpack16<bits>(packed, k0 + k),
+                                                  _mm512_set1_ps(w.scale(n, g)),
+                                                  _mm512_set1_ps(w.bias(n, g))));
+      }
+    for (; k < kc; k++) {
+      const int64_t g = (k0 + k) / w.group_size;
+      out[k] = w.scale(n, g) * float(w.value(packed, k0 + k)) + w.bias(n, g);
+    }
+  }
+};
+
 template <int bits>
 MLXVLM_AVX2 void dequantize_rows_avx2(const Quantized& w, int64_t n0, int64_t n1, float* out) {
   for (int64_t n = n0; n < n1; n++) {
@@ -301,6 +328,13 @@ void quantized_matmul(const Quantized& w, const float* x, int64_t rows, const fl
           x_split[m * w.K + (k % 2) * (w.K / 2) + k / 2] = x[m * w.K + k];
     }
   }
+#ifdef MLXVLM_X86
+  if (rows > kMaxGemvRows && prefill_choice().own_gemm) {  // dequantized as they are packed
+    put_bias_and_addend(rows, w.N, 0, w.N, bias, nullptr, y);
+    if (w.bits == 4) return packed_gemm(x, rows, w.K, DequantizedRows<4>{w}, w.N, y, bias != nullptr);
+    return packed_gemm(x, rows, w.K, DequantizedRows<8>{w}, w.N, y, bias != nullptr);
+  }
+#endif
   compact_matmul(
       x, rows, w.K, w.N, bias, nullptr, y,
       [&](int64_t n0, int64_t n1) {
