@@ -31,40 +31,83 @@ constexpr int64_t kColumnTile = 32;  // output columns per register tile (two ve
 constexpr int64_t kDepth = 160;
 constexpr int64_t kRowBlock = 144;  // rows of x packed at a time (92 KB, in L2)
 
+// Transposes a 16 x 16 block in registers: r[i][j] becomes r[j][i].
+MLXVLM_AVX512 inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  // r[4q + c] now holds, in each 128-bit lane l, element c of rows 4l' .. of block q.
+  for (int q = 0; q < 2; q++)
+    for (int c = 0; c < 4; c++) {
+      t[8 * q + c] = _mm512_shuffle_f32x4(r[8 * q + c], r[8 * q + 4 + c], 0x88);
+      t[8 * q + 4 + c] = _mm512_shuffle_f32x4(r[8 * q + c], r[8 * q + 4 + c], 0xdd);
+    }
+  for (int c = 0; c < 8; c++) {
+    r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+    r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xdd);
+  }
+}
+
 // Weight rows [n0, n1) x columns [k0, k0 + kc) as float32 panels of 32 rows:
 // panel[k][j] = W[n0 + 32 p + j][k0 + k], rows past n1 zero. `weights.row(n, k0, kc, out)`
-// writes W[n][k0 : k0 + kc) as float32 (k0 a multiple of 16).
+// writes W[n][k0 : k0 + kc) as float32 (k0 a multiple of 16). Sixteen rows at a time are
+// converted into `rows` (in L1) and moved into the panel by 16 x 16 register transposes.
 template <class Weights>
 MLXVLM_AVX512 void pack_weights(const Weights& weights, int64_t n0, int64_t n1, int64_t k0,
                                 int64_t kc, float* packed) {
-  alignas(64) float row[kDepth];
+  alignas(64) float rows[16][kDepth];
   for (int64_t p = n0; p < n1; p += kColumnTile) {
     float* panel = packed + (p - n0) * kc;
-    for (int64_t j = 0; j < kColumnTile; j++) {
-      if (p + j < n1) {
-        weights.row(p + j, k0, kc, row);
-        for (int64_t k = 0; k < kc; k++) panel[k * kColumnTile + j] = row[k];
-      } else {
-        for (int64_t k = 0; k < kc; k++) panel[k * kColumnTile + j] = 0.0f;
+    for (int64_t half = 0; half < kColumnTile; half += 16) {
+      const int64_t first = p + half, count = std::max<int64_t>(0, std::min<int64_t>(16, n1 - first));
+      for (int64_t j = 0; j < count; j++) weights.row(first + j, k0, kc, rows[j]);
+      for (int64_t j = count; j < 16; j++) std::fill(rows[j], rows[j] + kc, 0.0f);
+      int64_t k = 0;
+      for (; k + 16 <= kc; k += 16) {
+        __m512 block[16];
+        for (int j = 0; j < 16; j++) block[j] = _mm512_load_ps(rows[j] + k);
+        transpose16(block);
+        for (int t = 0; t < 16; t++)
+          _mm512_store_ps(panel + (k + t) * kColumnTile + half, block[t]);
       }
+      for (; k < kc; k++)
+        for (int j = 0; j < 16; j++) panel[k * kColumnTile + half + j] = rows[j][k];
     }
   }
 }
 
 // Rows [m0, m0 + mc) of x x columns [k0, k0 + kc) as panels of 12 rows:
-// panel[k][i] = x[m0 + 12 q + i][k0 + k], rows past mc zero.
-inline void pack_rows(const float* x, int64_t K, int64_t m0, int64_t mc, int64_t k0,
-                      int64_t kc, float* packed) {
+// panel[k][i] = x[m0 + 12 q + i][k0 + k], rows past mc zero; 16 columns at a time by a
+// register transpose (the 12 rows and 4 of zeros), the rest one by one.
+MLXVLM_AVX512 inline void pack_rows(const float* x, int64_t K, int64_t m0, int64_t mc,
+                                    int64_t k0, int64_t kc, float* packed) {
+  const __mmask16 row_lanes = (1u << kRowTile) - 1;
   for (int64_t q = 0; q < mc; q += kRowTile) {
     float* panel = packed + q * kc;
-    for (int64_t i = 0; i < kRowTile; i++) {
-      if (q + i >= mc) {
-        for (int64_t k = 0; k < kc; k++) panel[k * kRowTile + i] = 0.0f;
-        continue;
-      }
-      const float* source = x + (m0 + q + i) * K + k0;
-      for (int64_t k = 0; k < kc; k++) panel[k * kRowTile + i] = source[k];
+    const int64_t count = std::min(kRowTile, mc - q);
+    const float* source = x + (m0 + q) * K + k0;
+    int64_t k = 0;
+    for (; k + 16 <= kc; k += 16) {
+      __m512 block[16];
+      for (int i = 0; i < 16; i++)
+        block[i] = i < count ? _mm512_loadu_ps(source + i * K + k) : _mm512_setzero_ps();
+      transpose16(block);
+      for (int t = 0; t < 16; t++)
+        _mm512_mask_storeu_ps(panel + (k + t) * kRowTile, row_lanes, block[t]);
     }
+    for (; k < kc; k++)
+      for (int64_t i = 0; i < kRowTile; i++)
+        panel[k * kRowTile + i] = i < count ? source[i * K + k] : 0.0f;
   }
 }
 
