@@ -143,14 +143,15 @@ def describe() -> str:
         return f"disabled by {DISABLE_ENV}"
     if load() is None:
         return status
-    return f"{status}; 16-bit prefill products: {prefill_products()}"
+    return (f"{status}; prefill products of 16-bit and quantized weights: "
+            f"{prefill_products()}")
 
 
 def prefill_products() -> str:
-    """How ``half_linear`` computes products of more than four rows here, and why: mlxvlm's
-    AVX-512 GEMM or the weights converted into the process's sgemm, the faster of the two
-    on this CPU (measured once per process, ~10 ms) unless ``MLXVLM_HALF_GEMM`` is "own"
-    or "blas"."""
+    """How ``half_linear`` and ``quantized_linear`` compute products of more than four rows
+    here, and why: mlxvlm's AVX-512 GEMM or the weights converted into the process's
+    sgemm, the faster of the two on this CPU (measured once per process, ~10 ms) unless
+    ``MLXVLM_HALF_GEMM`` is "own" or "blas"."""
     return _require().prefill_products()
 
 
