@@ -67,12 +67,14 @@ def test_half_linear_matches_the_float64_product(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("rows,K,N", [(5, 16, 1), (145, 161, 33), (300, 700, 1000)],
-                         ids=["one_column", "block_edges", "many_blocks"])
+@pytest.mark.parametrize("rows,K,N", [(5, 16, 1), (145, 161, 33), (300, 700, 1000),
+                                     (13, 48, 1700)],
+                         ids=["one_column", "block_edges", "many_blocks", "column_blocks"])
 def test_half_linear_prefill_blocks_and_edges(dtype, rows, K, N):
-    """Prefill's products over several depth slices (160), row blocks (144) and 12 x 32
-    register tiles, with ragged edges on every side and the output columns split over
-    the threads; with a bias and a residual added, as the towers' layers add them."""
+    """Prefill's products over several depth slices (160), row blocks (144), column
+    blocks (768 per thread) and 12 x 32 register tiles, with ragged edges on every side
+    and the output columns split over the threads; with a bias and a residual added, as
+    the towers' layers add them."""
     k1, k2, k3, k4 = mx.random.split(mx.random.key(rows + K + N), 4)
     x = mx.random.normal((rows, K), key=k1)
     w = (mx.random.normal((N, K), key=k2) * 0.2).astype(dtype)

@@ -1,12 +1,13 @@
 // A blocked float32 GEMM for CPUs with AVX-512, like BLIS's, over weights stored in any
 // compact form: y (rows x N) = x (rows x K) . W^T, W's rows converted to float32 as they
 // are packed (16-bit weights: half_gemm_avx512.cpp; 4/8-bit ones: quantized_linear.cpp).
-//   for each slice of K (160 deep):  pack W's rows for this thread, kc x 32 panels
-//     for each block of x's rows:    pack up to 144 rows, kc x 12 panels
-//       for each 32-wide panel:      kept in L1 across the row panels
-//         for each 12-row panel:     12 x 32 register tile (24 accumulators), then
-//                                    added to y (after the first slice, or when y holds
-//                                    a bias or a residual) or stored
+//   for each 768 of the thread's output columns (their packed weights kept in L2):
+//     for each slice of K (160 deep):  pack W's rows, kc x 32 panels
+//       for each block of x's rows:    pack up to 144 rows, kc x 12 panels
+//         for each 32-wide panel:      kept in L1 across the row panels
+//           for each 12-row panel:     12 x 32 register tile (24 accumulators), then
+//                                      added to y (after the first slice, or when y
+//                                      holds a bias or a residual) or stored
 // The threads split the output columns; each packs its own weights and x. On a Zen 5
 // EPYC: 200-225 GFLOP/s per core, where OpenBLAS's AVX2 kernels ran 117-131 with the
 // weights converted beforehand.
@@ -30,6 +31,9 @@ constexpr int64_t kColumnTile = 32;  // output columns per register tile (two ve
 // A weight panel (kDepth x 32 floats, 20 KB) and a row panel (7.5 KB) fit a 32 KB L1.
 constexpr int64_t kDepth = 160;
 constexpr int64_t kRowBlock = 144;  // rows of x packed at a time (92 KB, in L2)
+// Output columns whose weights are packed at a time (480 KB, in L2 beside the rows): a
+// wider block (a 5120- or 8960-wide layer's half, 1.6-2.9 MB) ran 25% slower from L3.
+constexpr int64_t kColumnBlock = 768;
 
 // Transposes a 16 x 16 block in registers: r[i][j] becomes r[j][i].
 MLXVLM_AVX512 inline void transpose16(__m512 (&r)[16]) {
@@ -157,7 +161,8 @@ void packed_gemm(const float* x, int64_t rows, int64_t K, const Weights& weights
   const int64_t workers = std::min<int64_t>(pool.size(), panels);
   const int64_t panels_per_worker = (panels + workers - 1) / workers;
   // Per worker (multiples of 16 floats: each slice stays 64-byte aligned).
-  const int64_t weights_floats = kDepth * panels_per_worker * kColumnTile;
+  const int64_t weights_floats =
+      kDepth * std::min(kColumnBlock, panels_per_worker * kColumnTile);
   const int64_t rows_floats =
       kDepth * std::min(kRowBlock, (rows + kRowTile - 1) / kRowTile * kRowTile);
   Scratch weights_scratch(static_cast<size_t>(workers * weights_floats + 16));
@@ -167,21 +172,24 @@ void packed_gemm(const float* x, int64_t rows, int64_t K, const Weights& weights
   auto work = [&](int64_t worker) {
     float* packed_weights = weights_base + worker * weights_floats;
     float* packed_rows = rows_base + worker * rows_floats;
-    const int64_t n0 = worker * panels_per_worker * kColumnTile;
-    const int64_t n1 = std::min(N, n0 + panels_per_worker * kColumnTile);
-    if (n0 >= n1) return;
-    for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
-      const int64_t kc = std::min(kDepth, K - k0);
-      const bool add = accumulate || k0 > 0;
-      pack_weights(weights, n0, n1, k0, kc, packed_weights);
-      for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
-        const int64_t mc = std::min(kRowBlock, rows - m0);
-        pack_rows(x, K, m0, mc, k0, kc, packed_rows);
-        for (int64_t n = n0; n < n1; n += kColumnTile)
-          for (int64_t m = m0; m < m0 + mc; m += kRowTile)
-            tile(kc, packed_rows + (m - m0) * kc, packed_weights + (n - n0) * kc,
-                 y + m * N + n, N, std::min(kRowTile, m0 + mc - m),
-                 std::min(kColumnTile, n1 - n), add);
+    const int64_t first = worker * panels_per_worker * kColumnTile;
+    const int64_t last = std::min(N, first + panels_per_worker * kColumnTile);
+    // This worker's columns a block at a time, so that their packed weights stay in L2.
+    for (int64_t n0 = first; n0 < last; n0 += kColumnBlock) {
+      const int64_t n1 = std::min(last, n0 + kColumnBlock);
+      for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
+        const int64_t kc = std::min(kDepth, K - k0);
+        const bool add = accumulate || k0 > 0;
+        pack_weights(weights, n0, n1, k0, kc, packed_weights);
+        for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
+          const int64_t mc = std::min(kRowBlock, rows - m0);
+          pack_rows(x, K, m0, mc, k0, kc, packed_rows);
+          for (int64_t n = n0; n < n1; n += kColumnTile)
+            for (int64_t m = m0; m < m0 + mc; m += kRowTile)
+              tile(kc, packed_rows + (m - m0) * kc, packed_weights + (n - n0) * kc,
+                   y + m * N + n, N, std::min(kRowTile, m0 + mc - m),
+                   std::min(kColumnTile, n1 - n), add);
+        }
       }
     }
   };
