@@ -112,12 +112,12 @@ def openblas_core_note(core: str, forced: str | None, environ, flags) -> str:
     return f", {core} kernels"
 
 
-def _open_openblas(name: str):
+def _open_openblas(name: str, vendor: str, flags):
     """dlopen OpenBLAS (RTLD_GLOBAL), naming its kernels where openblas_core_choice says
     so; OpenBLAS reads OPENBLAS_CORETYPE as it loads, and the variable is taken back
     afterwards so that other programs and libraries see the user's environment."""
     global openblas_core_forced
-    core = openblas_core_choice(os.environ, *cpu_vendor_and_flags())
+    core = openblas_core_choice(os.environ, vendor, flags)
     if core is None:
         return ctypes.CDLL(name, mode=os.RTLD_GLOBAL)
     os.environ["OPENBLAS_CORETYPE"] = core
@@ -220,8 +220,9 @@ def preload_openblas() -> None:
         )
         return
     shim = _load_shim()  # first, so that libmlx's cblas_sgemm resolves to it
+    vendor, flags = cpu_vendor_and_flags()
     try:
-        openblas = _open_openblas(name)
+        openblas = _open_openblas(name, vendor, flags)
     except OSError as exc:
         openblas_status = f"failed to load {name}: {exc}"
         if shim is not None:  # uninitialised, it passes every product on (RTLD_NEXT)
@@ -230,8 +231,7 @@ def preload_openblas() -> None:
     openblas_status = f"loaded {name}"
     core = openblas_core(openblas)
     if core is not None:
-        openblas_status += openblas_core_note(core, openblas_core_forced, os.environ,
-                                              cpu_vendor_and_flags()[1])
+        openblas_status += openblas_core_note(core, openblas_core_forced, os.environ, flags)
     if shim is not None:
         address = lambda symbol: ctypes.cast(getattr(openblas, symbol), ctypes.c_void_p)  # noqa: E731
         threads = cpu_threads()

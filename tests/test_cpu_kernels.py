@@ -830,6 +830,17 @@ def test_the_prefill_path_is_measured_and_described():
     assert described in kernels.describe()
 
 
+def test_an_unknown_prefill_path_is_reported_and_ignored():
+    script = "import mlxvlm; from mlxvlm import kernels; print(kernels.prefill_products())"
+    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           env=dict(os.environ, MLXVLM_HALF_GEMM="fast"), timeout=300)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    described = shown.stdout.strip()
+    assert described.endswith("; MLXVLM_HALF_GEMM='fast' ignored (expected own or blas)")
+    if kernels.simd() == "avx512":  # chosen as without the variable: measured
+        assert "measured at first use" in described, described
+
+
 def test_an_unknown_instruction_set_cap_is_reported_and_ignored():
     script = ("import mlxvlm; from mlxvlm import kernels; "
               "print(kernels.describe()); print(kernels.simd())")

@@ -1,19 +1,25 @@
 // The driver shared by the 16-bit and the quantized linear kernels: y = x . W^T (+ bias)
 // (+ addend, a (rows x N) row-major matrix: a residual that the layer's output is added
 // to, which may be y's own buffer in prefill) for a weight stored compactly, known
-// through two callbacks.
-//   gemv(n0, n1):          for up to kMaxGemvRows rows of x, y[:, n0:n1) from the
-//                          compact weight directly (decoding: reads the fewest bytes);
-//   to_float(n0, n1, out): weight rows [n0, n1) as float32, row-major (prefill: a chunk
-//                          at a time, each through the process's sgemm).
+// through
+//   gemv(n0, n1):                for up to kMaxGemvRows rows of x, y[:, n0:n1) from the
+//                                compact weight directly (decoding: reads the fewest
+//                                bytes);
+//   weights.row(n, k0, kc, out): W[n][k0 : k0 + kc) as float32 (k0 a multiple of 16), for
+//                                more rows (prefill), either packed by mlxvlm's AVX-512
+//                                GEMM as it goes (packed_gemm.h) or a chunk of whole rows
+//                                at a time handed to the process's sgemm, whichever
+//                                prefill_choice() says is faster here.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "blas.h"
 #include "cpu_parallel.h"
+#include "packed_gemm.h"
 #include "scratch.h"
 
 namespace mlxvlm {
@@ -41,9 +47,19 @@ inline void put_bias_and_addend(int64_t rows, int64_t N, int64_t n0, int64_t n1,
   });
 }
 
-template <class Gemv, class ToFloat>
+// How prefill's products run: decided once per process (defined in half_linear.cpp, which
+// measures both on a 16-bit product), or forced (the measurement itself).
+enum class Prefill { chosen, packed_gemm, sgemm };
+struct PrefillChoice {
+  bool packed_gemm;
+  std::string why;  // for --verbose
+};
+const PrefillChoice& prefill_choice();
+
+template <class Gemv, class Weights>
 void compact_matmul(const float* x, int64_t rows, int64_t K, int64_t N, const float* bias,
-                    const float* addend, float* y, Gemv&& gemv, ToFloat&& to_float) {
+                    const float* addend, float* y, Gemv&& gemv, const Weights& weights,
+                    Prefill prefill = Prefill::chosen) {
   if (rows <= kMaxGemvRows) {  // the gemv writes y first: addend must not be y here
     parallel_for(N, std::max<int64_t>(1, kMinGemvPerWorker / K), [&](int64_t n0, int64_t n1) {
       gemv(n0, n1);
@@ -57,12 +73,20 @@ void compact_matmul(const float* x, int64_t rows, int64_t K, int64_t N, const fl
     });
     return;
   }
+#ifdef MLXVLM_X86
+  if (prefill == Prefill::packed_gemm ||
+      (prefill == Prefill::chosen && prefill_choice().packed_gemm)) {
+    put_bias_and_addend(rows, N, 0, N, bias, addend, y);
+    return packed_gemm(x, rows, K, weights, N, y, bias || addend);
+  }
+#endif
   int64_t chunk = std::min<int64_t>(N, std::max<int64_t>(64, kChunkFloats / K));
   Scratch converted(static_cast<size_t>(chunk * K));
   for (int64_t n0 = 0; n0 < N; n0 += chunk) {
     int64_t n1 = std::min(N, n0 + chunk);
     parallel_for(n1 - n0, 16, [&](int64_t start, int64_t stop) {
-      to_float(n0 + start, n0 + stop, converted.data() + start * K);
+      for (int64_t n = n0 + start; n < n0 + stop; n++)
+        weights.row(n, 0, K, converted.data() + (n - n0) * K);
     });
     // The product is added to the bias and addend rows (sgemm's beta = 1): no extra pass.
     put_bias_and_addend(rows, N, n0, n1, bias, addend, y);

@@ -8,9 +8,9 @@
 //   it (AVX-512, AVX2 or portable loops), split over the CPU threads; it reads half the
 //   bytes a float32 gemv reads;
 // - more rows (prefill): on CPUs with AVX-512, a blocked GEMM of our own that converts the
-//   weights as it packs them (half_gemm_avx512.cpp), where it measures faster; otherwise
-//   the weight is converted in chunks of rows (at most 16 MB of float32 at a time) and
-//   each chunk goes through the process's sgemm (OpenBLAS).
+//   weights as it packs them (packed_gemm.h), where it measures faster; otherwise the
+//   weight is converted in chunks of rows (at most 16 MB of float32 at a time) and each
+//   chunk goes through the process's sgemm (OpenBLAS). compact_matmul.h holds the choice.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -21,7 +21,6 @@
 
 #include "compact_matmul.h"
 #include "cpu_primitive.h"
-#include "half_gemm.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -149,10 +148,21 @@ void gemv_rows(const float* x, int64_t rows, int64_t K, const uint16_t* w, int64
   gemv_portable<kind>(x, rows, K, w, n0, n1, y, N);
 }
 
-// y (rows x N) = x (rows x K) . w^T (+ bias) (+ residual), w 16-bit (N x K): the gemv for
-// a few rows, else the weight converted a chunk at a time into the process's sgemm.
-void half_matmul_blas(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
-                      int64_t N, const float* bias, const float* residual, float* y) {
+// A 16-bit weight's rows as float32, for compact_matmul's prefill.
+struct HalfRows {
+  const uint16_t* w;
+  int64_t K;
+  Half kind;
+
+  void row(int64_t n, int64_t k0, int64_t kc, float* out) const {
+    half_to_float(w + n * K + k0, out, kc, kind);
+  }
+};
+
+// y (rows x N) = x (rows x K) . w^T (+ bias) (+ residual), w 16-bit (N x K).
+void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
+                 int64_t N, const float* bias, const float* residual, float* y,
+                 Prefill prefill = Prefill::chosen) {
   compact_matmul(
       x, rows, K, N, bias, residual, y,
       [&](int64_t n0, int64_t n1) {
@@ -161,31 +171,25 @@ void half_matmul_blas(const float* x, int64_t rows, int64_t K, const uint16_t* w
         else
           gemv_rows<Half::float16>(x, rows, K, w, n0, n1, y, N);
       },
-      [&](int64_t n0, int64_t n1, float* out) {
-        half_to_float(w + n0 * K, out, (n1 - n0) * K, kind);
-      });
+      HalfRows{w, K, kind}, prefill);
 }
 
-// The same for more rows through half_gemm_avx512.
-void half_matmul_own(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
-                     int64_t N, const float* bias, const float* residual, float* y) {
-  put_bias_and_addend(rows, N, 0, N, bias, residual, y);
-  half_gemm_avx512(x, rows, K, w, kind, N, y, bias || residual);
-}
-
-// Which of the two prefill's products take, decided once per process (see half_gemm.h):
+// How prefill's products run (compact_matmul.h), decided once per process:
 // MLXVLM_HALF_GEMM ("own" or "blas") if set, else the faster of the two on a 192 x 768 x
-// 768 product (the best of four alternating runs each, ~10 ms in all). On a Zen 5 EPYC
-// whose OpenBLAS runs its AVX2 kernels the GEMM takes ~0.6x the time; a CPU whose
+// 768 16-bit product (the best of four alternating runs each, ~10 ms in all). On a Zen 5
+// EPYC whose OpenBLAS runs its AVX2 kernels the GEMM takes ~0.55x the time; a CPU whose
 // AVX-512 units are no wider than its AVX2 ones (Zen 4 runs 512-bit operations in two
 // halves) may do better with the BLAS.
-PrefillChoice choose_prefill_path() {
-  const char* forced = std::getenv("MLXVLM_HALF_GEMM");
-  const std::string wanted = forced ? forced : "";
-  if (!has_avx512()) return {false, 0, 0, "conversion + sgemm (the GEMM needs AVX-512)"};
-  if (wanted == "blas") return {false, 0, 0, "conversion + sgemm (MLXVLM_HALF_GEMM=blas)"};
-  if (wanted == "own") return {true, 0, 0, "mlxvlm's AVX-512 GEMM (MLXVLM_HALF_GEMM=own)"};
-  if (sgemm_pointer() == nullptr) return {true, 0, 0, "mlxvlm's AVX-512 GEMM (no sgemm)"};
+PrefillChoice choose_prefill() {
+  const char* set = std::getenv("MLXVLM_HALF_GEMM");
+  const std::string wanted = set ? set : "";
+  // An unknown value is said and left aside (like MLXVLM_CPU_ISA's).
+  const std::string ignored = wanted.empty() || wanted == "own" || wanted == "blas" ? ""
+      : "; MLXVLM_HALF_GEMM='" + wanted + "' ignored (expected own or blas)";
+  if (!has_avx512()) return {false, "conversion + sgemm (the GEMM needs AVX-512)" + ignored};
+  if (wanted == "blas") return {false, "conversion + sgemm (MLXVLM_HALF_GEMM=blas)"};
+  if (wanted == "own") return {true, "mlxvlm's AVX-512 GEMM (MLXVLM_HALF_GEMM=own)"};
+  if (sgemm_pointer() == nullptr) return {true, "mlxvlm's AVX-512 GEMM (no sgemm)" + ignored};
   constexpr int64_t rows = 192, K = 768, N = 768;
   std::vector<float> x(rows * K), y(rows * N);
   std::vector<uint16_t> w(N * K);
@@ -193,40 +197,34 @@ PrefillChoice choose_prefill_path() {
   auto next = [&state] { state = state * 1664525u + 1013904223u; return state; };
   for (auto& v : x) v = float(int(next() >> 9) - (1 << 22)) / float(1 << 22);
   for (auto& v : w) v = uint16_t(0x3c00 | (next() >> 22));  // bf16 in [2^-7, 2)
-  auto milliseconds = [&](auto&& product) {
+  auto milliseconds = [&](Prefill prefill) {
     auto start = std::chrono::steady_clock::now();
-    product(x.data(), rows, K, w.data(), Half::bfloat16, N, nullptr, nullptr, y.data());
+    half_matmul(x.data(), rows, K, w.data(), Half::bfloat16, N, nullptr, nullptr, y.data(),
+                prefill);
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
         .count();
   };
   double own = INFINITY, blas = INFINITY;
   for (int round = 0; round < 4; round++) {
-    own = std::min(own, milliseconds(half_matmul_own));
-    blas = std::min(blas, milliseconds(half_matmul_blas));
+    own = std::min(own, milliseconds(Prefill::packed_gemm));
+    blas = std::min(blas, milliseconds(Prefill::sgemm));
   }
   char why[160];
   std::snprintf(why, sizeof why, "%s (%.2f ms against %.2f ms for %s, measured at first use)",
                 own < blas ? "mlxvlm's AVX-512 GEMM" : "conversion + sgemm",
                 own < blas ? own : blas, own < blas ? blas : own,
                 own < blas ? "conversion + sgemm" : "the AVX-512 GEMM");
-  return {own < blas, own, blas, why};
+  return {own < blas, why + ignored};
 }
 
 }  // namespace
 
 const PrefillChoice& prefill_choice() {
-  static const PrefillChoice choice = choose_prefill_path();
+  static const PrefillChoice choice = choose_prefill();
   return choice;
 }
 
 namespace {
-
-void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
-                 int64_t N, const float* bias, const float* residual, float* y) {
-  if (rows > kMaxGemvRows && prefill_choice().own_gemm)
-    return half_matmul_own(x, rows, K, w, kind, N, bias, residual, y);
-  half_matmul_blas(x, rows, K, w, kind, N, bias, residual, y);
-}
 
 // Inputs: x, the weight, then the bias and the residual where there are ones.
 class HalfLinear : public CpuPrimitive {

@@ -6,7 +6,7 @@
 
 #include "blas.h"
 #include "cpu_parallel.h"
-#include "half_gemm.h"
+#include "compact_matmul.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -27,7 +27,7 @@ NB_MODULE(_mlxvlm_cpu_kernels, m) {
         "Whether the kernels run on the BLAS shim's threads (mlxvlm/_blas_shim.c).");
   m.def("simd", [] { return mlxvlm::isa_name(); });
   m.def("prefill_products", [] { return mlxvlm::prefill_choice().why; },
-        "How 16-bit prefill products are computed here, and why (decided at first use).");
+        "How prefill's 16-bit and quantized products run here, and why (decided at first use).");
   nb::enum_<mlxvlm::Activation>(m, "Activation")
       .value("gelu_tanh", mlxvlm::Activation::gelu_tanh)
       .value("quick_gelu", mlxvlm::Activation::quick_gelu)

@@ -1,6 +1,6 @@
 // A blocked float32 GEMM for CPUs with AVX-512, like BLIS's, over weights stored in any
 // compact form: y (rows x N) = x (rows x K) . W^T, W's rows converted to float32 as they
-// are packed (16-bit weights: half_gemm_avx512.cpp; 4/8-bit ones: quantized_linear.cpp).
+// are packed (compact_matmul.h runs it for the 16-bit and the 4/8-bit linear kernels).
 //   for each 768 of the thread's output columns (their packed weights kept in L2):
 //     for each slice of K (160 deep):  pack W's rows, kc x 32 panels
 //       for each block of x's rows:    pack up to 144 rows, kc x 12 panels

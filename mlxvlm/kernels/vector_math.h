@@ -264,8 +264,21 @@ inline void scale_shift_row(const float* x, float* y, int64_t n, float shift, fl
   }
 }
 
+#ifdef MLXVLM_X86
+template <Half kind>
+MLXVLM_AVX512 inline void half_to_float_avx512(const uint16_t* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, load_half16<kind>(in + i));
+  for (; i < n; i++) out[i] = half_to_float(in[i], kind);
+}
+#endif
+
 inline void half_to_float(const uint16_t* in, float* out, int64_t n, Half kind) {
 #ifdef MLXVLM_X86
+  if (has_avx512()) {
+    if (kind == Half::bfloat16) return half_to_float_avx512<Half::bfloat16>(in, out, n);
+    return half_to_float_avx512<Half::float16>(in, out, n);
+  }
   if (has_avx2()) {
     if (kind == Half::bfloat16) return half_to_float_avx2<Half::bfloat16>(in, out, n);
     return half_to_float_avx2<Half::float16>(in, out, n);

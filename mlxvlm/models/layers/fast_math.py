@@ -195,6 +195,7 @@ def _dispatching(fast_kernel: Callable, reference: Callable, kind: str) -> Calla
     """``reference`` (an MLX activation) computed by mlxvlm's C++ kernel where it is built,
     else by ``fast_kernel`` (the MLX composition above), on large float32 CPU arrays."""
     composed = with_reference_vjp(lambda x: in_slices(fast_kernel, x), reference)
+
     def kernel(x: mx.array) -> mx.array:  # with reference's derivatives (see _kernel_exp)
         return kernels.activation(x, kind)
 
@@ -221,6 +222,7 @@ def gated(act: Callable) -> Callable[[mx.array, mx.array], mx.array]:
     kernel, like mlx-lm's ``swiglu``."""
     reference = act.reference
     fused = mx.compile(lambda gate, up: reference(gate) * up, shapeless=True)
+
     def kernel(gate: mx.array, up: mx.array) -> mx.array:  # reference's derivatives too
         return kernels.activation(gate, act.kind, up)
 
