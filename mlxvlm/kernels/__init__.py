@@ -98,7 +98,9 @@ def _build_and_import() -> ModuleType | None:
         module = _import(build(verbose=True))
         module.set_sgemm(_sgemm_address())
         module.set_threads(_backend.cpu_threads())  # for its own pool, without the shim
-    except (BuildError, OSError, ImportError, AttributeError, subprocess.SubprocessError) as exc:
+        _smoke_call(module)
+    except (BuildError, OSError, ImportError, AttributeError, TypeError, RuntimeError,
+            subprocess.SubprocessError) as exc:
         status = f"not used: {exc}"
         print(f"mlxvlm: CPU kernels {status}", file=sys.stderr)
         return None
@@ -112,6 +114,18 @@ def _build_and_import() -> ModuleType | None:
         print(f"mlxvlm: {ISA_ENV}={cap!r} ignored: expected one of {', '.join(ISAS)}",
               file=sys.stderr)
     return module
+
+
+def _smoke_call(module: ModuleType) -> None:
+    """One small call through the binding at load: an extension that imports but cannot
+    pass MLX arrays (a nanobind ABI other than mlx.core's) fails here, where mlxvlm can
+    still fall back, instead of in the middle of a forward pass."""
+    x = mx.array([[-2.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0, 4.0]])
+    got = module.activation(x, module.Activation.silu, None)
+    expected = x * mx.sigmoid(x)
+    if not mx.allclose(got, expected, atol=1e-5).item():
+        raise RuntimeError("the built kernels failed their first call (SiLU of 8 floats "
+                           "differs from MLX's)")
 
 
 def enabled() -> bool:

@@ -5,12 +5,17 @@ An MLX extension is C++ compiled against the installed ``mlx`` (its headers and
 ``libmlx``) and bound with nanobind in MLX's nanobind domain, so that ``mlx.core.array``
 passes through (see MLX's "Custom Extensions" documentation). It needs a C++17 compiler,
 Python's headers and the ``nanobind`` package; without them the kernels are skipped and
-``mlxvlm.kernels.status`` says why. The build takes ~30 s on two cores.
+``mlxvlm.kernels.status`` says why.
+
+The build runs at first use rather than at install time: it must compile against the
+``mlx`` that runs (its headers and ``libmlx``), which an isolated install-time build
+environment need not have, and an MLX upgrade must trigger a new build without a
+reinstall of mlxvlm. It is made cheap to fail instead: one build at a time per machine,
+and a failed one remembered under its fingerprint (``mlxvlm.cpu.build_cache``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -21,7 +26,16 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mlxvlm._backend import cache_dir
+from mlxvlm.cpu.build_cache import (
+    BuildError,
+    cache_dir,
+    compiler_version,
+    exclusive,
+    fingerprint,
+    forget_failure,
+    previous_failure,
+    remember_failure,
+)
 
 MODULE_NAME = "_mlxvlm_cpu_kernels"
 SOURCE_DIR = Path(__file__).parent
@@ -29,10 +43,6 @@ SOURCES = tuple(sorted(p.name for p in SOURCE_DIR.glob("*.cpp")))
 HEADERS = tuple(sorted(p.name for p in SOURCE_DIR.glob("*.h")))
 # nanobind 3.x: the ABI (internals v22) of the nanobind that mlx.core is built with.
 NANOBIND_REQUIREMENT = "nanobind>=3,<4"
-
-
-class BuildError(RuntimeError):
-    pass
 
 
 def _toolchain() -> dict:
@@ -64,13 +74,14 @@ def _toolchain() -> dict:
 
 
 def _fingerprint(tools: dict) -> str:
-    digest = hashlib.sha256()
-    for name in SOURCES + HEADERS:
-        digest.update((SOURCE_DIR / name).read_bytes())
-    for key in ("compiler", "python_include", "nanobind_version", "mlx_version"):
-        digest.update(str(tools[key]).encode())
-    digest.update(sys.version.encode())
-    return digest.hexdigest()[:16]
+    """Everything the extension's binary depends on: its sources, the compiler (path and
+    version), Python, nanobind, and the MLX it links (version and install path: two
+    environments with the same MLX version still link different ``libmlx`` files)."""
+    return fingerprint(
+        [SOURCE_DIR / name for name in SOURCES + HEADERS],
+        tools["compiler"], compiler_version(tools["compiler"]), tools["python_include"],
+        tools["nanobind_version"], tools["mlx_version"], tools["mlx_lib"], sys.version,
+    )
 
 
 def _compile(tools: dict, source: Path, obj: Path, *, nanobind_itself: bool) -> None:
@@ -92,16 +103,35 @@ def _compile(tools: dict, source: Path, obj: Path, *, nanobind_itself: bool) -> 
 
 
 def build(verbose: bool = False) -> Path:
-    """The compiled extension's path, building it first if it is not in the cache."""
+    """The compiled extension's path, building it first if it is not in the cache.
+
+    Raises ``BuildError`` when the toolchain is missing, when this fingerprint's build
+    failed before (at once, without compiling again), or when the build fails now."""
     tools = _toolchain()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     target_dir = cache_dir() / f"cpu-kernels-{_fingerprint(tools)}"
     target = target_dir / f"{MODULE_NAME}{suffix}"
     if target.exists():
         return target
-    target_dir.parent.mkdir(parents=True, exist_ok=True)
-    if verbose:
-        print("mlxvlm: compiling the CPU kernels (once; ~30 s)...", file=sys.stderr, flush=True)
+    with exclusive(target_dir):
+        if target.exists():  # built by the process that held the lock before us
+            return target
+        failure = previous_failure(target_dir)
+        if failure is not None:
+            raise BuildError(f"{failure} (an earlier build with the same sources and "
+                             f"toolchain; MLXVLM_REBUILD=1 tries again)")
+        if verbose:
+            print("mlxvlm: compiling the CPU kernels (once)...", file=sys.stderr, flush=True)
+        try:
+            _compile_and_link(tools, target_dir, target)
+        except (BuildError, OSError, subprocess.SubprocessError) as exc:
+            remember_failure(target_dir, str(exc))
+            raise BuildError(str(exc)) from exc
+        forget_failure(target_dir)
+    return target
+
+
+def _compile_and_link(tools: dict, target_dir: Path, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target_dir.parent) as tmp:
         tmp = Path(tmp)
         jobs = [(SOURCE_DIR / name, tmp / f"{Path(name).stem}.o", False) for name in SOURCES]
@@ -120,9 +150,6 @@ def build(verbose: bool = False) -> Path:
         staged = tmp / "staged"
         staged.mkdir()
         os.replace(built, staged / target.name)
-        try:
-            os.replace(staged, target_dir)  # atomic: a concurrent build sees all or nothing
-        except OSError:
-            if not target.exists():
-                raise
-    return target
+        if target_dir.exists():  # an empty or partial directory left by a killed build
+            shutil.rmtree(target_dir)
+        os.replace(staged, target_dir)  # atomic: a process not holding the lock sees all or nothing
