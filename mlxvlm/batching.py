@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import make_logits_processors
 
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate import (
@@ -43,19 +43,21 @@ from mlxvlm.generate import (
     prefill_chunks,
 )
 from mlxvlm.media import load_image
+from mlxvlm.option_ranges import MAX_TOP_LOGPROBS  # noqa: F401  (its old home)
+from mlxvlm.option_ranges import SAMPLING, at_least, check
+from mlxvlm.sampling import build_sampler
+from mlxvlm.sampling_defaults import checkpoint_defaults, invalid_sampling_value, resolve
 from mlxvlm.prefix_cache import PrefixCache, prompt_key
 from mlxvlm.prompt import PreparedInputs, build_messages, normalize_messages, prepare_inputs
 from mlxvlm.tokenization import generation_tokenizer
 
 logger = logging.getLogger(__name__)
 
-# OpenAI's limit on alternatives per position; also bounds the work per token.
-MAX_TOP_LOGPROBS = 20
-
-
 @dataclass
 class SamplingOptions:
-    """How one request is sampled and when it stops (the defaults are greedy)."""
+    """How one request is sampled and when it stops (the defaults are greedy; callers
+    that let a checkpoint's generation_config.json fill in values resolve them first,
+    see ``mlxvlm.sampling_defaults``)."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -73,26 +75,24 @@ class SamplingOptions:
     top_logprobs: int | None = None
 
     def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise MlxvlmError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise MlxvlmError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise MlxvlmError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise MlxvlmError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise MlxvlmError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise MlxvlmError(
-                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}"
-            )
+        """Every value within the ranges all entry points share (``mlxvlm.option_ranges``)."""
+        names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "repetition_context_size", "presence_penalty", "frequency_penalty", "seed",
+                 "top_logprobs")
+        problem = invalid_sampling_value({name: getattr(self, name) for name in names})
+        if problem is None and self.logit_bias:
+            bias_range = SAMPLING["logit_bias_value"]
+            for token, bias in self.logit_bias.items():
+                problem = check("logit_bias token", token, at_least(0)) or check(
+                    "logit_bias value", bias, bias_range)
+                if problem:
+                    break
+        if problem is not None:
+            raise MlxvlmError(problem)
 
     def sampler(self) -> Callable[[mx.array], mx.array]:
         # Greedy requests all get mlx-lm's one greedy sampler, so a step samples them together.
-        return make_sampler(
-            temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k
-        )
+        return build_sampler(self.temperature, self.top_p, self.top_k, self.min_p)
 
     def logits_processors(self) -> list[Callable]:
         return make_logits_processors(
@@ -281,16 +281,19 @@ class BatchEngine:
         deliver: Deliver,
         *,
         image_hashes: Sequence[str] | None = (),
+        cache_namespace: str | None = None,
     ) -> SequenceHandle:
         """Queue a prepared prompt. Raises ``MlxvlmError`` (e.g. ``PromptTooLongError``)
         at once for options or prompts that cannot run. ``image_hashes`` (see
         ``prefix_cache.image_hash``), in prompt order, let the prompt reuse a cache; None
-        keeps it out of the prefix cache (e.g. media the keys cannot describe)."""
+        keeps it out of the prefix cache (e.g. media the keys cannot describe). Prompts
+        share cached prefixes only within one ``cache_namespace`` (the server's API key)."""
         options.validate()
         max_tokens = fit_to_context(self.model, inputs.num_tokens, options.max_tokens)
         key = None
         if self.prefix_cache is not None and image_hashes is not None:
-            key = prompt_key(np.asarray(inputs.input_ids[0]), self.placeholders, image_hashes)
+            key = prompt_key(np.asarray(inputs.input_ids[0]), self.placeholders, image_hashes,
+                             namespace=cache_namespace)
         with self._cond:
             if self._closed:
                 raise MlxvlmError("the engine is shut down")
@@ -669,13 +672,19 @@ def batch_generate(
     ``prompts`` are strings or chat messages (as for ``generate``); ``images`` gives each
     prompt its image(s) (None, one source, or a list). The sampling keywords are
     ``SamplingOptions``' (``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
-    ``min_p``, ``repetition_penalty``, ``seed``, ``stop`` ...) and apply to every prompt.
-    Greedy answers equal ``generate``'s for the same prompt. Returns one
+    ``min_p``, ``repetition_penalty``, ``seed``, ``stop`` ...) and apply to every prompt;
+    the ones left out (or None) come from the checkpoint's generation_config.json, as for
+    ``generate``. Greedy answers equal ``generate``'s for the same prompt. Returns one
     ``GenerationOutput`` per prompt, in order.
     """
     if images is not None and len(images) != len(prompts):
         raise MlxvlmError(f"got {len(prompts)} prompts but {len(images)} image entries")
-    options = SamplingOptions(**sampling)
+    unknown = sorted(set(sampling) - set(SamplingOptions.__dataclass_fields__))
+    if unknown:
+        raise MlxvlmError(f"batch_generate got unknown sampling options: {', '.join(unknown)}")
+    chosen = resolve(sampling, checkpoint_defaults(processor)).values
+    options = SamplingOptions(**{**sampling, **chosen})
+    options.validate()
     engine = BatchEngine(
         model, processor, max_batch_size=max_batch_size, prefill_step_size=prefill_step_size
     )

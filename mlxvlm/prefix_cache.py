@@ -6,6 +6,10 @@ Two prompts share a prefix only if their tokens *and the images behind their
 placeholder tokens* are equal: the placeholder tokens of two different images of the
 same size are identical, so every placeholder token is keyed by a hash of the image
 content (see ``prompt_key``).
+
+A prefix hit shows in ``usage.prompt_tokens_details.cached_tokens``, which would tell one
+client what another sent before; a server with API keys therefore keys every prompt by
+its client's namespace as well, so that reuse stays within one API key.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ def prompt_key(
     input_ids: Sequence[int] | np.ndarray,
     placeholder_ids: Iterable[int],
     image_hashes: Sequence[str],
+    namespace: str | None = None,
 ) -> np.ndarray:
     """The prompt's tokens with each placeholder token replaced by a (negative) key of the
     images it may depend on.
@@ -61,19 +66,31 @@ def prompt_key(
     an image still shares everything before it. Otherwise (images whose placeholders
     merge into one run, or tiled images with several runs) every run is keyed by all the
     images, which is always safe.
+
+    With a ``namespace``, every key is XORed with a 62-bit mask drawn from it: a bijection
+    within the namespace (its prompts share prefixes exactly as before) whose keys match
+    another namespace's only by a 64-bit hash collision.
     """
     ids = np.asarray(input_ids, dtype=np.int64).reshape(-1).copy()
     placeholders = np.fromiter(placeholder_ids, dtype=np.int64)
     runs = _placeholder_runs(ids, placeholders) if placeholders.size else []
-    if not runs:
-        return ids
+    if runs:
+        _key_placeholders(ids, runs, image_hashes)
+    if namespace is not None:
+        digest = hashlib.sha256(b"mlxvlm-prefix-namespace:" + namespace.encode()).digest()
+        # Bit 62 set: a masked key is never a small (token-sized) value of another space.
+        ids ^= (int.from_bytes(digest[:8], "little") >> 2) | (1 << 62)
+    return ids
+
+
+def _key_placeholders(ids: np.ndarray, runs: list[tuple[int, int]],
+                      image_hashes: Sequence[str]) -> None:
     per_image = len(runs) == len(image_hashes)
     for j, (start, end) in enumerate(runs):
         images = image_hashes[: j + 1] if per_image else image_hashes
         digest = hashlib.sha256("|".join([str(ids[start]), *images]).encode()).digest()
         # Negative, so that it never equals a token id.
         ids[start:end] = -1 - (int.from_bytes(digest[:8], "little") >> 2)
-    return ids
 
 
 def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:

@@ -23,12 +23,39 @@ class BlockedAddressError(OSError):
     """The URL's host is, or resolves to, an address that is not on the public internet."""
 
 
+# IPv6 forms that carry an IPv4 address in their last 32 bits: NAT64's well-known prefix
+# (RFC 6052), IPv4-compatible (deprecated, RFC 4291) and IPv4-translated (SIIT, RFC 2765)
+# addresses. A NAT64 gateway or a dual-stack host would deliver them to the IPv4 address,
+# so they are judged by it (``64:ff9b::a9fe:a9fe`` is the metadata service).
+_EMBEDS_LAST_32_BITS = tuple(ipaddress.ip_network(n) for n in (
+    "64:ff9b::/96", "::/96", "::ffff:0:0:0/96",
+))
+# NAT64's local-use prefix (RFC 8215): the IPv4 may sit at any of RFC 6052's offsets and
+# the translator is by definition inside someone's network, so none of it is public.
+_NEVER_PUBLIC = ipaddress.ip_network("64:ff9b:1::/48")
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip.teredo is not None:
+        return ip.teredo[1]  # the client's address (Python undoes the XOR)
+    if any(ip in network for network in _EMBEDS_LAST_32_BITS):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
 def is_public_address(address: str) -> bool:
-    """Whether ``address`` (an IP literal) is a public, unicast internet address."""
+    """Whether ``address`` (an IP literal) is a public, unicast internet address. An IPv6
+    address that embeds an IPv4 one (mapped, compatible, NAT64, 6to4, Teredo) is judged
+    by the IPv4 address it leads to."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone id
     if isinstance(ip, ipaddress.IPv6Address):
-        # Addresses that carry an IPv4 address are judged by it.
-        embedded = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
+        if ip in _NEVER_PUBLIC:
+            return False
+        embedded = _embedded_ipv4(ip)
         if embedded is not None:
             ip = embedded
     return ip.is_global and not ip.is_multicast

@@ -15,6 +15,7 @@ import openai
 import uvicorn
 
 from mlxvlm.server import ServerConfig, create_app
+from mlxvlm.server.protocol import uvicorn_config
 
 MODEL_ID = "tiny-qwen2-vl"
 START_TIMEOUT = 30.0
@@ -42,7 +43,7 @@ class LiveServer:
         self.port = self._socket.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(
-            uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2)
+            uvicorn_config(self.app, self.config, log_level="warning", timeout_graceful_shutdown=2)
         )
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True

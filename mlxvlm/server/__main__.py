@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Sequence
 
-from mlxvlm.cli import run_cli
+from mlxvlm.cli import require_extra, run_cli
 from mlxvlm.server.config import build_parser, config_from_args
 
 logger = logging.getLogger("mlxvlm.server")
@@ -19,10 +19,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
 
     def serve() -> None:
+        # Before the slow model load: without the extra, say how to install it.
+        require_extra("server", "the server", ("fastapi", "uvicorn"))
         import uvicorn
 
         from mlxvlm.loading import load
+        from mlxvlm.sampling_defaults import checkpoint_defaults
         from mlxvlm.server.app import create_app
+        from mlxvlm.server.chat import describe_sampling_defaults
 
         config = config_from_args(args)
         if config.host not in _LOOPBACK and not config.api_key:
@@ -36,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             adapter_path=args.adapter_path,
             trust_remote_code=args.trust_remote_code,
         )
+        logger.info("requests that leave sampling fields out get: %s",
+                    describe_sampling_defaults(checkpoint_defaults(processor)))
         app = create_app(model, processor, config)
         uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
                     timeout_graceful_shutdown=5)

@@ -15,7 +15,8 @@ from pydantic import ValidationError
 
 from mlxvlm.batching import BatchStep
 from mlxvlm.errors import MlxvlmError, PromptTooLongError
-from mlxvlm.media import MediaError
+from mlxvlm.media import MediaError, PixelBudgetError
+from mlxvlm.sampling_defaults import checkpoint_defaults
 from mlxvlm.server import metrics
 from mlxvlm.server.chat import (
     SSE_DONE,
@@ -26,20 +27,29 @@ from mlxvlm.server.chat import (
     warn_unknown_fields,
 )
 from mlxvlm.server.config import ServerConfig
-from mlxvlm.server.errors import APIError, error_body, install_error_handlers
+from mlxvlm.server.errors import (
+    APIError,
+    ClientDisconnected,
+    error_body,
+    install_error_handlers,
+)
 from mlxvlm.server.logprobs import TokenBytes, logprob_content
 from mlxvlm.server.schemas import ChatCompletionRequest
-from mlxvlm.server.security import APIKeyMiddleware, read_body
+from mlxvlm.server.security import (
+    KEY_ID,
+    APIKeyMiddleware,
+    BodyBudget,
+    HostCheckMiddleware,
+    allowed_host_names,
+    read_body,
+    require_json,
+)
 from mlxvlm.server.service import GenerationService, TokenStream
 
 logger = logging.getLogger("mlxvlm.server")
 
 # Status recorded for a request whose client went away (nginx's convention).
 CLIENT_CLOSED = 499
-
-
-class ClientDisconnected(Exception):
-    pass
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -80,6 +90,10 @@ def as_api_error(error: Exception) -> APIError:
     chat template that refuses the conversation, e.g. roles out of order)."""
     if isinstance(error, PromptTooLongError):
         return APIError(400, str(error), param="messages", code="context_length_exceeded")
+    if isinstance(error, PixelBudgetError) and error.shared:
+        return APIError(429, str(error), code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    if isinstance(error, PixelBudgetError):
+        return APIError(400, str(error), param="messages", code="too_many_pixels")
     if isinstance(error, MediaError):
         return APIError(400, str(error), param="messages", code="invalid_media")
     return APIError(400, str(error), param="messages")
@@ -123,9 +137,11 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
                   openapi_url=None)
     app.state.service = service
     install_error_handlers(app)
-    # Added last = outermost: CORS answers preflights before the key is checked.
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    body_budget = BodyBudget(config.max_buffered_body_bytes)
+    # Added last = outermost: the Host is checked first (DNS rebinding), then CORS
+    # answers preflights before the key is checked.
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -133,6 +149,9 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type"],
         )
+    hosts = allowed_host_names(config.host, config.allowed_hosts)
+    if hosts is not None:
+        app.add_middleware(HostCheckMiddleware, allowed=hosts)
 
     model_card = {
         "id": config.model_id,
@@ -178,13 +197,16 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
             status = error.status
             raise
         except ClientDisconnected:
+            logger.info("client went away before its answer was ready")
             status = CLIENT_CLOSED
             return Response(status_code=CLIENT_CLOSED)
         finally:
             service.counters.count(status)
 
     async def _chat_completions(request: Request) -> Response:
-        body = await read_body(request, config.max_body_bytes)
+        require_json(request)
+        body = await read_body(request, config.max_body_bytes, timeout=config.body_timeout,
+                               budget=body_budget)
         try:
             chat = ChatCompletionRequest.model_validate_json(body)
         except ValidationError as error:
@@ -192,7 +214,8 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
         if chat.model != config.model_id:
             raise _unknown_model(chat.model)
         warn_unknown_fields(chat)
-        options = sampling_options(chat, config.max_tokens, vocab_size)
+        options = sampling_options(chat, config.max_tokens, vocab_size,
+                                   checkpoint_defaults(processor))
         if not service.try_admit():
             raise APIError(
                 429,
@@ -205,7 +228,11 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
         handed_over = False
         try:
             try:
-                prepared = await until_disconnect(request, service.prepare(to_messages(chat)))
+                # With API keys, prefix reuse stays within the key (cached_tokens would
+                # otherwise tell one client what another sent).
+                namespace = request.scope.get("state", {}).get(KEY_ID)
+                prepared = await until_disconnect(
+                    request, service.prepare(to_messages(chat), namespace))
                 stream = service.submit(prepared, options)
                 # Wait for the first token before answering, so that a request that
                 # fails in prefill still gets a proper error status.

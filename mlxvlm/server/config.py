@@ -19,7 +19,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)  # more keys; api_key joins them
     allowed_origins: list[str] = field(default_factory=list)
+    # Host names answered beyond the loopback ones (see security.allowed_host_names).
+    allowed_hosts: list[str] = field(default_factory=list)
     allow_remote_media: bool = False
     allowed_media_dir: str | None = None
     max_concurrency: int = 8
@@ -27,6 +30,14 @@ class ServerConfig:
     max_body_bytes: int = 32 * MiB
     max_image_bytes: int = 20 * MiB
     max_image_pixels: int = 25_000_000
+    # Decoded pixels (images and video frames) of one request and of all requests being
+    # prepared at once; None: sized to this machine's memory (media.default_pixel_budget).
+    max_request_pixels: int | None = None
+    max_total_pixels: int | None = None
+    max_connections: int = 1000  # lowered below the open-file limit at start
+    header_timeout: float = 10.0  # seconds for a request's headers
+    body_timeout: float = 60.0  # seconds for a request's whole body
+    max_buffered_body_bytes: int | None = None  # all bodies being read; None: 8 bodies
     media_timeout: float = 15.0
     max_tokens: int = 512  # when a request does not say
     prefill_step_size: int = 2048
@@ -35,6 +46,25 @@ class ServerConfig:
     retry_after_seconds: int = 1
 
     def __post_init__(self) -> None:
+        from mlxvlm.media import default_pixel_budget
+
+        if self.api_key and self.api_key not in self.api_keys:
+            self.api_keys = [self.api_key, *self.api_keys]
+        self.api_key = self.api_key or (self.api_keys[0] if self.api_keys else None)
+        per_request, total = default_pixel_budget()
+        if self.max_total_pixels is None:
+            self.max_total_pixels = max(total, self.max_request_pixels or 0)
+        if self.max_request_pixels is None:
+            self.max_request_pixels = min(per_request, self.max_total_pixels)
+        if self.max_buffered_body_bytes is None:
+            self.max_buffered_body_bytes = 8 * self.max_body_bytes
+        for name in ("max_request_pixels", "max_total_pixels", "max_connections",
+                     "max_buffered_body_bytes"):
+            if getattr(self, name) < 1:
+                raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise MlxvlmError(f"{name} must be above 0 seconds, got {getattr(self, name)}")
         for name in ("max_concurrency", "max_body_bytes", "max_image_bytes",
                      "max_image_pixels", "max_tokens", "prefill_step_size", "prepare_workers"):
             if getattr(self, name) < 1:
@@ -55,8 +85,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1",
                         help="Address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--api-key", default=os.environ.get("MLXVLM_API_KEY"),
-                        help="Require 'Authorization: Bearer KEY' (default: $MLXVLM_API_KEY)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="Require 'Authorization: Bearer KEY'; repeat for several keys, "
+                        "each with its own prompt cache (default: $MLXVLM_API_KEY)")
+    parser.add_argument("--api-key-file", default=None,
+                        help="Also accept the keys in this file, one a line (# comments)")
+    parser.add_argument("--allowed-hosts", action="append", default=[],
+                        help="Host names to answer besides localhost, 127.0.0.1 and [::1], "
+                        "comma-separated or repeated; '*': any (default: loopback names "
+                        "on a loopback address, any name on other addresses)")
+    parser.add_argument("--max-connections", type=int, default=1000,
+                        help="Open connections; more are answered 503 (lowered to fit the "
+                        "open-file limit)")
+    parser.add_argument("--header-timeout", type=float, default=10.0,
+                        help="Seconds a client has to send a request's headers (408 after)")
+    parser.add_argument("--body-timeout", type=float, default=60.0,
+                        help="Seconds a client has to send a request's body (408 after)")
     parser.add_argument("--allowed-origins", nargs="+", default=[],
                         help="Origins allowed by CORS (default: none, CORS off)")
     parser.add_argument("--allow-remote-media", action="store_true",
@@ -73,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Largest encoded image")
     parser.add_argument("--max-image-pixels", type=int, default=25_000_000,
                         help="Largest image width*height, checked before decoding")
+    parser.add_argument("--max-request-pixels", type=int, default=None,
+                        help="Decoded pixels of all images and video frames of one request "
+                        "(default: sized to memory, see the README)")
+    parser.add_argument("--max-total-pixels", type=int, default=None,
+                        help="Decoded pixels of all requests being prepared at once "
+                        "(default: sized to memory)")
     parser.add_argument("--media-timeout", type=float, default=15.0,
                         help="Seconds for fetching one remote image")
     parser.add_argument("--max-tokens", type=int, default=512,
@@ -86,13 +136,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def read_key_file(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as file:
+            lines = [line.strip() for line in file]
+    except OSError as e:
+        raise MlxvlmError(f"cannot read the API key file {path!r}: {e.strerror}") from e
+    keys = [line for line in lines if line and not line.startswith("#")]
+    if not keys:
+        raise MlxvlmError(f"the API key file {path!r} has no keys")
+    return keys
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    keys = list(args.api_key or [])
+    if not keys and os.environ.get("MLXVLM_API_KEY"):
+        keys = [os.environ["MLXVLM_API_KEY"]]
+    if args.api_key_file:
+        keys += read_key_file(args.api_key_file)
     return ServerConfig(
         model_id=args.served_model_name or args.model,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or None,
+        api_keys=[key for key in keys if key],
         allowed_origins=list(args.allowed_origins),
+        allowed_hosts=[name for value in args.allowed_hosts for name in value.split(",")
+                       if name.strip()],
+        max_connections=args.max_connections,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_request_pixels=args.max_request_pixels,
+        max_total_pixels=args.max_total_pixels,
         allow_remote_media=args.allow_remote_media,
         allowed_media_dir=args.allowed_media_dir,
         max_concurrency=args.max_concurrency,

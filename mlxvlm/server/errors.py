@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 logger = logging.getLogger("mlxvlm.server")
 
@@ -24,9 +25,17 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
+    421: "invalid_request_error",
     429: "rate_limit_error",
+    503: "server_error",
 }
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready (counted as 499, not an error)."""
 
 
 class APIError(Exception):
@@ -86,6 +95,12 @@ def install_error_handlers(app: FastAPI) -> None:
         message = error.detail if isinstance(error.detail, str) else "request failed"
         code = "not_found" if status == 404 else None
         return error_response(APIError(status, message, code=code, headers=error.headers))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, _: ClientDisconnect):
+        # Nobody is left to read an answer; the status is for the log and /metrics.
+        logger.info("client went away during %s %s", request.method, request.url.path)
+        return JSONResponse({}, status_code=499)
 
     @app.exception_handler(Exception)
     async def server_fault(_: Request, error: Exception):

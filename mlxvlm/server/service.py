@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
-from mlxvlm.media import load_image
+from mlxvlm.media import PixelBudget, load_image
 from mlxvlm.prefix_cache import PrefixCache, image_hash
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
 from mlxvlm.server.config import ServerConfig
@@ -29,6 +29,7 @@ from mlxvlm.server.config import ServerConfig
 class PreparedRequest:
     inputs: PreparedInputs
     image_hashes: list[str] | None  # None: not eligible for prefix reuse
+    cache_namespace: str | None = None  # prefixes are shared only within one namespace
 
 
 @dataclass
@@ -62,6 +63,9 @@ class GenerationService:
             prefill_step_size=config.prefill_step_size,
             prefix_cache=prefix_cache,
         )
+        # Decoded pixels of each request and of all being prepared, charged from image
+        # and video headers before decoding (see media.PixelBudget).
+        self.pixels = PixelBudget(config.max_request_pixels, config.max_total_pixels)
         self.capacity = config.max_concurrency + config.max_queue
         self.in_flight = 0  # only touched on the event loop
         self.counters = RequestCounters()
@@ -106,7 +110,13 @@ class GenerationService:
             "max_pixels": c.max_image_pixels,
         }
 
-    def _prepare(self, messages: list[dict]) -> PreparedRequest:
+    def _prepare(self, messages: list[dict], cache_namespace: str | None) -> PreparedRequest:
+        with self.pixels.request():
+            prepared = self._prepare_within_budget(messages)
+        prepared.cache_namespace = cache_namespace
+        return prepared
+
+    def _prepare_within_budget(self, messages: list[dict]) -> PreparedRequest:
         """Load the images (each is hashed by content, for prefix reuse), then render and
         process the conversation. Other media (video, audio) are left to
         ``prepare_inputs``, under the same access options."""
@@ -139,9 +149,13 @@ class GenerationService:
         hashes = None if other_media else [image_hash(image) for image in images]
         return PreparedRequest(inputs, hashes)
 
-    async def prepare(self, messages: list[dict]) -> PreparedRequest:
+    async def prepare(self, messages: list[dict],
+                      cache_namespace: str | None = None) -> PreparedRequest:
+        """``cache_namespace`` (the client's API key id) confines prefix reuse to the
+        requests of one client."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prepare_pool, self._prepare, messages)
+        return await loop.run_in_executor(self._prepare_pool, self._prepare, messages,
+                                          cache_namespace)
 
     # -- generation -----------------------------------------------------------------
 
@@ -164,7 +178,8 @@ class TokenStream:
             loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
         self._handle = engine.submit(
-            request.inputs, options, deliver, image_hashes=request.image_hashes
+            request.inputs, options, deliver, image_hashes=request.image_hashes,
+            cache_namespace=request.cache_namespace,
         )
 
     def __aiter__(self) -> "TokenStream":
