@@ -22,10 +22,14 @@ class TokenBytes:
         detokenizer = tokenizer_wrapper.detokenizer
         self.tokenmap = getattr(detokenizer, "tokenmap", None)
         self.kind = type(detokenizer)
+        self.own_bytes = getattr(detokenizer, "token_bytes", None)  # mlxvlm's detokenizer
         byte_decoder = getattr(tokenizer_utils, "_byte_decoder", None)  # private: guarded
         self.byte_decoder = byte_decoder() if byte_decoder is not None else None
 
     def __call__(self, token: int) -> bytes:
+        raw = self.own_bytes(token) if self.own_bytes is not None else None
+        if raw is not None:
+            return raw
         if self.tokenmap is not None and 0 <= token < len(self.tokenmap):
             piece = self.tokenmap[token]
             if issubclass(self.kind, SPMStreamingDetokenizer) and isinstance(piece, bytes):
