@@ -50,7 +50,8 @@ gemv_forward_status: str = "not attempted"
 # The loaded shim (mlxvlm_gemv_forwarded() counts the products it forwarded to sgemv,
 # mlxvlm_products_split() those it split over the pool, mlxvlm_pool_jobs() the jobs its
 # pool ran, the CPU kernels' included, mlxvlm_pool_sleeps() the times an idle thread
-# went to sleep), or None.
+# went to sleep, mlxvlm_pool_spun() the times one found its next job while it spun), or
+# None.
 gemv_forward = None
 # The shim's pool size (the kernels use it too); 1 when there is no shim.
 pool_threads: int = 1
@@ -198,7 +199,8 @@ def spin_microseconds() -> int:
     """How long an idle pool thread waits for the next job before it sleeps:
     ``MLXVLM_CPU_SPIN_US`` (0 sleeps at once: for a machine shared with other work)."""
     value = os.environ.get("MLXVLM_CPU_SPIN_US", "").strip()
-    return int(value) if value.isdigit() else SPIN_US
+    # Capped to what a C long holds (the shim treats anything near it as forever).
+    return min(int(value), 1 << 62) if value.isdigit() else SPIN_US
 
 
 def preload_openblas() -> None:
@@ -247,6 +249,7 @@ def preload_openblas() -> None:
         shim.mlxvlm_products_split.restype = ctypes.c_long
         shim.mlxvlm_pool_jobs.restype = ctypes.c_long
         shim.mlxvlm_pool_sleeps.restype = ctypes.c_long
+        shim.mlxvlm_pool_spun.restype = ctypes.c_long
         gemv_forward, pool_threads = shim, threads
         if split:
             products = f"products split over mlxvlm's {threads} threads, OpenBLAS single-threaded"

@@ -27,6 +27,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stddef.h>
@@ -43,8 +44,9 @@ static sgemm_fn real_sgemm = NULL;
 static sgemv_fn real_sgemv = NULL;
 static int split_products = 0; /* OpenBLAS is single-threaded: split products here */
 /* Counters, for tests and profiling: products forwarded to sgemv, products split over
- * the pool, jobs the pool ran, and the times an idle thread went to sleep. */
-static long forwarded = 0, products_split = 0, pooled = 0, sleeps = 0;
+ * the pool, jobs the pool ran, the times an idle thread went to sleep, and the times one
+ * found its next job while it spun (never with a spin of 0). */
+static long forwarded = 0, products_split = 0, pooled = 0, sleeps = 0, spun = 0;
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, CONJ_TRANS = 113 };
 
@@ -103,25 +105,44 @@ static void run_claimed_parts(uint32_t number) {
     }
 }
 
+static int still_job(uint32_t seen) {
+    return job_number(__atomic_load_n(&pool.state, __ATOMIC_SEQ_CST)) == seen;
+}
+
+/* Return once a job newer than `seen` is published: spin (yielding) up to spin_ns, then
+ * sleep. The deadline is read after every yield, not every few: on a core another
+ * process keeps busy a yield can hand it over for a whole time slice, so a count of
+ * yields is no bound on the time spun, and with spin_ns 0 the thread would still yield
+ * a few times, taking a job that came meanwhile instead of sleeping as asked. The clock
+ * read (vDSO) costs little next to the yield's system call. spin_ns 0 sleeps at once. */
+static void wait_for_job(uint32_t seen) {
+    if (!still_job(seen)) return;
+    long spin_ns = pool.spin_ns;
+    if (spin_ns > 0) {
+        long deadline = now_ns() + spin_ns;
+        do {
+            sched_yield(); /* let MLX's and Python's threads have the core between jobs */
+            if (!still_job(seen)) {
+                __atomic_add_fetch(&spun, 1, __ATOMIC_RELAXED);
+                return;
+            }
+        } while (now_ns() < deadline);
+    }
+    pthread_mutex_lock(&pool.lock);
+    __atomic_add_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&sleeps, 1, __ATOMIC_RELAXED);
+    /* Checked after sleepers is raised: a caller that publishes a job from here on sees
+     * a sleeper and wakes it (under the lock, so not before the wait below begins). */
+    while (still_job(seen)) pthread_cond_wait(&pool.wake, &pool.lock);
+    __atomic_sub_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&pool.lock);
+}
+
 static void *worker(void *unused) {
     (void)unused;
     uint32_t seen = job_number(__atomic_load_n(&pool.state, __ATOMIC_ACQUIRE));
     for (;;) {
-        long spun_since = now_ns();
-        for (int round = 1;; round++) {
-            if (job_number(__atomic_load_n(&pool.state, __ATOMIC_SEQ_CST)) != seen) break;
-            if (round % 16 == 0 && now_ns() - spun_since > pool.spin_ns) {
-                pthread_mutex_lock(&pool.lock);
-                __atomic_add_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
-                __atomic_add_fetch(&sleeps, 1, __ATOMIC_RELAXED);
-                while (job_number(__atomic_load_n(&pool.state, __ATOMIC_SEQ_CST)) == seen)
-                    pthread_cond_wait(&pool.wake, &pool.lock);
-                __atomic_sub_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
-                pthread_mutex_unlock(&pool.lock);
-                break;
-            }
-            sched_yield(); /* let MLX's and Python's threads have the core between jobs */
-        }
+        wait_for_job(seen);
         seen = job_number(__atomic_load_n(&pool.state, __ATOMIC_ACQUIRE));
         run_claimed_parts(seen);
     }
@@ -193,6 +214,9 @@ long mlxvlm_pool_jobs(void) { return __atomic_load_n(&pooled, __ATOMIC_RELAXED);
 
 /* The times an idle thread has gone to sleep (it spun spin_us without a job). */
 long mlxvlm_pool_sleeps(void) { return __atomic_load_n(&sleeps, __ATOMIC_RELAXED); }
+
+/* The times an idle thread found its next job while it spun, without sleeping. */
+long mlxvlm_pool_spun(void) { return __atomic_load_n(&spun, __ATOMIC_RELAXED); }
 
 /* ---- products --------------------------------------------------------------------- */
 
@@ -280,7 +304,8 @@ void mlxvlm_blas_init(sgemm_fn sgemm, sgemv_fn sgemv, int threads, int split, lo
     real_sgemm = sgemm;
     real_sgemv = sgemv;
     pool.threads = threads > 1 ? threads : 1;
-    pool.spin_ns = spin_us * 1000L;
+    /* Capped where a deadline (now + spin) could overflow: that long is forever anyway. */
+    pool.spin_ns = spin_us <= 0 ? 0 : spin_us > LONG_MAX / 2000 ? LONG_MAX / 2 : spin_us * 1000L;
     split_products = split && pool.threads > 1;
 }
 
