@@ -74,7 +74,7 @@ def open_raw_request(server: LiveServer, body: dict) -> socket.socket:
     payload = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         b"Content-Type: application/json\r\n"
         + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
     )

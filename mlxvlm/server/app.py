@@ -138,6 +138,7 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
     app.state.service = service
     install_error_handlers(app)
     body_budget = BodyBudget(config.max_buffered_body_bytes)
+    app.state.body_budget = body_budget
     # Added last = outermost: the Host is checked first (DNS rebinding), then CORS
     # answers preflights before the key is checked.
     if config.api_keys:

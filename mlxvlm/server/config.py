@@ -62,6 +62,10 @@ class ServerConfig:
                      "max_buffered_body_bytes"):
             if getattr(self, name) < 1:
                 raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise MlxvlmError(
+                f"max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at least "
+                f"max_body_bytes ({self.max_body_bytes})")
         for name in ("header_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise MlxvlmError(f"{name} must be above 0 seconds, got {getattr(self, name)}")

@@ -178,8 +178,28 @@ class GuardedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        if self.conn.their_state is h11.IDLE and self._headers_too_large(data):
+            return
         super().data_received(data)
         self._follow_state()
+
+    def _headers_too_large(self, data: bytes) -> bool:
+        """h11 bounds only headers that arrive in pieces; a header block that arrives in
+        one read of any size is parsed whole. Bound it here, whichever way it comes."""
+        limit = self.conn._max_incomplete_event_size
+        pending = self.conn.trailing_data[0]
+        if len(pending) + len(data) <= limit:
+            return False
+        head = (pending + data)[: limit + 4]
+        if b"\r\n\r\n" in head or b"\n\n" in head:
+            return False
+        self.limits.log.warning("header-size", "refused a request whose headers pass %d bytes",
+                                limit)
+        self.transport.write(raw_response(
+            431, "Request Header Fields Too Large",
+            f"the request headers are larger than {limit} bytes", "headers_too_large"))
+        self.transport.close()
+        return True
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -252,7 +272,8 @@ class GuardedH11Protocol(H11Protocol):
                  "Transfer-Encoding and the header syntax; headers must fit in " \
                  f"{self.conn._max_incomplete_event_size} bytes)"
         body = json.dumps(error_body(400, detail, code="invalid_http")).encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]
         try:
             self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers,
                                                              reason=b"Bad Request")))
