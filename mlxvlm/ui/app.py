@@ -4,21 +4,27 @@ at its side."""
 from __future__ import annotations
 
 import gradio as gr
-from gradio.utils import get_upload_folder
 
+from mlxvlm.ui.fields import UploadsOnlyChatbot, UploadsOnlyTextbox
 from mlxvlm.ui.session import ChatSession
+from mlxvlm.ui.uploads import process_uploads, watch_upload_route
 
 # The slider's top when the model does not say how long its context is.
 MAX_TOKENS_CAP = 8192
 
 
 def upload_media_options() -> dict:
-    """Limits for reading attachments: only files that Gradio received as uploads."""
-    return {"allow_remote": False, "allowed_dir": get_upload_folder()}
+    """Limits for reading attachments: only files in this process's upload folder (the
+    chat accepts only uploads, see ``uploads``; this is the media reader's own check)."""
+    return {"allow_remote": False, "allowed_dir": str(process_uploads().directory)}
 
 
 def build_app(session: ChatSession) -> gr.Blocks:
-    """The page for ``session``; launch it with ``.queue().launch(...)``."""
+    """The page for ``session``; launch it with ``.queue().launch(...)``. The session
+    then answers only with files uploaded through the page, each in its own conversation."""
+    # Before any component: Gradio reads its upload folder when a component is made.
+    uploads = process_uploads()
+    session.uploads = uploads
     kinds = [kind.name for kind in session.kinds]
     attach = f"attach {' / '.join(kinds)}" if kinds else "this model reads text only"
     max_tokens_cap = min(session.max_context or MAX_TOKENS_CAP, MAX_TOKENS_CAP)
@@ -56,8 +62,11 @@ def build_app(session: ChatSession) -> gr.Blocks:
             gr.ChatInterface(
                 session.respond,
                 multimodal=True,
-                chatbot=gr.Chatbot(label="Chat", height=560, elem_id="chat"),
-                textbox=gr.MultimodalTextbox(
+                chatbot=UploadsOnlyChatbot(
+                    label="Chat", height=560, elem_id="chat", uploads=uploads
+                ),
+                textbox=UploadsOnlyTextbox(
+                    uploads=uploads,
                     file_types=kinds or None,
                     file_count="multiple",
                     sources=["upload"] if kinds else [],
@@ -73,4 +82,5 @@ def build_app(session: ChatSession) -> gr.Blocks:
                 fill_height=True,
                 analytics_enabled=False,
             )
+    watch_upload_route(app, uploads)
     return app

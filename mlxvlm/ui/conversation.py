@@ -93,6 +93,23 @@ def _plain(text: str, placeholders: Sequence[str]) -> str:
     return text
 
 
+def attachment_paths(
+    history: Sequence[dict], message: dict | str
+) -> tuple[list[str], list[str]]:
+    """The paths of the new message's attachments, and of those in the earlier turns the
+    model will see (a turn left out with its notice is never read, so not listed)."""
+    files = [] if isinstance(message, str) else message.get("files") or []
+    new = [str(p["path"]) for p in map(_file_part, files) if p["path"]]
+    earlier = [
+        str(part["path"])
+        for role, parts in _turns(history)
+        if role == "user"
+        for part in parts
+        if "path" in part
+    ]
+    return new, earlier
+
+
 def build_conversation(
     history: Sequence[dict],
     message: dict | str,

@@ -18,15 +18,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import gradio as gr
 import mlx.core as mx
 
 from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.prefix_cache import PrefixCache
 from mlxvlm.prompt import prepare_inputs
-from mlxvlm.ui.conversation import NOTICE_TITLE, build_conversation
+from mlxvlm.ui.conversation import NOTICE_TITLE, attachment_paths, build_conversation
 from mlxvlm.ui.media_kinds import supported_kinds
-from mlxvlm.ui.stats import NO_ANSWER_YET, AnswerStats
+from mlxvlm.ui.stats import NO_ANSWER_YET, AnswerStats, stale_markdown
+from mlxvlm.ui.uploads import AttachmentRefused, Uploads
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,7 @@ class ChatSession:
         *,
         prefix_cache: PrefixCache | None = None,
         media_options: dict | None = None,
+        uploads: Uploads | None = None,
     ):
         self.model = model
         self.processor = processor
@@ -108,6 +111,8 @@ class ChatSession:
         self.kinds = supported_kinds(model, processor)
         self.placeholders = _placeholder_texts(model, processor)
         self.media_options = media_options
+        # Set by ``app.build_app``: then only files uploaded in the conversation are read.
+        self.uploads = uploads
         self.engine = BatchEngine(
             model,
             processor,
@@ -137,6 +142,25 @@ class ChatSession:
     def stats_markdown(self) -> str:
         return self.last_stats.markdown() if self.last_stats else NO_ANSWER_YET
 
+    def failed_stats_markdown(self) -> str:
+        """The panel after a turn that gave no answer: the earlier figures, marked."""
+        return stale_markdown(self.last_stats)
+
+    def _check_attachments(self, message, history, request) -> None:
+        """Refuse (``AttachmentRefused``) any file the conversation did not upload."""
+        if self.uploads is None:
+            return
+        session = getattr(request, "session_hash", None)
+        new, earlier = attachment_paths(history, message)
+        if (new or earlier) and session is None:
+            raise AttachmentRefused()
+        for path in new:
+            if not self.uploads.claim(session, path):
+                raise AttachmentRefused()
+        for path in earlier:
+            if not self.uploads.owns(session, path):
+                raise AttachmentRefused()
+
     def respond(
         self,
         message: dict | str,
@@ -147,10 +171,16 @@ class ChatSession:
         max_tokens: int = 256,
         repetition_penalty: float = 1.0,
         seed: int | None = None,
+        request: gr.Request = None,
     ) -> Iterator[tuple[Any, str]]:
         """Yield ``(reply, stats_markdown)``: the answer so far (``[]`` while there is
         none yet), then the final answer with the new statistics; a problem becomes a
-        notice in the chat instead."""
+        notice in the chat instead, with the earlier statistics marked as such.
+
+        ``request``: given by Gradio (by the annotation); its session is the conversation
+        whose uploads it may read. A file it did not upload raises ``AttachmentRefused``,
+        which Gradio answers with a bare error, as it does its own refusals."""
+        self._check_attachments(message, history, request)
         try:
             settings = Settings.from_controls(
                 system, temperature, top_p, max_tokens, repetition_penalty, seed
@@ -169,7 +199,7 @@ class ChatSession:
             # must get concrete arrays.
             mx.eval(inputs.input_ids, list(inputs.features.values()))
         except (MlxvlmError, ValueError, TypeError) as e:
-            yield notice(_readable(e)), self.stats_markdown()
+            yield notice(_readable(e)), self.failed_stats_markdown()
             return
 
         while not self._turn.acquire(timeout=YIELD_EVERY_S):
@@ -188,7 +218,7 @@ class ChatSession:
                 inputs, settings.sampling_options(), steps.put, image_hashes=image_hashes
             )
         except MlxvlmError as e:
-            yield notice(_readable(e)), self.stats_markdown()
+            yield notice(_readable(e)), self.failed_stats_markdown()
             return
 
         text, first_at, finished = "", None, False
@@ -204,7 +234,7 @@ class ChatSession:
                     reply = notice(_readable(step))
                     if text:  # keep what was said before the failure
                         reply = [{"role": "assistant", "content": text}, reply]
-                    yield reply, self.stats_markdown()
+                    yield reply, self.failed_stats_markdown()
                     return
                 now = time.perf_counter()
                 first_at = first_at or now

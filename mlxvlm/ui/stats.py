@@ -42,3 +42,13 @@ class AnswerStats:
 
 
 NO_ANSWER_YET = "No answer yet."
+
+# Above the figures after a turn that failed: they are not of that turn.
+FAILED_TURN = "**The last turn gave no answer.** The figures are of the answer before it."
+
+
+def stale_markdown(stats: AnswerStats | None) -> str:
+    """The panel after a failed turn: the earlier figures (if any), marked as earlier."""
+    if stats is None:
+        return "The last turn gave no answer. " + NO_ANSWER_YET
+    return FAILED_TURN + "\n\n" + stats.markdown()
