@@ -17,7 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from mlxvlm.cli import add_model_arguments, run_cli
+from mlxvlm.cli import OneLineParser, add_model_arguments, ranged, run_cli
+from mlxvlm.option_ranges import SAMPLING, at_least
 
 DEFAULT_PROMPT = "Describe this image in detail."
 
@@ -112,15 +113,17 @@ def summarize(stats: Sequence[RunStats]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m mlxvlm.benchmark", description="Time a vision-language model."
     )
     add_model_arguments(parser)
     parser.add_argument("--image", action="extend", nargs="+", default=[],
                         help="Image path, URL or data URL (repeatable)")
-    parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT)
-    parser.add_argument("--max-tokens", "-m", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=3, help="Generations to time (default 3)")
+    parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="The prompt")
+    parser.add_argument("--max-tokens", "-m", type=ranged(SAMPLING["max_tokens"]), default=64,
+                        help="New tokens per run")
+    parser.add_argument("--runs", type=ranged(at_least(1)), default=3,
+                        help="Generations to time")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="Always generate --max-tokens tokens (for random checkpoints)")
     parser.add_argument("--json", action="store_true", help="One JSON object per run")

@@ -11,8 +11,61 @@ import sys
 from typing import Callable, Sequence
 
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.option_ranges import SAMPLING, Range, at_least
 
 EXIT_USAGE = 2
+# What MLX's quantized KV cache (mx.quantize) takes.
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, unless the help already says it or there
+    is none to show (None, a flag's False, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text.lower() or default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """The parser of every entry point: usage errors (an unknown flag, a value out of its
+    range) as one line ``error: ...`` on stderr and exit code 2, like every other user
+    error; ``--help`` shows each option's default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def ranged(valid: Range):
+    """The argparse ``type`` of an option whose values must lie in ``valid``."""
+    return valid.argtype()
+
+
+def require_extra(extra: str, what: str, modules: Sequence[str]) -> None:
+    """Raise a one-line ``MlxvlmError`` naming the install command when one of the
+    optional ``modules`` of ``extra`` is missing."""
+    import importlib.util
+
+    for module in modules:
+        # Found, not imported: importing Gradio takes seconds, and it comes later anyway.
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise MlxvlmError(
+                f"{what} needs {module}, which is not installed: pip install -e \".[{extra}]\" "
+                f"in a clone, or pip install \"mlxvlm[{extra}]\""
+            )
 
 
 def run_cli(body: Callable[[], int | None]) -> int:
@@ -31,8 +84,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", required=True, help="Local checkpoint directory or Hugging Face repo id"
     )
-    parser.add_argument("--revision", default=None, help="Hub revision (branch, tag, commit)")
-    parser.add_argument("--adapter-path", default=None, help="LoRA adapter (PEFT format) to apply")
+    parser.add_argument("--revision", default=None,
+                        help="Hub revision: branch, tag or commit (default: main)")
+    parser.add_argument("--adapter-path", default=None,
+                        help="LoRA adapter (PEFT format) to apply (default: none)")
     parser.add_argument(
         "--trust-remote-code",
         action="store_true",
@@ -41,16 +96,26 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", "-m", type=int, default=256, help="Maximum new tokens")
-    parser.add_argument(
-        "--temperature", "--temp", type=float, default=0.0, help="Sampling temperature (0 = greedy)"
-    )
-    parser.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling threshold")
-    parser.add_argument("--top-k", type=int, default=0, help="Top-k sampling (0 = off)")
-    parser.add_argument("--min-p", type=float, default=0.0, help="Min-p sampling (0 = off)")
-    parser.add_argument("--repetition-penalty", type=float, default=None)
-    parser.add_argument("--repetition-context-size", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling")
+    # None: not given, so the checkpoint's generation_config.json (or greedy) decides.
+    checkpoint = "default: the checkpoint's generation_config.json, else"
+    parser.add_argument("--max-tokens", "-m", type=ranged(SAMPLING["max_tokens"]), default=256,
+                        help="Maximum new tokens")
+    parser.add_argument("--temperature", "--temp", type=ranged(SAMPLING["temperature"]),
+                        default=None, help=f"Sampling temperature, 0 = greedy ({checkpoint} 0)")
+    parser.add_argument("--top-p", type=ranged(SAMPLING["top_p"]), default=None,
+                        help=f"Nucleus sampling threshold in (0, 1] ({checkpoint} 1: off)")
+    parser.add_argument("--top-k", type=ranged(SAMPLING["top_k"]), default=None,
+                        help=f"Top-k sampling ({checkpoint} 0: off)")
+    parser.add_argument("--min-p", type=ranged(SAMPLING["min_p"]), default=None,
+                        help=f"Min-p sampling in [0, 1] ({checkpoint} 0: off)")
+    parser.add_argument("--repetition-penalty", type=ranged(SAMPLING["repetition_penalty"]),
+                        default=None,
+                        help=f"Repetition penalty, 1 = none ({checkpoint} none)")
+    parser.add_argument("--repetition-context-size",
+                        type=ranged(SAMPLING["repetition_context_size"]), default=20,
+                        help="Recent tokens the repetition penalty looks at")
+    parser.add_argument("--seed", type=ranged(SAMPLING["seed"]), default=None,
+                        help="Random seed for sampling (default: random)")
 
 
 class _MediaAction(argparse.Action):
@@ -78,10 +143,12 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
         )
     parser.set_defaults(media=None)
     parser.add_argument(
-        "--fps", type=float, default=DEFAULT_FPS, help="Video frames sampled per second"
+        "--fps", type=ranged(Range(float, 0, 1000, low_open=True)), default=DEFAULT_FPS,
+        help="Video frames sampled per second",
     )
     parser.add_argument(
-        "--max-frames", type=int, default=DEFAULT_MAX_FRAMES, help="Most frames per video"
+        "--max-frames", type=ranged(at_least(1)), default=DEFAULT_MAX_FRAMES,
+        help="Most frames per video",
     )
 
 
@@ -104,7 +171,7 @@ def load_cli_media(args: argparse.Namespace, verbose: bool = False) -> list[tupl
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m mlxvlm.generate",
         description="Generate text from a prompt and images, video or audio with a "
         "vision-language or omni model.",
@@ -112,30 +179,39 @@ def build_generate_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
     add_media_arguments(parser)
     parser.add_argument(
-        "--prompt", "-p", default=None, help="The prompt ('-' reads it from stdin)"
+        "--prompt", "-p", default=None,
+        help="The prompt ('-' reads it from stdin; default: 'Describe this image.', or "
+        "video/audio after the first medium's kind, without media 'Hello')",
     )
-    parser.add_argument("--system", default=None, help="System prompt")
+    parser.add_argument("--system", default=None, help="System prompt (default: none)")
     add_sampling_arguments(parser)
     parser.add_argument(
-        "--stop", action="append", default=None, help="Stop string (repeat for several)"
+        "--stop", action="append", default=None,
+        help="Stop string (repeat for several; default: none, the end-of-sequence tokens stop)",
     )
     parser.add_argument(
         "--max-kv-size",
-        type=int,
+        type=ranged(at_least(1)),
         default=None,
-        help="Rotating KV cache of this many tokens (keeps the prompt's image tokens)",
+        help="Rotating KV cache of this many tokens, keeping the prompt's media tokens "
+        "(default: a full cache)",
     )
-    parser.add_argument("--kv-bits", type=int, default=None, help="Quantize the KV cache to N bits")
-    parser.add_argument("--kv-group-size", type=int, default=64)
+    parser.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None,
+                        help="Quantize the KV cache to N bits (default: not quantized)")
+    parser.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, default=64,
+                        help="Values per scale of the quantized KV cache")
     parser.add_argument(
         "--quantized-kv-start",
-        type=int,
+        type=ranged(at_least(0)),
         default=5000,
         help="Quantize the KV cache once it holds this many tokens (with --kv-bits)",
     )
-    parser.add_argument("--prefill-step-size", type=int, default=2048)
+    parser.add_argument("--prefill-step-size", type=ranged(at_least(1)), default=2048,
+                        help="Prompt tokens per prefill chunk")
     parser.add_argument(
-        "--verbose", action="store_true", help="Print statistics and backend details to stderr"
+        "--verbose", action="store_true",
+        help="Print statistics, backend details and where the sampling values came from to "
+        "stderr",
     )
     return parser
 
@@ -187,6 +263,13 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
             if mx.default_device() == mx.cpu:
                 print(f"[mlxvlm] CPU kernels: {kernels.describe()}", file=sys.stderr)
                 print("[mlxvlm] compute dtype: float32 (fastest on the CPU backend)", file=sys.stderr)
+        if args.verbose:
+            from mlxvlm.sampling_defaults import checkpoint_defaults, resolve
+
+            given = {name: getattr(args, name) for name in
+                     ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+            chosen = resolve(given, checkpoint_defaults(processor))
+            print(f"[mlxvlm] sampling: {chosen.describe()}", file=sys.stderr)
         last = None
         for last in stream_generate(
             model,

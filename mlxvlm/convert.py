@@ -59,37 +59,34 @@ class ConvertResult:
         )
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Usage errors as one line and exit code 2, like every other user error."""
-
-    def error(self, message: str):
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from mlxvlm.cli import OneLineParser, ranged
+    from mlxvlm.option_ranges import at_least
     from mlxvlm.quantization import AFFINE_GROUP_SIZES, MODE_DEFAULTS, RECIPES
 
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog="python -m mlxvlm.convert",
         description="Convert a Hugging Face vision-language model to MLX, optionally quantized.",
     )
     parser.add_argument("--hf-path", "--model", required=True,
                         help="Source: local checkpoint directory or Hugging Face repo id")
     parser.add_argument("--mlx-path", default="mlx_model", help="Output directory")
-    parser.add_argument("--revision", default=None, help="Hub revision of the source")
+    parser.add_argument("--revision", default=None,
+                        help="Hub revision of the source (default: main)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="Also download (and copy) the source repo's *.py files")
     parser.add_argument("-q", "--quantize", action="store_true", help="Quantize the weights")
-    parser.add_argument("--q-bits", type=int, default=None,
+    # The mode decides which bits and group sizes are possible (checked by quant_spec).
+    parser.add_argument("--q-bits", type=ranged(at_least(1, 16)), default=None,
                         help="Bits per weight (affine: 2, 3, 4, 5, 6, 8; default 4)")
-    parser.add_argument("--q-group-size", type=int, default=None,
+    parser.add_argument("--q-group-size", type=ranged(at_least(1, 4096)), default=None,
                         help=f"Weights per scale (affine: {', '.join(map(str, AFFINE_GROUP_SIZES))};"
                              " default 64)")
     parser.add_argument("--q-mode", default=None,
                         help=f"Quantization mode: {', '.join(MODE_DEFAULTS)} (default affine)")
     parser.add_argument("--quant-predicate", default=None,
-                        help=f"Mixed-precision recipe: {', '.join(RECIPES)}")
+                        help=f"Mixed-precision recipe: {', '.join(RECIPES)} (default: none, "
+                        "every layer alike)")
     parser.add_argument("--quantize-vision", action="store_true",
                         help="Also quantize the vision/audio towers and projectors")
     parser.add_argument("-d", "--dequantize", action="store_true",
@@ -97,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None,
                         help=f"Float dtype of the weights: {', '.join(DTYPES)} "
                              "(default: the checkpoint's)")
-    parser.add_argument("--upload-repo", default=None, help="Hugging Face repo to upload to")
+    parser.add_argument("--upload-repo", default=None,
+                        help="Hugging Face repo to upload to (default: no upload)")
     parser.add_argument("--force", action="store_true",
                         help="Replace the output directory if it exists")
     parser.add_argument("--verbose", action="store_true",

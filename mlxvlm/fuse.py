@@ -33,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     from mlxvlm.convert import DTYPES
     from mlxvlm.quantization import MODE_DEFAULTS, RECIPES
 
-    parser = argparse.ArgumentParser(
+    from mlxvlm.cli import OneLineParser, ranged
+    from mlxvlm.option_ranges import at_least
+
+    parser = OneLineParser(
         prog="python -m mlxvlm.fuse",
         description="Merge a LoRA/DoRA adapter (PEFT format) into its base model.",
     )
@@ -41,18 +44,24 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", required=True, help="Base model: local checkpoint directory or Hub repo id")
     add("--adapter-path", required=True, help="The adapter's folder (adapter_config.json ...)")
     add("--mlx-path", default="fused_model", help="Output directory")
-    add("--revision", default=None, help="Hub revision of the base model")
+    add("--revision", default=None, help="Hub revision of the base model (default: main)")
     add("--trust-remote-code", action="store_true", help="Also download the repo's *.py files")
     add("-q", "--quantize", action="store_true", help="Quantize the fused model")
-    add("--q-bits", type=int, default=None, help="Bits per weight (default 4)")
-    add("--q-group-size", type=int, default=None, help="Weights per scale (default 64)")
-    add("--q-mode", default=None, help=f"Quantization mode: {', '.join(MODE_DEFAULTS)}")
-    add("--quant-predicate", default=None, help=f"Mixed-precision recipe: {', '.join(RECIPES)}")
+    # The mode decides which bits and group sizes are possible (checked by quant_spec).
+    add("--q-bits", type=ranged(at_least(1, 16)), default=None,
+        help="Bits per weight (default 4)")
+    add("--q-group-size", type=ranged(at_least(1, 4096)), default=None,
+        help="Weights per scale (default 64)")
+    add("--q-mode", default=None,
+        help=f"Quantization mode: {', '.join(MODE_DEFAULTS)} (default: affine)")
+    add("--quant-predicate", default=None,
+        help=f"Mixed-precision recipe: {', '.join(RECIPES)} (default: none)")
     add("--quantize-vision", action="store_true", help="Also quantize the vision tower")
     add("-d", "--dequantize", action="store_true",
         help="Write a float model even if the base is quantized")
     add("--dtype", default=None, help=f"Float dtype: {', '.join(DTYPES)} (default: the base's)")
-    add("--upload-repo", default=None, help="Hugging Face repo to upload the result to")
+    add("--upload-repo", default=None,
+        help="Hugging Face repo to upload the result to (default: no upload)")
     add("--force", action="store_true", help="Replace --mlx-path if it holds a checkpoint")
     return parser
 

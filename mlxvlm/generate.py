@@ -16,11 +16,14 @@ from typing import Any, Callable, Generator, Iterable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import make_logits_processors
 
 from mlxvlm.errors import MlxvlmError, PromptTooLongError
 from mlxvlm.models.run_ahead import bounded_run_ahead
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
+from mlxvlm.sampling import build_sampler
+from mlxvlm.sampling_defaults import checkpoint_defaults, invalid_sampling_value
+from mlxvlm.sampling_defaults import resolve as resolve_sampling
 from mlxvlm.tokenization import generation_tokenizer
 
 # A dedicated stream keeps generation work off the default stream other code may use.
@@ -348,10 +351,10 @@ def stream_generate(
     fps: float | None = None,
     max_frames: int | None = None,
     max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
     repetition_penalty: float | None = None,
     repetition_context_size: int = 20,
     seed: int | None = None,
@@ -375,9 +378,21 @@ def stream_generate(
     Each result carries the new text segment (possibly empty while a multi-byte character
     or a possible stop string is pending), the token, its log-probabilities and running
     statistics; the last one has ``finish_reason`` "stop" or "length".
+
+    A sampling value left out (None) comes from the checkpoint's generation_config.json,
+    else is greedy / off (see ``mlxvlm.sampling_defaults``).
     """
-    if max_tokens < 1:
-        raise MlxvlmError(f"max_tokens must be at least 1, got {max_tokens}")
+    chosen = resolve_sampling(
+        dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+             repetition_penalty=repetition_penalty),
+        checkpoint_defaults(processor),
+    ).values
+    problem = invalid_sampling_value(
+        dict(chosen, max_tokens=max_tokens, seed=seed,
+             repetition_context_size=repetition_context_size)
+    )
+    if problem is not None:
+        raise MlxvlmError(problem)
     if prefill_step_size < 1:
         raise MlxvlmError(f"prefill_step_size must be at least 1, got {prefill_step_size}")
     if kv_bits is not None and max_kv_size is not None:
@@ -386,7 +401,7 @@ def stream_generate(
             "cannot be quantized; choose one"
         )
     if seed is not None:
-        mx.random.seed(seed)
+        mx.random.seed(seed % 2**64)  # MLX takes an unsigned 64-bit seed
     tokenizer = generation_tokenizer(processor)
     eos_ids = eos_token_ids(processor)
 
@@ -411,10 +426,12 @@ def stream_generate(
 
     cache = make_generation_cache(model, inputs, max_kv_size)
     if sampler is None:
-        sampler = make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+        sampler = build_sampler(
+            chosen["temperature"], chosen["top_p"], chosen["top_k"], chosen["min_p"]
+        )
     if logits_processors is None:
         logits_processors = make_logits_processors(
-            repetition_penalty=repetition_penalty,
+            repetition_penalty=chosen["repetition_penalty"],
             repetition_context_size=repetition_context_size,
         )
 

@@ -47,7 +47,7 @@ def resolve_model_path(
     repo = str(path_or_repo)
     looks_local = repo.startswith((".", "/", "~")) or repo.count("/") > 1
     if looks_local:
-        raise ModelNotFoundError(f"model directory {repo!r} does not exist")
+        raise ModelNotFoundError(f"model directory {repo!r} does not exist{_did_you_mean(repo)}")
 
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
@@ -73,15 +73,34 @@ def resolve_model_path(
     except RevisionNotFoundError:
         raise ModelNotFoundError(f"{repo} has no revision {revision!r}") from None
     except LocalEntryNotFoundError:
-        raise ModelNotFoundError(
-            f"{repo} is not in the local Hugging Face cache and could not be downloaded "
-            "(offline or HF_HUB_OFFLINE=1): connect to the internet once, or pass the path "
-            "of a local checkpoint directory"
-        ) from None
+        raise ModelNotFoundError(_not_local_nor_cached(repo)) from None
     except HFValidationError:
         raise ModelNotFoundError(
             f"{repo!r} is neither a local directory nor a valid Hub repo id"
         ) from None
+
+
+def _not_local_nor_cached(repo: str) -> str:
+    """A name that may be a mistyped path or a Hub repo not downloaded yet: the Hub
+    cannot say which while offline, so the message names both."""
+    from huggingface_hub import constants
+
+    why = "HF_HUB_OFFLINE=1" if constants.HF_HUB_OFFLINE else "the Hub could not be reached"
+    return (f"{repo!r} is neither a local directory nor a Hub repo in the local Hugging Face "
+            f"cache ({why}){_did_you_mean(repo)}")
+
+
+def _did_you_mean(path_text: str) -> str:
+    """``; did you mean DIR?`` for a directory beside the missing one with a close name."""
+    import difflib
+
+    path = Path(path_text).expanduser()
+    try:
+        siblings = [p.name for p in path.parent.iterdir() if p.is_dir()]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.75)
+    return f"; did you mean {path.parent / close[0]}?" if close else ""
 
 
 def read_config(model_path: Path) -> dict:
@@ -238,6 +257,10 @@ def load(
     attach_generation_tokenizer(
         processor, model_path, collect_eos_token_ids(model_path, config, processor.tokenizer)
     )
+    from mlxvlm.sampling_defaults import read_checkpoint_defaults
+
+    # generation_config.json's sampling values, for the requests that leave them out.
+    processor.sampling_defaults = read_checkpoint_defaults(model_path)
     if adapter_path is not None:
         from mlxvlm.adapters import load_adapter
 

@@ -6,10 +6,31 @@ import dataclasses
 from dataclasses import dataclass
 
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.option_ranges import POSITIVE, Range, at_least
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 # Without --learning-rate: the usual starting points for adapters and for full weights.
 DEFAULT_LEARNING_RATE = {"lora": 1e-4, "dora": 1e-4, "full": 1e-5}
+
+# The valid values of the numeric settings (the CLI's flag types and __post_init__).
+RANGES = {
+    "rank": at_least(1),
+    "alpha": POSITIVE,
+    "dropout": Range(float, 0, 1, high_open=True),
+    "num_layers": Range(int, 1, 2**31 - 1, also=(-1,)),  # -1: all
+    "batch_size": at_least(1),
+    "grad_accumulation_steps": at_least(1),
+    "iters": at_least(1),
+    "epochs": POSITIVE,
+    "learning_rate": POSITIVE,
+    "warmup_steps": at_least(0),
+    "max_seq_length": at_least(2),
+    "steps_per_eval": at_least(1),
+    "val_batches": Range(int, 1, 2**31 - 1, also=(-1,)),  # -1: the whole validation set
+    "save_every": at_least(1),
+    # numpy's generators take non-negative seeds, MLX's unsigned 64-bit ones.
+    "seed": Range(int, 0, 2**63 - 1),
+}
 
 
 @dataclass
@@ -46,18 +67,11 @@ class FinetuneConfig:
     def __post_init__(self):
         if self.iters is not None and self.epochs is not None:
             raise MlxvlmError("give --iters or --epochs, not both")
-        checks = {
-            "--batch-size": self.batch_size >= 1,
-            "--grad-accumulation-steps": self.grad_accumulation_steps >= 1,
-            "--iters": self.iters is None or self.iters >= 1,
-            "--epochs": self.epochs is None or self.epochs > 0,
-            "--max-seq-length": self.max_seq_length >= 2,
-            "--warmup-steps": self.warmup_steps >= 0,
-            "--save-every": self.save_every >= 1,
-            "--steps-per-eval": self.steps_per_eval >= 1,
-            "--dropout": 0.0 <= self.dropout < 1.0,
-        }
-        bad = [flag for flag, ok in checks.items() if not ok]
+        bad = [
+            "--" + name.replace("_", "-")
+            for name, valid in RANGES.items()
+            if getattr(self, name) is not None and not _within(valid, getattr(self, name))
+        ]
         if bad:
             raise MlxvlmError(f"out of range: {', '.join(bad)} (see --help)")
         if self.lr_schedule not in LR_SCHEDULES:
@@ -73,3 +87,10 @@ class FinetuneConfig:
         skip = {"output", "val_data", "steps_per_eval", "val_batches", "save_every", "resume",
                 "skip_bad_records", "revision", "trust_remote_code", "grad_checkpoint"}
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+
+
+def _within(valid: Range, value) -> bool:
+    # An int is fine where a float is meant (epochs=1 from Python code).
+    if valid.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    return valid.problem(value) is None

@@ -10,13 +10,23 @@ import uuid
 from typing import Any
 
 from mlxvlm.batching import BatchStep, SamplingOptions
+from mlxvlm.sampling_defaults import FIELDS as SAMPLING_FIELDS
+from mlxvlm.sampling_defaults import (
+    NO_CHECKPOINT_DEFAULTS,
+    OPENAI_DEFAULTS,
+    CheckpointDefaults,
+    describe_checkpoint,
+    resolve,
+)
 from mlxvlm.server.errors import APIError
 from mlxvlm.server.schemas import ChatCompletionRequest
 
 logger = logging.getLogger("mlxvlm.server")
 
-# OpenAI's default when a request does not set a temperature.
-DEFAULT_TEMPERATURE = 1.0
+
+def describe_sampling_defaults(checkpoint: CheckpointDefaults) -> str:
+    """For the start-up log: what a request that sets no sampling field gets."""
+    return describe_checkpoint(checkpoint, OPENAI_DEFAULTS, "OpenAI's default")
 
 
 def warn_unknown_fields(request: ChatCompletionRequest) -> None:
@@ -44,8 +54,13 @@ def to_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def sampling_options(
-    request: ChatCompletionRequest, default_max_tokens: int, vocab_size: int
+    request: ChatCompletionRequest,
+    default_max_tokens: int,
+    vocab_size: int,
+    checkpoint: CheckpointDefaults = NO_CHECKPOINT_DEFAULTS,
 ) -> SamplingOptions:
+    """The request's options; those it leaves out come from the checkpoint's
+    generation_config.json (``checkpoint``), else OpenAI's defaults."""
     if request.n is not None and request.n > 1:
         raise APIError(400, "n > 1 is not supported; send n separate requests", param="n")
     logit_bias = None
@@ -55,13 +70,13 @@ def sampling_options(
         if outside:
             raise APIError(400, f"logit_bias names token {outside[0]}, but the vocabulary "
                            f"has {vocab_size} tokens", param="logit_bias")
+    given = {name: getattr(request, name) for name in SAMPLING_FIELDS}
+    resolved = resolve(given, checkpoint, OPENAI_DEFAULTS, "OpenAI's default")
+    logger.debug("sampling: %s", resolved.describe())
+    chosen = resolved.values
     return SamplingOptions(
         max_tokens=request.token_budget or default_max_tokens,
-        temperature=DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=request.top_k or 0,
-        min_p=request.min_p or 0.0,
-        repetition_penalty=request.repetition_penalty,
+        **chosen,
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
         logit_bias=logit_bias,

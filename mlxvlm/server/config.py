@@ -7,10 +7,13 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from mlxvlm.cli import add_model_arguments
+from mlxvlm.cli import OneLineParser, add_model_arguments, ranged
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.option_ranges import PORT, POSITIVE, SAMPLING, at_least
 
 MiB = 2**20
+# Byte and pixel limits: any bound a machine could hold.
+_HUGE = 2**62
 
 
 @dataclass
@@ -79,7 +82,7 @@ class ServerConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m mlxvlm.server",
         description="OpenAI-compatible chat completions server with continuous batching.",
     )
@@ -88,22 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Model name clients use (default: the --model value)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="Address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--port", type=ranged(PORT), default=8080, help="Port to listen on")
     parser.add_argument("--api-key", action="append", default=None,
                         help="Require 'Authorization: Bearer KEY'; repeat for several keys, "
                         "each with its own prompt cache (default: $MLXVLM_API_KEY)")
     parser.add_argument("--api-key-file", default=None,
-                        help="Also accept the keys in this file, one a line (# comments)")
+                        help="Also accept the keys in this file, one a line (# comments; "
+                        "default: none)")
     parser.add_argument("--allowed-hosts", action="append", default=[],
                         help="Host names to answer besides localhost, 127.0.0.1 and [::1], "
                         "comma-separated or repeated; '*': any (default: loopback names "
                         "on a loopback address, any name on other addresses)")
-    parser.add_argument("--max-connections", type=int, default=1000,
+    parser.add_argument("--max-connections", type=ranged(at_least(1)), default=1000,
                         help="Open connections; more are answered 503 (lowered to fit the "
                         "open-file limit)")
-    parser.add_argument("--header-timeout", type=float, default=10.0,
+    parser.add_argument("--header-timeout", type=ranged(POSITIVE), default=10.0,
                         help="Seconds a client has to send a request's headers (408 after)")
-    parser.add_argument("--body-timeout", type=float, default=60.0,
+    parser.add_argument("--body-timeout", type=ranged(POSITIVE), default=60.0,
                         help="Seconds a client has to send a request's body (408 after)")
     parser.add_argument("--allowed-origins", nargs="+", default=[],
                         help="Origins allowed by CORS (default: none, CORS off)")
@@ -111,32 +115,33 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Fetch http(s) image URLs (public addresses only)")
     parser.add_argument("--allowed-media-dir", default=None,
                         help="Allow local image paths inside this folder (default: none)")
-    parser.add_argument("--max-concurrency", type=int, default=8,
+    parser.add_argument("--max-concurrency", type=ranged(at_least(1)), default=8,
                         help="Requests decoded together in one batch")
-    parser.add_argument("--max-queue", type=int, default=32,
+    parser.add_argument("--max-queue", type=ranged(at_least(0)), default=32,
                         help="Requests waiting beyond those; more get 429")
-    parser.add_argument("--max-body-bytes", type=int, default=32 * MiB,
+    parser.add_argument("--max-body-bytes", type=ranged(at_least(1, _HUGE)), default=32 * MiB,
                         help="Largest request body (413 above)")
-    parser.add_argument("--max-image-bytes", type=int, default=20 * MiB,
+    parser.add_argument("--max-image-bytes", type=ranged(at_least(1, _HUGE)), default=20 * MiB,
                         help="Largest encoded image")
-    parser.add_argument("--max-image-pixels", type=int, default=25_000_000,
+    parser.add_argument("--max-image-pixels", type=ranged(at_least(1, _HUGE)), default=25_000_000,
                         help="Largest image width*height, checked before decoding")
-    parser.add_argument("--max-request-pixels", type=int, default=None,
+    parser.add_argument("--max-request-pixels", type=ranged(at_least(1, _HUGE)), default=None,
                         help="Decoded pixels of all images and video frames of one request "
                         "(default: sized to memory, see the README)")
-    parser.add_argument("--max-total-pixels", type=int, default=None,
+    parser.add_argument("--max-total-pixels", type=ranged(at_least(1, _HUGE)), default=None,
                         help="Decoded pixels of all requests being prepared at once "
                         "(default: sized to memory)")
-    parser.add_argument("--media-timeout", type=float, default=15.0,
+    parser.add_argument("--media-timeout", type=ranged(POSITIVE), default=15.0,
                         help="Seconds for fetching one remote image")
-    parser.add_argument("--max-tokens", type=int, default=512,
+    parser.add_argument("--max-tokens", type=ranged(SAMPLING["max_tokens"]), default=512,
                         help="New tokens for requests that do not say")
-    parser.add_argument("--prefill-step-size", type=int, default=2048,
+    parser.add_argument("--prefill-step-size", type=ranged(at_least(1)), default=2048,
                         help="Prompt tokens per prefill chunk")
-    parser.add_argument("--prompt-cache-size", type=int, default=8,
+    parser.add_argument("--prompt-cache-size", type=ranged(at_least(0)), default=8,
                         help="Finished conversations kept for prefix reuse (0: off)")
     parser.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+                        choices=["critical", "error", "warning", "info", "debug"],
+                        help="Least severe log messages shown")
     return parser
 
 

@@ -1,17 +1,19 @@
 """The request body of ``POST /v1/chat/completions``, validated strictly.
 
-Types are strict (a string is not a number, ``1.0`` is not an integer) and ranges are
-OpenAI's. Fields this server does not know are kept in ``model_extra`` so that the
+Types are strict (a string is not a number, ``1.0`` is not an integer); the numeric
+ranges are ``mlxvlm.option_ranges``' (OpenAI's where OpenAI has the field), shared with
+the command lines, and exclude NaN and infinities (which Python's json writes). Fields this server does not know are kept in ``model_extra`` so that the
 route can log them instead of silently dropping them.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from mlxvlm.batching import MAX_TOP_LOGPROBS
+from mlxvlm.option_ranges import SAMPLING
 
 # Up to this many stop strings (OpenAI allows 4; some clients send a few more).
 MAX_STOP_STRINGS = 16
@@ -61,39 +63,64 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+def _ranged(name: str):
+    """A field limited to ``name``'s range, the one the command lines check too."""
+    return Field(default=None, **SAMPLING[name].pydantic())
+
+
+# Token ids as logit_bias keys: ASCII digits only (str.isdigit also takes "²" and other
+# digits int() refuses), and few enough of them for int() (Python refuses to parse more
+# than 4300 digits); the vocabulary bounds them further.
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
 class ChatCompletionRequest(_Strict):
     model: str
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    seed: int | None = None
+    max_tokens: int | None = _ranged("max_tokens")
+    max_completion_tokens: int | None = _ranged("max_tokens")
+    temperature: float | None = _ranged("temperature")
+    top_p: float | None = _ranged("top_p")
+    top_k: int | None = _ranged("top_k")
+    min_p: float | None = _ranged("min_p")
+    repetition_penalty: float | None = _ranged("repetition_penalty")
+    presence_penalty: float | None = _ranged("presence_penalty")
+    frequency_penalty: float | None = _ranged("frequency_penalty")
+    logit_bias: dict[str, Annotated[float, Field(**SAMPLING["logit_bias_value"].pydantic())]] | None = None
+    seed: int | None = _ranged("seed")
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    n: int | None = Field(default=None, ge=1)
+    top_logprobs: int | None = _ranged("top_logprobs")
+    # OpenAI's limit; only 1 is served (see chat.sampling_options).
+    n: int | None = Field(default=None, ge=1, le=128)
     user: str | None = None
 
-    @model_validator(mode="after")
-    def _consistent(self) -> "ChatCompletionRequest":
-        if self.stream_options is not None and not self.stream:
+    # Field validators rather than one model validator, so that the error's location
+    # (and with it the error body's "param") names the field.
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.top_logprobs is not None and not self.logprobs:
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs set to true")
-        if self.logit_bias:
-            for key in self.logit_bias:
-                if not key.isdigit():
-                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-        return self
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value):
+        for key in value or {}:
+            if not _TOKEN_ID.fullmatch(key):
+                shown = key if len(key) <= 20 else key[:20] + "..."
+                raise ValueError(f"logit_bias keys must be token ids (0-9 digits), got {shown!r}")
+        return value
 
     @property
     def token_budget(self) -> int | None:

@@ -5,19 +5,21 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-from mlxvlm.cli import add_model_arguments, run_cli
+from mlxvlm.cli import OneLineParser, add_model_arguments, ranged, require_extra, run_cli
+from mlxvlm.option_ranges import PORT
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m mlxvlm.ui",
         description="Chat with a vision-language model in the browser (Gradio).",
     )
     add_model_arguments(parser)
     parser.add_argument(
-        "--host", default="127.0.0.1", help="Address to listen on (default: this machine only)"
+        "--host", default="127.0.0.1",
+        help="Address to listen on (default: 127.0.0.1, this machine only)",
     )
-    parser.add_argument("--port", type=int, default=7860, help="Port to listen on")
+    parser.add_argument("--port", type=ranged(PORT), default=7860, help="Port to listen on")
     return parser
 
 
@@ -25,6 +27,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
+        # Before the slow model load: without the extra, say how to install it.
+        require_extra("ui", "the chat UI", ("gradio",))
         from mlxvlm.loading import load
 
         model, processor = load(
