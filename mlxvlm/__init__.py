@@ -19,6 +19,12 @@ warnings.filterwarnings(
     "ignore", message=r"'mlxvlm\.\w+' found in sys.modules", category=RuntimeWarning
 )
 
+# Before mlx-lm (whose __init__ imports transformers): transformers, imported first here,
+# must find torch absent, or it imports it (see torch_free).
+from mlxvlm.torch_free import keep_transformers_off_torch  # noqa: E402
+
+keep_transformers_off_torch()
+
 from mlxvlm.generate import (  # noqa: E402
     GenerationOutput,
     GenerationResult,

@@ -1,7 +1,13 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# The parity references and the tiny-checkpoint builders are transformers' torch models:
+# mlxvlm leaves transformers' torch support on (see mlxvlm/torch_free.py;
+# tests/test_no_torch_at_runtime.py checks the torch-free start-up in fresh processes).
+os.environ["MLXVLM_ALLOW_TORCH"] = "1"
 
 # As a user's program does: mlxvlm before mlx.core, so that the CPU backend's BLAS set-up
 # (OpenBLAS and the sgemv shim, mlxvlm/_backend.py) is what the tests exercise.
