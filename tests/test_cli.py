@@ -141,3 +141,45 @@ def test_model_not_in_cache_while_offline(tmp_path):
 def test_missing_local_directory(tmp_path):
     result = run_cli("--model", tmp_path / "missing" / "model", "--prompt", "Hi")
     assert_one_line_error(result, "does not exist")
+
+
+def test_model_not_in_cache_names_both_a_directory_and_the_hub(tmp_path):
+    result = run_cli("--model", "someone/not-a-cached-model", "--prompt", "Hi",
+                     env_extra={"HF_HOME": str(tmp_path)})
+    assert_one_line_error(result, "neither a local directory nor a Hub repo", "HF_HUB_OFFLINE=1")
+
+
+def test_a_mistyped_relative_path_suggests_the_directory_beside_it(checkpoint, tmp_path):
+    shutil.copytree(checkpoint, tmp_path / "examples" / "shapes-vlm")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    result = subprocess.run(
+        [sys.executable, "-m", "mlxvlm.generate", "--model", "examples/shapes-vml"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )
+    assert_one_line_error(result, "'examples/shapes-vml' is neither a local directory",
+                          "did you mean examples/shapes-vlm?")
+    assert len(result.stderr) < 250
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--temperature", "-1"), ("--top-p", "5"), ("--top-k", "-5"), ("--max-tokens", "-3"),
+])
+def test_an_out_of_range_option_is_refused_before_anything_runs(checkpoint, flag, value):
+    result = run_cli("--model", checkpoint, "--prompt", "Hi", flag, value)
+    assert_one_line_error(result, flag, "must be")
+    assert result.stdout == ""
+
+
+def test_verbose_says_where_the_sampling_values_came_from(checkpoint, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(checkpoint, copy)
+    config = json.loads((copy / "generation_config.json").read_text())
+    config.update(do_sample=False, temperature=0.8, repetition_penalty=1.2)
+    (copy / "generation_config.json").write_text(json.dumps(config))
+    result = run_cli("--model", copy, "--prompt", "Hi", "--max-tokens", 4, "--top-p", "0.9",
+                     "--verbose")
+    assert result.returncode == 0, result.stderr
+    line = next(l for l in result.stderr.splitlines() if "sampling:" in l)
+    assert "temperature 0.0 (generation_config.json, do_sample false)" in line
+    assert "repetition_penalty 1.2 (generation_config.json" in line
+    assert "top_p 0.9 (given)" in line and "top_k 0 (default)" in line
