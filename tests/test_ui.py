@@ -24,6 +24,7 @@ import mlxvlm
 from mlxvlm.ui.app import build_app, upload_media_options
 from mlxvlm.ui.conversation import NOTICE_TITLE
 from mlxvlm.ui.session import ChatSession
+from mlxvlm.ui.stats import FAILED_TURN
 from av_media import coloured_frames, write_video
 from tiny import make_image
 
@@ -208,20 +209,27 @@ def test_stop_closes_the_generator_and_the_model_stops(live, pictures, monkeypat
 
 def test_errors_show_in_the_chat_and_the_app_keeps_working(live, pictures, tmp_path):
     client = live.client()
+    hello, answered = answer(ask(client, "Hello?"))
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"this is not a PNG file")
-    reply, _ = answer(ask(client, "What is this?", broken))
+    reply, stats = answer(ask(client, "What is this?", broken))
     assert reply["metadata"]["title"] == NOTICE_TITLE
     assert "broken.png" in reply["content"]
+    # The panel still shows the earlier answer's figures, but says they are not this turn's.
+    assert stats == f"{FAILED_TURN}\n\n{answered}"
 
     too_long = " ".join(["word"] * 1500)
-    reply, _ = answer(ask(client, too_long))
+    reply, stats = answer(ask(client, too_long))
     assert reply["metadata"]["title"] == NOTICE_TITLE
     assert "context" in reply["content"]
+    assert stats == f"{FAILED_TURN}\n\n{answered}"
 
     # Same conversation: the failed turns are left out of what the model sees.
-    reply, _ = answer(ask(client, "What is in the picture?", pictures[1]))
-    assert reply == live.expected([user("What is in the picture?", pictures[1])], 24).text
+    reply, stats = answer(ask(client, "What is in the picture?", pictures[1]))
+    conversation = [user("Hello?"), live.assistant(hello),
+                    user("What is in the picture?", pictures[1])]
+    assert reply == live.expected(conversation, 24).text
+    assert FAILED_TURN not in stats and "prompt tokens" in stats
 
 
 def test_answers_one_request_at_a_time(live, pictures):

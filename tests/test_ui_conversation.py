@@ -157,3 +157,11 @@ def test_kinds_follow_the_model_and_its_processor():
     assert [k.name for k in supported_kinds(Model(), ImageProcessor())] == ["image"]
     assert [k.name for k in supported_kinds(Model(), VideoProcessor())] == ["image", "video"]
     assert supported_kinds(TextModel(), VideoProcessor()) == ()
+
+
+def test_a_failed_turn_marks_the_earlier_figures_or_says_there_are_none():
+    from mlxvlm.ui.stats import FAILED_TURN, NO_ANSWER_YET, AnswerStats, stale_markdown
+
+    earlier = AnswerStats(10, 0, 0.5, 5, 0.2, 0.1, "stop")
+    assert stale_markdown(earlier) == f"{FAILED_TURN}\n\n{earlier.markdown()}"
+    assert stale_markdown(None).endswith(NO_ANSWER_YET) and "no answer" in stale_markdown(None)

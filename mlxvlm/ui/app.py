@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from mlxvlm.ui.fields import UploadsOnlyChatbot, UploadsOnlyTextbox
+from mlxvlm.ui.fields import UploadsOnlyChatbot, guard_file_handling
 from mlxvlm.ui.session import ChatSession
 from mlxvlm.ui.uploads import process_uploads, watch_upload_route
 
@@ -62,11 +62,8 @@ def build_app(session: ChatSession) -> gr.Blocks:
             gr.ChatInterface(
                 session.respond,
                 multimodal=True,
-                chatbot=UploadsOnlyChatbot(
-                    label="Chat", height=560, elem_id="chat", uploads=uploads
-                ),
-                textbox=UploadsOnlyTextbox(
-                    uploads=uploads,
+                chatbot=UploadsOnlyChatbot(label="Chat", height=560, elem_id="chat"),
+                textbox=gr.MultimodalTextbox(
                     file_types=kinds or None,
                     file_count="multiple",
                     sources=["upload"] if kinds else [],
@@ -82,5 +79,6 @@ def build_app(session: ChatSession) -> gr.Blocks:
                 fill_height=True,
                 analytics_enabled=False,
             )
+    guard_file_handling(app, uploads)
     watch_upload_route(app, uploads)
     return app

@@ -1,54 +1,51 @@
-"""The chat's two file-carrying fields, restricted to files uploaded through the page.
+"""Gradio's file handling on the chat page, restricted to files uploaded through it.
 
-Gradio copies or downloads the files named in a request field through the field's
-``async_move_resource_to_block_cache`` (after refusing paths outside its upload folder):
-these fields refuse there, before any copy or download, every file that did not come
-through the upload route (see ``uploads``). The chatbot also refuses "component"
-messages: Gradio builds the named component from them and runs its ``preprocess`` on the
-client's value, unchecked (``gr.Image`` opens and re-encodes any image path on the host
-into the cache). The app never shows one.
+Gradio copies, or downloads, every file a request names in any input field, whatever the
+component (a system-prompt textbox or the chat's saved-conversations store as well as the
+attachment box), through the component's ``async_move_resource_to_block_cache`` (after
+refusing local paths outside its upload folder, but not URLs). ``guard_file_handling``
+makes that method refuse, before any copy or download, every file that did not come
+through the upload route (see ``uploads``).
+
+The chatbot also refuses "component" messages: Gradio builds the named component from
+one and runs its ``preprocess`` on the client's value unchecked (``gr.Image`` opens any
+image path on the host and re-encodes it into the cache). The app never shows one.
 """
 
 from __future__ import annotations
 
 import gradio as gr
-from gradio.data_classes import GradioModel
+from gradio.blocks import Block, Blocks
 
 from mlxvlm.ui.uploads import AttachmentRefused, Uploads
 
 
-class UploadsOnlyTextbox(gr.MultimodalTextbox):
-    is_template = True  # the page draws it as the MultimodalTextbox it is
-
-    def __init__(self, *args, uploads: Uploads, **kwargs):
-        self.uploads = uploads
-        super().__init__(*args, **kwargs)
-
-    async def async_move_resource_to_block_cache(self, url_or_file_path):
-        self.uploads.require_upload(url_or_file_path)
-        return await super().async_move_resource_to_block_cache(url_or_file_path)
-
-    def move_resource_to_block_cache(self, url_or_file_path):
-        self.uploads.require_upload(url_or_file_path)
-        return super().move_resource_to_block_cache(url_or_file_path)
-
-
 class UploadsOnlyChatbot(gr.Chatbot):
-    is_template = True
+    is_template = True  # the page draws it as the Chatbot it is
 
-    def __init__(self, *args, uploads: Uploads, **kwargs):
-        self.uploads = uploads
-        super().__init__(*args, **kwargs)
-
-    async def async_move_resource_to_block_cache(self, url_or_file_path):
-        self.uploads.require_upload(url_or_file_path)
-        return await super().async_move_resource_to_block_cache(url_or_file_path)
-
-    def move_resource_to_block_cache(self, url_or_file_path):
-        self.uploads.require_upload(url_or_file_path)
-        return super().move_resource_to_block_cache(url_or_file_path)
-
-    def _preprocess_content(self, chat_message: GradioModel):
+    def _preprocess_content(self, chat_message):
         if getattr(chat_message, "type", None) == "component":
             raise AttachmentRefused()
         return super()._preprocess_content(chat_message)
+
+
+def _guard(block: Block, uploads: Uploads) -> None:
+    move, async_move = block.move_resource_to_block_cache, block.async_move_resource_to_block_cache
+
+    def checked_move(url_or_file_path):
+        uploads.require_upload(url_or_file_path)
+        return move(url_or_file_path)
+
+    async def checked_async_move(url_or_file_path):
+        uploads.require_upload(url_or_file_path)
+        return await async_move(url_or_file_path)
+
+    # On the instance: Gradio calls these on the block that receives the value.
+    block.move_resource_to_block_cache = checked_move
+    block.async_move_resource_to_block_cache = checked_async_move
+
+
+def guard_file_handling(app: Blocks, uploads: Uploads) -> None:
+    """Every component of ``app`` accepts only uploaded files (call once it is built)."""
+    for block in app.blocks.values():
+        _guard(block, uploads)
