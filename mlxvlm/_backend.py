@@ -5,11 +5,15 @@ takes ~4.9 s on a 2-core x86-64 machine, 0.07 s once the system OpenBLAS is load
 RTLD_GLOBAL before libmlx, because libmlx's ``cblas_sgemm`` then resolves to OpenBLAS.
 Set ``MLXVLM_NO_OPENBLAS=1`` to opt out.
 
-OpenBLAS picks its kernels for the CPU it finds. Releases that predate a CPU take its
-AVX2 kernels ("Haswell", "Zen") on AMD CPUs with AVX-512 (Zen 4, Zen 5): Debian 12's
-0.3.21 does so on a Zen 5 EPYC, where its AVX-512 kernels ("SkylakeX") run a float32
-sgemm 1.8-1.9x faster. On such a CPU mlxvlm names those kernels to OpenBLAS as it loads
-(``OPENBLAS_CORETYPE``, unless the user set it: their choice stands).
+OpenBLAS picks its kernels for the CPU it finds. Releases that predate a CPU fall back
+to older ones: Debian 12's 0.3.21 takes its AVX2 kernels ("Zen") on a Zen 5 EPYC and its
+SSE3 ones ("Prescott") on Intel Xeons newer than it (Sapphire, Emerald and Granite
+Rapids), where its AVX-512 kernels ("SkylakeX") run float32 products several times
+faster. So on x86 mlxvlm asks OpenBLAS, in a child process (once; the answer is kept in
+its cache directory), which kernels it picks by itself and which names it accepts; when
+its pick is in a lower instruction set than the CPU's flags allow, mlxvlm names the best
+kernels the CPU can run to OpenBLAS as it loads (``OPENBLAS_CORETYPE``, unless the user
+set it: their choice stands). ``--verbose`` says which kernels run and who chose them.
 
 With it, a small shim (``_blas_shim.c``, compiled once with the system C compiler and
 cached) holds mlxvlm's CPU threads and takes every float32 product of the process
@@ -29,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -60,14 +65,37 @@ SPIN_US = 1000
 
 _SHIM_SOURCE = Path(__file__).with_name("_blas_shim.c")
 
-# OpenBLAS's AVX-512 kernels, and the instruction sets they need (OpenBLAS's SkylakeX).
+# OpenBLAS's x86 kernels (its core names), best first, with the instruction sets each is
+# built for: a CPU can run those whose sets it has. SkylakeX's are its AVX-512 float32
+# kernels; Cooperlake's add bfloat16 ones and SapphireRapids' AMX, which mlxvlm's float32
+# products do not use, but they are what OpenBLAS itself runs where it knows the CPU.
 AVX512_CORE = "SkylakeX"
 AVX512_CORE_FLAGS = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+AVX2_CORE = "Haswell"
+AVX2_CORE_FLAGS = frozenset({"avx", "avx2", "fma"})
+_CORES_FOR_FLAGS = (
+    ("SapphireRapids", AVX512_CORE_FLAGS | {"avx512_bf16", "avx512_vnni", "avx512_fp16",
+                                            "amx_bf16", "amx_tile"}),
+    ("Cooperlake", AVX512_CORE_FLAGS | {"avx512_bf16", "avx512_vnni"}),
+    (AVX512_CORE, AVX512_CORE_FLAGS),
+    (AVX2_CORE, AVX2_CORE_FLAGS),
+)
+# The instruction sets of OpenBLAS's x86 kernels by core name: 3 AVX-512, 2 AVX2, 1 AVX,
+# 0 SSE. A name not here (a newer OpenBLAS's, or another architecture's) is left alone.
+_CORE_LEVELS = {
+    "SapphireRapids": 3, "Cooperlake": 3, "SkylakeX": 3,
+    "Haswell": 2, "Zen": 2,
+    "Sandybridge": 1, "Bulldozer": 1, "Piledriver": 1, "Steamroller": 1, "Excavator": 1,
+    **dict.fromkeys(("Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Atom", "Nano",
+                     "Opteron", "Opteron_SSE3", "Barcelona", "Bobcat", "Katmai", "Coppermine",
+                     "Northwood", "Banias", "Athlon"), 0),
+}
+_LEVEL_NAMES = {3: "AVX-512", 2: "AVX2"}
 
 
 def cpu_vendor_and_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
     """The first CPU's vendor id and the instruction sets the kernel enabled for it
-    ("", {} when unknown)."""
+    ("", {} when unknown; an Arm CPU's "Features" are not x86 flags and give {})."""
     vendor, flags = "", frozenset()
     try:
         with open(cpuinfo, encoding="ascii", errors="replace") as f:
@@ -84,50 +112,153 @@ def cpu_vendor_and_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, frozenset
     return vendor, flags
 
 
-def openblas_core_choice(environ, vendor: str, flags) -> str | None:
-    """The kernels to name to OpenBLAS, or None to leave it its own choice: its AVX-512
-    kernels on an AMD CPU with AVX-512, which releases older than the CPU do not pick;
-    never over the user's OPENBLAS_CORETYPE."""
+def openblas_cores_for(flags) -> list[str]:
+    """OpenBLAS's kernels this CPU can run, best first, among those worth naming to it
+    (none on a CPU without AVX2 and FMA, or not x86)."""
+    return [core for core, needs in _CORES_FOR_FLAGS if needs <= set(flags)]
+
+
+def _level(core: str | None) -> int | None:
+    return _CORE_LEVELS.get(core) if core else None
+
+
+def openblas_core_choice(environ, flags, default: str | None, accepted) -> str | None:
+    """The kernels to name to OpenBLAS, or None to leave it its own choice.
+
+    default: the kernels OpenBLAS picks by itself here (None: unknown); accepted: the
+    names this OpenBLAS build takes (a probe's answer). A release older than the CPU
+    falls back to older kernels, e.g. SSE3 ("Prescott") on an Intel Xeon it does not
+    know, or AVX2 on an AMD CPU with AVX-512. mlxvlm then names the best kernels the
+    CPU's flags allow and the build has, in a higher instruction set than OpenBLAS's own
+    pick; never over the user's OPENBLAS_CORETYPE, and never over a pick it cannot rank.
+    """
     if environ.get("OPENBLAS_CORETYPE", "").strip():
         return None
-    if vendor == "AuthenticAMD" and AVX512_CORE_FLAGS <= set(flags):
-        return AVX512_CORE
+    own = _level(default)
+    if own is None:
+        return None
+    for core in openblas_cores_for(flags):
+        if core in accepted and _CORE_LEVELS[core] > own:
+            return core
     return None
 
 
-# OpenBLAS's kernels without AVX-512, which such a CPU may be told or left to run.
-_PRE_AVX512_CORES = frozenset({"Haswell", "Zen", "Sandybridge"})
-
-
-def openblas_core_note(core: str, forced: str | None, environ, flags) -> str:
-    """What --verbose says of OpenBLAS's kernels: who chose them, and the faster ones a
-    user's OPENBLAS_CORETYPE leaves unused on an AVX-512 CPU."""
+def openblas_core_note(core: str, environ, flags, *, forced: str | None = None,
+                       default: str | None = None) -> str:
+    """What --verbose says of OpenBLAS's kernels: who chose them, and faster ones the
+    CPU has that stay unused (under the user's OPENBLAS_CORETYPE, or missing from the
+    build)."""
+    best = openblas_cores_for(flags)
+    cpu_level = _CORE_LEVELS[best[0]] if best else None
+    has = _LEVEL_NAMES.get(cpu_level, "")
     if forced is not None:
-        return (f", {core} kernels (chosen by mlxvlm for this AVX-512 AMD CPU; "
-                "set OPENBLAS_CORETYPE to choose others)")
+        return (f", {core} kernels (chosen by mlxvlm: OpenBLAS picks {default} on this "
+                f"{has} CPU; set OPENBLAS_CORETYPE to choose others)")
+    level = _level(core)
+    if level is None or cpu_level is None or level >= cpu_level:
+        return f", {core} kernels"
     user_choice = environ.get("OPENBLAS_CORETYPE", "").strip()
-    if user_choice and core in _PRE_AVX512_CORES and AVX512_CORE_FLAGS <= set(flags):
-        return (f", {core} kernels (OPENBLAS_CORETYPE={user_choice}; this CPU has "
-                f"AVX-512: OPENBLAS_CORETYPE={AVX512_CORE} runs float32 products up to "
-                "~1.9x faster)")
-    return f", {core} kernels"
+    if user_choice:
+        better = AVX512_CORE if cpu_level == 3 else AVX2_CORE
+        return (f", {core} kernels (OPENBLAS_CORETYPE={user_choice}; this CPU has {has}: "
+                f"OPENBLAS_CORETYPE={better} runs float32 products faster)")
+    return f", {core} kernels (this CPU has {has}, which this OpenBLAS build has no kernels for)"
 
 
-def _open_openblas(name: str, vendor: str, flags):
+_PROBE = (
+    "import ctypes, sys\n"
+    "name = ctypes.CDLL(sys.argv[1]).openblas_get_corename\n"
+    "name.restype = ctypes.c_char_p\n"
+    "print((name() or b'').decode(errors='replace'))\n"
+)
+
+
+def _corenames_in_children(library: str, coretypes) -> list[str | None]:
+    """openblas_get_corename() of OpenBLAS loaded in a fresh process for each coretype
+    (None: OPENBLAS_CORETYPE unset), run side by side. OpenBLAS reads the variable once,
+    as it loads, so each choice needs a process of its own; None where one failed."""
+    base = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    base["OPENBLAS_NUM_THREADS"] = "1"  # it starts no threads it would not use
+    children = []
+    for coretype in coretypes:
+        env = dict(base, **({"OPENBLAS_CORETYPE": coretype} if coretype else {}))
+        try:
+            children.append(subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _PROBE, library], env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+        except OSError:
+            children.append(None)
+    names = []
+    for child in children:
+        try:
+            out, _ = child.communicate(timeout=60) if child else ("", None)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            out = ""
+        names.append(out.strip() if child and child.returncode == 0 and out.strip() else None)
+    return names
+
+
+def _probe_cache(library: str, flags) -> Path:
+    """Where a probe's answer is kept: one file per library, CPU and loader state (an
+    upgraded OpenBLAS is installed through ldconfig, which rewrites /etc/ld.so.cache)."""
+    try:
+        loader = os.stat("/etc/ld.so.cache").st_mtime_ns
+    except OSError:
+        loader = 0
+    key = json.dumps([library, os.environ.get("LD_LIBRARY_PATH", ""), loader, sorted(flags),
+                      sys.platform])
+    return cache_dir() / f"openblas-cores-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def probe_openblas_cores(library: str, flags) -> tuple[str | None, frozenset[str]]:
+    """The kernels OpenBLAS picks by itself on this CPU, and which of those the CPU can
+    run (openblas_cores_for) the build accepts, asked of child processes once and kept
+    in mlxvlm's cache directory."""
+    cache = _probe_cache(library, flags)
+    try:
+        known = json.loads(cache.read_text())
+        return known["default"], frozenset(known["accepted"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    candidates = openblas_cores_for(flags)
+    default = _corenames_in_children(library, [None])[0]
+    accepted: frozenset[str] = frozenset()
+    own = _level(default)
+    asked = [core for core in candidates if own is not None and _CORE_LEVELS[core] > own]
+    if asked:  # only when OpenBLAS's own pick is below what the CPU can run
+        accepted = frozenset(core for core, got in zip(asked, _corenames_in_children(library, asked))
+                             if got == core)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=cache.parent, delete=False) as f:
+            json.dump({"default": default, "accepted": sorted(accepted)}, f)
+        os.replace(f.name, cache)  # atomic: a concurrent process reads all or nothing
+    except OSError:
+        pass
+    return default, accepted
+
+
+def _open_openblas(name: str, flags):
     """dlopen OpenBLAS (RTLD_GLOBAL), naming its kernels where openblas_core_choice says
     so; OpenBLAS reads OPENBLAS_CORETYPE as it loads, and the variable is taken back
-    afterwards so that other programs and libraries see the user's environment."""
+    afterwards so that other programs and libraries see the user's environment. Returns
+    the library and the kernels OpenBLAS picks by itself (None when not probed)."""
     global openblas_core_forced
-    core = openblas_core_choice(os.environ, vendor, flags)
+    if os.environ.get("OPENBLAS_CORETYPE", "").strip() or not openblas_cores_for(flags):
+        return ctypes.CDLL(name, mode=os.RTLD_GLOBAL), None
+    default, accepted = probe_openblas_cores(name, flags)
+    core = openblas_core_choice(os.environ, flags, default, accepted)
     if core is None:
-        return ctypes.CDLL(name, mode=os.RTLD_GLOBAL)
+        return ctypes.CDLL(name, mode=os.RTLD_GLOBAL), default
     os.environ["OPENBLAS_CORETYPE"] = core
     try:
         library = ctypes.CDLL(name, mode=os.RTLD_GLOBAL)
     finally:
         del os.environ["OPENBLAS_CORETYPE"]
     openblas_core_forced = core
-    return library
+    return library, default
 
 
 def openblas_core(library) -> str | None:
@@ -222,9 +353,9 @@ def preload_openblas() -> None:
         )
         return
     shim = _load_shim()  # first, so that libmlx's cblas_sgemm resolves to it
-    vendor, flags = cpu_vendor_and_flags()
+    _, flags = cpu_vendor_and_flags()
     try:
-        openblas = _open_openblas(name, vendor, flags)
+        openblas, default = _open_openblas(name, flags)
     except OSError as exc:
         openblas_status = f"failed to load {name}: {exc}"
         if shim is not None:  # uninitialised, it passes every product on (RTLD_NEXT)
@@ -233,7 +364,12 @@ def preload_openblas() -> None:
     openblas_status = f"loaded {name}"
     core = openblas_core(openblas)
     if core is not None:
-        openblas_status += openblas_core_note(core, openblas_core_forced, os.environ, flags)
+        if default is not None and core != (openblas_core_forced or default):
+            # A kept probe that no longer holds (another OpenBLAS under the same name):
+            # the next process asks again.
+            _probe_cache(name, flags).unlink(missing_ok=True)
+        openblas_status += openblas_core_note(core, os.environ, flags,
+                                              forced=openblas_core_forced, default=default)
     if shim is not None:
         address = lambda symbol: ctypes.cast(getattr(openblas, symbol), ctypes.c_void_p)  # noqa: E731
         threads = cpu_threads()
