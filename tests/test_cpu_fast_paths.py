@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 
 from parity import first_logits_and_greedy_tokens
 from tiny import make_image
-from mlxvlm import _backend, kernels, load
+from mlxvlm import kernels, load
 from mlxvlm.cpu_fast_paths import BUDGET_ENV, DISABLE_ENV, CPUQuantizedLinear
 from mlxvlm.cpu_quantized import CPUKernelQuantizedLinear
 from mlxvlm.loading import CONVERTED_MARKER
