@@ -1,8 +1,8 @@
 """Registry: a checkpoint's ``model_type`` -> the family module that implements it.
 
-Each family module exposes ``Model`` (a ``VisionLanguageModel``) and
-``load_processor(model_path, config)`` returning the transformers processor built without
-torch/torchvision.
+Each family module exposes ``Model``, a ``VisionLanguageModel`` (``models/base.py``):
+the loader reaches a family only through that class (``from_config``,
+``is_hf_checkpoint``, ``sanitize``, ``load_processor``).
 """
 
 from __future__ import annotations

@@ -8,14 +8,19 @@ knows nothing about any one family.
 
 from __future__ import annotations
 
-import sys
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Iterable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from mlxvlm.models.feature_cache import FeatureCache
+from mlxvlm.models.processor_utils import pil_processor
+from mlxvlm.models.weights import is_hf_naming, rename_prefix
+
+# ``args`` fields that name a placeholder token (``placeholder_token_ids``' default).
+PLACEHOLDER_TOKEN_FIELDS = ("image_token_id", "video_token_id", "audio_token_id")
 
 
 class VisionLanguageModel(nn.Module):
@@ -25,10 +30,12 @@ class VisionLanguageModel(nn.Module):
 
     ``from_config(config)``
         Build the module tree from the checkpoint's ``config.json`` (either the Hub's older
-        layout or the one transformers 5's ``save_pretrained`` writes).
+        layout or the one transformers 5's ``save_pretrained`` writes). The default builds
+        ``cls(cls.args_class.from_hf(config))``.
     ``sanitize(weights)``
         Map a Hugging Face checkpoint's tensor names and layouts onto this module's. It is
-        called only on Hugging Face checkpoints, never on ones already in MLX layout.
+        called only on Hugging Face checkpoints (``is_hf_checkpoint``), never on ones
+        already in MLX layout. ``hf_to_mlx_name`` renames one tensor by ``hf_prefixes``.
     ``embed(input_ids, **features)``
         Run the vision/audio towers on the processor's features, merge them at the
         placeholder tokens and return ``(embeddings, state)``. ``state`` is whatever the
@@ -39,8 +46,24 @@ class VisionLanguageModel(nn.Module):
         to that position only (the generate loop's last prefill chunk gives the first
         token this way, in the same pass). The decoder reads its absolute position from
         the cache offset.
+
+    and may rely on the defaults, which read the conventions most families share:
+
     ``layers``
-        The language-model decoder blocks (LoRA and sharding walk these).
+        The language-model decoder blocks (LoRA and sharding walk these):
+        ``language_model.layers``, else ``language_model.model.layers``.
+    ``max_context``
+        ``args.text.max_position_embeddings`` (None where there is none).
+    ``placeholder_token_ids``
+        ``args``' ``image_token_id``, ``video_token_id`` and ``audio_token_id``, those it has.
+    ``is_hf_checkpoint(weight_names)`` (class method)
+        Whether a checkpoint's tensors are named as Hugging Face names them (else: as this
+        module names them): some name starts with a Hugging Face prefix of
+        ``hf_prefixes``; one that also holds names under ``mlx_prefixes`` is refused.
+    ``load_processor(model_path, config)`` (class method)
+        The transformers processor built without torch/torchvision: by default
+        ``processor_class`` over the checkpoint's tokenizer and ``image_processor_class``
+        (a PIL image processor), both named as transformers exports them.
 
     For the batching engine (``mlxvlm.batching``), which decodes many requests together in
     one batched cache (mlx-lm's ``BatchKVCache``: per-row offsets, left padding):
@@ -59,7 +82,7 @@ class VisionLanguageModel(nn.Module):
 
     ``hf_module_name(name)``
         The transformers module path of our module ``name``: ``sanitize`` for module
-        names, inverted. The default reads the family module's ``HF_PREFIXES`` table.
+        names, inverted. The default reads ``hf_prefixes``.
     ``hf_split_modules(name)``
         For a linear layer of ours that is several in transformers, stacked along the
         output (a fused q/k/v): their module paths and output sizes, in order. None (the
@@ -68,6 +91,18 @@ class VisionLanguageModel(nn.Module):
 
     # Names of processor outputs (besides input_ids) that ``embed`` consumes.
     feature_names: tuple[str, ...] = ()
+    # The family's parsed config: a class with ``from_hf(config)`` (``from_config``'s default).
+    args_class: type | None = None
+    # ``(hf_prefix, ours)`` pairs: a Hugging Face tensor name's prefix and ours for it. The
+    # longest matching prefix renames a name (``weights.rename_prefix``), so the order is
+    # free to put transformers' module tree first, which ``hf_module_name`` names after.
+    hf_prefixes: tuple[tuple[str, str], ...] = ()
+    # Prefixes only our names have; a checkpoint holding both namings is neither layout.
+    mlx_prefixes: tuple[str, ...] = ()
+    # transformers' processor and PIL image processor classes, by their exported names
+    # (transformers is imported only when a processor is built).
+    processor_class: str | None = None
+    image_processor_class: str | None = None
 
     def __init__(self):
         """``feature_cache`` (a ``models.feature_cache.FeatureCache``) holds the features
@@ -95,43 +130,68 @@ class VisionLanguageModel(nn.Module):
 
     @classmethod
     def from_config(cls, config: dict) -> "VisionLanguageModel":
-        raise NotImplementedError
+        if cls.args_class is None:
+            raise NotImplementedError(
+                f"{cls.__name__} sets no args_class; it needs one or its own from_config"
+            )
+        return cls(cls.args_class.from_hf(config))
+
+    # -- checkpoints and processors ---------------------------------------------------
+
+    @classmethod
+    def is_hf_checkpoint(cls, weight_names: Iterable[str]) -> bool:
+        hf_prefixes = tuple(hf for hf, _ in cls.hf_prefixes)
+        return is_hf_naming(weight_names, hf_prefixes, cls.mlx_prefixes)
+
+    @classmethod
+    def hf_to_mlx_name(cls, name: str) -> str:
+        return rename_prefix(name, cls.hf_prefixes)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return weights
 
+    @classmethod
+    def load_processor(cls, model_path: str | Path, config: dict):
+        if cls.processor_class is None or cls.image_processor_class is None:
+            raise NotImplementedError(
+                f"{cls.__name__} names no processor_class and image_processor_class; it "
+                "needs both or its own load_processor"
+            )
+        return pil_processor(model_path, cls.processor_class, cls.image_processor_class)
+
     def embed(self, input_ids: mx.array, **features: Any) -> tuple[mx.array, Any]:
         raise NotImplementedError
 
+    # -- the decoder ------------------------------------------------------------------
+
     @property
     def layers(self) -> list[nn.Module]:
-        raise NotImplementedError
+        # mlx-lm's models and a bare decoder have ``layers``; mlx-community's
+        # ``language_model.model.*`` naming puts the blocks one level down otherwise.
+        language_model = self.language_model
+        if hasattr(language_model, "layers"):
+            return language_model.layers
+        return language_model.model.layers
 
     @property
     def max_context(self) -> int | None:
         """Longest sequence the text model was trained for (None if unknown)."""
-        return None
+        text = getattr(getattr(self, "args", None), "text", None)
+        return getattr(text, "max_position_embeddings", None)
 
     @property
     def placeholder_token_ids(self) -> set[int]:
         """Token ids that stand for image/video/audio features in the prompt."""
-        return set()
+        args = getattr(self, "args", None)
+        ids = (getattr(args, name, None) for name in PLACEHOLDER_TOKEN_FIELDS)
+        return {i for i in ids if i is not None}
 
     def hf_module_name(self, name: str) -> str:
-        """Default: invert the ``HF_PREFIXES`` table, ``((hf_prefix, our_prefix), ...)``,
-        of the module that defines this class (or a base class). Several Hugging Face
-        prefixes may map onto one of ours (old checkpoint names and the module tree); the
-        most specific of ours wins, then table order, where families list the module tree
-        first. The answer must map back onto ``name`` through ``sanitize``."""
-        table = next(
-            (
-                getattr(sys.modules[cls.__module__], "HF_PREFIXES")
-                for cls in type(self).__mro__
-                if hasattr(sys.modules.get(cls.__module__), "HF_PREFIXES")
-            ),
-            (),
-        )
-        matches = [(hf, ours) for hf, ours in table if name.startswith(ours)]
+        """Default: invert ``hf_prefixes``. Several Hugging Face prefixes may map onto one
+        of ours (old checkpoint names and the module tree); the most specific of ours
+        wins, then table order, where families list the module tree first. The answer
+        must map back onto ``name`` through ``sanitize``."""
+        matches = [(hf, ours) for hf, ours in self.hf_prefixes if name.startswith(ours)]
         matches.sort(key=lambda pair: -len(pair[1]))  # stable: table order among equals
         for hf_prefix, ours in matches:
             candidate = hf_prefix + name[len(ours) :]
@@ -140,7 +200,7 @@ class VisionLanguageModel(nn.Module):
                 return candidate
         raise NotImplementedError(
             f"{type(self).__name__} cannot name its module {name!r} as transformers does "
-            "(the family needs an HF_PREFIXES entry for it or its own hf_module_name)"
+            "(the family needs an hf_prefixes entry for it or its own hf_module_name)"
         )
 
     def hf_split_modules(self, name: str) -> tuple[tuple[str, int], ...] | None:

@@ -16,7 +16,6 @@ the embeddings).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable
 
 import mlx.core as mx
@@ -31,40 +30,23 @@ from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it
 from mlxvlm.models.feature_cache import cached_rows
 from mlxvlm.models.layers import siglip
-from mlxvlm.models.weights import has_transformers_names, map_hf_weights, rename_prefix, tie_lm_head
+from mlxvlm.models.weights import (
+    LM_HEAD_NAMES,
+    NESTED_TOWER_NAMES,
+    PROJECTOR_NAMES,
+    TEXT_MODEL_NAMES,
+    has_transformers_names,
+    map_hf_weights,
+    tie_lm_head,
+)
 
-# Hugging Face name prefix -> ours, first match wins. The Hub's original checkpoints
+# Hugging Face name prefix -> ours. The Hub's original checkpoints
 # (transformers 4.50) already use our names; transformers 4.52+ nest the modules under
 # `model.`, and transformers 5 drops the SigLIP tower's `vision_model.` level.
-HF_PREFIXES = (
-    ("model.language_model.", "language_model.model."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-    # transformers 5's module tree first (it has no vision_model level): adapters are
-    # named after it; the older nested names still map here (longest prefix wins).
-    ("model.vision_tower.", "vision_tower.vision_model."),
-    ("model.vision_tower.vision_model.", "vision_tower.vision_model."),
-    ("vision_tower.vision_model.", "vision_tower.vision_model."),
-    ("vision_tower.", "vision_tower.vision_model."),
-    ("lm_head.", "language_model.lm_head."),
-)
+HF_PREFIXES = (TEXT_MODEL_NAMES, PROJECTOR_NAMES, *NESTED_TOWER_NAMES, LM_HEAD_NAMES)
 VISION_TOWER = "vision_tower.vision_model."
 LM_HEAD = "language_model.lm_head.weight"
 EMBED_TOKENS = "language_model.model.embed_tokens.weight"
-
-
-def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
-    """Whether tensors are named as in Hugging Face checkpoints (else: already ours).
-
-    transformers 4.52+ names start with ``model.`` or ``lm_head.``, transformers 5's
-    saved SigLIP tower lacks ``vision_model.``. The Hub's original names are ours, except
-    that they omit the tied LM head, which mlx-community's conversions always store.
-    """
-    names = set(weight_names)
-    return has_transformers_names(names, ours=VISION_TOWER) or LM_HEAD not in names
-
-
-def hf_to_mlx_name(name: str) -> str:
-    return rename_prefix(name, HF_PREFIXES)
 
 
 # ----------------------------------------------------------------------------- config
@@ -276,6 +258,10 @@ class LanguageModel(nn.Module):
 
 class Model(VisionLanguageModel):
     feature_names = ("pixel_values",)
+    args_class = ModelArgs
+    hf_prefixes = HF_PREFIXES
+    processor_class = "Gemma3Processor"
+    image_processor_class = "Gemma3ImageProcessorPil"
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -285,28 +271,20 @@ class Model(VisionLanguageModel):
         self.language_model = LanguageModel(args.text)
 
     @classmethod
-    def from_config(cls, config: dict) -> "Model":
-        return cls(ModelArgs.from_hf(config))
+    def is_hf_checkpoint(cls, weight_names: Iterable[str]) -> bool:
+        """transformers 4.52+ names start with ``model.`` or ``lm_head.``, transformers 5's
+        saved SigLIP tower lacks ``vision_model.``. The Hub's original names are ours,
+        except that they omit the tied LM head, which mlx-community's conversions store."""
+        names = set(weight_names)
+        return has_transformers_names(names, ours=VISION_TOWER) or LM_HEAD not in names
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         sanitized = map_hf_weights(
-            weights, hf_to_mlx_name, tower=VISION_TOWER, convert_tower=siglip.convert_hf_weight
+            weights, self.hf_to_mlx_name, towers={VISION_TOWER: siglip.convert_hf_weight}
         )
         return tie_lm_head(sanitized, LM_HEAD, EMBED_TOKENS)
 
     # -- the contract -----------------------------------------------------------------
-
-    @property
-    def layers(self):
-        return self.language_model.model.layers
-
-    @property
-    def max_context(self) -> int:
-        return self.args.text.max_position_embeddings
-
-    @property
-    def placeholder_token_ids(self) -> set[int]:
-        return {self.args.image_token_id}
 
     def make_cache(self) -> list[Any]:
         return [
@@ -350,12 +328,6 @@ class Model(VisionLanguageModel):
         return self.language_model.lm_head(h[:, -1:] if last_only else h)
 
 
-def load_processor(model_path: str | Path, config: dict):
-    """transformers' Gemma3Processor with the PIL image processor (no torchvision)."""
-    from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor
-
-    return Gemma3Processor.from_pretrained(
-        model_path,
-        tokenizer=AutoTokenizer.from_pretrained(model_path),
-        image_processor=Gemma3ImageProcessorPil.from_pretrained(model_path),
-    )
+# Module names for callers outside the models package (tests, tools).
+is_hf_checkpoint = Model.is_hf_checkpoint
+load_processor = Model.load_processor

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,27 +27,19 @@ from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it, rope_parameters
 from mlxvlm.models.feature_cache import cached_rows
 from mlxvlm.models.layers import mlx_lm_backbone, siglip
-from mlxvlm.models.weights import map_hf_weights, rename_prefix, tie_lm_head
+from mlxvlm.models.processor_utils import pil_processor
+from mlxvlm.models.weights import LM_HEAD_NAMES, map_hf_weights, tie_lm_head
 
 # Hugging Face name prefix -> ours (the Hub's checkpoints and transformers 5 name them alike).
 HF_PREFIXES = (
     ("model.vision_model.", "vision_model."),
     ("model.connector.", "connector."),
     ("model.text_model.", "language_model."),
-    ("lm_head.", "language_model.lm_head."),
+    LM_HEAD_NAMES,
 )
 VISION_MODEL = "vision_model."
 LM_HEAD = "language_model.lm_head.weight"
 EMBED_TOKENS = "language_model.embed_tokens.weight"
-
-
-def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
-    """Whether tensors are named as in Hugging Face checkpoints (else: already ours)."""
-    return any(n.startswith(tuple(p for p, _ in HF_PREFIXES)) for n in weight_names)
-
-
-def hf_to_mlx_name(name: str) -> str:
-    return rename_prefix(name, HF_PREFIXES)
 
 
 @dataclass(frozen=True)
@@ -116,6 +108,8 @@ class LanguageModel(llama.LlamaModel):
 
 class Model(VisionLanguageModel):
     feature_names = ("pixel_values", "pixel_attention_mask")
+    args_class = ModelArgs
+    hf_prefixes = HF_PREFIXES
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -124,29 +118,24 @@ class Model(VisionLanguageModel):
         self.connector = Connector(args)
         self.language_model = LanguageModel(args.text)
 
-    @classmethod
-    def from_config(cls, config: dict) -> "Model":
-        return cls(ModelArgs.from_hf(config))
-
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         sanitized = map_hf_weights(
-            weights, hf_to_mlx_name, tower=VISION_MODEL, convert_tower=siglip.convert_hf_weight
+            weights, self.hf_to_mlx_name, towers={VISION_MODEL: siglip.convert_hf_weight}
         )
         return tie_lm_head(sanitized, LM_HEAD, EMBED_TOKENS)
 
+    @classmethod
+    def load_processor(cls, model_path: str | Path, config: dict):
+        """transformers' Idefics3Processor with the PIL image processor (no torchvision).
+
+        SmolVLM's own processor needs a video processor (torchvision) and num2words even
+        for images; its image prompts and image processing are Idefics3's, so SmolVLM
+        checkpoints get Idefics3's processor with SmolVLM's image processor class."""
+        smolvlm = config.get("model_type") == "smolvlm"
+        image_processor = "SmolVLMImageProcessorPil" if smolvlm else "Idefics3ImageProcessorPil"
+        return pil_processor(model_path, "Idefics3Processor", image_processor)
+
     # -- the contract -----------------------------------------------------------------
-
-    @property
-    def layers(self):
-        return self.language_model.layers
-
-    @property
-    def max_context(self) -> int | None:
-        return self.args.text.max_position_embeddings
-
-    @property
-    def placeholder_token_ids(self) -> set[int]:
-        return {self.args.image_token_id}
 
     def embed(
         self, input_ids: mx.array, pixel_values: Any = None, pixel_attention_mask: Any = None
@@ -191,24 +180,6 @@ class Model(VisionLanguageModel):
         return self.language_model.lm_head(h[:, -1:] if last_only else h)
 
 
-def load_processor(model_path: str | Path, config: dict):
-    """transformers' Idefics3Processor with the PIL image processor (no torchvision).
-
-    SmolVLM's own processor needs a video processor (torchvision) and num2words even for
-    images; its image prompts and image processing are Idefics3's, so SmolVLM checkpoints
-    get Idefics3's processor with SmolVLM's image processor class."""
-    from transformers import (
-        AutoTokenizer,
-        Idefics3ImageProcessorPil,
-        Idefics3Processor,
-        SmolVLMImageProcessorPil,
-    )
-
-    image_processor_class = Idefics3ImageProcessorPil
-    if config.get("model_type") == "smolvlm":
-        image_processor_class = SmolVLMImageProcessorPil
-    return Idefics3Processor.from_pretrained(
-        model_path,
-        tokenizer=AutoTokenizer.from_pretrained(model_path),
-        image_processor=image_processor_class.from_pretrained(model_path),
-    )
+# Module names for callers outside the models package (tests, tools).
+is_hf_checkpoint = Model.is_hf_checkpoint
+load_processor = Model.load_processor

@@ -27,7 +27,14 @@ from mlxvlm.models.layers import mlx_lm_backbone
 from mlxvlm.models.layers import siglip
 from mlxvlm.models.layers.activations import activation
 from mlxvlm.models.layers.clip import CLIPVisionConfig, CLIPVisionModel
-from mlxvlm.models.weights import map_hf_weights, rename_prefix
+from mlxvlm.models.processor_utils import image_only, tokenizer_and_chat_template
+from mlxvlm.models.weights import (
+    LM_HEAD_NAMES,
+    NESTED_TOWER_NAMES,
+    PROJECTOR_NAMES,
+    TEXT_MODEL_NAMES,
+    map_hf_weights,
+)
 
 # --------------------------------------------------------------------------- checkpoints
 #
@@ -45,15 +52,12 @@ from mlxvlm.models.weights import map_hf_weights, rename_prefix
 # mlxvlm.convert; mlxvlm.convert's config marker) before asking ``is_hf_checkpoint``,
 # which therefore takes 1's names for the Hub's, unless the tensors are quantized.
 
+# 2's tower is nested under ours by the table's TOWER_SAVED entry (see models/weights.py).
 HF_PREFIXES = (
-    ("model.language_model.", "language_model.model."),
-    ("lm_head.", "language_model.lm_head."),
-    # transformers 5's module tree first (its tower has no vision_model level): adapters
-    # are named after it. transformers 4's (model.vision_tower.vision_model.*) still maps
-    # here, as the longer prefix.
-    ("model.vision_tower.", "vision_tower.vision_model."),
-    ("model.vision_tower.vision_model.", "vision_tower.vision_model."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
+    TEXT_MODEL_NAMES,
+    LM_HEAD_NAMES,
+    *NESTED_TOWER_NAMES,
+    PROJECTOR_NAMES,
     ("model.image_newline", "image_newline"),
 )
 TOWER = "vision_tower.vision_model."
@@ -62,30 +66,6 @@ LM_HEAD = "language_model.lm_head.weight"
 HF_ONLY_SUFFIXES = ("position_ids", "rotary_emb.inv_freq")
 # Tensors only quantized (converted) checkpoints have.
 QUANTIZED_SUFFIXES = (".scales", ".biases")
-
-
-def hf_to_mlx_name(name: str) -> str:
-    name = rename_prefix(name, HF_PREFIXES)
-    if name.startswith("vision_tower.") and not name.startswith(TOWER):
-        name = TOWER + name[len("vision_tower.") :]
-    return name
-
-
-def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
-    """Whether tensors are named and laid out as in Hugging Face checkpoints (else: MLX's).
-
-    Quantized tensors mean an MLX conversion. Otherwise the names are Hugging Face's —
-    unmistakably (the module-tree or save_pretrained namings, buffers that conversions
-    drop) or as the Hub's original checkpoints, whose names conversions keep (see above)."""
-    names = list(weight_names)
-    quantized = [n for n in names if n.endswith(QUANTIZED_SUFFIXES)]
-    hf_only = [n for n in names if n.endswith(HF_ONLY_SUFFIXES) or hf_to_mlx_name(n) != n]
-    if quantized and hf_only:
-        raise ValueError(
-            f"the checkpoint mixes Hugging Face tensor names (e.g. {hf_only[0]!r}) with "
-            f"quantized MLX ones (e.g. {quantized[0]!r}); it is neither layout"
-        )
-    return not quantized
 
 
 # ------------------------------------------------------------------------ towers, config
@@ -199,6 +179,9 @@ class MultiModalProjector(nn.Module):
 
 class Model(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
     feature_names = ("pixel_values",)
+    args_class = ModelArgs
+    hf_prefixes = HF_PREFIXES
+    processor_class = "LlavaProcessor"
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -213,24 +196,82 @@ class Model(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
             from mlxvlm.models import pixtral
 
             return pixtral.Model.from_config(config)
-        return cls(ModelArgs.from_hf(config))
+        return super().from_config(config)
 
-    # -- checkpoint -----------------------------------------------------------------
+    # -- checkpoint and processor -----------------------------------------------------
+
+    @classmethod
+    def is_hf_checkpoint(cls, weight_names: Iterable[str]) -> bool:
+        """Whether tensors are named and laid out as in Hugging Face checkpoints (else:
+        MLX's). Quantized tensors mean an MLX conversion. Otherwise the names are Hugging
+        Face's — unmistakably (the module-tree or save_pretrained namings, buffers that
+        conversions drop) or as the Hub's original checkpoints, whose names conversions
+        keep (see above)."""
+        names = list(weight_names)
+        quantized = [n for n in names if n.endswith(QUANTIZED_SUFFIXES)]
+        hf_only = [n for n in names if n.endswith(HF_ONLY_SUFFIXES) or cls.hf_to_mlx_name(n) != n]
+        if quantized and hf_only:
+            raise ValueError(
+                f"the checkpoint mixes Hugging Face tensor names (e.g. {hf_only[0]!r}) with "
+                f"quantized MLX ones (e.g. {quantized[0]!r}); it is neither layout"
+            )
+        return not quantized
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return map_hf_weights(
-            weights, hf_to_mlx_name, tower=TOWER, convert_tower=self.vision_tower.convert_hf_weight,
+            weights, self.hf_to_mlx_name, towers={TOWER: self.vision_tower.convert_hf_weight},
             skip_suffixes=HF_ONLY_SUFFIXES,
             drop={LM_HEAD} if self.args.text.tie_word_embeddings else (),
         )
 
+    @classmethod
+    def load_processor(cls, model_path: str | Path, config: dict):
+        """The transformers processor (tokenizer + PIL image processor + chat template),
+        built without torch. Settings missing from processor_config.json (older Hub
+        checkpoints) come from the model's config (``default_processor_options``), so
+        that the placeholders match what the tower gives."""
+        if is_pixtral_config(config):
+            from mlxvlm.models import pixtral
+
+            return pixtral.Model.load_processor(model_path, config)
+
+        from transformers import AutoImageProcessor
+
+        model_path = Path(model_path)
+        processor_class = cls.processor_type()
+        tokenizer, chat_template = tokenizer_and_chat_template(model_path)
+        image_processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
+        options = cls.default_processor_options(config)
+        options.update(_processor_options(model_path))
+        kwargs = dict(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+        if "video_processor" in processor_class.get_attributes():
+            processor_class = image_only(processor_class)  # video input is not wired yet
+            kwargs["video_processor"] = None
+        return processor_class(**kwargs, **options)
+
+    @classmethod
+    def processor_type(cls) -> type:
+        """The transformers processor class ``processor_class`` names."""
+        import transformers
+
+        return getattr(transformers, cls.processor_class)
+
+    @classmethod
+    def default_processor_options(cls, config: dict) -> dict:
+        """What LlavaProcessor/LlavaNextProcessor need to count an image's placeholders."""
+        if not config:
+            return {}
+        args = ModelArgs.from_hf(config)
+        has_class_token = vision_tower_class(args.vision).has_class_token
+        return {
+            "patch_size": args.vision.patch_size,
+            "vision_feature_select_strategy": args.vision_feature_select_strategy,
+            "num_additional_image_tokens": 1 if has_class_token else 0,
+        }
+
     # -- the contract -----------------------------------------------------------------
 
     # layers, max_context, make_cache and __call__: the mlx-lm decoder's (MlxLmDecoder)
-
-    @property
-    def placeholder_token_ids(self) -> set[int]:
-        return {self.args.image_token_id}
 
     def embed(self, input_ids: mx.array, pixel_values: Any = None, **features: Any):
         image_features = None
@@ -284,45 +325,6 @@ def _processor_options(model_path: Path) -> dict:
     }
 
 
-def load_processor(
-    model_path: str | Path,
-    config: dict,
-    processor_class: type | None = None,
-    default_options: dict | None = None,
-):
-    """The transformers processor (tokenizer + PIL image processor + chat template), built
-    without torch. Settings missing from processor_config.json (older Hub checkpoints)
-    come from the model's config (``default_options``), so that the placeholders match
-    what the tower gives."""
-    if is_pixtral_config(config):
-        from mlxvlm.models import pixtral
-
-        return pixtral.load_processor(model_path, config)
-
-    from transformers import AutoImageProcessor, LlavaProcessor
-
-    from mlxvlm.models.processor_utils import image_only, tokenizer_and_chat_template
-
-    model_path = Path(model_path)
-    processor_class = processor_class or LlavaProcessor
-    tokenizer, chat_template = tokenizer_and_chat_template(model_path)
-    image_processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
-    options = default_processor_options(config) if default_options is None else dict(default_options)
-    options.update(_processor_options(model_path))
-    kwargs = dict(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
-    if "video_processor" in processor_class.get_attributes():
-        processor_class = image_only(processor_class)  # video input is not wired yet
-        kwargs["video_processor"] = None
-    return processor_class(**kwargs, **options)
-
-
-def default_processor_options(config: dict) -> dict:
-    """What LlavaProcessor/LlavaNextProcessor need to count an image's placeholders."""
-    if not config:
-        return {}
-    args = ModelArgs.from_hf(config)
-    return {
-        "patch_size": args.vision.patch_size,
-        "vision_feature_select_strategy": args.vision_feature_select_strategy,
-        "num_additional_image_tokens": 1 if vision_tower_class(args.vision).has_class_token else 0,
-    }
+# Module names for callers outside the models package (tests, tools).
+is_hf_checkpoint = Model.is_hf_checkpoint
+load_processor = Model.load_processor

@@ -11,7 +11,6 @@ Checkpoint names: LLaVA's plus the top-level ``image_newline``.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -19,11 +18,12 @@ import numpy as np
 
 from mlxvlm.models import llava
 from mlxvlm.models.layers import anyres
-from mlxvlm.models.llava import ModelArgs, is_hf_checkpoint  # noqa: F401  (the family's API)
+from mlxvlm.models.llava import ModelArgs
 
 
 class Model(llava.Model):
     feature_names = ("pixel_values", "image_sizes")
+    processor_class = "LlavaNextProcessor"
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
@@ -78,7 +78,7 @@ class Model(llava.Model):
         return grid
 
 
-def load_processor(model_path: str | Path, config: dict):
-    from transformers import LlavaNextProcessor
 
-    return llava.load_processor(model_path, config, LlavaNextProcessor)
+# Module names for callers outside the models package (tests, tools).
+is_hf_checkpoint = Model.is_hf_checkpoint
+load_processor = Model.load_processor

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import math
 import re
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -22,7 +21,7 @@ import numpy as np
 
 from mlxvlm.models import llava, llava_next
 from mlxvlm.models.layers import anyres
-from mlxvlm.models.llava import ModelArgs, is_hf_checkpoint  # noqa: F401  (the family's API)
+from mlxvlm.models.llava import ModelArgs
 
 
 def max_tiles(vision_aspect_ratio: str) -> int:
@@ -35,6 +34,26 @@ def max_tiles(vision_aspect_ratio: str) -> int:
 
 class Model(llava_next.Model):
     feature_names = ("pixel_values", "image_sizes", "batch_num_images")
+    processor_class = "LlavaOnevisionProcessor"
+
+    @classmethod
+    def processor_type(cls) -> type:
+        return prompt_images_as_one_sample(super().processor_type())
+
+    @classmethod
+    def default_processor_options(cls, config: dict) -> dict:
+        """What LlavaOnevisionProcessor needs to count an image's placeholders."""
+        if not config:
+            return {}
+        args = ModelArgs.from_hf(config)
+        tokens = args.vision.patches_per_side**2
+        if llava.vision_tower_class(args.vision).has_class_token:
+            tokens += 1
+        return {
+            "num_image_tokens": tokens,
+            "vision_feature_select_strategy": args.vision_feature_select_strategy,
+            "vision_aspect_ratio": args.vision_aspect_ratio,
+        }
 
     def num_tiles(self, index: int, image_size: np.ndarray, batch_num_images: Any = None, **_) -> int:
         """AnyRes tiles for an image alone in its prompt, the overview only for an image
@@ -71,25 +90,6 @@ def prompt_images_as_one_sample(processor_class: type) -> type:
     return type(processor_class.__name__, (processor_class,), {"__call__": __call__})
 
 
-def default_processor_options(config: dict) -> dict:
-    """What LlavaOnevisionProcessor needs to count an image's placeholders."""
-    if not config:
-        return {}
-    args = ModelArgs.from_hf(config)
-    tokens = args.vision.patches_per_side**2
-    if llava.vision_tower_class(args.vision).has_class_token:
-        tokens += 1
-    return {
-        "num_image_tokens": tokens,
-        "vision_feature_select_strategy": args.vision_feature_select_strategy,
-        "vision_aspect_ratio": args.vision_aspect_ratio,
-    }
-
-
-def load_processor(model_path: str | Path, config: dict):
-    from transformers import LlavaOnevisionProcessor
-
-    return llava.load_processor(
-        model_path, config, prompt_images_as_one_sample(LlavaOnevisionProcessor),
-        default_options=default_processor_options(config),
-    )
+# Module names for callers outside the models package (tests, tools).
+is_hf_checkpoint = Model.is_hf_checkpoint
+load_processor = Model.load_processor

@@ -22,13 +22,15 @@ def merge_features(
     positions: np.ndarray,
     features: mx.array | None,
     placeholders: str = "image tokens",
+    source: str = "the vision tower",
 ) -> mx.array:
     """``h`` (1, length, width) with its rows at ``positions`` replaced by ``features``
     (tokens, width), one feature token per placeholder, in prompt order.
 
     ``features`` None means the request brought no pixels: then the prompt must hold no
     placeholders. Either mismatch (a prompt built for other images, or pixels without
-    their placeholders) is raised as a ValueError that names the ``placeholders``."""
+    their placeholders) is raised as a ValueError that names the ``placeholders`` and the
+    features' ``source``."""
     if features is None:
         if positions.size:
             raise ValueError(
@@ -38,7 +40,7 @@ def merge_features(
         return h
     if features.shape[0] != positions.size:
         raise ValueError(
-            f"the vision tower gives {features.shape[0]} feature tokens but the prompt has "
+            f"{source} gives {features.shape[0]} feature tokens but the prompt has "
             f"{positions.size} {placeholders} for them"
         )
     merged = h[0]

@@ -16,7 +16,6 @@ import numpy as np
 
 from mlxvlm.models import pixtral
 from mlxvlm.models.layers.activations import activation
-from mlxvlm.models.pixtral import is_hf_checkpoint, load_processor  # noqa: F401 (contract)
 
 
 class PatchMerger(nn.Module):
@@ -71,3 +70,8 @@ class Model(pixtral.PixtralFamilyModel):
             self.multi_modal_projector(features, (int(h) // patch, int(w) // patch))
             for features, (h, w) in zip(per_image, np.asarray(image_sizes).tolist())
         ]
+
+
+# Module names for callers outside the models package (tests, tools).
+is_hf_checkpoint = Model.is_hf_checkpoint
+load_processor = Model.load_processor

@@ -35,21 +35,15 @@ from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it
 from mlxvlm.models.feature_cache import cached_rows
 from mlxvlm.models.layers import siglip
-from mlxvlm.models.weights import map_hf_weights, rename_prefix
+from mlxvlm.models.processor_utils import tokenizer_and_chat_template
+from mlxvlm.models.weights import (
+    NESTED_TOWER_NAMES, PROJECTOR_NAMES, TEXT_MODEL_NAMES, map_hf_weights,
+)
 
-# Hugging Face name prefix -> ours, first match wins. The Hub's original checkpoints
+# Hugging Face name prefix -> ours. The Hub's original checkpoints
 # (transformers 4.4x) use our names; transformers 5 nests the modules under `model.` and
 # drops the SigLIP tower's `vision_model.` level (and writes a tied `lm_head`).
-HF_PREFIXES = (
-    ("model.language_model.", "language_model.model."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-    # transformers 5's module tree first (it has no vision_model level): adapters are
-    # named after it; the older nested names still map here (longest prefix wins).
-    ("model.vision_tower.", "vision_tower.vision_model."),
-    ("model.vision_tower.vision_model.", "vision_tower.vision_model."),
-    ("vision_tower.vision_model.", "vision_tower.vision_model."),
-    ("vision_tower.", "vision_tower.vision_model."),
-)
+HF_PREFIXES = (TEXT_MODEL_NAMES, PROJECTOR_NAMES, *NESTED_TOWER_NAMES)
 VISION_TOWER = "vision_tower.vision_model."
 
 # A single user turn: every image first, then the text (the processor adds <bos>, "\n").
@@ -66,18 +60,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
-    """Hugging Face checkpoints name tensors like ours (the Hub's originals) or under
-    ``model.``/``lm_head.`` (transformers 5): always true of names. The loader tells MLX
-    conversions apart by their writer's mark (``{"format": "mlx"}`` metadata)."""
-    return any(
-        name.startswith(("model.", "lm_head.", "vision_tower.", "language_model.", "multi_modal_projector."))
-        for name in weight_names
-    )
-
-
-def hf_to_mlx_name(name: str) -> str:
-    return rename_prefix(name, HF_PREFIXES)
+# Every name a PaliGemma checkpoint has, Hugging Face's or ours (see is_hf_checkpoint).
+CHECKPOINT_PREFIXES = (
+    "model.", "lm_head.", "vision_tower.", "language_model.", "multi_modal_projector.",
+)
 
 
 # ----------------------------------------------------------------------------- config
@@ -251,6 +237,8 @@ class MultiModalProjector(nn.Module):
 
 class Model(VisionLanguageModel):
     feature_names = ("pixel_values", "token_type_ids")
+    args_class = ModelArgs
+    hf_prefixes = HF_PREFIXES
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -260,29 +248,37 @@ class Model(VisionLanguageModel):
         self.language_model = LanguageModel(args)
 
     @classmethod
-    def from_config(cls, config: dict) -> "Model":
-        return cls(ModelArgs.from_hf(config))
+    def is_hf_checkpoint(cls, weight_names: Iterable[str]) -> bool:
+        """Hugging Face checkpoints name tensors like ours (the Hub's originals) or under
+        ``model.``/``lm_head.`` (transformers 5): always true of names. The loader tells
+        MLX conversions apart by their writer's mark (``{"format": "mlx"}`` metadata)."""
+        return any(name.startswith(CHECKPOINT_PREFIXES) for name in weight_names)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         # The head is the embeddings (transformers 5 still writes a tied `lm_head`).
         return map_hf_weights(
-            weights, hf_to_mlx_name, tower=VISION_TOWER, convert_tower=siglip.convert_hf_weight,
+            weights, self.hf_to_mlx_name, towers={VISION_TOWER: siglip.convert_hf_weight},
             skip_prefixes=("lm_head.",),
+        )
+
+    @classmethod
+    def load_processor(cls, model_path: str | Path, config: dict):
+        """transformers' PaliGemmaProcessor with the PIL SigLIP image processor, and a
+        single-turn chat template when the checkpoint has none."""
+        from transformers import PaliGemmaProcessor, SiglipImageProcessorPil
+
+        tokenizer, chat_template = tokenizer_and_chat_template(model_path)
+        return PaliGemmaProcessor(
+            image_processor=SiglipImageProcessorPil.from_pretrained(model_path),
+            tokenizer=tokenizer,
+            chat_template=chat_template or CHAT_TEMPLATE,
         )
 
     # -- the contract -----------------------------------------------------------------
 
     @property
-    def layers(self):
-        return self.language_model.model.layers
-
-    @property
     def max_context(self) -> int:
         return self.args.max_position_embeddings
-
-    @property
-    def placeholder_token_ids(self) -> set[int]:
-        return {self.args.image_token_id}
 
     def bidirectional_spans(self, state: Prefix | None) -> list[tuple[int, int]]:
         return [(0, state.length)] if state is not None and state.length > 1 else []
@@ -328,16 +324,6 @@ def prefix_length(ids: np.ndarray, token_type_ids: Any) -> int:
     return int(suffix[0]) if suffix.size else len(ids)
 
 
-def load_processor(model_path: str | Path, config: dict):
-    """transformers' PaliGemmaProcessor with the PIL SigLIP image processor, and a
-    single-turn chat template when the checkpoint has none."""
-    from transformers import PaliGemmaProcessor, SiglipImageProcessorPil
-
-    from mlxvlm.models.processor_utils import tokenizer_and_chat_template
-
-    tokenizer, chat_template = tokenizer_and_chat_template(model_path)
-    return PaliGemmaProcessor(
-        image_processor=SiglipImageProcessorPil.from_pretrained(model_path),
-        tokenizer=tokenizer,
-        chat_template=chat_template or CHAT_TEMPLATE,
-    )
+# Module names for callers outside the models package (tests, tools).
+is_hf_checkpoint = Model.is_hf_checkpoint
+load_processor = Model.load_processor

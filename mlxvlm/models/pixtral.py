@@ -46,19 +46,22 @@ from mlxvlm.models.layers.pixtral_vision import (
     sanitize_vision_tensor,
 )
 from mlxvlm.models.layers.activations import activation
-from mlxvlm.models.weights import has_transformers_names, map_hf_weights, rename_prefix
+from mlxvlm.models.processor_utils import tokenizer_and_chat_template
+from mlxvlm.models.weights import (
+    LM_HEAD_NAMES,
+    PROJECTOR_NAMES,
+    TEXT_MODEL_NAMES,
+    TOWER_MODULE_TREE,
+    TOWER_SAVED,
+    has_transformers_names,
+    map_hf_weights,
+)
 
 # Hugging Face name prefix -> ours, the longest match wins. Hub checkpoints (transformers
 # 4.4x-4.5x) already use ``language_model.model.*`` / ``multi_modal_projector.*`` and put
 # the tower directly under ``vision_tower.``; transformers 5 nests them all under
 # ``model.``, which is listed first: adapters are named after that module tree.
-HF_PREFIXES = (
-    ("model.vision_tower.", "vision_tower.vision_model."),
-    ("vision_tower.", "vision_tower.vision_model."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-    ("model.language_model.", "language_model.model."),
-    ("lm_head.", "language_model.lm_head."),
-)
+HF_PREFIXES = (TOWER_MODULE_TREE, TOWER_SAVED, PROJECTOR_NAMES, TEXT_MODEL_NAMES, LM_HEAD_NAMES)
 VISION_TOWER = "vision_tower.vision_model."
 LM_HEAD = "language_model.lm_head.weight"
 
@@ -66,16 +69,6 @@ def is_pixtral_config(config: dict) -> bool:
     """Whether a config (``pixtral``, or the Hub's ``llava`` one) has a Pixtral tower: the
     test by which ``llava`` hands such a checkpoint to this family."""
     return (config.get("vision_config") or {}).get("model_type") == "pixtral"
-
-
-def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
-    """Hugging Face names: the tower directly under ``vision_tower.`` (ours nest it under
-    ``vision_tower.vision_model.``), or transformers 5's ``model.`` / ``lm_head.``."""
-    return has_transformers_names(weight_names, ours=VISION_TOWER)
-
-
-def hf_to_mlx_name(name: str) -> str:
-    return rename_prefix(name, HF_PREFIXES)
 
 
 def text_config_for_mlx_lm(config: dict) -> dict:
@@ -111,6 +104,7 @@ class PixtralFamilyModel(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
     """Pixtral tower + a projector + an mlx-lm text model; subclasses add the projector."""
 
     feature_names = ("pixel_values", "image_sizes")
+    hf_prefixes = HF_PREFIXES
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -118,21 +112,48 @@ class PixtralFamilyModel(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
         self.vision_tower = PixtralVisionTower(args.vision)
         self.language_model = mlx_lm_backbone.text_model(args.text)
 
-    # -- checkpoint -----------------------------------------------------------------
+    # -- checkpoint and processor -----------------------------------------------------
+
+    @classmethod
+    def is_hf_checkpoint(cls, weight_names: Iterable[str]) -> bool:
+        """Hugging Face names: the tower directly under ``vision_tower.`` (ours nest it
+        under ``vision_tower.vision_model.``), or transformers 5's ``model.`` / ``lm_head.``."""
+        return has_transformers_names(weight_names, ours=VISION_TOWER)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return map_hf_weights(
-            weights, hf_to_mlx_name, tower=VISION_TOWER, convert_tower=sanitize_vision_tensor,
+            weights, self.hf_to_mlx_name, towers={VISION_TOWER: sanitize_vision_tensor},
             drop={LM_HEAD} if self.args.text.tie_word_embeddings else (),
+        )
+
+    @classmethod
+    def load_processor(cls, model_path: str | Path, config: dict):
+        """Tokenizer + transformers' PIL Pixtral image processor + the checkpoint's token
+        expansion settings (processor_config.json) and chat template."""
+        from transformers import PixtralImageProcessorPil
+
+        model_path = Path(model_path)
+        settings = {}
+        processor_config = model_path / "processor_config.json"
+        if processor_config.exists():
+            settings = json.loads(processor_config.read_text())
+        vision = vision_config(config)
+        tokenizer, chat_template = tokenizer_and_chat_template(model_path)
+        merge_size = config.get("spatial_merge_size", 1)
+        return PixtralProcessor(
+            image_processor=PixtralImageProcessorPil.from_pretrained(model_path),
+            tokenizer=tokenizer,
+            patch_size=settings.get("patch_size", vision.get("patch_size", 16)),
+            spatial_merge_size=settings.get("spatial_merge_size", merge_size),
+            chat_template=chat_template,
+            image_token=settings.get("image_token", "[IMG]"),
+            image_break_token=settings.get("image_break_token", "[IMG_BREAK]"),
+            image_end_token=settings.get("image_end_token", "[IMG_END]"),
         )
 
     # -- the contract -----------------------------------------------------------------
 
     # layers, max_context, make_cache and __call__: the mlx-lm decoder's (MlxLmDecoder)
-
-    @property
-    def placeholder_token_ids(self) -> set[int]:
-        return {self.args.image_token_id}
 
     def embed(self, input_ids: mx.array, pixel_values: Any = None, image_sizes: Any = None):
         features = None
@@ -264,28 +285,6 @@ class PixtralProcessor(ProcessorMixin):
         return self.tokenizer.model_input_names + self.image_processor.model_input_names
 
 
-def load_processor(model_path: str | Path, config: dict):
-    """Tokenizer + transformers' PIL Pixtral image processor + the checkpoint's token
-    expansion settings (processor_config.json) and chat template."""
-    from transformers import PixtralImageProcessorPil
-
-    from mlxvlm.models.processor_utils import tokenizer_and_chat_template
-
-    model_path = Path(model_path)
-    settings = {}
-    processor_config = model_path / "processor_config.json"
-    if processor_config.exists():
-        settings = json.loads(processor_config.read_text())
-    vision = vision_config(config)
-    tokenizer, chat_template = tokenizer_and_chat_template(model_path)
-    image_processor = PixtralImageProcessorPil.from_pretrained(model_path)
-    return PixtralProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=settings.get("patch_size", vision.get("patch_size", 16)),
-        spatial_merge_size=settings.get("spatial_merge_size", config.get("spatial_merge_size", 1)),
-        chat_template=chat_template,
-        image_token=settings.get("image_token", "[IMG]"),
-        image_break_token=settings.get("image_break_token", "[IMG_BREAK]"),
-        image_end_token=settings.get("image_end_token", "[IMG_END]"),
-    )
+# Module names for callers outside the models package (tests, tools).
+is_hf_checkpoint = Model.is_hf_checkpoint
+load_processor = Model.load_processor

@@ -61,3 +61,16 @@ def tokenizer_and_chat_template(model_path: str | Path):
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     return tokenizer, read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)
+
+
+def pil_processor(model_path: str | Path, processor_class: str, image_processor_class: str):
+    """transformers' ``processor_class`` (its exported name) from the checkpoint, over its
+    tokenizer and the PIL ``image_processor_class``: passing the image processor keeps
+    ``from_pretrained`` from reaching for the torchvision one."""
+    import transformers
+
+    return getattr(transformers, processor_class).from_pretrained(
+        model_path,
+        tokenizer=transformers.AutoTokenizer.from_pretrained(model_path),
+        image_processor=getattr(transformers, image_processor_class).from_pretrained(model_path),
+    )

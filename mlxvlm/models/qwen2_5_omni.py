@@ -28,7 +28,7 @@ from typing import Any, Iterable
 import mlx.core as mx
 import numpy as np
 
-from mlxvlm.models import qwen2_5_vl, qwen2_vl
+from mlxvlm.models import merge, qwen2_5_vl, qwen2_vl
 from mlxvlm.models.config_utils import token_id
 from mlxvlm.models.feature_cache import cached_features
 from mlxvlm.models.layers.mrope_decoder import (
@@ -39,28 +39,25 @@ from mlxvlm.models.layers.mrope_decoder import (
     VisionSpan,
     mrope_position_ids,
 )
-from mlxvlm.models.layers.qwen_vision import QwenVisionTransformer, VisionConfig
+from mlxvlm.models.layers.qwen_vision import VisionConfig, convert_hf_weight, grids_thw
 from mlxvlm.models.layers.whisper_audio import (
     AudioConfig,
     AudioEncoder,
     output_lengths,
     sanitize_conv_weights,
 )
+from mlxvlm.models.processor_utils import image_only, tokenizer_and_chat_template
+from mlxvlm.models.weights import is_hf_naming, map_hf_weights
 
-# Hugging Face name prefix -> ours, first match wins (after "thinker." is dropped).
-HF_PREFIXES = (
-    ("model.audio_tower.", "audio_tower."),
-    ("model.visual.", "vision_tower."),
-    ("visual.", "vision_tower."),
-    ("model.language_model.", "language_model.model."),
-    ("model.", "language_model.model."),
-    ("lm_head.", "language_model.lm_head."),
-)
+# Hugging Face name prefix -> ours (after "thinker." is dropped).
+HF_PREFIXES = (("model.audio_tower.", "audio_tower."), *qwen2_vl.HF_PREFIXES)
 HF_ONLY_PREFIXES = ("thinker.", "talker.", "token2wav.", "model.", "visual.", "lm_head.")
-MLX_ONLY_PREFIXES = ("vision_tower.", "language_model.")
-# Parts of the Hub checkpoint the thinker does not use (speech output; the audio tower's
-# start/end embeddings, which only the talker reads).
-UNUSED = ("talker.", "token2wav.", "audio_tower.audio_bos_eos_token.")
+# Parts of the Hub checkpoint the thinker does not use: speech output, and the audio
+# tower's start/end embeddings, which only the talker reads.
+UNUSED = ("talker.", "token2wav.")
+UNUSED_AUDIO = "audio_bos_eos_token."
+# Buffers recomputed here: rotary tables, the audio encoder's sinusoidal positions.
+BUFFERS = ("inv_freq", "positional_embedding")
 
 # The tokenizer attributes transformers' processor reads, for tokenizer configs that
 # predate them.
@@ -80,25 +77,11 @@ def thinker_config(config: dict) -> dict:
     return config.get("thinker_config") or config
 
 
-def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
-    """Whether tensors are named as in Hugging Face checkpoints (else: already ours)."""
-    names = list(weight_names)
-    hf = [n for n in names if n.startswith(HF_ONLY_PREFIXES)]
-    ours = [n for n in names if n.startswith(MLX_ONLY_PREFIXES)]
-    if hf and ours:
-        raise ValueError(
-            f"the checkpoint mixes Hugging Face tensor names (e.g. {hf[0]!r}) with MLX ones "
-            f"(e.g. {ours[0]!r}); it is neither layout"
-        )
-    return bool(hf)
-
-
-def hf_to_mlx_name(name: str) -> str:
-    name = name.removeprefix("thinker.")
-    for prefix, replacement in HF_PREFIXES:
-        if name.startswith(prefix):
-            return replacement + name[len(prefix) :]
-    return name
+def convert_audio_weight(name: str, value: mx.array) -> mx.array | None:
+    """An audio-tower tensor (``name`` relative to it) in our layout; None: unused."""
+    if name.startswith(UNUSED_AUDIO):
+        return None
+    return sanitize_conv_weights(name, value)
 
 
 @dataclass
@@ -121,6 +104,7 @@ class Model(qwen2_vl.Model):
         "input_features",
         "feature_attention_mask",
     )
+    hf_prefixes = HF_PREFIXES
 
     def __init__(self, args: OmniArgs):
         super().__init__(args)
@@ -150,27 +134,42 @@ class Model(qwen2_vl.Model):
 
     # -- checkpoint -----------------------------------------------------------------
 
+    @classmethod
+    def is_hf_checkpoint(cls, weight_names: Iterable[str]) -> bool:
+        # The full model's thinker, talker and token2wav are Hugging Face's names too.
+        return is_hf_naming(weight_names, HF_ONLY_PREFIXES, cls.mlx_prefixes)
+
+    @classmethod
+    def hf_to_mlx_name(cls, name: str) -> str:
+        return super().hf_to_mlx_name(name.removeprefix("thinker."))
+
+    @classmethod
+    def load_processor(cls, model_path: str | Path, config: dict):
+        """transformers' Qwen2.5-Omni processor (tokenizer, PIL image processor, Whisper
+        feature extractor, chat template) with mlxvlm's numpy video processor."""
+        from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, WhisperFeatureExtractor
+
+        from mlxvlm.models.qwen_video import QwenVideoProcessor
+
+        tokenizer, chat_template = tokenizer_and_chat_template(model_path)
+        if any(getattr(tokenizer, name, None) is None for name in OMNI_TOKENS):
+            tokenizer = AutoTokenizer.from_pretrained(model_path, extra_special_tokens=OMNI_TOKENS)
+        return _processor_class()(
+            image_processor=Qwen2VLImageProcessorPil.from_pretrained(model_path),
+            video_processor=QwenVideoProcessor.from_pretrained(model_path),
+            feature_extractor=WhisperFeatureExtractor.from_pretrained(model_path),
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+        )
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        sanitized: dict[str, mx.array] = {}
-        qkv: dict[str, dict[str, mx.array]] = {}
-        for name, value in weights.items():
-            name = hf_to_mlx_name(name)
-            if name.startswith(UNUSED) or name.endswith(("inv_freq", "positional_embedding")):
-                continue
-            if name == "language_model.lm_head.weight" and self.args.text.tie_word_embeddings:
-                continue
-            if name == "vision_tower.patch_embed.proj.weight":
-                # PyTorch Conv3d (out, in, t, h, w) -> MLX (out, t, h, w, in)
-                value = value.transpose(0, 2, 3, 4, 1)
-            value = sanitize_conv_weights(name, value)
-            parts = name.rsplit(".", 2)  # vision attention's separate q / k / v
-            if name.startswith("vision_tower.blocks.") and parts[-2] in ("q", "k", "v"):
-                qkv.setdefault(f"{parts[0]}.qkv.{parts[-1]}", {})[parts[-2]] = value
-                continue
-            sanitized[name] = value
-        for name, pieces in qkv.items():
-            sanitized[name] = mx.concatenate([pieces["q"], pieces["k"], pieces["v"]], axis=0)
-        return sanitized
+        sanitized = map_hf_weights(
+            weights, self.hf_to_mlx_name,
+            towers={"vision_tower.": convert_hf_weight, "audio_tower.": convert_audio_weight},
+            skip_prefixes=UNUSED, skip_suffixes=BUFFERS,
+            drop={qwen2_vl.LM_HEAD} if self.args.text.tie_word_embeddings else (),
+        )
+        return fuse_vision_qkv(sanitized)
 
     def hf_split_modules(self, name: str) -> tuple[tuple[str, int], ...] | None:
         """A vision block's fused ``attn.qkv``: transformers' ``attn.q``, ``attn.k`` and
@@ -190,10 +189,6 @@ class Model(qwen2_vl.Model):
 
     # -- the contract -----------------------------------------------------------------
 
-    @property
-    def placeholder_token_ids(self) -> set[int]:
-        return {self.args.image_token_id, self.args.video_token_id, self.args.audio_token_id}
-
     def embed(
         self,
         input_ids: mx.array,
@@ -206,12 +201,9 @@ class Model(qwen2_vl.Model):
         feature_attention_mask: Any = None,
     ) -> tuple[mx.array, MRopeState]:
         args = self.args
-        ids = np.asarray(input_ids).reshape(-1)
-        h = self.language_model.model.embed_tokens(input_ids)
-        image_grids = qwen2_vl._grids(image_grid_thw)
-        video_grids = qwen2_vl._grids(video_grid_thw)
-        h = self._merge_features(h, ids, args.image_token_id, pixel_values, image_grids)
-        h = self._merge_features(h, ids, args.video_token_id, pixel_values_videos, video_grids)
+        h, ids, (image_grids, video_grids), _ = self.embed_vision(
+            input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+        )
         mel_frames = None
         if input_features is not None:
             h, mel_frames = self._merge_audio(h, ids, input_features, feature_attention_mask)
@@ -228,8 +220,8 @@ class Model(qwen2_vl.Model):
         ids = np.asarray(ids).reshape(-1)
         audio_tokens = np.zeros(0, np.int64) if mel_frames is None else output_lengths(mel_frames)
         spans = {
-            args.image_token_id: [VisionSpan(tuple(g)) for g in qwen2_vl._grids(image_grid_thw)],
-            args.video_token_id: self._video_spans(ids, qwen2_vl._grids(video_grid_thw),
+            args.image_token_id: [VisionSpan(tuple(g)) for g in grids_thw(image_grid_thw)],
+            args.video_token_id: self._video_spans(ids, grids_thw(video_grid_thw),
                                                    video_second_per_grid, audio_tokens),
         }
         merge = args.vision.spatial_merge_size
@@ -253,15 +245,10 @@ class Model(qwen2_vl.Model):
             self, "audio", [(valid, mel_frames)],
             lambda _: [(self.audio_tower(mx.array(valid), mel_frames),)],
         )
-        positions = np.flatnonzero(ids == self.args.audio_token_id)
-        if tokens.shape[0] != positions.size:
-            raise ValueError(
-                f"the audio encoder produced {tokens.shape[0]} tokens but the prompt has "
-                f"{positions.size} audio placeholder tokens"
-            )
-        merged = h[0]
-        merged[mx.array(positions)] = tokens.astype(h.dtype)
-        return merged[None], mel_frames
+        positions = merge.placeholder_positions(ids, self.args.audio_token_id)
+        h = merge.merge_features(h, positions, tokens, "audio placeholder tokens",
+                                 source="the audio encoder")
+        return h, mel_frames
 
     def _video_spans(self, ids, video_grids, second_per_grid, audio_tokens) -> list:
         """One span per video in prompt order: its frame grids at their times, and, for a
@@ -306,8 +293,6 @@ def _processor_class():
     seconds per frame grid from how it was sampled."""
     from transformers import BatchFeature, Qwen2_5OmniProcessor
 
-    from mlxvlm.models.processor_utils import image_only
-
     class OmniProcessor(image_only(Qwen2_5OmniProcessor)):
         def _process_videos(self, videos, audio=None, processed_audio=None,
                             video_to_audio_indices=None, **kwargs):
@@ -339,22 +324,22 @@ def _processor_class():
     return OmniProcessor
 
 
-def load_processor(model_path: str | Path, config: dict):
-    """transformers' Qwen2.5-Omni processor (tokenizer, PIL image processor, Whisper
-    feature extractor, chat template) with mlxvlm's numpy video processor."""
-    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, WhisperFeatureExtractor
+def fuse_vision_qkv(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The vision blocks' separate attention ``q`` / ``k`` / ``v`` tensors as one ``qkv``,
+    stacked along the output, as the Qwen-VL towers store them."""
+    fused: dict[str, mx.array] = {}
+    qkv: dict[str, dict[str, mx.array]] = {}
+    for name, value in weights.items():
+        parts = name.rsplit(".", 2)
+        if name.startswith("vision_tower.blocks.") and parts[-2] in ("q", "k", "v"):
+            qkv.setdefault(f"{parts[0]}.qkv.{parts[-1]}", {})[parts[-2]] = value
+        else:
+            fused[name] = value
+    for name, pieces in qkv.items():
+        fused[name] = mx.concatenate([pieces["q"], pieces["k"], pieces["v"]], axis=0)
+    return fused
 
-    from mlxvlm.models.processor_utils import read_chat_template
-    from mlxvlm.models.qwen_video import QwenVideoProcessor
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if any(getattr(tokenizer, name, None) is None for name in OMNI_TOKENS):
-        tokenizer = AutoTokenizer.from_pretrained(model_path, extra_special_tokens=OMNI_TOKENS)
-    chat_template = read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)
-    return _processor_class()(
-        image_processor=Qwen2VLImageProcessorPil.from_pretrained(model_path),
-        video_processor=QwenVideoProcessor.from_pretrained(model_path),
-        feature_extractor=WhisperFeatureExtractor.from_pretrained(model_path),
-        tokenizer=tokenizer,
-        chat_template=chat_template,
-    )
+# Module names for callers outside the models package (tests, tools).
+is_hf_checkpoint = Model.is_hf_checkpoint
+load_processor = Model.load_processor

@@ -6,39 +6,34 @@ attention within windows of ``window_size`` pixels except in the few
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mlxvlm.models import qwen2_vl
-from mlxvlm.models.config_utils import rope_parameters, vision_config
+from mlxvlm.models.config_utils import vision_config
 from mlxvlm.models.layers.qwen_vision import VisionConfig
-from mlxvlm.models.qwen2_vl import is_hf_checkpoint  # noqa: F401 (part of the contract)
 
 
 def vision_config_from_hf(config: dict) -> VisionConfig:
     vision = vision_config(config)
-    return VisionConfig(
-        depth=vision["depth"],
+    return VisionConfig.from_hf(
+        vision,
+        patch_size=14,
+        hidden_act="silu",
         hidden_size=vision["hidden_size"],
-        num_heads=vision["num_heads"],
         intermediate_size=vision["intermediate_size"],
         out_hidden_size=vision["out_hidden_size"],
-        patch_size=vision.get("patch_size", 14),
-        temporal_patch_size=vision.get("temporal_patch_size", 2),
-        in_channels=vision.get("in_channels", 3),
-        spatial_merge_size=vision.get("spatial_merge_size", 2),
-        hidden_act=vision.get("hidden_act", "silu"),
         norm="rmsnorm",
         mlp="gated",
         window_size=vision.get("window_size", 112),
         fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
-        rope_theta=rope_parameters(vision, 10000.0)["rope_theta"],
     )
 
 
 class Model(qwen2_vl.Model):
+    processor_class = "Qwen2_5_VLProcessor"
+
     @classmethod
     def vision_config_from_hf(cls, config: dict) -> VisionConfig:
         return vision_config_from_hf(config)
@@ -53,7 +48,6 @@ class Model(qwen2_vl.Model):
         return (4 if tokens_per_second is None else tokens_per_second) * seconds
 
 
-def load_processor(model_path: str | Path, config: dict):
-    from transformers import Qwen2_5_VLProcessor
-
-    return qwen2_vl.load_processor(model_path, config, processor_class=Qwen2_5_VLProcessor)
+# Module names for callers outside the models package (tests, tools).
+is_hf_checkpoint = Model.is_hf_checkpoint
+load_processor = Model.load_processor

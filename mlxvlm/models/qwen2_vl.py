@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
-from mlxvlm.models.config_utils import rope_parameters, token_id, vision_config
+from mlxvlm.models.config_utils import token_id, vision_config
 from mlxvlm.models.feature_cache import active_cache, cached_features, join_rows, split_rows
 from mlxvlm.models.layers.mrope_decoder import (
     LanguageModel,
@@ -26,59 +27,41 @@ from mlxvlm.models.layers.mrope_decoder import (
     VisionSpan,
     mrope_position_ids,
 )
-from mlxvlm.models.layers.qwen_vision import QwenVisionTransformer, VisionConfig
+from mlxvlm.models.layers.qwen_vision import (
+    QwenVisionTransformer,
+    VisionConfig,
+    convert_hf_weight,
+    grids_thw,
+)
+from mlxvlm.models.processor_utils import image_only, tokenizer_and_chat_template
+from mlxvlm.models.weights import LM_HEAD_NAMES, TEXT_MODEL_NAMES, map_hf_weights
 
-# Hugging Face name prefix -> ours, first match wins. Checkpoints from the Hub use
-# `visual.` / `model.`; those saved by transformers 4.52-4.57 use the nested module names.
+# Hugging Face name prefix -> ours. Checkpoints from the Hub use `visual.` / `model.`;
+# those saved by transformers 4.52-4.57 use the nested module names.
 HF_PREFIXES = (
     ("model.visual.", "vision_tower."),
     ("visual.", "vision_tower."),
-    ("model.language_model.", "language_model.model."),
+    TEXT_MODEL_NAMES,
     ("model.", "language_model.model."),
-    ("lm_head.", "language_model.lm_head."),
+    LM_HEAD_NAMES,
 )
-MLX_PREFIXES = ("vision_tower.", "language_model.")
-
-
-def is_hf_checkpoint(weight_names: Iterable[str]) -> bool:
-    """Whether tensors are named as in Hugging Face checkpoints (else: already ours)."""
-    names = list(weight_names)
-    hf = [n for n in names if n.startswith(tuple(p for p, _ in HF_PREFIXES))]
-    if hf and len(hf) != len(names):
-        mlx_names = [n for n in names if n.startswith(MLX_PREFIXES)]
-        if mlx_names:
-            raise ValueError(
-                "the checkpoint mixes Hugging Face tensor names (e.g. "
-                f"{hf[0]!r}) with MLX ones (e.g. {mlx_names[0]!r}); it is neither layout"
-            )
-    return bool(hf)
-
-
-def hf_to_mlx_name(name: str) -> str:
-    for prefix, replacement in HF_PREFIXES:
-        if name.startswith(prefix):
-            return replacement + name[len(prefix) :]
-    return name
+VISION_TOWER = "vision_tower."
+LM_HEAD = "language_model.lm_head.weight"
 
 
 def vision_config_from_hf(config: dict) -> VisionConfig:
     vision = vision_config(config)
     embed_dim = vision["embed_dim"]
-    return VisionConfig(
-        depth=vision["depth"],
+    return VisionConfig.from_hf(
+        vision,
+        patch_size=14,
+        hidden_act="quick_gelu",
         hidden_size=embed_dim,
-        num_heads=vision["num_heads"],
         intermediate_size=int(embed_dim * vision.get("mlp_ratio", 4)),
         # Qwen2-VL's vision "hidden_size" is the merger's output width.
         out_hidden_size=vision["hidden_size"],
-        patch_size=vision.get("patch_size", 14),
-        temporal_patch_size=vision.get("temporal_patch_size", 2),
-        in_channels=vision.get("in_channels", 3),
-        spatial_merge_size=vision.get("spatial_merge_size", 2),
-        hidden_act=vision.get("hidden_act", "quick_gelu"),
         norm="layernorm",
         mlp="fc",
-        rope_theta=rope_parameters(vision, 10000.0)["rope_theta"],
     )
 
 
@@ -100,6 +83,12 @@ class Model(VisionLanguageModel):
         "video_grid_thw",
         "second_per_grid_ts",
     )
+    hf_prefixes = HF_PREFIXES
+    mlx_prefixes = (VISION_TOWER, "language_model.")
+    processor_class = "Qwen2VLProcessor"
+    image_processor_class = "Qwen2VLImageProcessorPil"
+    # Whether the processor takes videos (through mlxvlm's numpy video processor).
+    processor_videos = True
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -123,35 +112,34 @@ class Model(VisionLanguageModel):
             )
         )
 
-    # -- checkpoint -----------------------------------------------------------------
+    # -- checkpoint and processor -----------------------------------------------------
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        sanitized = {}
-        for name, value in weights.items():
-            if name.endswith("inv_freq"):  # rotary tables, recomputed from the config
-                continue
-            name = hf_to_mlx_name(name)
-            if name == "vision_tower.patch_embed.proj.weight":
-                # PyTorch Conv3d (out, in, t, h, w) -> MLX (out, t, h, w, in)
-                value = value.transpose(0, 2, 3, 4, 1)
-            if name == "language_model.lm_head.weight" and self.args.text.tie_word_embeddings:
-                continue
-            sanitized[name] = value
-        return sanitized
+        return map_hf_weights(
+            weights, self.hf_to_mlx_name, towers={VISION_TOWER: convert_hf_weight},
+            drop={LM_HEAD} if self.args.text.tie_word_embeddings else (),
+        )
+
+    @classmethod
+    def load_processor(cls, model_path: str | Path, config: dict, video: bool | None = None):
+        """The transformers processor (tokenizer + PIL image processor + chat template),
+        built without torchvision: videos go through mlxvlm's numpy twin of the video
+        processor (``video=False``: images only; None: ``processor_videos``)."""
+        import transformers
+
+        from mlxvlm.models.qwen_video import QwenVideoProcessor
+
+        video = cls.processor_videos if video is None else video
+        tokenizer, chat_template = tokenizer_and_chat_template(model_path)
+        image_processor = getattr(transformers, cls.image_processor_class)
+        return image_only(getattr(transformers, cls.processor_class))(
+            image_processor=image_processor.from_pretrained(model_path),
+            tokenizer=tokenizer,
+            video_processor=QwenVideoProcessor.from_pretrained(model_path) if video else None,
+            chat_template=chat_template,
+        )
 
     # -- the contract -----------------------------------------------------------------
-
-    @property
-    def layers(self):
-        return self.language_model.model.layers
-
-    @property
-    def max_context(self) -> int:
-        return self.args.text.max_position_embeddings
-
-    @property
-    def placeholder_token_ids(self) -> set[int]:
-        return {self.args.image_token_id, self.args.video_token_id}
 
     def embed(
         self,
@@ -162,13 +150,9 @@ class Model(VisionLanguageModel):
         video_grid_thw: Any = None,
         second_per_grid_ts: Any = None,
     ) -> tuple[mx.array, MRopeState]:
-        ids = np.asarray(input_ids).reshape(-1)
-        h = self.language_model.model.embed_tokens(input_ids)
-        image_grids = _grids(image_grid_thw)
-        video_grids = _grids(video_grid_thw)
-        h = self._merge_features(h, ids, self.args.image_token_id, pixel_values, image_grids)
-        h = self._merge_features(h, ids, self.args.video_token_id, pixel_values_videos, video_grids)
-
+        h, ids, (image_grids, video_grids), _ = self.embed_vision(
+            input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+        )
         spans = {
             self.args.image_token_id: [VisionSpan(tuple(g)) for g in image_grids],
             self.args.video_token_id: [
@@ -197,7 +181,7 @@ class Model(VisionLanguageModel):
         feature cache first; the tower runs, batched, on the others only. Attention never
         crosses a frame, so an image's tokens do not depend on its batch."""
         pixels = mx.array(pixels) if not isinstance(pixels, mx.array) else pixels
-        grids = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+        grids = grids_thw(grids)
         patches = grids.prod(axis=1)
         if pixels.shape[0] != patches.sum():
             raise ValueError(
@@ -222,52 +206,28 @@ class Model(VisionLanguageModel):
         columns = [join_rows(column) for column in zip(*outputs)]
         return columns[0], columns[1:]
 
-    def _merge_features(self, h, ids, token, pixels, grids) -> mx.array:
-        """Run the vision tower and put its tokens at the placeholder positions."""
-        positions = np.flatnonzero(ids == token)
-        if pixels is None:
-            if positions.size:
-                raise ValueError(
-                    f"the prompt has {positions.size} placeholder tokens (id {token}) but no "
-                    "pixel values were given for them"
-                )
-            return h
-        kind = "video" if token == self.args.video_token_id else "image"
-        features, _ = self.vision_features(pixels, grids, kind)
-        if features.shape[0] != positions.size:
-            raise ValueError(
-                f"the vision tower produced {features.shape[0]} tokens but the prompt has "
-                f"{positions.size} placeholder tokens (id {token}) for them"
-            )
-        merged = h[0]
-        merged[mx.array(positions)] = features.astype(h.dtype)
-        return merged[None]
+    def embed_vision(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                     video_grid_thw):
+        """The prompt's token embeddings with the tower's tokens at the image and video
+        placeholders, the flat prompt ids, the (image, video) grids, and for each kind
+        that brought pixels its placeholder positions and DeepStack rows (Qwen3-VL)."""
+        ids = np.asarray(input_ids).reshape(-1)
+        h = self.language_model.model.embed_tokens(input_ids)
+        grids, taps = [], []
+        for kind, token, pixels, grid_thw in (
+            ("image", self.args.image_token_id, pixel_values, image_grid_thw),
+            ("video", self.args.video_token_id, pixel_values_videos, video_grid_thw),
+        ):
+            grids.append(grids_thw(grid_thw))
+            positions = merge.placeholder_positions(ids, token)
+            features = None
+            if pixels is not None:
+                features, deepstack = self.vision_features(pixels, grids[-1], kind)
+                taps.append((positions, deepstack))
+            h = merge.merge_features(h, positions, features, f"placeholder tokens (id {token})")
+        return h, ids, tuple(grids), taps
 
 
-def _grids(grid_thw: Any) -> np.ndarray:
-    if grid_thw is None:
-        return np.zeros((0, 3), dtype=np.int64)
-    return np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
-
-
-def load_processor(
-    model_path: str | Path, config: dict, processor_class: type | None = None, video: bool = True
-):
-    """The transformers processor (tokenizer + PIL image processor + chat template), built
-    without torchvision: videos go through mlxvlm's numpy twin of the video processor
-    (``video=False``: images only)."""
-    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
-
-    from mlxvlm.models.processor_utils import image_only, read_chat_template
-    from mlxvlm.models.qwen_video import QwenVideoProcessor
-
-    processor_class = processor_class or Qwen2VLProcessor
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)
-    chat_template = read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)
-    return image_only(processor_class)(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        video_processor=QwenVideoProcessor.from_pretrained(model_path) if video else None,
-        chat_template=chat_template,
-    )
+# Module names for callers outside the models package (tests, tools).
+is_hf_checkpoint = Model.is_hf_checkpoint
+load_processor = Model.load_processor

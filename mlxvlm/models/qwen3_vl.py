@@ -17,23 +17,23 @@ Checkpoint names (mlx-community's): ``vision_tower.*`` (``patch_embed``, ``pos_e
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from mlxvlm.models import merge, qwen2_vl
-from mlxvlm.models.config_utils import rope_parameters, text_config, token_id, vision_config
+from mlxvlm.models import qwen2_vl
+from mlxvlm.models.config_utils import text_config, token_id, vision_config
 from mlxvlm.models.layers.mrope_decoder import (
     DeepstackFeatures,
     MRopeState,
     TextConfig,
     VisionSpan,
+    default_mrope,
     mrope_position_ids,
 )
 from mlxvlm.models.layers.qwen_vision import VisionConfig
-from mlxvlm.models.qwen2_vl import ModelArgs, is_hf_checkpoint  # noqa: F401 (the contract)
+from mlxvlm.models.qwen2_vl import ModelArgs
 
 # transformers' Qwen3VLTextConfig.default_theta
 DEFAULT_ROPE_THETA = 500_000.0
@@ -42,12 +42,7 @@ DEFAULT_ROPE_THETA = 500_000.0
 def text_config_from_hf(config: dict) -> TextConfig:
     """The decoder's switches from either config layout (defaults: transformers')."""
     text = text_config(config, DEFAULT_ROPE_THETA)
-    rope = text["rope_parameters"]
-    if rope.get("rope_type") != "default":
-        raise NotImplementedError(
-            f"rope type {rope.get('rope_type')!r} is not supported with Qwen3-VL's M-RoPE "
-            "(only the default rope per section, as in every released Qwen3-VL model)"
-        )
+    rope = default_mrope(text, "Qwen3-VL")
     heads = text["num_attention_heads"]
     # transformers 5 writes the expert count as num_local_experts
     moe = text.get("num_experts") or text.get("num_local_experts") or 0
@@ -81,20 +76,15 @@ def text_config_from_hf(config: dict) -> TextConfig:
 
 def vision_config_from_hf(config: dict) -> VisionConfig:
     vision = vision_config(config)
-    return VisionConfig(
-        depth=vision["depth"],
+    return VisionConfig.from_hf(
+        vision,
+        patch_size=16,
+        hidden_act="gelu_pytorch_tanh",
         hidden_size=vision["hidden_size"],
-        num_heads=vision["num_heads"],
         intermediate_size=vision["intermediate_size"],
         out_hidden_size=vision["out_hidden_size"],
-        patch_size=vision.get("patch_size", 16),
-        temporal_patch_size=vision.get("temporal_patch_size", 2),
-        in_channels=vision.get("in_channels", 3),
-        spatial_merge_size=vision.get("spatial_merge_size", 2),
-        hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
         norm="layernorm",
         mlp="linear_fc",
-        rope_theta=rope_parameters(vision, 10000.0)["rope_theta"],
         patch_bias=True,
         merger="linear_fc",
         num_position_embeddings=vision.get("num_position_embeddings", 2304),
@@ -109,6 +99,8 @@ def frame_grids(video_grids: np.ndarray) -> np.ndarray:
 
 class Model(qwen2_vl.Model):
     feature_names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    processor_class = "Qwen3VLProcessor"
+    processor_videos = False  # video input is not wired yet
 
     @classmethod
     def from_config(cls, config: dict) -> "Model":
@@ -129,35 +121,15 @@ class Model(qwen2_vl.Model):
         pixel_values_videos: Any = None,
         video_grid_thw: Any = None,
     ) -> tuple[mx.array, MRopeState]:
-        ids = np.asarray(input_ids).reshape(-1)
-        h = self.language_model.model.embed_tokens(input_ids)
-        image_grids = qwen2_vl._grids(image_grid_thw)
-        video_grids = qwen2_vl._grids(video_grid_thw)
-        taps = []  # (prompt positions, per-layer DeepStack rows) per modality
-        for token, pixels, grids in (
-            (self.args.image_token_id, pixel_values, image_grids),
-            (self.args.video_token_id, pixel_values_videos, video_grids),
-        ):
-            h, tap = self._merge_with_deepstack(h, ids, token, pixels, grids)
-            if tap is not None:
-                taps.append(tap)
-
+        h, ids, (image_grids, video_grids), taps = self.embed_vision(
+            input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+        )
         spans = {
             self.args.image_token_id: [VisionSpan(tuple(g)) for g in image_grids],
             self.args.video_token_id: [VisionSpan(tuple(g)) for g in frame_grids(video_grids)],
         }
         position_ids, delta = mrope_position_ids(ids, spans, self.args.vision.spatial_merge_size)
         return h, MRopeState(mx.array(position_ids), delta, _join_deepstack(taps))
-
-    def _merge_with_deepstack(self, h, ids, token, pixels, grids):
-        """Put the tower's tokens at the placeholders; return the DeepStack rows with them."""
-        positions = merge.placeholder_positions(ids, token)
-        features = tap = None
-        if pixels is not None:
-            kind = "video" if token == self.args.video_token_id else "image"
-            features, deepstack = self.vision_features(pixels, grids, kind)
-            tap = (positions, deepstack)
-        return merge.merge_features(h, positions, features, f"placeholder tokens (id {token})"), tap
 
 
 def _join_deepstack(taps) -> DeepstackFeatures | None:
@@ -172,10 +144,6 @@ def _join_deepstack(taps) -> DeepstackFeatures | None:
     return DeepstackFeatures(positions[order], layers)
 
 
-def load_processor(model_path: str | Path, config: dict):
-    """Tokenizer + Qwen2-VL's PIL image processor + chat template (video not wired yet)."""
-    from transformers import Qwen3VLProcessor
-
-    return qwen2_vl.load_processor(
-        model_path, config, processor_class=Qwen3VLProcessor, video=False
-    )
+# Module names for callers outside the models package (tests, tools).
+is_hf_checkpoint = Model.is_hf_checkpoint
+load_processor = Model.load_processor

@@ -15,7 +15,6 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxvlm.models import qwen3_vl
-from mlxvlm.models.qwen3_vl import is_hf_checkpoint, load_processor  # noqa: F401 (contract)
 
 
 def experts_stored_out_in(config: dict) -> bool:
@@ -67,3 +66,8 @@ def _check_shape(name: str, value: mx.array, expected: tuple[int, ...]) -> None:
             "(experts, out, in); the checkpoint's transformers_version does not match how "
             "its expert tensors are laid out"
         )
+
+
+# Module names for callers outside the models package (tests, tools).
+is_hf_checkpoint = Model.is_hf_checkpoint
+load_processor = Model.load_processor

@@ -1,14 +1,14 @@
 """Mapping a Hugging Face checkpoint's tensor names onto a family's (``sanitize``), and
 telling the two namings apart (``is_hf_checkpoint``): the steps several families share.
 
-A family keeps its own ``HF_PREFIXES`` table (``base.VisionLanguageModel.hf_module_name``
-reads it to name modules the transformers way) and says what is special to it; these
-helpers only run the loop.
+A family keeps its own ``hf_prefixes`` table (``base.VisionLanguageModel`` renames by it
+and reads it to name modules the transformers way) and says what is special to it;
+these helpers only run the loop.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Collection, Iterable
+from typing import Callable, Collection, Iterable, Mapping
 
 import mlx.core as mx
 
@@ -17,6 +17,24 @@ ROTARY_BUFFERS = ("inv_freq",)
 
 # Where transformers >= 4.52 saves a composite model's modules (its module tree).
 MODULE_TREE_PREFIXES = ("model.", "lm_head.")
+
+# ``hf_prefixes`` entries, (Hugging Face prefix, ours), that several families share.
+# transformers' module tree (>= 4.52) of a composite's text model, head and projector:
+TEXT_MODEL_NAMES = ("model.language_model.", "language_model.model.")
+LM_HEAD_NAMES = ("lm_head.", "language_model.lm_head.")
+PROJECTOR_NAMES = ("model.multi_modal_projector.", "multi_modal_projector.")
+# A SigLIP/CLIP/Pixtral tower, which our names nest under its ``vision_model.``:
+NESTED_TOWER = "vision_tower.vision_model."
+# transformers 5's module tree, which has no vision_model level (peft names adapters
+# after it, so families list it before the tower's other names),
+TOWER_MODULE_TREE = ("model.vision_tower.", NESTED_TOWER)
+# transformers 4.52-4.57's module tree,
+TOWER_MODULE_TREE_4 = ("model.vision_tower.vision_model.", NESTED_TOWER)
+# transformers 5's save_pretrained outside the module tree (no vision_model level),
+TOWER_SAVED = ("vision_tower.", NESTED_TOWER)
+# and the Hub's original checkpoints, which name it as we do.
+TOWER_HUB = (NESTED_TOWER, NESTED_TOWER)
+NESTED_TOWER_NAMES = (TOWER_MODULE_TREE, TOWER_MODULE_TREE_4, TOWER_HUB, TOWER_SAVED)
 
 
 def rename_prefix(name: str, prefixes: Iterable[tuple[str, str]]) -> str:
@@ -31,6 +49,22 @@ def rename_prefix(name: str, prefixes: Iterable[tuple[str, str]]) -> str:
         return name
     prefix, replacement = max(matches, key=lambda pair: len(pair[0]))
     return replacement + name[len(prefix) :]
+
+
+def is_hf_naming(names: Iterable[str], hf_prefixes: tuple[str, ...],
+                 our_prefixes: tuple[str, ...] = ()) -> bool:
+    """Whether some of ``names`` start with ``hf_prefixes``: a Hugging Face checkpoint's.
+    Names under both ``hf_prefixes`` and ``our_prefixes`` at once are neither layout: a
+    ValueError names one of each."""
+    names = list(names)
+    hf = [n for n in names if n.startswith(hf_prefixes)]
+    ours = [n for n in names if n.startswith(our_prefixes)] if hf and our_prefixes else []
+    if ours:
+        raise ValueError(
+            f"the checkpoint mixes Hugging Face tensor names (e.g. {hf[0]!r}) with MLX ones "
+            f"(e.g. {ours[0]!r}); it is neither layout"
+        )
+    return bool(hf)
 
 
 def has_transformers_names(names: Iterable[str], tower: str = "vision_tower.",
@@ -49,8 +83,7 @@ def map_hf_weights(
     weights: dict[str, mx.array],
     rename: Callable[[str], str],
     *,
-    tower: str | None = None,
-    convert_tower: Callable[[str, mx.array], mx.array | None] | None = None,
+    towers: Mapping[str, Callable[[str, mx.array], mx.array | None]] | None = None,
     skip_prefixes: tuple[str, ...] = (),
     skip_suffixes: tuple[str, ...] = ROTARY_BUFFERS,
     drop: Collection[str] = (),
@@ -59,17 +92,20 @@ def map_hf_weights(
 
     Tensors whose Hugging Face name starts with ``skip_prefixes`` or ends with
     ``skip_suffixes`` (buffers recomputed here) are left out; the others are renamed by
-    ``rename``. A tensor renamed under ``tower`` goes through ``convert_tower(name
-    relative to the tower, value)``, which may change its layout or return None to leave
-    it out. Renamed names in ``drop`` (e.g. a tied LM head) are left out last.
+    ``rename``. A tensor renamed under a tower prefix of ``towers`` goes through its
+    converter, ``convert(name relative to the tower, value)``, which may change its
+    layout or return None to leave it out. Renamed names in ``drop`` (e.g. a tied LM
+    head) are left out last.
     """
+    towers = towers or {}
     sanitized = {}
     for name, value in weights.items():
         if name.startswith(skip_prefixes) or name.endswith(skip_suffixes):
             continue
         name = rename(name)
-        if tower is not None and name.startswith(tower):
-            value = convert_tower(name[len(tower) :], value)
+        tower = next((t for t in towers if name.startswith(t)), None)
+        if tower is not None:
+            value = towers[tower](name[len(tower) :], value)
             if value is None:
                 continue
         if name not in drop:

@@ -107,11 +107,8 @@ class MlxLmDecoder:
     """The decoder side of the family contract (see models/base.py) for a model whose
     ``language_model`` is ``text_model(...)`` and whose ``args.max_context`` comes from
     ``max_context``. Mixed in ahead of ``VisionLanguageModel``:
-    ``class Model(MlxLmDecoder, VisionLanguageModel)``."""
-
-    @property
-    def layers(self):
-        return self.language_model.layers
+    ``class Model(MlxLmDecoder, VisionLanguageModel)``. (``layers`` is the base
+    class's: mlx-lm's models have it.)"""
 
     @property
     def max_context(self) -> int | None:

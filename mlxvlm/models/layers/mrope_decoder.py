@@ -45,6 +45,18 @@ from mlxvlm.models.layers.rotary import apply_rotary
 swiglu = fast_math.gated(fast_math.silu)
 
 
+def default_mrope(text: dict, family: str) -> dict:
+    """The text config's rope parameters, refused unless they are the default rope that
+    M-RoPE applies per section (as in every released ``family`` model)."""
+    rope = text["rope_parameters"]
+    if rope.get("rope_type") != "default":
+        raise NotImplementedError(
+            f"rope type {rope.get('rope_type')!r} is not supported with M-RoPE (only the "
+            f"default rope per section, as in every released {family} model)"
+        )
+    return rope
+
+
 @dataclass
 class TextConfig:
     hidden_size: int
@@ -87,12 +99,7 @@ class TextConfig:
     def from_hf(cls, config: dict, default_rope_theta: float = 1_000_000.0) -> "TextConfig":
         """From a checkpoint's config.json, in either layout (see config_utils)."""
         text = text_config(config, default_rope_theta)
-        rope = text["rope_parameters"]
-        if rope.get("rope_type") != "default":
-            raise NotImplementedError(
-                f"rope type {rope.get('rope_type')!r} is not supported with M-RoPE "
-                "(only the default rope per section, as in every released Qwen-VL model)"
-            )
+        rope = default_mrope(text, "Qwen-VL")
         if text.get("use_sliding_window"):
             raise NotImplementedError(
                 "use_sliding_window=true is not supported for the Qwen-VL text decoder"

@@ -38,6 +38,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.models import run_ahead
+from mlxvlm.models.config_utils import rope_parameters
 from mlxvlm.models.layers import rotary as rotary_embedding
 from mlxvlm.models.layers.activations import activation
 from mlxvlm.models.layers.attention import scaled_dot_product_attention
@@ -71,6 +72,39 @@ class VisionConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_hf(cls, vision: dict, *, patch_size: int, hidden_act: str, **tower) -> "VisionConfig":
+        """The settings every Qwen tower's ``vision_config`` spells alike, with the family's
+        defaults for ``patch_size`` and ``hidden_act``; ``tower``: the family's widths
+        and switches, which the families name differently."""
+        return cls(
+            depth=vision["depth"],
+            num_heads=vision["num_heads"],
+            patch_size=vision.get("patch_size", patch_size),
+            temporal_patch_size=vision.get("temporal_patch_size", 2),
+            in_channels=vision.get("in_channels", 3),
+            spatial_merge_size=vision.get("spatial_merge_size", 2),
+            hidden_act=vision.get("hidden_act", hidden_act),
+            rope_theta=rope_parameters(vision, 10000.0)["rope_theta"],
+            **tower,
+        )
+
+
+def grids_thw(grid_thw) -> np.ndarray:
+    """A processor's ``image_grid_thw`` / ``video_grid_thw`` (None: no images) as an
+    (items, 3) int64 array of (t, h, w) patch grids."""
+    if grid_thw is None:
+        return np.zeros((0, 3), dtype=np.int64)
+    return np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+
+
+def convert_hf_weight(name: str, value: mx.array) -> mx.array:
+    """A Hugging Face tensor of the tower (``name`` relative to it) in our layout: the
+    patch embedding's PyTorch Conv3d (out, in, t, h, w) becomes MLX's (out, t, h, w, in)."""
+    if name == "patch_embed.proj.weight":
+        return value.transpose(0, 2, 3, 4, 1)
+    return value
 
 
 def make_norm(kind: str, dim: int) -> nn.Module:
@@ -362,7 +396,7 @@ class QwenVisionTransformer(nn.Module):
         """The merged tokens (N / merge^2, D_text) and, per DeepStack tap, the same-shaped
         tokens merged from that block's output (empty without DeepStack)."""
         config = self.config
-        grid_thw = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+        grid_thw = grids_thw(grid_thw)
         merge = config.spatial_merge_size
         unit = merge * merge
         x = self.patch_embed(pixel_values)
