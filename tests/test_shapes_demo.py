@@ -1,0 +1,69 @@
+"""The committed demo model (examples/shapes-vlm) describes pictures a user might draw,
+not only ones like its training pictures: freshly drawn by examples/evaluate_shapes.py
+(its own drawing code), square and long, small and large, the shape anywhere and
+35-85% of the shorter side, jittered colours, outlines and anti-aliasing."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxvlm import generate, load
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import evaluate_shapes  # noqa: E402
+
+# (width, height), (colour, shape, background): every shape, colour and background, and
+# the sizes the README's users tried (a 300 x 300 square, a 180 x 120 circle).
+CASES = [
+    ((300, 300), ("green", "square", "white")),
+    ((180, 120), ("red", "circle", "white")),
+    ((64, 64), ("blue", "triangle", "black")),
+    ((448, 448), ("yellow", "circle", "gray")),
+    ((448, 64), ("red", "square", "gray")),
+    ((64, 448), ("green", "triangle", "white")),
+    ((100, 300), ("blue", "circle", "white")),
+    ((400, 150), ("yellow", "triangle", "black")),
+    ((256, 200), ("green", "circle", "black")),
+    ((96, 160), ("red", "triangle", "gray")),
+    ((333, 222), ("blue", "square", "gray")),
+    ((144, 377), ("yellow", "square", "black")),
+]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load(EXAMPLES / "shapes-vlm")
+
+
+@pytest.mark.xfail(reason="issue 23 open: the committed model was taught on tidy square "
+                   "pictures only and gets 26.7% of evaluate_shapes.py's fresh ones")
+def test_demo_describes_freshly_drawn_pictures(demo):
+    model, processor = demo
+    wrong = []
+    for i, (size, label) in enumerate(CASES):
+        image, label = evaluate_shapes.draw_fresh(random.Random(1000 + i), label, size)
+        answer = generate(model, processor, evaluate_shapes.QUESTION, image=image,
+                          max_tokens=16).text.strip()
+        if answer != evaluate_shapes.describe(*label):
+            wrong.append(f"{size}: {label} -> {answer!r}")
+    assert len(wrong) <= 1, wrong
+
+
+def test_generation_config_is_greedy():
+    config = json.loads((EXAMPLES / "shapes-vlm" / "generation_config.json").read_text())
+    assert config["do_sample"] is False
+    model_config = json.loads((EXAMPLES / "shapes-vlm" / "config.json").read_text())
+    assert config["eos_token_id"] == model_config["eos_token_id"]
+
+
+def test_model_card_names_the_vocabulary():
+    card = (EXAMPLES / "shapes-vlm" / "README.md").read_text()
+    for word in (*evaluate_shapes.COLORS, *evaluate_shapes.SHAPES, *evaluate_shapes.BACKGROUNDS):
+        assert word in card, word
