@@ -224,6 +224,26 @@ def test_another_conversations_upload_is_never_read(live, tmp_path):
     assert folder_listing() == before
 
 
+def test_a_chat_history_cannot_carry_a_component(live, named_paths):
+    """Gradio builds the component a history message names and preprocesses the value:
+    ``gr.Image`` would open the path and re-encode it into the upload folder."""
+    events = [i for i, d in enumerate(live.dependencies)
+              if "chatbot" in [live.types[c] for c in d["inputs"]]]
+    assert len(events) >= 5, events
+    before = folder_listing()
+    for fn_index in events:
+        for meta in (False, True):
+            value = {"path": named_paths["image"], **({"meta": FILE_META} if meta else {})}
+            history = [{"role": "user", "content": [
+                {"type": "component", "component": "image", "value": value,
+                 "constructor_args": {}, "props": {}}]}]
+            data = [history if live.types[c] == "chatbot" else None
+                    for c in live.dependencies[fn_index]["inputs"]]
+            result = live.call(fn_index, data, f"component-{fn_index}-{meta}")
+            assert_refused(result, f"{live.dependencies[fn_index]['api_name']} (meta={meta})")
+    assert folder_listing() == before, "an image named in a component was re-encoded"
+
+
 def test_the_event_data_cannot_name_a_file(live, named_paths):
     option_select = event_named(live, "option_clicked")
     before = folder_listing()

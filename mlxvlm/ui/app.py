@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from mlxvlm.ui.fields import UploadsOnlyChatbot, guard_file_handling
+from mlxvlm.ui.fields import guard_file_handling
 from mlxvlm.ui.session import ChatSession
 from mlxvlm.ui.uploads import process_uploads, watch_upload_route
 
@@ -62,7 +62,7 @@ def build_app(session: ChatSession) -> gr.Blocks:
             gr.ChatInterface(
                 session.respond,
                 multimodal=True,
-                chatbot=UploadsOnlyChatbot(label="Chat", height=560, elem_id="chat"),
+                chatbot=gr.Chatbot(label="Chat", height=560, elem_id="chat"),
                 textbox=gr.MultimodalTextbox(
                     file_types=kinds or None,
                     file_count="multiple",

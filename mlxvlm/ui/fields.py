@@ -7,9 +7,12 @@ refusing local paths outside its upload folder, but not URLs). ``guard_file_hand
 makes that method refuse, before any copy or download, every file that did not come
 through the upload route (see ``uploads``).
 
-The chatbot also refuses "component" messages: Gradio builds the named component from
-one and runs its ``preprocess`` on the client's value unchecked (``gr.Image`` opens any
-image path on the host and re-encodes it into the cache). The app never shows one.
+Chatbots also refuse "component" messages: Gradio builds the named component from one
+and runs its ``preprocess`` on the client's value unchecked (``gr.Image`` opens any image
+path on the host and re-encodes it into the cache). The app never shows one.
+
+Both are set on the instances, not in subclasses: Gradio writes a ``.pyi`` file next to
+the module of every component subclass when it is defined.
 """
 
 from __future__ import annotations
@@ -18,15 +21,6 @@ import gradio as gr
 from gradio.blocks import Block, Blocks
 
 from mlxvlm.ui.uploads import AttachmentRefused, Uploads
-
-
-class UploadsOnlyChatbot(gr.Chatbot):
-    is_template = True  # the page draws it as the Chatbot it is
-
-    def _preprocess_content(self, chat_message):
-        if getattr(chat_message, "type", None) == "component":
-            raise AttachmentRefused()
-        return super()._preprocess_content(chat_message)
 
 
 def _guard(block: Block, uploads: Uploads) -> None:
@@ -43,6 +37,16 @@ def _guard(block: Block, uploads: Uploads) -> None:
     # On the instance: Gradio calls these on the block that receives the value.
     block.move_resource_to_block_cache = checked_move
     block.async_move_resource_to_block_cache = checked_async_move
+
+    if isinstance(block, gr.Chatbot):
+        preprocess_content = block._preprocess_content
+
+        def no_components(chat_message):
+            if getattr(chat_message, "type", None) == "component":
+                raise AttachmentRefused()
+            return preprocess_content(chat_message)
+
+        block._preprocess_content = no_components
 
 
 def guard_file_handling(app: Blocks, uploads: Uploads) -> None:
