@@ -92,9 +92,12 @@ def build_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2,
 
 
 def build_checkpoint(directory: str | Path, corpus: Iterable[str], *, seed: int = 0,
-                     image_size: int = 56, **sizes) -> Path:
-    """Write a random tiny Qwen2-VL into ``directory``; images of ``image_size`` pixels
-    square become (image_size / 28)^2 tokens."""
+                     image_size: int = 56, pixels: int | None = None, **sizes) -> Path:
+    """Write a random tiny Qwen2-VL into ``directory``. Its image processor resizes every
+    picture to about ``pixels`` pixels (default ``image_size`` squared), keeping the
+    aspect ratio with sides rounded to multiples of 28 (Qwen2-VL's ``smart_resize``):
+    a square one of ``image_size`` becomes (image_size / 28)^2 tokens, a 448 x 64 one a
+    strip of tokens."""
     import mlx.core as mx
     from transformers import Qwen2VLImageProcessorPil
 
@@ -111,7 +114,7 @@ def build_checkpoint(directory: str | Path, corpus: Iterable[str], *, seed: int 
     write_weights(model, directory)
     write_config(config, directory)
     tokenizer.save_pretrained(directory)
-    pixels = image_size * image_size
+    pixels = pixels or image_size * image_size
     Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels).save_pretrained(directory)
     (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return directory
