@@ -3,6 +3,8 @@
 ``media_kinds``  which attachments a model takes (images now; one row per kind)
 ``conversation`` Gradio's chat history -> mlxvlm chat messages
 ``session``      the model behind the chat: one answer at a time, streaming, stop, stats
+``uploads``      which files the chat may read: uploads only, each by its conversation
+``fields``       Gradio's file handling on the page, held to those uploads
 ``app``          the Gradio page
 ``__main__``     the command line
 """
