@@ -604,3 +604,58 @@ def test_load_images_names_the_bad_source(png_path, tmp_path):
 def test_load_images_refuses_a_single_source(png_path):
     with pytest.raises(TypeError, match="load_image"):
         load_images(str(png_path))
+
+
+# -- the pixel budget of a request -------------------------------------------------------
+
+def _png(width: int, height: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 20, 30)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_pixel_budget_refuses_from_the_header_without_decoding(monkeypatch):
+    from PIL import ImageFile
+
+    from mlxvlm.media import PixelBudget, PixelBudgetError, load_image
+
+    budget = PixelBudget(per_request=5_000, total=100_000)
+    decoded = []
+    real_load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load",
+                        lambda self: decoded.append(self.size) or real_load(self))
+    with budget.request() as account:
+        load_image(_png(50, 60))  # 3,000
+        assert decoded and account.used == 3_000 and budget.in_use == 3_000
+        before = len(decoded)
+        with pytest.raises(PixelBudgetError, match=r"6,000 decoded pixels.*limit of 5,000") as e:
+            load_image(_png(50, 60))
+        assert not e.value.shared
+        assert len(decoded) == before  # the refused image was never decoded
+    assert budget.in_use == 0  # given back when the request ends
+    load_image(_png(500, 500))  # outside a request: no budget
+
+
+def test_pixel_budget_is_shared_by_requests_being_prepared():
+    from mlxvlm.media import PixelBudget, PixelBudgetError, load_image
+
+    budget = PixelBudget(per_request=4_000, total=5_000)
+    with budget.request():
+        load_image(_png(60, 50))  # 3,000 held by the first request
+        with budget.request():
+            with pytest.raises(PixelBudgetError, match="5,000") as e:
+                load_image(_png(60, 50))
+            assert e.value.shared
+        assert budget.in_use == 3_000
+    assert budget.in_use == 0
+
+
+def test_default_pixel_budget_follows_memory(monkeypatch):
+    from mlxvlm import media
+
+    monkeypatch.setattr(media, "physical_memory", lambda: 16 * 2**30)
+    assert media.default_pixel_budget() == (16 * 2**30 // 64 // 4, 16 * 2**30 // 64)
