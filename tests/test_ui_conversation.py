@@ -165,3 +165,27 @@ def test_a_failed_turn_marks_the_earlier_figures_or_says_there_are_none():
     earlier = AnswerStats(10, 0, 0.5, 5, 0.2, 0.1, "stop")
     assert stale_markdown(earlier) == f"{FAILED_TURN}\n\n{earlier.markdown()}"
     assert stale_markdown(None).endswith(NO_ANSWER_YET) and "no answer" in stale_markdown(None)
+
+
+def test_the_sampling_controls_start_at_the_checkpoints_generation_config(tiny_checkpoints):
+    from mlxvlm import load
+    from mlxvlm.sampling_defaults import checkpoint_defaults_from
+    from mlxvlm.ui.app import build_app, upload_media_options
+    from mlxvlm.ui.session import ChatSession
+
+    model, processor = load(tiny_checkpoints.path("qwen2_vl", "hub"))
+
+    def initial_values(defaults: dict) -> dict:
+        processor.sampling_defaults = checkpoint_defaults_from(defaults)
+        session = ChatSession(model, processor, "tiny", media_options=upload_media_options())
+        config = build_app(session).get_config_file()
+        return {c["props"]["label"]: c["props"]["value"] for c in config["components"]
+                if c.get("type") == "slider"}
+
+    sampled = initial_values({"do_sample": True, "temperature": 0.7, "top_p": 0.8,
+                              "repetition_penalty": 1.1})
+    assert sampled["Temperature (0: greedy)"] == 0.7
+    assert sampled["Top-p"] == 0.8
+    assert sampled["Repetition penalty (1: off)"] == 1.1
+    greedy = initial_values({"do_sample": False, "temperature": 0.7})
+    assert greedy["Temperature (0: greedy)"] == 0.0 and greedy["Top-p"] == 1.0

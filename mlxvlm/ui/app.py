@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from mlxvlm.sampling_defaults import checkpoint_defaults, resolve
 from mlxvlm.ui.fields import guard_file_handling
 from mlxvlm.ui.session import ChatSession
 from mlxvlm.ui.uploads import process_uploads, watch_upload_route
@@ -29,6 +30,10 @@ def build_app(session: ChatSession) -> gr.Blocks:
     attach = f"attach {' / '.join(kinds)}" if kinds else "this model reads text only"
     max_tokens_cap = min(session.max_context or MAX_TOKENS_CAP, MAX_TOKENS_CAP)
 
+    # The controls start where the checkpoint's generation_config.json puts them (greedy
+    # where it sets nothing), as the CLI and the server do for values left out.
+    initial = resolve({}, checkpoint_defaults(session.processor)).values
+
     with gr.Blocks(title=f"mlxvlm · {session.model_name}", analytics_enabled=False) as app:
         with gr.Row(equal_height=False):
             # The chat sits first (left) but is built last: ChatInterface must find its
@@ -46,15 +51,18 @@ def build_app(session: ChatSession) -> gr.Blocks:
                     label="System prompt", lines=3, placeholder="(the model's default)"
                 )
                 temperature = gr.Slider(
-                    0.0, 2.0, value=0.0, step=0.05, label="Temperature (0: greedy)"
+                    0.0, 2.0, value=initial["temperature"], step=0.05,
+                    label="Temperature (0: greedy)",
                 )
-                top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
+                top_p = gr.Slider(0.05, 1.0, value=max(0.05, initial["top_p"]), step=0.05,
+                                  label="Top-p")
                 max_tokens = gr.Slider(
                     1, max_tokens_cap, value=min(256, max_tokens_cap), step=1,
                     label="Max new tokens", elem_id="max-tokens",
                 )
                 repetition_penalty = gr.Slider(
-                    1.0, 2.0, value=1.0, step=0.05, label="Repetition penalty (1: off)"
+                    1.0, 2.0, value=min(2.0, max(1.0, initial["repetition_penalty"] or 1.0)),
+                    step=0.05, label="Repetition penalty (1: off)",
                 )
                 seed = gr.Number(value=-1, precision=0, label="Seed (-1: random)")
 
