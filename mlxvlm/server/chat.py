@@ -9,7 +9,8 @@ import time
 import uuid
 from typing import Any
 
-from mlxvlm.batching import BatchStep, SamplingOptions
+from mlxvlm.batching import BatchStep
+from mlxvlm.sampling import SamplingOptions
 from mlxvlm.sampling_defaults import FIELDS as SAMPLING_FIELDS
 from mlxvlm.sampling_defaults import (
     NO_CHECKPOINT_DEFAULTS,

@@ -4,22 +4,22 @@ A request is prefilled on its own, exactly as ``mlxvlm.generate`` does it (its i
 encoded by the family's ``embed``, its prompt run in chunks into a B=1 cache), then joins
 the running decode batch: its cache becomes one row of mlx-lm's batched KV caches
 (per-row offsets, left padding) and its position state one row of the family's
-``batch_states``. Finished or cancelled requests leave the batch after the step that ends
-them. Each request keeps its own sampler, logits processors, stop strings and token
-budget. Between two decode steps the engine runs at most one prefill chunk, so a long
+``batch_states`` (see ``DecodeBatch``). Finished or cancelled requests leave the batch
+after the step that ends them. Each request keeps its own sampler, logits processors,
+stop strings and token budget; every token is sampled by the same ``sampling_step`` as
+``generate``'s. Between two decode steps the engine runs at most one prefill chunk, so a long
 prompt delays the running requests by one chunk at a time.
 
 With a ``PrefixCache``, a finished request's cache is kept, and a later prompt that
 starts with the same tokens and images (the next turn of a conversation) continues from
 it: the shared prefix is neither prefilled nor are its images encoded again.
 
-``BatchEngine`` is the reusable core (the server runs it on a thread); ``batch_generate``
-is the one-call Python API.
+``BatchEngine`` is the reusable core (the server runs it on a thread);
+``mlxvlm.batching.api.batch_generate`` is the one-call Python API.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -30,78 +30,18 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.sample_utils import make_logits_processors
 
+from mlxvlm.batching.decode import DecodeBatch
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.generate import (
-    GenerationOutput,
-    SequenceText,
-    embed_prompt,
-    eos_token_ids,
-    fit_to_context,
-    generation_stream,
-    prefill_chunks,
-)
-from mlxvlm.media import load_image
-from mlxvlm.option_ranges import MAX_TOP_LOGPROBS  # noqa: F401  (its old home)
-from mlxvlm.option_ranges import SAMPLING, at_least, check
-from mlxvlm.sampling import build_sampler
-from mlxvlm.sampling_defaults import checkpoint_defaults, invalid_sampling_value, resolve
+from mlxvlm.generate.cache import DEFAULT_QUANTIZED_KV_START, CacheOptions
+from mlxvlm.generate.loop import embed_prompt, fit_to_context, generation_stream, prefill_chunks
+from mlxvlm.generate.text import SequenceText, eos_token_ids
 from mlxvlm.prefix_cache import PrefixCache, prompt_key
-from mlxvlm.prompt import PreparedInputs, build_messages, normalize_messages, prepare_inputs
+from mlxvlm.prompt import PreparedInputs
+from mlxvlm.sampling import RowSampler, SamplingOptions, sampling_step, token_logprobs
 from mlxvlm.tokenization import generation_tokenizer
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class SamplingOptions:
-    """How one request is sampled and when it stops (the defaults are greedy; callers
-    that let a checkpoint's generation_config.json fill in values resolve them first,
-    see ``mlxvlm.sampling_defaults``)."""
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    repetition_context_size: int = 20
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None
-    seed: int | None = None
-    stop: str | Sequence[str] | None = None
-    # None: no log-probabilities; k >= 0: the chosen token's plus the k most likely.
-    top_logprobs: int | None = None
-
-    def validate(self) -> None:
-        """Every value within the ranges all entry points share (``mlxvlm.option_ranges``)."""
-        names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                 "repetition_context_size", "presence_penalty", "frequency_penalty", "seed",
-                 "top_logprobs")
-        problem = invalid_sampling_value({name: getattr(self, name) for name in names})
-        if problem is None and self.logit_bias:
-            bias_range = SAMPLING["logit_bias_value"]
-            for token, bias in self.logit_bias.items():
-                problem = check("logit_bias token", token, at_least(0)) or check(
-                    "logit_bias value", bias, bias_range)
-                if problem:
-                    break
-        if problem is not None:
-            raise MlxvlmError(problem)
-
-    def sampler(self) -> Callable[[mx.array], mx.array]:
-        # Greedy requests all get mlx-lm's one greedy sampler, so a step samples them together.
-        return build_sampler(self.temperature, self.top_p, self.top_k, self.min_p)
-
-    def logits_processors(self) -> list[Callable]:
-        return make_logits_processors(
-            logit_bias=self.logit_bias,
-            repetition_penalty=self.repetition_penalty,
-            repetition_context_size=self.repetition_context_size,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-        )
 
 
 @dataclass
@@ -150,19 +90,16 @@ class _Sequence:
     deliver: Deliver
     key: np.ndarray | None  # prefix-cache key of the prompt (None: no reuse)
     text: SequenceText
-    sampler: Callable
-    processors: list[Callable]
+    row: RowSampler  # its sampler, processors and the tokens they see
     submitted_at: float
     # Set while prefilling / decoding.
-    cache: list[Any] | None = None
+    cache: list[Any] | None = None  # while prefilling (then a row of the DecodeBatch)
     state: Any = None
     embeddings: mx.array | None = None
     prefill: Any = None  # the prefill_chunks generator
-    history: mx.array | None = None  # tokens the logits processors see
     cached_tokens: int = 0
     prefilled: int = 0  # prompt tokens after the cached ones already in the cache
-    next_token: int = -1
-    generated: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)  # delivered tokens
 
     @property
     def cancelled(self) -> bool:
@@ -224,13 +161,6 @@ def _materialize(model: nn.Module) -> None:
     mx.eval(model.parameters(), arrays)
 
 
-def _step_seed(seed: int, step: int) -> int:
-    """A seed per (request seed, token index): a seeded request samples the same tokens
-    whatever else shares its batch."""
-    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
 class BatchEngine:
     """Runs submitted requests through one model with continuous batching.
 
@@ -248,9 +178,28 @@ class BatchEngine:
         max_batch_size: int = 8,
         prefill_step_size: int = 2048,
         prefix_cache: PrefixCache | None = None,
+        max_kv_size: int | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     ):
+        """``max_kv_size`` and ``kv_bits`` mean what they mean for ``generate``. mlx-lm
+        has no batched quantized cache, so ``kv_bits`` needs ``max_batch_size`` 1; its
+        batched rotating cache keeps no tokens at its start (the prompt's media, the
+        attention sinks ``generate`` keeps), so with ``max_batch_size`` above 1 a request
+        that would outgrow ``max_kv_size`` is refused at ``submit``."""
         if max_batch_size < 1:
             raise MlxvlmError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if prefill_step_size < 1:
+            raise MlxvlmError(f"prefill_step_size must be at least 1, got {prefill_step_size}")
+        self.cache_options = CacheOptions(max_kv_size, kv_bits, kv_group_size,
+                                          quantized_kv_start)
+        self.cache_options.validate()
+        if kv_bits is not None and max_batch_size > 1:
+            raise MlxvlmError(
+                "kv_bits needs max_batch_size 1: mlx-lm has no batched quantized KV cache "
+                f"(got max_batch_size {max_batch_size})"
+            )
         self.model = model
         self.processor = processor
         self.tokenizer = generation_tokenizer(processor)
@@ -264,9 +213,8 @@ class BatchEngine:
 
         self._waiting: deque[_Sequence] = deque()
         self._prefilling: _Sequence | None = None
-        self._active: list[_Sequence] = []  # one per row of the batch cache
-        self._batch_cache: list[Any] | None = None
-        self._batch_state: Any = None
+        self._batch = DecodeBatch(model, merged=max_batch_size > 1,
+                                  quantize=self.cache_options.quantize)
         self._next_id = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -289,7 +237,18 @@ class BatchEngine:
         keeps it out of the prefix cache (e.g. media the keys cannot describe). Prompts
         share cached prefixes only within one ``cache_namespace`` (the server's API key)."""
         options.validate()
-        max_tokens = fit_to_context(self.model, inputs.num_tokens, options.max_tokens)
+        max_tokens = options.max_tokens
+        max_kv_size = self.cache_options.max_kv_size
+        if max_kv_size is None:
+            max_tokens = fit_to_context(self.model, inputs.num_tokens, max_tokens)
+        elif self._batch.merged and inputs.num_tokens + max_tokens > max_kv_size:
+            raise MlxvlmError(
+                f"this request ({inputs.num_tokens} prompt tokens + max_tokens {max_tokens}) "
+                f"would outgrow max_kv_size {max_kv_size}, and in a batch of several a "
+                "rotating cache cannot keep the prompt's start (mlx-lm's batched rotating "
+                "cache has no keep); use max_batch_size 1, a larger max_kv_size or fewer "
+                "max_tokens"
+            )
         key = None
         if self.prefix_cache is not None and image_hashes is not None:
             key = prompt_key(np.asarray(inputs.input_ids[0]), self.placeholders, image_hashes,
@@ -307,8 +266,7 @@ class BatchEngine:
                     deliver=deliver,
                     key=key,
                     text=SequenceText(self.tokenizer, self.eos_token_ids, options.stop, max_tokens),
-                    sampler=options.sampler(),
-                    processors=options.logits_processors(),
+                    row=RowSampler(options, inputs.input_ids[0]),
                     submitted_at=time.perf_counter(),
                 )
             )
@@ -333,7 +291,7 @@ class BatchEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._prefilling or self._active)
+        return bool(self._waiting or self._prefilling or self._batch.rows)
 
     def _wake(self) -> None:
         with self._cond:
@@ -362,9 +320,8 @@ class BatchEngine:
         if self._prefilling is not None:
             pending.append(self._prefilling)
             self._prefilling = None
-        pending.extend(self._active)
-        self._active = []
-        self._batch_cache = None
+        pending.extend(self._batch.rows)
+        self._batch.clear()
         self._update_gauges()
         return pending
 
@@ -377,23 +334,23 @@ class BatchEngine:
         if (
             self._prefilling is None
             and self._waiting
-            and len(self._active) < self.max_batch_size
+            and len(self._batch) < self.max_batch_size
         ):
             with self._cond:
                 seq = self._waiting.popleft()
             self._guard(seq, self._start_prefill)
         if self._prefilling is not None:
             self._guard(self._prefilling, self._advance_prefill)
-        if self._active:
+        if self._batch.rows:
             try:
                 self._decode_step()
             except Exception as e:  # a fault in the batch fails its requests, not the engine
                 logger.exception("a decode step failed; failing the requests in the batch")
                 failure = EngineFault(f"the decode step failed ({type(e).__name__}: {e})")
                 failure.__cause__ = e
-                for seq in self._active:
+                for seq in self._batch.rows:
                     self._fail(seq, failure)
-                self._active, self._batch_cache, self._batch_state = [], None, None
+                self._batch.clear()
         self._update_gauges()
 
     def _guard(self, seq: _Sequence, action: Callable[[_Sequence], None]) -> None:
@@ -423,23 +380,15 @@ class BatchEngine:
     def _drop_cancelled_active(self) -> None:
         """Free the batch rows of cancelled requests before anything else this step, so
         that a waiting request can take a slot at once."""
-        keep = [i for i, seq in enumerate(self._active) if not seq.cancelled]
-        if len(keep) < len(self._active):
-            self.stats.requests_cancelled += len(self._active) - len(keep)
-            self._keep_rows(keep)
-
-    def _keep_rows(self, keep: list[int]) -> None:
-        self._active = [self._active[i] for i in keep]
-        if not keep:
-            self._batch_cache, self._batch_state = None, None
-            return
-        for layer in self._batch_cache:
-            layer.filter(keep)
-        self._batch_state = self.model.batch_states([s.state for s in self._active])
+        rows = self._batch.rows
+        keep = [i for i, seq in enumerate(rows) if not seq.cancelled]
+        if len(keep) < len(rows):
+            self.stats.requests_cancelled += len(rows) - len(keep)
+            self._batch.keep(keep)
 
     def _update_gauges(self) -> None:
         self.stats.waiting = len(self._waiting)
-        self.stats.active = len(self._active) + (self._prefilling is not None)
+        self.stats.active = len(self._batch) + (self._prefilling is not None)
 
     # -- prefill --------------------------------------------------------------------
 
@@ -462,9 +411,8 @@ class BatchEngine:
         else:
             embeddings, state = embed_prompt(model, ids, **seq.inputs.features)
             embeddings = embeddings[:, start:]
-        seq.cache = hit.cache if hit is not None else model.make_cache()
+        seq.cache = hit.cache if hit is not None else self.cache_options.make(model, seq.inputs)
         seq.state, seq.embeddings, seq.cached_tokens = state, embeddings, start
-        seq.history = ids[0] if seq.processors else None
         seq.prefill = prefill_chunks(
             model,
             ids[:, start:],
@@ -472,6 +420,7 @@ class BatchEngine:
             state,
             seq.cache,
             prefill_step_size=self.prefill_step_size,
+            quantize=self.cache_options.quantize,
         )
         self.stats.prompt_tokens += seq.inputs.num_tokens
         self.stats.cached_prompt_tokens += start
@@ -487,7 +436,8 @@ class BatchEngine:
             seq.prefilled = done
             return
         # The rest of the prompt (its final chunk) gives the first new token in the same
-        # pass, as in generate_tokens.
+        # pass, as in generate_tokens; it is read at once (not overlapped), for the time
+        # to first token.
         self._prefilling = None
         rest = seq.cached_tokens + seq.prefilled
         with mx.stream(generation_stream):
@@ -498,123 +448,73 @@ class BatchEngine:
                 state=seq.state,
                 last_only=True,
             )[:, -1, :]
-            for processor in seq.processors:
-                logits = processor(seq.history, logits)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            tokens = self._sample([seq], logprobs)
+            self.cache_options.quantize(seq.cache)
+            tokens, logprobs = sampling_step(logits, [seq.row])
             mx.eval(tokens, logprobs)
         seq.embeddings = None
         now = time.perf_counter()
         self.stats.time_to_first_token_sum += now - seq.submitted_at
         self.stats.time_to_first_token_count += 1
-        outcome = self._emit(seq, tokens.item(), self._logprobs_rows([seq], logprobs)[0])
+        wants = seq.options.top_logprobs is not None
+        values = np.asarray(logprobs[0].astype(mx.float32)) if wants else None
+        outcome = self._emit(seq, tokens.item(), values)
         if outcome is _RUNNING:
-            self._join(seq)
+            cache, seq.cache = seq.cache, None
+            self._batch.join(seq, cache, seq.state, tokens, logprobs)
         elif outcome is _FINISHED:
             self._finished(seq, cache=seq.cache)
         else:
             self.stats.requests_cancelled += 1
 
-    def _join(self, seq: _Sequence) -> None:
-        """Add the prefilled request as a new row of the decode batch."""
-        row = []
-        for layer_cache in seq.cache:
-            if not hasattr(layer_cache, "merge"):
-                raise MlxvlmError(
-                    f"{type(layer_cache).__name__} caches cannot be batched; "
-                    "serve this model with --max-concurrency 1"
-                )
-            row.append(layer_cache.merge([layer_cache]))
-        if self._batch_cache is None:
-            self._batch_cache = row
-        else:
-            for batch_layer, row_layer in zip(self._batch_cache, row):
-                batch_layer.extend(row_layer)
-        seq.cache = None
-        self._active.append(seq)
-        self._batch_state = self.model.batch_states([s.state for s in self._active])
-
     # -- decode ---------------------------------------------------------------------
 
-    def _sample(self, rows: list[_Sequence], logprobs: mx.array) -> mx.array:
-        """One token per row, each with its own sampler; unseeded rows that share a
-        sampler (all greedy ones) are sampled in one call."""
-        groups: dict[int, list[int]] = {}
-        singles = []
-        for i, seq in enumerate(rows):
-            if seq.options.seed is None:
-                groups.setdefault(id(seq.sampler), []).append(i)
-            else:
-                singles.append(i)
-        if len(groups) == 1 and not singles:
-            return rows[0].sampler(logprobs)
-        order, parts = [], []
-        for indices in groups.values():
-            order.extend(indices)
-            parts.append(rows[indices[0]].sampler(logprobs[mx.array(indices)]))
-        for i in singles:
-            seq = rows[i]
-            mx.random.seed(_step_seed(seq.options.seed, len(seq.generated)))
-            order.append(i)
-            parts.append(seq.sampler(logprobs[i : i + 1]))
-        tokens = mx.concatenate(parts)
-        return tokens[mx.array(np.argsort(order))]
-
     def _decode_step(self) -> None:
-        rows = self._active
+        """Schedule the next step, then deliver the tokens of the one before it (computed
+        meanwhile). A row at its token budget gets no step past its last token."""
+        batch = self._batch
         started = time.perf_counter()
-        self.stats.peak_batch_size = max(self.stats.peak_batch_size, len(rows))
-        inputs = mx.array([[seq.next_token] for seq in rows], dtype=mx.int32)
-        with mx.stream(generation_stream):
-            logits = self.model(inputs, self._batch_cache, state=self._batch_state)[:, -1, :]
-            if any(seq.processors for seq in rows):
-                processed = []
-                for i, seq in enumerate(rows):
-                    row_logits = logits[i : i + 1]
-                    if seq.processors:
-                        seq.history = mx.concatenate([seq.history, inputs[i]])
-                        for processor in seq.processors:
-                            row_logits = processor(seq.history, row_logits)
-                    processed.append(row_logits)
-                logits = mx.concatenate(processed)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            tokens = self._sample(rows, logprobs)
-            mx.eval(tokens, logprobs)
-        tokens = tokens.tolist()
-        rows_logprobs = self._logprobs_rows(rows, logprobs)
+        self.stats.peak_batch_size = max(self.stats.peak_batch_size, len(batch))
+        rows, tokens, logprobs, unread = list(batch.rows), batch.tokens, batch.logprobs, list(batch.unread)
+        ending = {i for i, seq in enumerate(rows) if seq.row.sampled >= seq.text.max_tokens}
+        last_caches = {i: batch.extract(i) for i in ending if self._keeps_cache(rows[i])}
+        going_on = [i for i in range(len(rows)) if i not in ending]
+        batch.keep(going_on)
+        if going_on:
+            batch.step()
 
-        keep = []
+        values = tokens.tolist()
+        read_logprobs = None
+        if any(seq.options.top_logprobs is not None for seq in rows):
+            read_logprobs = np.asarray(logprobs.astype(mx.float32))
+        position = {i: p for p, i in enumerate(going_on)}
+        keep, delivered = [], 0
         for i, seq in enumerate(rows):
-            outcome = self._emit(seq, tokens[i], rows_logprobs[i])
+            if not unread[i]:  # its first token, delivered after its prefill
+                keep.append(position[i])
+                continue
+            delivered += 1
+            wants = seq.options.top_logprobs is not None
+            outcome = self._emit(seq, values[i], read_logprobs[i] if wants else None)
             if outcome is _RUNNING:
-                keep.append(i)
+                keep.append(position[i])
             elif outcome is _CANCELLED:
                 self.stats.requests_cancelled += 1
+            elif i in ending:
+                self._finished(seq, cache=last_caches.get(i))
             else:
-                cache = None
-                if self.prefix_cache is not None and seq.key is not None:
-                    cache = [layer.extract(i) for layer in self._batch_cache]
+                cache = batch.extract(position[i]) if self._keeps_cache(seq) else None
                 self._finished(seq, cache=cache)
-        self._update_throughput(len(rows), time.perf_counter() - started)
-        if len(keep) < len(rows):
-            self._keep_rows(keep)
+        self._update_throughput(delivered, time.perf_counter() - started)
+        batch.keep(keep)
 
-    @staticmethod
-    def _logprobs_rows(rows: list[_Sequence], logprobs: mx.array) -> list[np.ndarray | None]:
-        """Each row's log-probabilities as numpy, for the rows that asked for them (one
-        copy of the whole batch rather than one MLX op per row)."""
-        if all(seq.options.top_logprobs is None for seq in rows):
-            return [None] * len(rows)
-        values = np.asarray(logprobs.astype(mx.float32))
-        return [values[i] if seq.options.top_logprobs is not None else None
-                for i, seq in enumerate(rows)]
+    def _keeps_cache(self, seq: _Sequence) -> bool:
+        return self.prefix_cache is not None and seq.key is not None
 
     def _emit(self, seq: _Sequence, token: int, logprobs: np.ndarray | None) -> str:
         """Deliver one token; whether the request goes on, finished or was cancelled."""
         if seq.cancelled:
             return _CANCELLED
         seq.generated.append(token)
-        seq.next_token = token
         segment, finish_reason = seq.text.add(token)
         step = BatchStep(
             text=segment,
@@ -624,14 +524,9 @@ class BatchEngine:
             cached_tokens=seq.cached_tokens,
             generation_tokens=len(seq.generated),
         )
-        k = seq.options.top_logprobs
-        if k is not None:
-            values = logprobs
-            step.logprob = float(values[token])
-            if k:
-                top = np.argpartition(-values, k - 1)[:k]
-                top = top[np.argsort(-values[top], kind="stable")]
-                step.top_logprobs = [(int(t), float(values[t])) for t in top]
+        if seq.options.top_logprobs is not None:
+            step.logprob, step.top_logprobs = token_logprobs(
+                logprobs, token, seq.options.top_logprobs)
         self.stats.generated_tokens += 1
         self._deliver(seq, step)
         if finish_reason is not None:
@@ -642,9 +537,10 @@ class BatchEngine:
     def _finished(self, seq: _Sequence, cache: list[Any] | None) -> None:
         self.stats.requests_finished += 1
         if cache is not None and self.prefix_cache is not None and seq.key is not None:
-            # The cache holds the prompt and every generated token but the last (which
-            # was sampled, never fed back).
-            key = np.concatenate([seq.key, np.asarray(seq.generated[:-1], dtype=np.int64)])
+            # The cache holds the prompt and every generated token fed back: all but the
+            # last sampled one.
+            fed = seq.generated[: seq.row.sampled - 1]
+            key = np.concatenate([seq.key, np.asarray(fed, dtype=np.int64)])
             self.prefix_cache.insert(key, cache, seq.state)
 
     def _update_throughput(self, tokens: int, seconds: float) -> None:
@@ -653,78 +549,3 @@ class BatchEngine:
         rate = tokens / seconds
         previous = self.stats.decode_tokens_per_second
         self.stats.decode_tokens_per_second = rate if previous == 0 else 0.9 * previous + 0.1 * rate
-
-
-def batch_generate(
-    model: nn.Module,
-    processor: Any,
-    prompts: Sequence[str | Sequence[dict]],
-    images: Sequence[Any] | None = None,
-    *,
-    max_batch_size: int = 8,
-    prefill_step_size: int = 2048,
-    system: str | None = None,
-    media_options: dict | None = None,
-    **sampling: Any,
-) -> list[GenerationOutput]:
-    """Generate answers for many prompts at once with continuous batching.
-
-    ``prompts`` are strings or chat messages (as for ``generate``); ``images`` gives each
-    prompt its image(s) (None, one source, or a list). The sampling keywords are
-    ``SamplingOptions``' (``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
-    ``min_p``, ``repetition_penalty``, ``seed``, ``stop`` ...) and apply to every prompt;
-    the ones left out (or None) come from the checkpoint's generation_config.json, as for
-    ``generate``. Greedy answers equal ``generate``'s for the same prompt. Returns one
-    ``GenerationOutput`` per prompt, in order.
-    """
-    if images is not None and len(images) != len(prompts):
-        raise MlxvlmError(f"got {len(prompts)} prompts but {len(images)} image entries")
-    unknown = sorted(set(sampling) - set(SamplingOptions.__dataclass_fields__))
-    if unknown:
-        raise MlxvlmError(f"batch_generate got unknown sampling options: {', '.join(unknown)}")
-    chosen = resolve(sampling, checkpoint_defaults(processor)).values
-    options = SamplingOptions(**{**sampling, **chosen})
-    options.validate()
-    engine = BatchEngine(
-        model, processor, max_batch_size=max_batch_size, prefill_step_size=prefill_step_size
-    )
-    outputs = [GenerationOutput(text="") for _ in prompts]
-    pieces: list[list[str]] = [[] for _ in prompts]
-    errors: list[BaseException] = []
-    started = time.perf_counter()
-
-    def collect(index: int) -> Deliver:
-        def deliver(item: BatchStep | BaseException) -> None:
-            if isinstance(item, BaseException):
-                errors.append(item)
-                return
-            output = outputs[index]
-            pieces[index].append(item.text)
-            output.tokens.append(item.token)
-            output.prompt_tokens = item.prompt_tokens
-            output.generation_tokens = item.generation_tokens
-            output.finish_reason = item.finish_reason
-
-        return deliver
-
-    for index, prompt in enumerate(prompts):
-        extra = images[index] if images is not None else None
-        sources = extra if isinstance(extra, (list, tuple)) else ([] if extra is None else [extra])
-        messages = build_messages(prompt, len(sources), system)
-        messages, sources = normalize_messages(messages, sources)
-        loaded = [load_image(source, **(media_options or {})) for source in sources]
-        inputs = prepare_inputs(
-            processor, messages, loaded, feature_names=getattr(model, "feature_names", None)
-        )
-        engine.submit(inputs, options, collect(index))
-    while engine.has_work and not errors:
-        engine.step()
-    if errors:
-        raise errors[0]
-    elapsed = time.perf_counter() - started
-    total = sum(o.generation_tokens for o in outputs)
-    for output, text in zip(outputs, pieces):
-        output.text = "".join(text)
-        output.generation_tps = total / elapsed if elapsed > 0 else 0.0
-        output.peak_memory = mx.get_peak_memory() / 1e9
-    return outputs

@@ -1,0 +1,187 @@
+"""``stream_generate`` and ``generate``: one prompt (text, chat messages, images, video,
+audio) through the shared token loop, as text segments with running statistics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlxvlm.errors import MlxvlmError
+from mlxvlm.generate.cache import DEFAULT_QUANTIZED_KV_START, CacheOptions
+from mlxvlm.generate.loop import fit_to_context, generate_tokens
+from mlxvlm.generate.text import GenerationOutput, OutputFolder, SequenceText, eos_token_ids
+from mlxvlm.prompt import prepare_inputs
+from mlxvlm.sampling import RowSampler, SamplingOptions, token_logprobs
+from mlxvlm.sampling_defaults import checkpoint_defaults
+from mlxvlm.sampling_defaults import resolve as resolve_sampling
+from mlxvlm.tokenization import generation_tokenizer
+
+
+@dataclass
+class GenerationResult:
+    """One step of ``stream_generate``: the new text segment and running statistics."""
+
+    text: str
+    token: int | None
+    logprobs: mx.array | None  # the whole distribution
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None = None  # "stop" | "length" on the last result
+    # With top_logprobs (as the batching engine's BatchStep): the token's log-probability
+    # and its top_logprobs most likely alternatives (None for 0).
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def sampling_options(processor: Any, **given: Any) -> SamplingOptions:
+    """``SamplingOptions`` from the Python API's keywords: those left out (None) from the
+    checkpoint's generation_config.json, else greedy / off; validated."""
+    chosen = resolve_sampling(given, checkpoint_defaults(processor)).values
+    options = SamplingOptions(**{**{k: v for k, v in given.items() if v is not None}, **chosen})
+    options.validate()
+    return options
+
+
+def stream_generate(
+    model: nn.Module,
+    processor: Any,
+    prompt: str | Sequence[dict],
+    image: Any = None,
+    *,
+    video: Any = None,
+    audio: Any = None,
+    fps: float | None = None,
+    max_frames: int | None = None,
+    max_tokens: int = 256,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int = 20,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    top_logprobs: int | None = None,
+    seed: int | None = None,
+    max_kv_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    prefill_step_size: int = 2048,
+    stop: str | Sequence[str] | None = None,
+    system: str | None = None,
+    raw_prompt: bool = False,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    logits_processors: Sequence[Callable] | None = None,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+    media_options: dict | None = None,
+) -> Generator[GenerationResult, None, None]:
+    """Generate text for a prompt (a string or chat messages) and images, videos or audio,
+    step by step (``video``/``audio`` as ``prepare_inputs`` takes them; ``fps`` and
+    ``max_frames`` say how videos are sampled, see ``mlxvlm.media.load_video``).
+
+    Each result carries the new text segment (possibly empty while a multi-byte character
+    or a possible stop string is pending), the token, its log-probabilities and running
+    statistics; the last one has ``finish_reason`` "stop" or "length".
+
+    A sampling value left out (None) comes from the checkpoint's generation_config.json,
+    else is greedy / off (see ``mlxvlm.sampling_defaults``). ``presence_penalty``,
+    ``frequency_penalty``, ``logit_bias`` (token id -> bias) and ``top_logprobs`` mean
+    what they mean in OpenAI's API (and the server). A ``seed`` samples the same tokens
+    here as in ``batch_generate`` and the server.
+    """
+    options = sampling_options(
+        processor, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        min_p=min_p, repetition_penalty=repetition_penalty,
+        repetition_context_size=repetition_context_size, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed, stop=stop,
+        top_logprobs=top_logprobs,
+    )
+    if prefill_step_size < 1:
+        raise MlxvlmError(f"prefill_step_size must be at least 1, got {prefill_step_size}")
+    cache_options = CacheOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
+    cache_options.validate()
+    tokenizer = generation_tokenizer(processor)
+    eos_ids = eos_token_ids(processor)
+
+    start = time.perf_counter()
+    mx.reset_peak_memory()
+    video_options = {k: v for k, v in (("fps", fps), ("max_frames", max_frames)) if v is not None}
+    inputs = prepare_inputs(
+        processor,
+        prompt,
+        image,
+        video=video,
+        audio=audio,
+        system=system,
+        raw_prompt=raw_prompt,
+        feature_names=getattr(model, "feature_names", None),
+        media_options=media_options,
+        video_options=video_options,
+    )
+    prompt_tokens = inputs.num_tokens
+    max_tokens = options.max_tokens
+    if max_kv_size is None:
+        max_tokens = fit_to_context(model, prompt_tokens, max_tokens)
+
+    cache = cache_options.make(model, inputs)
+    row = RowSampler(options, inputs.input_ids[0], sampler=sampler, processors=logits_processors)
+    text = SequenceText(tokenizer, eos_ids, options.stop, max_tokens)
+    tokens = generate_tokens(
+        model,
+        inputs,
+        cache=cache,
+        max_tokens=max_tokens,
+        row=row,
+        prefill_step_size=prefill_step_size,
+        quantize=cache_options.quantize,
+        prompt_progress_callback=prompt_progress_callback,
+    )
+
+    prompt_tps = 0.0
+    decode_start = start
+    for n, (token, logprobs) in enumerate(tokens):
+        if n == 0:
+            decode_start = time.perf_counter()
+            prompt_tps = prompt_tokens / (decode_start - start)
+        segment, finish_reason = text.add(token)
+        elapsed = time.perf_counter() - decode_start
+        result = GenerationResult(
+            text=segment,
+            token=token,
+            logprobs=logprobs,
+            prompt_tokens=prompt_tokens,
+            prompt_tps=prompt_tps,
+            generation_tokens=n + 1,
+            generation_tps=(n + 1) / elapsed if elapsed > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish_reason,
+        )
+        if options.top_logprobs is not None:
+            values = np.asarray(logprobs.astype(mx.float32))
+            result.logprob, result.top_logprobs = token_logprobs(
+                values, token, options.top_logprobs)
+        yield result
+        if finish_reason is not None:
+            break
+
+
+def generate(model: nn.Module, processor: Any, prompt, image: Any = None, **kwargs) -> GenerationOutput:
+    """Generate the whole answer; same arguments as ``stream_generate``."""
+    folder = OutputFolder()
+    for result in stream_generate(model, processor, prompt, image, **kwargs):
+        folder.add(result)
+        output = folder.output
+        output.prompt_tps = result.prompt_tps
+        output.generation_tps = result.generation_tps
+        output.peak_memory = result.peak_memory
+    return folder.result()
