@@ -104,14 +104,16 @@ class VisionLanguageModel(nn.Module):
     processor_class: str | None = None
     image_processor_class: str | None = None
 
-    def __init__(self):
-        """``feature_cache`` (a ``models.feature_cache.FeatureCache``) holds the features
+    def __init__(self, args: Any = None):
+        """``args``: the family's parsed config (an ``args_class``), which the defaults
+        read. ``feature_cache`` (a ``models.feature_cache.FeatureCache``) holds the features
         of the images (videos, audio) this model has encoded, keyed by their preprocessed
         content, so that a chat's later turns do not run the towers again over earlier
         images. Families reach it through ``feature_cache.cached_features``. Changing the
         weights through ``update`` or ``update_modules`` empties it."""
         super().__init__()
-        # A plain object, not a dict: it stays out of the parameter tree.
+        # Plain objects, not dicts: they stay out of the parameter tree.
+        self.args = args
         self.feature_cache = FeatureCache()
 
     def update(self, parameters: dict, strict: bool = True) -> "VisionLanguageModel":

@@ -28,7 +28,6 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it
-from mlxvlm.models.feature_cache import cached_rows
 from mlxvlm.models.layers import siglip
 from mlxvlm.models.weights import (
     LM_HEAD_NAMES,
@@ -264,8 +263,7 @@ class Model(VisionLanguageModel):
     image_processor_class = "Gemma3ImageProcessorPil"
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
+        super().__init__(args)
         self.vision_tower = siglip.SiglipVisionModel(args.vision)
         self.multi_modal_projector = MultiModalProjector(args)
         self.language_model = LanguageModel(args.text)
@@ -307,14 +305,8 @@ class Model(VisionLanguageModel):
 
     def image_features(self, pixel_values: Any) -> mx.array:
         """(images, mm_tokens_per_image, hidden) from the processor's (images, C, H, W)."""
-        pixels = mx.array(pixel_values) if not isinstance(pixel_values, mx.array) else pixel_values
         dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
-
-        def encode(images: mx.array) -> mx.array:  # SigLIP sees each image on its own
-            patches = self.vision_tower(images.transpose(0, 2, 3, 1).astype(dtype))
-            return self.multi_modal_projector(patches)
-
-        return cached_rows(self, "image", encode, pixels)
+        return siglip.projected_image_features(self, pixel_values, dtype)
 
     def __call__(
         self, input_ids, cache=None, *, embeddings=None, state=None, last_only=False

@@ -112,8 +112,7 @@ class Model(VisionLanguageModel):
     hf_prefixes = HF_PREFIXES
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
+        super().__init__(args)
         self.vision_model = siglip.SiglipVisionTransformer(args.vision)
         self.connector = Connector(args)
         self.language_model = LanguageModel(args.text)

@@ -184,8 +184,7 @@ class Model(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
     processor_class = "LlavaProcessor"
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
+        super().__init__(args)
         self.vision_tower = vision_tower_class(args.vision)(args.vision)
         self.multi_modal_projector = MultiModalProjector(args)
         self.language_model = mlx_lm_backbone.text_model(args.text)

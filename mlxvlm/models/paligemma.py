@@ -33,7 +33,6 @@ from mlx_lm.models.base import create_attention_mask
 from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it
-from mlxvlm.models.feature_cache import cached_rows
 from mlxvlm.models.layers import siglip
 from mlxvlm.models.processor_utils import tokenizer_and_chat_template
 from mlxvlm.models.weights import (
@@ -241,8 +240,7 @@ class Model(VisionLanguageModel):
     hf_prefixes = HF_PREFIXES
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
+        super().__init__(args)
         self.vision_tower = siglip.SiglipVisionModel(args.vision)
         self.multi_modal_projector = MultiModalProjector(args.vision.hidden_size, args.projection_dim)
         self.language_model = LanguageModel(args)
@@ -295,16 +293,10 @@ class Model(VisionLanguageModel):
 
     def image_features(self, pixel_values: Any) -> mx.array:
         """(images, patches, text width) from the processor's (images, C, H, W)."""
-        pixels = mx.array(pixel_values) if not isinstance(pixel_values, mx.array) else pixel_values
         # The compute dtype: a norm's (a linear layer's weight may stay 16-bit on the CPU,
         # see mlxvlm.half_weights, and may be quantized).
         dtype = self.vision_tower.vision_model.post_layernorm.weight.dtype
-
-        def encode(images: mx.array) -> mx.array:  # SigLIP sees each image on its own
-            patches = self.vision_tower(images.transpose(0, 2, 3, 1).astype(dtype))
-            return self.multi_modal_projector(patches)
-
-        return cached_rows(self, "image", encode, pixels)
+        return siglip.projected_image_features(self, pixel_values, dtype)
 
     def __call__(
         self, input_ids, cache=None, *, embeddings=None, state=None, last_only=False

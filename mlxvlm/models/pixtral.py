@@ -107,8 +107,7 @@ class PixtralFamilyModel(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
     hf_prefixes = HF_PREFIXES
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
+        super().__init__(args)
         self.vision_tower = PixtralVisionTower(args.vision)
         self.language_model = mlx_lm_backbone.text_model(args.text)
 

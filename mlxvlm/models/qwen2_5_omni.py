@@ -192,18 +192,14 @@ class Model(qwen2_vl.Model):
     def embed(
         self,
         input_ids: mx.array,
-        pixel_values: Any = None,
-        image_grid_thw: Any = None,
-        pixel_values_videos: Any = None,
-        video_grid_thw: Any = None,
         video_second_per_grid: Any = None,
         input_features: Any = None,
         feature_attention_mask: Any = None,
+        **vision: Any,
     ) -> tuple[mx.array, MRopeState]:
+        """``vision``: the processor's images and videos (see ``embed_vision``)."""
         args = self.args
-        h, ids, (image_grids, video_grids), _ = self.embed_vision(
-            input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
-        )
+        h, ids, (image_grids, video_grids), _ = self.embed_vision(input_ids, **vision)
         mel_frames = None
         if input_features is not None:
             h, mel_frames = self._merge_audio(h, ids, input_features, feature_attention_mask)

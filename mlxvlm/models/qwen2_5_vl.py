@@ -19,13 +19,8 @@ def vision_config_from_hf(config: dict) -> VisionConfig:
     vision = vision_config(config)
     return VisionConfig.from_hf(
         vision,
-        patch_size=14,
-        hidden_act="silu",
-        hidden_size=vision["hidden_size"],
-        intermediate_size=vision["intermediate_size"],
-        out_hidden_size=vision["out_hidden_size"],
-        norm="rmsnorm",
-        mlp="gated",
+        patch_size=14, hidden_act="silu",
+        norm="rmsnorm", mlp="gated",  # RMSNorm and SwiGLU blocks
         window_size=vision.get("window_size", 112),
         fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
     )

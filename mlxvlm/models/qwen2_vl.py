@@ -21,6 +21,7 @@ from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import token_id, vision_config
 from mlxvlm.models.feature_cache import active_cache, cached_features, join_rows, split_rows
 from mlxvlm.models.layers.mrope_decoder import (
+    DeepstackFeatures,
     LanguageModel,
     MRopeState,
     TextConfig,
@@ -91,8 +92,7 @@ class Model(VisionLanguageModel):
     processor_videos = True
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
+        super().__init__(args)
         self.vision_tower = QwenVisionTransformer(args.vision)
         self.language_model = LanguageModel(args.text)
 
@@ -142,26 +142,16 @@ class Model(VisionLanguageModel):
     # -- the contract -----------------------------------------------------------------
 
     def embed(
-        self,
-        input_ids: mx.array,
-        pixel_values: Any = None,
-        image_grid_thw: Any = None,
-        pixel_values_videos: Any = None,
-        video_grid_thw: Any = None,
-        second_per_grid_ts: Any = None,
+        self, input_ids: mx.array, second_per_grid_ts: Any = None, **vision: Any
     ) -> tuple[mx.array, MRopeState]:
-        h, ids, (image_grids, video_grids), _ = self.embed_vision(
-            input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
-        )
+        """``vision``: the processor's images and videos (see ``embed_vision``)."""
+        h, ids, (image_grids, video_grids), taps = self.embed_vision(input_ids, **vision)
         spans = {
             self.args.image_token_id: [VisionSpan(tuple(g)) for g in image_grids],
-            self.args.video_token_id: [
-                VisionSpan(tuple(g), self.video_time_interval(i, second_per_grid_ts))
-                for i, g in enumerate(video_grids)
-            ],
+            self.args.video_token_id: self.video_spans(video_grids, second_per_grid_ts),
         }
         position_ids, delta = mrope_position_ids(ids, spans, self.args.vision.spatial_merge_size)
-        return h, MRopeState(mx.array(position_ids), delta)
+        return h, MRopeState(mx.array(position_ids), delta, self.deepstack(taps))
 
     def __call__(
         self, input_ids, cache=None, *, embeddings=None, state=None, last_only=False
@@ -170,9 +160,21 @@ class Model(VisionLanguageModel):
 
     # -- helpers ----------------------------------------------------------------------
 
+    def video_spans(self, video_grids: np.ndarray, second_per_grid_ts: Any) -> list[VisionSpan]:
+        """Each video's M-RoPE span: its (t, h, w) grid, stepped in time as
+        ``video_time_interval`` says."""
+        return [
+            VisionSpan(tuple(g), self.video_time_interval(i, second_per_grid_ts))
+            for i, g in enumerate(video_grids)
+        ]
+
     def video_time_interval(self, index: int, second_per_grid_ts: Any) -> float:
         """Qwen2-VL steps the temporal position by one per frame grid."""
         return 1.0
+
+    def deepstack(self, taps: list) -> DeepstackFeatures | None:
+        """The DeepStack features from ``embed_vision``'s taps: none in Qwen2-VL."""
+        return None
 
     def vision_features(self, pixels: Any, grids: np.ndarray, kind: str = "image"):
         """The vision tower's tokens for ``pixels`` -- the patch rows of every image (or
@@ -206,8 +208,8 @@ class Model(VisionLanguageModel):
         columns = [join_rows(column) for column in zip(*outputs)]
         return columns[0], columns[1:]
 
-    def embed_vision(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                     video_grid_thw):
+    def embed_vision(self, input_ids, pixel_values=None, image_grid_thw=None,
+                     pixel_values_videos=None, video_grid_thw=None):
         """The prompt's token embeddings with the tower's tokens at the image and video
         placeholders, the flat prompt ids, the (image, video) grids, and for each kind
         that brought pixels its placeholder positions and DeepStack rows (Qwen3-VL)."""

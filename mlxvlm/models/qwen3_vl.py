@@ -26,11 +26,9 @@ from mlxvlm.models import qwen2_vl
 from mlxvlm.models.config_utils import text_config, token_id, vision_config
 from mlxvlm.models.layers.mrope_decoder import (
     DeepstackFeatures,
-    MRopeState,
     TextConfig,
     VisionSpan,
     default_mrope,
-    mrope_position_ids,
 )
 from mlxvlm.models.layers.qwen_vision import VisionConfig
 from mlxvlm.models.qwen2_vl import ModelArgs
@@ -78,15 +76,8 @@ def vision_config_from_hf(config: dict) -> VisionConfig:
     vision = vision_config(config)
     return VisionConfig.from_hf(
         vision,
-        patch_size=16,
-        hidden_act="gelu_pytorch_tanh",
-        hidden_size=vision["hidden_size"],
-        intermediate_size=vision["intermediate_size"],
-        out_hidden_size=vision["out_hidden_size"],
-        norm="layernorm",
-        mlp="linear_fc",
-        patch_bias=True,
-        merger="linear_fc",
+        patch_size=16, hidden_act="gelu_pytorch_tanh",
+        norm="layernorm", mlp="linear_fc", patch_bias=True, merger="linear_fc",
         num_position_embeddings=vision.get("num_position_embeddings", 2304),
         deepstack_visual_indexes=tuple(vision.get("deepstack_visual_indexes", (8, 16, 24))),
     )
@@ -113,26 +104,15 @@ class Model(qwen2_vl.Model):
             )
         )
 
-    def embed(
-        self,
-        input_ids: mx.array,
-        pixel_values: Any = None,
-        image_grid_thw: Any = None,
-        pixel_values_videos: Any = None,
-        video_grid_thw: Any = None,
-    ) -> tuple[mx.array, MRopeState]:
-        h, ids, (image_grids, video_grids), taps = self.embed_vision(
-            input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
-        )
-        spans = {
-            self.args.image_token_id: [VisionSpan(tuple(g)) for g in image_grids],
-            self.args.video_token_id: [VisionSpan(tuple(g)) for g in frame_grids(video_grids)],
-        }
-        position_ids, delta = mrope_position_ids(ids, spans, self.args.vision.spatial_merge_size)
-        return h, MRopeState(mx.array(position_ids), delta, _join_deepstack(taps))
+    def video_spans(self, video_grids: np.ndarray, second_per_grid_ts: Any) -> list[VisionSpan]:
+        """Frames are prompted one by one, each its own (1, h, w) grid."""
+        return [VisionSpan(tuple(g)) for g in frame_grids(video_grids)]
+
+    def deepstack(self, taps: list) -> DeepstackFeatures | None:
+        return join_deepstack(taps)
 
 
-def _join_deepstack(taps) -> DeepstackFeatures | None:
+def join_deepstack(taps) -> DeepstackFeatures | None:
     """Images' and videos' DeepStack rows in prompt order (as transformers joins them)."""
     if not taps or not taps[0][1]:
         return None

@@ -14,46 +14,27 @@ Module names follow the checkpoints mlx-community publishes:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxvlm.models import run_ahead
-from mlxvlm.models.layers.vit import Encoder
+from mlxvlm.models.layers.vit import Encoder, VitConfig
 
 
 @dataclass(frozen=True)
-class CLIPVisionConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    image_size: int
-    patch_size: int
-    num_channels: int = 3
+class CLIPVisionConfig(VitConfig):
     layer_norm_eps: float = 1e-5
     hidden_act: str = "quick_gelu"
 
     @classmethod
     def from_hf(cls, vision: dict) -> "CLIPVisionConfig":
-        """From a complete ``clip_vision_model`` config (see config_utils)."""
-        return cls(
-            hidden_size=vision["hidden_size"],
-            intermediate_size=vision["intermediate_size"],
-            num_hidden_layers=vision["num_hidden_layers"],
-            num_attention_heads=vision["num_attention_heads"],
-            image_size=vision["image_size"],
-            patch_size=vision["patch_size"],
-            num_channels=vision.get("num_channels", 3),
-            layer_norm_eps=vision["layer_norm_eps"],
-            hidden_act=vision["hidden_act"],
-        )
+        """From a complete ``clip_vision_model`` config (see config_utils): its values
+        of this class's fields, by the same names."""
+        return cls(**{f.name: vision[f.name] for f in fields(cls) if f.name in vision})
 
-    @property
-    def patches_per_side(self) -> int:
-        return self.image_size // self.patch_size
 
 
 class CLIPVisionEmbeddings(nn.Module):
@@ -63,11 +44,8 @@ class CLIPVisionEmbeddings(nn.Module):
         self.class_embedding = mx.zeros((config.hidden_size,))
         # Weight in MLX's channels-last layout: (out, kh, kw, in).
         self.patch_embedding = nn.Conv2d(
-            config.num_channels,
-            config.hidden_size,
-            kernel_size=config.patch_size,
-            stride=config.patch_size,
-            bias=False,
+            config.num_channels, config.hidden_size, config.patch_size,
+            stride=config.patch_size, bias=False,
         )
         self.position_embedding = nn.Embedding(config.patches_per_side**2 + 1, config.hidden_size)
 

@@ -76,8 +76,12 @@ class VisionConfig:
     @classmethod
     def from_hf(cls, vision: dict, *, patch_size: int, hidden_act: str, **tower) -> "VisionConfig":
         """The settings every Qwen tower's ``vision_config`` spells alike, with the family's
-        defaults for ``patch_size`` and ``hidden_act``; ``tower``: the family's widths
-        and switches, which the families name differently."""
+        defaults for ``patch_size`` and ``hidden_act``; ``tower``: the family's switches,
+        and its widths where they are not the config's own ``hidden_size``,
+        ``intermediate_size`` and ``out_hidden_size`` (Qwen2-VL names them otherwise)."""
+        for width in ("hidden_size", "intermediate_size", "out_hidden_size"):
+            if width not in tower:
+                tower[width] = vision[width]
         return cls(
             depth=vision["depth"],
             num_heads=vision["num_heads"],

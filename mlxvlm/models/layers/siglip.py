@@ -23,8 +23,9 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.models import run_ahead
+from mlxvlm.models.feature_cache import cached_rows
 from mlxvlm.models.layers.activations import activation
-from mlxvlm.models.layers.vit import Encoder
+from mlxvlm.models.layers.vit import Encoder, VitConfig
 
 # transformers' SiglipVisionConfig defaults, for keys a checkpoint's config leaves out.
 SIGLIP_DEFAULTS = {
@@ -41,27 +42,13 @@ SIGLIP_DEFAULTS = {
 
 
 @dataclass(frozen=True)
-class SiglipVisionConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    image_size: int
-    patch_size: int
-    num_channels: int = 3
-    hidden_act: str = "gelu_pytorch_tanh"
-    layer_norm_eps: float = 1e-6
-
+class SiglipVisionConfig(VitConfig):
     @classmethod
     def from_hf(cls, vision: dict) -> "SiglipVisionConfig":
         """From a ``vision_config`` dict; missing keys take SigLIP's defaults."""
         values = {**SIGLIP_DEFAULTS, **{k: v for k, v in vision.items() if k in SIGLIP_DEFAULTS}}
         activation(values["hidden_act"])  # refuses an unsupported one when the config is read
         return cls(**{f.name: values[f.name] for f in fields(cls)})
-
-    @property
-    def patches_per_side(self) -> int:
-        return self.image_size // self.patch_size
 
 
 class VisionEmbeddings(nn.Module):
@@ -175,3 +162,17 @@ def convert_hf_weight(name: str, value: mx.array) -> mx.array | None:
     if name == "embeddings.patch_embedding.weight":
         return value.transpose(0, 2, 3, 1)  # PyTorch Conv2d (O, I, kh, kw) -> MLX (O, kh, kw, I)
     return value
+
+
+def projected_image_features(model, pixel_values, dtype: mx.Dtype) -> mx.array:
+    """(images, tokens, text width): each of the processor's (images, C, H, W) images
+    through ``model.vision_tower`` (a ``SiglipVisionModel``) in ``dtype``, then
+    ``model.multi_modal_projector``. SigLIP sees each image on its own, so images seen
+    before come from the model's feature cache."""
+    pixels = mx.array(pixel_values) if not isinstance(pixel_values, mx.array) else pixel_values
+
+    def encode(images: mx.array) -> mx.array:
+        patches = model.vision_tower(images.transpose(0, 2, 3, 1).astype(dtype))
+        return model.multi_modal_projector(patches)
+
+    return cached_rows(model, "image", encode, pixels)

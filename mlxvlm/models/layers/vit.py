@@ -11,6 +11,8 @@ Module names follow both towers' checkpoints: ``layers.N.self_attn.{q,k,v,out}_p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -18,6 +20,26 @@ from mlxvlm.half_weights import residual_plus
 from mlxvlm.models import run_ahead
 from mlxvlm.models.layers.activations import activation
 from mlxvlm.models.layers.attention import scaled_dot_product_attention
+
+
+@dataclass(frozen=True)
+class VitConfig:
+    """What the encoder reads from a CLIP/SigLIP tower's config (defaults: SigLIP's);
+    the tower takes square ``image_size`` images cut into ``patch_size`` patches."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int = 3
+    hidden_act: str = "gelu_pytorch_tanh"
+    layer_norm_eps: float = 1e-6
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
 
 
 class Attention(nn.Module):
