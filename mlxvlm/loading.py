@@ -177,7 +177,7 @@ def build_model(model_path: Path, config: dict, family, weights: dict[str, mx.ar
     (see ``is_converted``), quantized as the config says. Weights that do not fit the
     tree raise CheckpointError. Shared by ``load`` and ``mlxvlm.convert``."""
     model = family.Model.from_config(config)
-    if not is_converted(model_path, config) and family.is_hf_checkpoint(weights.keys()):
+    if not is_converted(model_path, config) and family.Model.is_hf_checkpoint(weights.keys()):
         weights = model.sanitize(weights)
     apply_quantization(model, config, weights)
     try:
@@ -253,7 +253,7 @@ def load(
         model.cpu_fast_paths = apply_cpu_fast_paths(model)
     else:
         model = load_model(model_path, config, dtype=dtype)
-    processor = family.load_processor(model_path, config)
+    processor = family.Model.load_processor(model_path, config)
     attach_generation_tokenizer(
         processor, model_path, collect_eos_token_ids(model_path, config, processor.tokenizer)
     )
