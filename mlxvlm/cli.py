@@ -114,8 +114,35 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-context-size",
                         type=ranged(SAMPLING["repetition_context_size"]), default=20,
                         help="Recent tokens the repetition penalty looks at")
+    parser.add_argument("--presence-penalty", type=ranged(SAMPLING["presence_penalty"]),
+                        default=None,
+                        help="Penalty on every token already generated, as OpenAI's "
+                        "(default: none)")
+    parser.add_argument("--frequency-penalty", type=ranged(SAMPLING["frequency_penalty"]),
+                        default=None,
+                        help="Penalty per earlier occurrence of a generated token, as "
+                        "OpenAI's (default: none)")
+    parser.add_argument("--logit-bias", type=_logit_bias, action="append", default=None,
+                        metavar="TOKEN=BIAS",
+                        help="Add BIAS (-100 to 100) to token id TOKEN's logit; repeat for "
+                        "several (default: none)")
     parser.add_argument("--seed", type=ranged(SAMPLING["seed"]), default=None,
                         help="Random seed for sampling (default: random)")
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    """``TOKEN=BIAS``, both checked against the ranges the server uses."""
+    token, sep, bias = text.partition("=")
+    try:
+        pair = (int(token), float(bias))
+    except ValueError:
+        pair = None
+    if pair is None or not sep:
+        raise argparse.ArgumentTypeError(f"expected TOKEN=BIAS, got {text!r}")
+    problem = at_least(0).problem(pair[0]) or SAMPLING["logit_bias_value"].problem(pair[1])
+    if problem:
+        raise argparse.ArgumentTypeError(f"{problem} (in {text!r})")
+    return pair
 
 
 class _MediaAction(argparse.Action):
@@ -283,6 +310,9 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
             min_p=args.min_p,
             repetition_penalty=args.repetition_penalty,
             repetition_context_size=args.repetition_context_size,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            logit_bias=dict(args.logit_bias) if args.logit_bias else None,
             seed=args.seed,
             stop=args.stop,
             max_kv_size=args.max_kv_size,

@@ -170,3 +170,18 @@ def test_system_prompt_is_rendered(qwen):
     inputs = prepare_inputs(processor, "Hi", system="You are a pirate.")
     assert "You are a pirate." in inputs.prompt_text
     assert "You are a helpful assistant." not in inputs.prompt_text
+
+
+def test_the_loop_never_imports_the_command_line():
+    """Entry points import the shared loop, never the reverse (no cli <-> generate circle)."""
+    import ast
+    from pathlib import Path
+
+    import mlxvlm.generate as package
+
+    for path in Path(package.__file__).parent.glob("*.py"):
+        if path.name == "__main__.py":
+            continue
+        names = {node.module for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.ImportFrom) and node.module}
+        assert "mlxvlm.cli" not in names, path.name
