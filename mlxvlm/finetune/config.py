@@ -17,7 +17,7 @@ RANGES = {
     "rank": at_least(1),
     "alpha": POSITIVE,
     "dropout": Range(float, 0, 1, high_open=True),
-    "num_layers": Range(int, 1, 2**31 - 1, also=(-1,)),  # -1: all
+    "num_layers": Range(int, 0, 2**31 - 1, also=(-1,)),  # -1: all; 0 with --train-vision: the tower alone
     "batch_size": at_least(1),
     "grad_accumulation_steps": at_least(1),
     "iters": at_least(1),
