@@ -184,6 +184,22 @@ def render_chat(processor: Any, messages: list[Message]) -> str:
     )
 
 
+def special_tokens_option(processor: Any, text: str) -> dict[str, bool]:
+    """The processor option transformers' ``processor.apply_chat_template(...,
+    tokenize=True)`` tokenizes the rendered chat ``text`` with.
+
+    ``add_special_tokens=False`` when ``text`` starts with the tokenizer's BOS token (the
+    template wrote it); otherwise no option, so the processor's default applies: the
+    tokenizer adds what its post-processor adds (a Llama, Mistral or Gemma tokenizer's
+    BOS; EOS too where it appends one). A tokenizer with no BOS token (Qwen's) always gets
+    its special tokens. PaliGemma's processor places BOS itself and stops its tokenizer
+    adding one, either way."""
+    bos = getattr(getattr(processor, "tokenizer", None), "bos_token", None)
+    if bos is not None and text.startswith(bos):
+        return {"add_special_tokens": False}
+    return {}
+
+
 def prepare_inputs(
     processor: Any,
     prompt: str | Sequence[Message],
@@ -208,7 +224,12 @@ def prepare_inputs(
     (``fps``, ``max_frames``, ``max_pixels`` ...). ``audio_in_video``: an omni model also
     hears each video's sound track. ``raw_prompt``: ``prompt`` is already the model's exact
     input text (media must then be passed as arguments and the text must hold the
-    placeholders).
+    placeholders); it is tokenized as ``processor(text=prompt)`` does, with the
+    processor's default special tokens.
+
+    The rendered chat is tokenized as transformers' ``processor.apply_chat_template(...,
+    tokenize=True)`` tokenizes it (see ``special_tokens_option``): a tokenizer that adds
+    BOS gets its BOS unless the template already wrote it.
     """
     extra = {"image": _as_list(image), "video": _as_list(video), "audio": _as_list(audio)}
     if raw_prompt:
@@ -224,8 +245,9 @@ def prepare_inputs(
 
     loaded = _load_media(processor, media, media_options or {}, video_options or {},
                          audio_in_video)
+    special = {} if raw_prompt else special_tokens_option(processor, text)
     outputs = processor(
-        text=[text], return_tensors="np", add_special_tokens=raw_prompt, **loaded.processor_kwargs()
+        text=[text], return_tensors="np", **special, **loaded.processor_kwargs()
     )
     input_ids = mx.array(np.asarray(outputs["input_ids"]), dtype=mx.int32)
     features = {}

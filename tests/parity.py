@@ -108,13 +108,12 @@ def loaded(tiny_checkpoints):
     return functools.cache(lambda family, layout: load(tiny_checkpoints.path(family, layout)))
 
 
-def reference_fixture(processor=None, nest_images: bool = False):
+def reference_fixture(processor=None):
     """A module-scoped ``reference`` fixture: (family, case) -> ``Reference`` for a case of
     the test module's ``ALL_CASES``, run on the in-memory transformers model.
 
     ``processor(tiny)`` builds the reference's processor from the tiny model's parts; by
-    default it is the one mlxvlm builds. ``nest_images`` passes a prompt's images as one
-    list per prompt, as transformers' chat-template path does."""
+    default it is the one mlxvlm builds."""
 
     @pytest.fixture(scope="module")
     def reference(request, tiny_checkpoints, loaded):
@@ -127,8 +126,6 @@ def reference_fixture(processor=None, nest_images: bool = False):
             reference_processor = (
                 processor(tiny) if processor is not None else loaded(family, "transformers")[1]
             )
-            if nest_images:
-                images = [list(images)] if images else []
             return reference_run(tiny.model, reference_processor, messages, images)
 
         return run
@@ -142,10 +139,29 @@ reference = reference_fixture()
 # ----------------------------------------------------------------- transformers' side
 
 
+def with_images(messages: list[dict], images) -> list[dict]:
+    """``messages`` with each image part holding its image (in order), as transformers'
+    chat-template path takes them."""
+    images = iter(images)
+
+    def fill(content):
+        if isinstance(content, str):
+            return content
+        return [{**part, "image": next(images)} if part.get("type") == "image" else part
+                for part in content]
+
+    return [{**message, "content": fill(message["content"])} for message in messages]
+
+
 def processor_inputs(processor, messages, images, return_tensors: str = "pt"):
-    """The processor's inputs for a chat, as transformers' chat-template path builds them."""
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    return processor(text=[text], images=list(images) or None, return_tensors=return_tensors)
+    """The processor's inputs for a chat, exactly as transformers builds them:
+    ``apply_chat_template(tokenize=True)``, which also decides the special tokens (the
+    tokenizer's, unless the rendered prompt starts with its BOS) and passes the images
+    nested per conversation."""
+    return processor.apply_chat_template(
+        with_images(messages, images), add_generation_prompt=True, tokenize=True,
+        return_dict=True, return_tensors=return_tensors,
+    )
 
 
 def transformers_logits(model, processor, messages, images) -> np.ndarray:

@@ -6,11 +6,11 @@ transformers model the checkpoint was saved from, whose inputs come from a proce
 built independently of mlxvlm's: logits of the first forward pass, and greedy tokens
 through ``mlxvlm.stream_generate`` — for text only, one image, two images of different
 aspect ratios (so that AnyRes picks different tile grids), and an image in a later turn.
-Images go to the processors nested per prompt, as transformers' chat-template path passes
-them (OneVision tiles an image only when it is alone in its prompt). Guards check that
-the tests can fail: another image changes the output, the wrong rope θ changes the
-logits, the AnyRes cases really unpad and shrink, and the reference's greedy steps are
-not decided by razor-thin logit margins.
+The reference's inputs are ``apply_chat_template(tokenize=True)``'s, which passes the
+images nested per prompt (OneVision tiles an image only when it is alone in its prompt).
+Guards check that the tests can fail: another image changes the output, the wrong rope θ
+changes the logits, the AnyRes cases really unpad and shrink, and the reference's greedy
+steps are not decided by razor-thin logit margins.
 """
 
 from __future__ import annotations
@@ -61,9 +61,8 @@ FAMILY_LAYOUTS = [(f, layout) for f in FAMILIES for layout in LAYOUTS]
 
 
 # (family, case) -> transformers' side of the case, with inputs from a processor built
-# from the fixture's in-memory parts (not mlxvlm's) and images nested per prompt, as
-# transformers' chat-template path passes them.
-reference = reference_fixture(build_processor, nest_images=True)
+# from the fixture's in-memory parts (not mlxvlm's).
+reference = reference_fixture(build_processor)
 
 
 def ours(run, model, processor, case: str, **options):
@@ -152,7 +151,7 @@ def test_hub_layout_reads_the_same_in_transformers(family, tiny_checkpoints, ref
     messages, images = CASES["one_image"]
     model = load_transformers_model(tiny_checkpoints.path(family, "hub"))
     assert model.config.text_config.rope_parameters["rope_theta"] != 10000.0
-    np.testing.assert_array_equal(transformers_logits(model, processor, messages, [images]), ref_logits)
+    np.testing.assert_array_equal(transformers_logits(model, processor, messages, images), ref_logits)
 
 
 @pytest.mark.parametrize("family,vision_act", [

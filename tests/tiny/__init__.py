@@ -36,8 +36,6 @@ def builder(family: str):
     return importlib.import_module(BUILDERS[family])
 
 
-
-
 class TinyCheckpoints:
     """Builds each family's model once and each (family, layout) directory once, on demand."""
 
@@ -59,5 +57,17 @@ class TinyCheckpoints:
         if key not in self._paths:
             self._paths[key] = builder(family).save_checkpoint(
                 self.model(family), self.root / f"{family}-{layout}", layout
+            )
+        return self._paths[key]
+
+    def bos_variant(self, family: str, kind: str) -> Path:
+        """The family's "transformers" checkpoint with a tokenizer that adds BOS (see
+        tiny/bos.py for the kinds), written once."""
+        from tiny.bos import save_variant
+
+        key = (family, f"bos-{kind}")
+        if key not in self._paths:
+            self._paths[key] = save_variant(
+                self.path(family, "transformers"), self.root / f"{family}-bos-{kind}", kind
             )
         return self._paths[key]

@@ -93,6 +93,11 @@ def build_processor(tokenizer, image_processor=None):
                            image_seq_length=MM_TOKENS_PER_IMAGE, chat_template=CHAT_TEMPLATE)
 
 
+def reference_processor(tiny: TinyModel):
+    """transformers' processor over the tiny model's in-memory parts."""
+    return build_processor(tiny.tokenizer, tiny.image_processor)
+
+
 def _token_ids(tokenizer) -> dict:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     return dict(

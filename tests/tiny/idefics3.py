@@ -81,6 +81,11 @@ def build_processor(tokenizer, image_processor):
                              image_seq_len=IMAGE_SEQ_LEN, chat_template=CHAT_TEMPLATE)
 
 
+def reference_processor(tiny: TinyModel):
+    """transformers' processor over the tiny model's in-memory parts."""
+    return build_processor(tiny.tokenizer, tiny.image_processor)
+
+
 def _config(family: str, tokenizer):
     from transformers import Idefics3Config, SmolVLMConfig
 

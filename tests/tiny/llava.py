@@ -169,6 +169,9 @@ def build_processor(tiny: TinyModel):
     )
 
 
+reference_processor = build_processor
+
+
 # ---------------------------------------------------------------------------------- model
 
 

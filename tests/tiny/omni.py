@@ -96,6 +96,20 @@ def build_processor_parts():
                                     return_attention_mask=True))
 
 
+def reference_processor(tiny: TinyModel):
+    """transformers' processor over the tiny model's in-memory parts, for images, audio
+    and text (its video processor needs torchvision)."""
+    from transformers import Qwen2_5OmniProcessor
+
+    from mlxvlm.models.processor_utils import image_only
+
+    return image_only(Qwen2_5OmniProcessor)(
+        image_processor=tiny.image_processor, video_processor=None,
+        feature_extractor=tiny.feature_extractor, tokenizer=tiny.tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
 def _config(tokenizer):
     from transformers import Qwen2_5OmniThinkerConfig
 

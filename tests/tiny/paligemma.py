@@ -116,6 +116,16 @@ def build_processor(tiny: TinyModel):
     return PaliGemmaProcessor(image_processor=tiny.image_processor, tokenizer=tiny.tokenizer)
 
 
+def reference_processor(tiny: TinyModel):
+    """transformers' processor over the tiny model's in-memory parts, with the chat
+    template mlxvlm gives checkpoints that have none (as this one)."""
+    from mlxvlm.models.paligemma import CHAT_TEMPLATE
+
+    processor = build_processor(tiny)
+    processor.chat_template = CHAT_TEMPLATE
+    return processor
+
+
 # ---------------------------------------------------------------------------------- saving
 
 

@@ -240,3 +240,6 @@ def transformers_processor(tiny: TinyModel):
         patch_size=PATCH_SIZE[tiny.family], spatial_merge_size=MERGE[tiny.family],
         chat_template=CHAT_TEMPLATE,
     )
+
+
+reference_processor = transformers_processor

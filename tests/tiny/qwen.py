@@ -114,6 +114,22 @@ def build_image_processor(family: str = "qwen2_vl"):
     return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 
 
+PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                     "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor"}
+
+
+def reference_processor(tiny: TinyModel):
+    """transformers' processor over the tiny model's in-memory parts, for images and text
+    (its video processor needs torchvision)."""
+    import transformers
+
+    from mlxvlm.models.processor_utils import image_only
+
+    processor_class = image_only(getattr(transformers, PROCESSOR_CLASSES[tiny.family]))
+    return processor_class(image_processor=tiny.image_processor, tokenizer=tiny.tokenizer,
+                           video_processor=None, chat_template=CHAT_TEMPLATE)
+
+
 # ---------------------------------------------------------------------------------- model
 
 
