@@ -7,11 +7,10 @@
 
 import warnings
 
-from mlxvlm import _backend
+from mlxvlm.cpu import startup
 
-# Must run before anything imports mlx.core (see _backend).
-_backend.preload_openblas()
-_backend.tune_malloc()
+# Must run before anything imports mlx.core (see mlxvlm.cpu.blas).
+startup.before_mlx()
 
 # `python -m mlxvlm.generate` runs a module this package already imported (to export the
 # `generate` function, as mlx-lm does); runpy's warning about that is harmless here.

@@ -265,16 +265,15 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
     def body() -> int:
         import mlx.core as mx
 
-        from mlxvlm import _backend
+        from mlxvlm.cpu import ops
         from mlxvlm.generate import stream_generate
         from mlxvlm.loading import load
         # Read the media first: a bad path should fail before a slow model load.
         media = load_cli_media(args, verbose=args.verbose)
         if args.verbose:
             print(f"[mlxvlm] device: {mx.default_device()}", file=sys.stderr)
-            print(f"[mlxvlm] OpenBLAS: {_backend.openblas_status}", file=sys.stderr)
-            print(f"[mlxvlm] float32 products: {_backend.gemv_forward_status}", file=sys.stderr)
-            print(f"[mlxvlm] malloc: {_backend.malloc_status}", file=sys.stderr)
+            for what, status in ops.process_status():
+                print(f"[mlxvlm] {what}: {status}", file=sys.stderr)
         model, processor = load(
             args.model,
             revision=args.revision,
@@ -282,13 +281,11 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
             trust_remote_code=args.trust_remote_code,
         )
         if args.verbose:
-            from mlxvlm import kernels
-
             report = getattr(model, "cpu_fast_paths", None)
             if report is not None:
                 print(f"[mlxvlm] CPU fast paths: {report.describe()}", file=sys.stderr)
             if mx.default_device() == mx.cpu:
-                print(f"[mlxvlm] CPU kernels: {kernels.describe()}", file=sys.stderr)
+                print(f"[mlxvlm] CPU kernels: {ops.kernels_status()}", file=sys.stderr)
                 print("[mlxvlm] compute dtype: float32 (fastest on the CPU backend)", file=sys.stderr)
         if args.verbose:
             from mlxvlm.sampling_defaults import checkpoint_defaults, resolve

@@ -198,16 +198,16 @@ def load_model(
 ) -> nn.Module:
     """The model of the checkpoint at ``model_path``. ``keep_half_weights``: with the
     default compute dtype on the CPU, leave the 16-bit weights of linear and embedding
-    layers as they are (for ``mlxvlm.half_weights``) instead of converting them."""
+    layers as they are (for ``mlxvlm.cpu.half_weights``) instead of converting them."""
     config = config if config is not None else read_config(model_path)
     family = get_family(config.get("model_type"))
     model = build_model(model_path, config, family, load_weights_files(model_path))
     keep_half_weights = keep_half_weights and dtype is None
     dtype = compute_dtype_for_device(dtype)
     if dtype == mx.float32 and keep_half_weights:
-        from mlxvlm.half_weights import cast_to_float32_keeping_half_weights
+        from mlxvlm.cpu import ops
 
-        cast_to_float32_keeping_half_weights(model)
+        ops.cast_to_float32_keeping_half_weights(model)
     elif dtype is not None:
         model.set_dtype(dtype)
     model.eval()
@@ -237,7 +237,7 @@ def load(
 
     ``cpu_fast_paths``: on the CPU backend, keep 16-bit weights 16-bit and compute in
     float32 with mlxvlm's kernels, and run quantized layers through BLAS (see
-    ``mlxvlm.cpu_fast_paths``; ``model.cpu_fast_paths`` reports what was done). Pass False
+    ``mlxvlm.cpu.fast_paths``; ``model.cpu_fast_paths`` reports what was done). Pass False
     to keep MLX's own layers and kernels, e.g. for QLoRA training on the quantized weights.
     """
     from mlxvlm.tokenization import attach_generation_tokenizer
@@ -246,11 +246,11 @@ def load(
     config = read_config(model_path)
     family = get_family(config.get("model_type"))
     if cpu_fast_paths:
-        from mlxvlm.cpu_fast_paths import apply_cpu_fast_paths, keeps_half_weights
+        from mlxvlm.cpu import ops
 
-        keep = keeps_half_weights()
+        keep = ops.keeps_half_weights()
         model = load_model(model_path, config, dtype=dtype, keep_half_weights=keep)
-        model.cpu_fast_paths = apply_cpu_fast_paths(model)
+        model.cpu_fast_paths = ops.apply_cpu_fast_paths(model)
     else:
         model = load_model(model_path, config, dtype=dtype)
     processor = family.Model.load_processor(model_path, config)

@@ -10,7 +10,7 @@ import pytest
 os.environ["MLXVLM_ALLOW_TORCH"] = "1"
 
 # As a user's program does: mlxvlm before mlx.core, so that the CPU backend's BLAS set-up
-# (OpenBLAS and the sgemv shim, mlxvlm/_backend.py) is what the tests exercise.
+# (OpenBLAS and the sgemv shim, mlxvlm/cpu/blas.py) is what the tests exercise.
 import mlxvlm  # noqa: F401
 
 # tests/ holds helper modules (tests/tiny/) imported by the tests.

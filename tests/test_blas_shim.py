@@ -1,4 +1,4 @@
-"""The BLAS shim (mlxvlm/_blas_shim.c): mlxvlm's one pool of CPU threads, and the
+"""The BLAS shim (mlxvlm/cpu/blas_shim.c): mlxvlm's one pool of CPU threads, and the
 products OpenBLAS's sgemm gives.
 
 One-row and one-column float32 products go to sgemv, larger ones are split over the
@@ -21,17 +21,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxvlm import _backend
+from mlxvlm.cpu import blas, policy
 
 HAS_COMPILER = any(shutil.which(c) for c in (os.environ.get("CC", "cc"), "cc", "gcc"))
 needs_shim = pytest.mark.skipif(
-    _backend.gemv_forward is None,
-    reason=f"shim not loaded here: {_backend.gemv_forward_status}",
+    blas.gemv_forward is None,
+    reason=f"shim not loaded here: {blas.gemv_forward_status}",
 )
 
 
 def forwarded() -> int:
-    return _backend.gemv_forward.mlxvlm_gemv_forwarded()
+    return blas.gemv_forward.mlxvlm_gemv_forwarded()
 
 
 def rng_array(*shape, seed=0):
@@ -53,12 +53,12 @@ def check(got: mx.array, want: np.ndarray):
 @pytest.mark.skipif(sys.platform != "linux", reason="the OpenBLAS set-up is for Linux")
 def test_shim_is_loaded_where_a_compiler_and_openblas_exist():
     """.ci/run installs both; elsewhere the status must say why the shim is not used."""
-    if HAS_COMPILER and _backend.openblas_status.startswith("loaded"):
-        assert "sgemv" in _backend.gemv_forward_status, _backend.gemv_forward_status
-        assert _backend.gemv_forward is not None
+    if HAS_COMPILER and blas.openblas_status.startswith("loaded"):
+        assert "sgemv" in blas.gemv_forward_status, blas.gemv_forward_status
+        assert blas.gemv_forward is not None
     else:
-        assert _backend.gemv_forward is None
-        assert _backend.gemv_forward_status.startswith(("not used", "disabled", "not attempted"))
+        assert blas.gemv_forward is None
+        assert blas.gemv_forward_status.startswith(("not used", "disabled", "not attempted"))
 
 
 @pytest.mark.parametrize(
@@ -124,10 +124,10 @@ def test_other_products_still_use_sgemm():
 @needs_shim
 def test_opt_out_leaves_the_shim_unused():
     probe = (
-        "import numpy as np, mlxvlm; from mlxvlm import _backend; import mlx.core as mx\n"
+        "import numpy as np, mlxvlm; from mlxvlm.cpu import blas; import mlx.core as mx\n"
         "x = np.ones((1, 64), np.float32); w = np.ones((32, 64), np.float32)\n"
         "err = float(np.abs(np.array(mx.array(x) @ mx.array(w).T) - 64).max())\n"
-        "print(_backend.gemv_forward is None, '|', _backend.gemv_forward_status, '|', err)\n"
+        "print(blas.gemv_forward is None, '|', blas.gemv_forward_status, '|', err)\n"
     )
     env = {**os.environ, "MLXVLM_NO_GEMV_FORWARD": "1"}
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
@@ -142,8 +142,8 @@ def test_opt_out_leaves_the_shim_unused():
 def test_shim_builds_into_the_cache_directory(tmp_path):
     """A fresh cache directory: the shim is compiled there and loads."""
     probe = (
-        "import mlxvlm; from mlxvlm import _backend\n"
-        "print(_backend.gemv_forward_status)\n"
+        "import mlxvlm; from mlxvlm.cpu import blas\n"
+        "print(blas.gemv_forward_status)\n"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
@@ -154,11 +154,11 @@ def test_shim_builds_into_the_cache_directory(tmp_path):
 
 
 def split() -> int:
-    return _backend.gemv_forward.mlxvlm_products_split()
+    return blas.gemv_forward.mlxvlm_products_split()
 
 
 needs_threads = pytest.mark.skipif(
-    _backend.pool_threads < 2, reason="one CPU here: products are not split"
+    blas.pool_threads < 2, reason="one CPU here: products are not split"
 )
 
 
@@ -233,7 +233,7 @@ def test_openblas_runs_single_threaded_inside_the_split():
 
     openblas = ctypes.CDLL(ctypes.util.find_library("openblas"))
     assert openblas.openblas_get_num_threads() == 1
-    assert f"split over mlxvlm's {_backend.pool_threads} threads" in _backend.gemv_forward_status
+    assert f"split over mlxvlm's {blas.pool_threads} threads" in blas.gemv_forward_status
 
 
 @needs_shim
@@ -257,14 +257,14 @@ def test_concurrent_streams_get_right_products():
 
 
 THREADS_PROBE = (
-    "import ctypes, ctypes.util, numpy as np, mlxvlm; from mlxvlm import _backend\n"
+    "import ctypes, ctypes.util, numpy as np, mlxvlm; from mlxvlm.cpu import blas\n"
     "import mlx.core as mx\n"
     "a = np.random.default_rng(0).normal(size=(300, 200)).astype(np.float32)\n"
     "b = np.random.default_rng(1).normal(size=(200, 250)).astype(np.float32)\n"
     "err = float(np.abs(np.array(mx.array(a) @ mx.array(b)) - a @ b).max())\n"
-    "blas = ctypes.CDLL(ctypes.util.find_library('openblas'))\n"
-    "print(_backend.gemv_forward_status, '|', _backend.gemv_forward.mlxvlm_products_split(),"
-    " '|', blas.openblas_get_num_threads(), '|', err)\n"
+    "openblas = ctypes.CDLL(ctypes.util.find_library('openblas'))\n"
+    "print(blas.gemv_forward_status, '|', blas.gemv_forward.mlxvlm_products_split(),"
+    " '|', openblas.openblas_get_num_threads(), '|', err)\n"
 )
 
 
@@ -290,7 +290,7 @@ def test_thread_count_follows_mlxvlm_cpu_threads(threads):
 
 
 def pool_jobs() -> int:
-    return _backend.gemv_forward.mlxvlm_pool_jobs()
+    return blas.gemv_forward.mlxvlm_pool_jobs()
 
 
 def attention_reference(q, k, v, scale):
@@ -308,13 +308,13 @@ def attention_inputs(seed=40):
 @needs_threads
 def test_kernels_run_on_the_shims_pool():
     """One set of threads: the kernels' jobs are the shim's pool's jobs."""
-    from mlxvlm import kernels
+    from mlxvlm.cpu import kernels
 
     module = kernels.load()
     if module is None:
         pytest.skip(f"the CPU kernels are {kernels.status}")
     assert module.shares_blas_pool()
-    assert module.threads() == _backend.pool_threads
+    assert module.threads() == blas.pool_threads
     assert "shared with the float32 products" in kernels.describe()
     q, k, v = attention_inputs()
     before = pool_jobs()
@@ -327,7 +327,7 @@ def test_kernels_run_on_the_shims_pool():
 
 POOL_PROBE = """
 import numpy as np, mlxvlm
-from mlxvlm import _backend, kernels
+from mlxvlm.cpu import blas, kernels
 import mlx.core as mx
 module = kernels.load()
 rng = np.random.default_rng(0)
@@ -358,7 +358,7 @@ def run_probe(code: str, **env_vars) -> str:
 @needs_shim
 def test_kernels_keep_their_own_pool_without_the_shim():
     out = run_probe(
-        "print(_backend.gemv_forward is None, module.shares_blas_pool(), module.threads(),"
+        "print(blas.gemv_forward is None, module.shares_blas_pool(), module.threads(),"
         " check_all(3))", MLXVLM_NO_GEMV_FORWARD="1", MLXVLM_CPU_THREADS="3")
     no_shim, shared, threads, err = out.split()
     assert (no_shim, shared, threads) == ("True", "False", "3")
@@ -373,7 +373,7 @@ def test_threads_that_sleep_after_every_job(threads):
     Whatever the scheduling, none takes a job by spinning (a busy core once made them
     yield a few times before looking at the clock, and so spin)."""
     out = run_probe("err = check_all(100)\n"
-                    "shim = _backend.gemv_forward\n"
+                    "shim = blas.gemv_forward\n"
                     "print(module.threads(), shim.mlxvlm_pool_jobs(), shim.mlxvlm_pool_sleeps(),"
                     " shim.mlxvlm_pool_spun(), err)",
                     MLXVLM_CPU_SPIN_US="0", MLXVLM_CPU_THREADS=threads,
@@ -389,11 +389,11 @@ def test_threads_that_sleep_after_every_job(threads):
 
 SPIN_PROBE = """
 import mlxvlm
-from mlxvlm import _backend
+from mlxvlm.cpu import blas
 import mlx.core as mx
 a, b = mx.random.normal((300, 200)), mx.random.normal((200, 250))
 mx.eval(a, b, a @ b)
-shim = _backend.gemv_forward
+shim = blas.gemv_forward
 jobs, sleeps, spun = shim.mlxvlm_pool_jobs(), shim.mlxvlm_pool_sleeps(), shim.mlxvlm_pool_spun()
 for _ in range(200):  # split products back to back: microseconds between jobs
     mx.eval(a @ b)
@@ -425,22 +425,22 @@ def test_spin_setting_decides_when_idle_threads_sleep(spin_us):
                                              ("9" * 30, 1 << 62)])
 def test_spin_setting_is_read_from_the_environment(monkeypatch, value, expected):
     monkeypatch.setenv("MLXVLM_CPU_SPIN_US", value)
-    assert _backend.spin_microseconds() == expected
+    assert policy.spin_microseconds() == expected
 
 
 def test_thread_count_setting_is_read_from_the_environment(monkeypatch):
     allowed = len(os.sched_getaffinity(0))
     for value, expected in [("3", 3), ("", allowed), ("0", allowed), ("many", allowed)]:
         monkeypatch.setenv("MLXVLM_CPU_THREADS", value)
-        assert _backend.cpu_threads() == expected
+        assert policy.cpu_threads() == expected
 
 
 FORK_PROBE = """
 import ctypes, os, signal
 import numpy as np
 import mlxvlm
-from mlxvlm import _backend
-shim = _backend.gemv_forward
+from mlxvlm.cpu import blas
+shim = blas.gemv_forward
 shim.cblas_sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
                              ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
 rng = np.random.default_rng(0)
@@ -457,13 +457,13 @@ def pool_threads():  # the pool's threads in this process, by the name the shim 
     return sum(open(f"{tasks}/{t}/comm").read().strip() == "mlxvlm-pool" for t in os.listdir(tasks))
 
 parent = product_error(); jobs = shim.mlxvlm_pool_jobs()
-assert pool_threads() == _backend.pool_threads - 1
+assert pool_threads() == blas.pool_threads - 1
 pid = os.fork()
 if pid == 0:
     signal.alarm(60)  # a deadlock fails the test instead of hanging it
     before = pool_threads()  # fork() copies only the calling thread
     ok = product_error() < 1e-3 and shim.mlxvlm_pool_jobs() > jobs
-    os._exit(0 if ok and before == 0 and pool_threads() == _backend.pool_threads - 1 else 1)
+    os._exit(0 if ok and before == 0 and pool_threads() == blas.pool_threads - 1 else 1)
 _, status = os.waitpid(pid, 0)
 print(parent < 1e-3, jobs > 0, os.waitstatus_to_exitcode(status))
 """
@@ -486,7 +486,7 @@ def test_a_forked_child_starts_its_own_threads():
 def test_two_streams_share_the_pool_with_the_kernels():
     """Kernels and products from two threads at once: the caller that finds the pool busy
     runs its job alone, and every result is right."""
-    from mlxvlm import kernels
+    from mlxvlm.cpu import kernels
 
     if kernels.load() is None:
         pytest.skip(f"the CPU kernels are {kernels.status}")

@@ -23,9 +23,10 @@ from mlx.utils import tree_flatten
 
 from parity import first_logits_and_greedy_tokens
 from tiny import make_image
-from mlxvlm import kernels, load
-from mlxvlm.cpu_fast_paths import BUDGET_ENV, DISABLE_ENV, CPUQuantizedLinear
-from mlxvlm.cpu_quantized import CPUKernelQuantizedLinear
+from mlxvlm import load
+from mlxvlm.cpu import policy
+from mlxvlm.cpu.fast_paths import CPUQuantizedLinear
+from mlxvlm.cpu.quantized import CPUKernelQuantizedLinear
 from mlxvlm.loading import CONVERTED_MARKER
 
 IMAGE = make_image(112, 84, seed=1)
@@ -78,7 +79,7 @@ def test_quantized_kernel_matches_mlx_quantized_kernels(quantized_checkpoint, st
 
 def test_dequantized_at_load_matches_quantized_kernels(quantized_checkpoint, standard,
                                                        monkeypatch):
-    monkeypatch.setenv(kernels.DISABLE_ENV, "1")  # the path without the CPU kernels
+    monkeypatch.setenv(policy.NO_KERNELS_ENV, "1")  # the path without the CPU kernels
     model, processor = load(quantized_checkpoint)
     assert quantized_types(model) == set()
     assert model.cpu_fast_paths.dequantized > 0
@@ -88,8 +89,8 @@ def test_dequantized_at_load_matches_quantized_kernels(quantized_checkpoint, sta
 
 
 def test_kept_quantized_over_budget_matches_quantized_kernels(quantized_checkpoint, standard, monkeypatch):
-    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
-    monkeypatch.setenv(BUDGET_ENV, "0")
+    monkeypatch.setenv(policy.NO_KERNELS_ENV, "1")
+    monkeypatch.setenv(policy.DEQUANTIZE_BUDGET_ENV, "0")
     model, processor = load(quantized_checkpoint)
     assert quantized_types(model) == {CPUQuantizedLinear}
     assert model.cpu_fast_paths.streamed > 0
@@ -99,7 +100,7 @@ def test_kept_quantized_over_budget_matches_quantized_kernels(quantized_checkpoi
 
 
 def test_opt_out_keeps_mlx_quantized_kernels(quantized_checkpoint, monkeypatch):
-    monkeypatch.setenv(DISABLE_ENV, "1")
+    monkeypatch.setenv(policy.NO_FAST_PATHS_ENV, "1")
     model, _ = load(quantized_checkpoint)
     assert quantized_types(model) == {nn.QuantizedLinear}
     assert "off" in model.cpu_fast_paths.describe()
@@ -115,12 +116,12 @@ def test_quantized_model_really_differs_from_float(tiny_checkpoints, standard):
 OPENBLAS_PROBE = """
 import numpy as np
 import mlxvlm
-from mlxvlm import _backend
+from mlxvlm.cpu import blas
 import mlx.core as mx
 a = np.random.default_rng(0).normal(size=(96, 80)).astype(np.float32)
 b = np.random.default_rng(1).normal(size=(80, 72)).astype(np.float32)
 err = float(np.abs(np.array(mx.array(a) @ mx.array(b)) - a @ b).max())
-print(_backend.openblas_status, "|", err)
+print(blas.openblas_status, "|", err)
 """
 
 
@@ -151,7 +152,7 @@ def test_openblas_preload_and_opt_out():
 FAULTS_PROBE = """
 import resource
 import mlxvlm
-from mlxvlm import _backend
+from mlxvlm.cpu import malloc
 import mlx.core as mx
 x = mx.random.normal((1024, 3072))  # 12 MB
 mx.eval(x)
@@ -163,7 +164,7 @@ def faults_of_a_round():
         del parts
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 faults_of_a_round()
-print(_backend.malloc_status, "|", faults_of_a_round())
+print(malloc.malloc_status, "|", faults_of_a_round())
 """
 
 

@@ -35,10 +35,11 @@ from mlx.utils import tree_flatten, tree_map
 
 from parity import first_logits_and_greedy_tokens
 from tiny import make_image
-from mlxvlm import kernels, load
-from mlxvlm.cpu_quantized import CPUKernelQuantizedEmbedding, CPUKernelQuantizedLinear
-from mlxvlm.cpu_rope import CPURoPE
-from mlxvlm.half_weights import CPUHalfEmbedding, CPUHalfLinear, residual_plus
+from mlxvlm import load
+from mlxvlm.cpu import kernels, policy
+from mlxvlm.cpu.half_weights import CPUHalfEmbedding, CPUHalfLinear, residual_plus
+from mlxvlm.cpu.quantized import CPUKernelQuantizedEmbedding, CPUKernelQuantizedLinear
+from mlxvlm.cpu.rope import CPURoPE
 from mlxvlm.loading import CONVERTED_MARKER
 
 
@@ -177,7 +178,7 @@ def test_vit_blocks_add_their_residuals_inside_16_bit_products():
     out and fc2 products (two MLX additions fewer), with the unfused block's result."""
     from types import SimpleNamespace
 
-    from mlxvlm.half_weights import use_half_weight_layers
+    from mlxvlm.cpu.half_weights import use_half_weight_layers
     from mlxvlm.models.layers.vit import EncoderLayer
 
     config = SimpleNamespace(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -373,7 +374,7 @@ def test_rms_norm_matches_mlx():
 
 
 def test_norm_layers_swap_in_with_mlx_gradients():
-    from mlxvlm.cpu_norms import CPULayerNorm, CPURMSNorm, use_cpu_norms
+    from mlxvlm.cpu.norms import CPULayerNorm, CPURMSNorm, use_cpu_norms
 
     model = nn.Sequential(nn.LayerNorm(96), nn.RMSNorm(96), nn.LayerNorm(96, affine=False))
     reference = nn.Sequential(nn.LayerNorm(96), nn.RMSNorm(96), nn.LayerNorm(96, affine=False))
@@ -402,7 +403,7 @@ def test_gemma_rms_norm_swaps_in_with_its_one_plus_weight_inside_the_kernel():
     in the graph on every call), with the results and gradients of mlx-lm's module."""
     from mlx_lm.models import gemma3_text
 
-    from mlxvlm.cpu_norms import CPUGemmaRMSNorm, use_cpu_norms
+    from mlxvlm.cpu.norms import CPUGemmaRMSNorm, use_cpu_norms
 
     model, reference = nn.Sequential(gemma3_text.RMSNorm(96)), nn.Sequential(gemma3_text.RMSNorm(96))
     model.layers[0].weight = mx.random.normal((96,), key=mx.random.key(40)) * 0.1
@@ -660,7 +661,7 @@ def test_bf16_checkpoint_keeps_bf16_weights_and_float32_results(bf16_checkpoints
     assert report.kernel_ropes == len(rotary) and bool(rotary) == (family != "qwen2_vl")
     logits, tokens = _logits_and_tokens(model, processor)
 
-    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    monkeypatch.setenv(policy.NO_KERNELS_ENV, "1")
     reference, reference_processor = load(path)
     assert reference.cpu_fast_paths.half_layers == 0
     assert all(v.dtype == mx.float32 for _, v in tree_flatten(reference.parameters()))
@@ -725,8 +726,8 @@ def test_lora_wraps_half_weight_layers():
 
 
 def test_opt_out_keeps_float32_weights(bf16_checkpoints, monkeypatch):
-    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
-    assert not kernels.enabled() and kernels.describe() == f"disabled by {kernels.DISABLE_ENV}"
+    monkeypatch.setenv(policy.NO_KERNELS_ENV, "1")
+    assert not kernels.enabled() and kernels.describe() == f"disabled by {policy.NO_KERNELS_ENV}"
     model, _ = load(bf16_checkpoints["idefics3"])
     assert not any(isinstance(m, (CPUHalfLinear, CPUHalfEmbedding)) for _, m in model.named_modules())
 
@@ -735,7 +736,8 @@ def test_without_a_compiler_the_model_runs_on_float32_weights(bf16_checkpoints, 
     """A fresh cache and no C++ compiler: mlxvlm says why and falls back."""
     script = (
         "import mlxvlm, mlx.core as mx\n"
-        "from mlxvlm import kernels, load, generate\n"
+        "from mlxvlm import load, generate\n"
+        "from mlxvlm.cpu import kernels\n"
         "from mlx.utils import tree_flatten\n"
         "from tiny import make_image\n"
         "print('enabled', kernels.enabled())\n"
@@ -759,14 +761,14 @@ def test_without_a_compiler_the_model_runs_on_float32_weights(bf16_checkpoints, 
 
 
 def test_thread_count_follows_the_environment():
-    script = "import mlxvlm; from mlxvlm import kernels; print(kernels.describe())"
+    script = "import mlxvlm; from mlxvlm.cpu import kernels; print(kernels.describe())"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             env=dict(os.environ, MLXVLM_CPU_THREADS="1"), timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    from mlxvlm import _backend
+    from mlxvlm.cpu import blas
 
-    # With the BLAS shim (mlxvlm/_blas_shim.c) the kernels run on its pool.
-    shared = ", shared with the float32 products" if _backend.gemv_forward is not None else ""
+    # With the BLAS shim (mlxvlm/cpu/blas_shim.c) the kernels run on its pool.
+    shared = ", shared with the float32 products" if blas.gemv_forward is not None else ""
     assert f"({kernels.simd()}, 1 thread{shared});" in result.stdout, result.stdout
 
 
@@ -790,7 +792,7 @@ def test_narrower_instruction_sets_give_the_same_results(isa):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
-    script = "import mlxvlm; from mlxvlm import kernels; print(kernels.simd())"
+    script = "import mlxvlm; from mlxvlm.cpu import kernels; print(kernels.simd())"
     shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            env=dict(os.environ, MLXVLM_CPU_ISA=isa), timeout=300)
     assert shown.stdout.strip() == isa
@@ -811,7 +813,7 @@ def test_both_prefill_paths_give_the_same_results(path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
-    script = "import mlxvlm; from mlxvlm import kernels; print(kernels.prefill_products())"
+    script = "import mlxvlm; from mlxvlm.cpu import kernels; print(kernels.prefill_products())"
     shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            env=env, timeout=300)
     assert shown.stdout.strip().endswith(f"(MLXVLM_HALF_GEMM={path})"), shown.stdout
@@ -831,7 +833,7 @@ def test_the_prefill_path_is_measured_and_described():
 
 
 def test_an_unknown_prefill_path_is_reported_and_ignored():
-    script = "import mlxvlm; from mlxvlm import kernels; print(kernels.prefill_products())"
+    script = "import mlxvlm; from mlxvlm.cpu import kernels; print(kernels.prefill_products())"
     shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            env=dict(os.environ, MLXVLM_HALF_GEMM="fast"), timeout=300)
     assert shown.returncode == 0, shown.stderr[-2000:]
@@ -842,7 +844,7 @@ def test_an_unknown_prefill_path_is_reported_and_ignored():
 
 
 def test_an_unknown_instruction_set_cap_is_reported_and_ignored():
-    script = ("import mlxvlm; from mlxvlm import kernels; "
+    script = ("import mlxvlm; from mlxvlm.cpu import kernels; "
               "print(kernels.describe()); print(kernels.simd())")
     shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            env=dict(os.environ, MLXVLM_CPU_ISA="sse9"), timeout=300)
@@ -863,8 +865,8 @@ def test_calling_a_kernel_that_could_not_be_built_says_why(monkeypatch):
 
 
 def test_the_build_is_cached_per_source_and_toolchain():
-    from mlxvlm._backend import cache_dir
-    from mlxvlm.kernels import build
+    from mlxvlm.cpu.build_cache import cache_dir
+    from mlxvlm.cpu.kernels import build
 
     first = build.build()
     assert first.exists() and cache_dir() in first.parents

@@ -1,5 +1,5 @@
-"""The rotary embedding kernel (``mlxvlm.kernels.rope``) and the modules that use it
-(``mlxvlm.cpu_rope``): the rotation of MLX's ``mx.fast.rope`` computed in float64 from
+"""The rotary embedding kernel (``mlxvlm.cpu.kernels.rope``) and the modules that use it
+(``mlxvlm.cpu.rope``): the rotation of MLX's ``mx.fast.rope`` computed in float64 from
 its definition, MLX's gradients, and which modules are swapped."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import rope_utils
 
-from mlxvlm import kernels
-from mlxvlm.cpu_rope import CPURoPE, use_cpu_rope
+from mlxvlm.cpu import kernels, policy
+from mlxvlm.cpu.rope import CPURoPE, use_cpu_rope
 
 
 def _float64_rope(x, dims, traditional, base, scale, offset, freqs=None):
@@ -161,7 +161,7 @@ def test_opting_out_of_the_kernels_gives_mlxs_rope(monkeypatch):
     use_cpu_rope(holder)
     x = mx.random.normal((1, 4, 5, 64), key=mx.random.key(8))
     assert not mx.array_equal(holder.rope(x, offset=40), module(x, offset=40))
-    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    monkeypatch.setenv(policy.NO_KERNELS_ENV, "1")
     assert mx.array_equal(holder.rope(x, offset=40), module(x, offset=40))
 
 
@@ -213,6 +213,6 @@ def test_the_models_rotation_takes_the_kernel_on_float32_only(monkeypatch):
     assert calls == [1]
     half = apply_rotary(x.astype(mx.bfloat16), cos.astype(mx.bfloat16), sin.astype(mx.bfloat16))
     assert half.dtype == mx.bfloat16 and calls == [1]
-    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    monkeypatch.setenv(policy.NO_KERNELS_ENV, "1")
     apply_rotary(x, cos, sin)
     assert calls == [1]

@@ -3,7 +3,7 @@
 A decoding step's arithmetic is small (one row through each layer); its cost beyond
 reading the weights is MLX's dispatch, ~10 us per operation. MLX composes RoPE, RMSNorm
 and attention from ~20, ~12 and ~8 operations on the CPU; mlxvlm's kernels make each one
-(``mlxvlm.cpu_rope``, ``mlxvlm.cpu_norms``, ``models/layers/attention.py``). This
+(``mlxvlm.cpu.rope``, ``mlxvlm.cpu.norms``, ``mlxvlm.cpu.attention``). This
 counts the operations of one step's graph (MLX's ``export_to_dot``) with and without the
 kernels, on tiny checkpoints: mlx-lm's decoders and Qwen2-VL's M-RoPE decoder."""
 
@@ -16,7 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxvlm import kernels, load
+from mlxvlm import load
+from mlxvlm.cpu import kernels, policy
 
 # family: (its rotary kernel, the most operations a step keeps of those without the
 # kernels). mlx-lm's decoders rotate from positions; Qwen2-VL's M-RoPE decoder from its
@@ -54,7 +55,7 @@ def test_a_decoding_step_has_a_third_of_mlxs_operations(family, tiny_checkpoints
     path = tiny_checkpoints.path(family, "hub")
     model, _ = load(path)
     with_kernels = _step_operations(model, tmp_path)
-    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    monkeypatch.setenv(policy.NO_KERNELS_ENV, "1")
     reference, _ = load(path)
     without = _step_operations(reference, tmp_path)
     rotary, kept = FAMILIES[family]
@@ -81,5 +82,5 @@ def test_the_kernels_step_gives_the_same_logits(tiny_checkpoints, monkeypatch):
         return np.array(model(mx.array([[13]]), cache, state=state, last_only=True))
 
     got = step_logits()
-    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    monkeypatch.setenv(policy.NO_KERNELS_ENV, "1")
     np.testing.assert_allclose(got, step_logits(), rtol=1e-4, atol=1e-4)

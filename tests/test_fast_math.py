@@ -2,7 +2,7 @@
 
 - ``fast_math``: exp, GELU (tanh form), quick GELU and SiLU against MLX's functions, in
   value and in gradient; NaN and overflow behaviour; the slicing of large arrays.
-- ``attention``: the blocked CPU attention (the C++ kernel of ``mlxvlm.kernels``, and the
+- ``attention``: the blocked CPU attention (the C++ kernel of ``mlxvlm.cpu.kernels``, and the
   MLX composition used without it) against ``mx.fast.scaled_dot_product_attention``
   for every mask kind the families pass (none, causal with a cache offset, boolean with
   fully masked rows, additive), grouped-query attention, gradients, threads.
@@ -22,8 +22,8 @@ import pytest
 
 from parity import first_logits_and_greedy_tokens
 from tiny import make_image
-from mlxvlm import kernels, load
-from mlxvlm.models.layers import attention, fast_math
+from mlxvlm import load
+from mlxvlm.cpu import attention, fast_math, kernels, policy
 
 
 def _rel_error(fast: mx.array, reference: np.ndarray) -> float:
@@ -35,7 +35,7 @@ def _rel_error(fast: mx.array, reference: np.ndarray) -> float:
 def test_exp_matches_float64_as_closely_as_mx_exp():
     x = mx.array(np.linspace(-87.0, 88.0, 200_001, dtype=np.float32))
     reference = np.exp(np.array(x, dtype=np.float64))
-    assert fast_math.use_fast_math(x)
+    assert policy.fast_math_applies(x)
     fast_error = _rel_error(fast_math.exp(x), reference)
     mlx_error = _rel_error(mx.exp(x), reference)
     assert fast_error < 5e-6, fast_error  # x * log2(e) in float32 sets this floor
@@ -115,9 +115,9 @@ def test_fast_activations_write_over_a_temporary_input(fast, reference, arity):
 def test_half_precision_and_opt_out_take_mlx_functions(monkeypatch):
     x = mx.random.normal((256, 256), key=mx.random.key(1))
     assert not mx.array_equal(fast_math.gelu_tanh(x), nn.gelu_approx(x))  # fast path taken
-    assert not fast_math.use_fast_math(x.astype(mx.bfloat16))
-    monkeypatch.setenv(fast_math.DISABLE_ENV, "1")
-    assert not fast_math.use_fast_math(x)
+    assert not policy.fast_math_applies(x.astype(mx.bfloat16))
+    monkeypatch.setenv(policy.NO_FAST_PATHS_ENV, "1")
+    assert not policy.fast_math_applies(x)
     assert mx.array_equal(fast_math.gelu_tanh(x), nn.gelu_approx(x))
     assert mx.array_equal(fast_math.exp(x), mx.exp(x))
 
@@ -141,7 +141,7 @@ def attention_path(request, monkeypatch):
     kernels cannot be built; returns the list its calls are counted in."""
     calls = []
     if request.param == "mlx":
-        monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+        monkeypatch.setenv(policy.NO_KERNELS_ENV, "1")
         name, module = "_blocked_attention", attention
     else:
         assert kernels.enabled(), kernels.describe()
@@ -255,11 +255,11 @@ def test_small_problems_and_opt_out_take_mlx_kernel(monkeypatch):
     np.testing.assert_allclose(np.array(kernel), np.array(want), rtol=1e-5, atol=1e-5)
     # Without it, below MIN_SCORES: exactly MLX's result, since the MLX composition is
     # slower than MLX's own kernel there.
-    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    monkeypatch.setenv(policy.NO_KERNELS_ENV, "1")
     assert mx.array_equal(attention.scaled_dot_product_attention(q, k, v, scale=0.3), want)
     monkeypatch.setattr(attention, "MIN_SCORES", 0)
     assert not mx.array_equal(attention.scaled_dot_product_attention(q, k, v, scale=0.3), want)
-    monkeypatch.setenv(fast_math.DISABLE_ENV, "1")
+    monkeypatch.setenv(policy.NO_FAST_PATHS_ENV, "1")
     assert mx.array_equal(attention.scaled_dot_product_attention(q, k, v, scale=0.3), want)
 
 
@@ -302,9 +302,9 @@ def test_models_on_fast_paths_match_standard_path(tiny_checkpoints, family, atte
     """Every attention and activation of the tiny model on the fast paths (thresholds
     lowered): the same logits within float32 tolerance and the same greedy tokens."""
     path = tiny_checkpoints.path(family, "hub")
-    monkeypatch.setenv(fast_math.DISABLE_ENV, "1")
+    monkeypatch.setenv(policy.NO_FAST_PATHS_ENV, "1")
     standard_logits, standard_tokens = _logits_and_tokens(path)
-    monkeypatch.delenv(fast_math.DISABLE_ENV)
+    monkeypatch.delenv(policy.NO_FAST_PATHS_ENV)
     assert not attention_path
     calls = attention_path
     monkeypatch.setattr(attention, "MIN_SCORES", 0)
@@ -324,12 +324,12 @@ def test_mlx_lm_mlps_get_fast_activations_with_the_same_parameters(tiny_checkpoi
                                                                    monkeypatch):
     from mlx.utils import tree_flatten
 
-    from mlxvlm.models.layers.mlx_lm_backbone import GatedMLP, use_fast_attention
+    from mlxvlm.cpu.mlx_lm import GatedMLP, use_fast_attention
 
     path = tiny_checkpoints.path(family, "hub")
-    monkeypatch.setenv(fast_math.DISABLE_ENV, "1")
+    monkeypatch.setenv(policy.NO_FAST_PATHS_ENV, "1")
     standard, _ = load(path)
-    monkeypatch.delenv(fast_math.DISABLE_ENV)
+    monkeypatch.delenv(policy.NO_FAST_PATHS_ENV)
     fast, _ = load(path)
     mlps = [m for _, m in fast.named_modules() if isinstance(m, GatedMLP)]
     assert mlps and fast.cpu_fast_paths.fast_mlps == len(mlps)
@@ -343,7 +343,7 @@ def test_mlx_lm_mlps_get_fast_activations_with_the_same_parameters(tiny_checkpoi
     out = fast(ids, fast.make_cache())
     assert len(calls) == len(fast.layers)
     # ...and compute what the standard model computes on MLX's kernels.
-    monkeypatch.setenv(fast_math.DISABLE_ENV, "1")
+    monkeypatch.setenv(policy.NO_FAST_PATHS_ENV, "1")
     want = standard(ids, standard.make_cache())
     assert len(calls) == len(fast.layers)
     np.testing.assert_allclose(np.array(out), np.array(want), rtol=1e-4, atol=1e-4)

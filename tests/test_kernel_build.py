@@ -9,9 +9,8 @@ import types
 import mlx.core as mx
 import pytest
 
-from mlxvlm import kernels
-from mlxvlm.cpu import build_cache
-from mlxvlm.kernels import build
+from mlxvlm.cpu import build_cache, kernels
+from mlxvlm.cpu.kernels import build
 
 
 @pytest.fixture

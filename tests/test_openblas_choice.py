@@ -1,4 +1,4 @@
-"""Which OpenBLAS kernels mlxvlm names on an x86 CPU (mlxvlm/_backend.py).
+"""Which OpenBLAS kernels mlxvlm names on an x86 CPU (mlxvlm/cpu/openblas_cores.py, mlxvlm/cpu/blas.py).
 
 OpenBLAS releases older than a CPU fall back to older kernels on it: SSE3 on Intel Xeons
 they do not know, AVX2 on AMD CPUs with AVX-512. mlxvlm names the best kernels the CPU's
@@ -17,10 +17,11 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from mlxvlm import _backend
+from mlxvlm.cpu import openblas_cores
 
 # Intel Xeon Platinum 8480+ (Sapphire Rapids, family 6 model 143).
 SAPPHIRE_RAPIDS = (
@@ -158,16 +159,16 @@ def cpuinfo_file(tmp_path, vendor, flags, processors=2):
 @pytest.mark.parametrize("cpu", sorted(CPUS))
 def test_cpuinfo_is_read_for_vendor_and_flags(tmp_path, cpu):
     vendor, flags = CPUS[cpu]
-    assert _backend.cpu_vendor_and_flags(cpuinfo_file(tmp_path, vendor, flags)) == (
+    assert openblas_cores.cpu_vendor_and_flags(cpuinfo_file(tmp_path, vendor, flags)) == (
         vendor, frozenset(flags.split()))
 
 
 def test_cpuinfo_of_an_arm_cpu_or_none_gives_no_flags(tmp_path):
     arm = tmp_path / "cpuinfo"
     arm.write_text(GRAVITON2_CPUINFO)
-    assert _backend.cpu_vendor_and_flags(str(arm)) == ("", frozenset())
-    assert _backend.cpu_vendor_and_flags(str(tmp_path / "missing")) == ("", frozenset())
-    assert _backend.openblas_cores_for(frozenset()) == []
+    assert openblas_cores.cpu_vendor_and_flags(str(arm)) == ("", frozenset())
+    assert openblas_cores.cpu_vendor_and_flags(str(tmp_path / "missing")) == ("", frozenset())
+    assert openblas_cores.openblas_cores_for(frozenset()) == []
 
 
 def flags_of(cpu):
@@ -184,7 +185,7 @@ def flags_of(cpu):
     ("zen3", ["Haswell"]),
 ])
 def test_kernels_each_cpu_can_run(cpu, cores):
-    assert _backend.openblas_cores_for(flags_of(cpu)) == cores
+    assert openblas_cores.openblas_cores_for(flags_of(cpu)) == cores
 
 
 @pytest.mark.parametrize("cpu, default, accepted, expected", [
@@ -213,11 +214,11 @@ def test_kernels_each_cpu_can_run(cpu, cores):
     ("zen5", None, DEBIAN_0_3_21, None),
 ])
 def test_decision(cpu, default, accepted, expected):
-    assert _backend.openblas_core_choice({}, flags_of(cpu), default, accepted) == expected
+    assert openblas_cores.openblas_core_choice({}, flags_of(cpu), default, accepted) == expected
 
 
 def test_decision_keeps_the_users_coretype_and_leaves_other_cpus():
-    choose = _backend.openblas_core_choice
+    choose = openblas_cores.openblas_core_choice
     for user in ("Haswell", "Prescott", "SkylakeX"):
         assert choose({"OPENBLAS_CORETYPE": user}, flags_of("sapphire_rapids"), "Prescott",
                       NEWER) is None
@@ -230,7 +231,7 @@ def test_decision_keeps_the_users_coretype_and_leaves_other_cpus():
 
 
 def test_verbose_says_which_kernels_run_and_who_chose_them():
-    note = _backend.openblas_core_note
+    note = openblas_cores.openblas_core_note
     spr = flags_of("sapphire_rapids")
     assert note("Cooperlake", {}, spr, forced="Cooperlake", default="Prescott") == (
         ", Cooperlake kernels (chosen by mlxvlm: OpenBLAS picks Prescott on this AVX-512 "
@@ -261,21 +262,21 @@ def test_probe_is_asked_once_and_only_for_what_can_help(tmp_path, monkeypatch):
         return ["Prescott" if c is None else (c if c != "SapphireRapids" else "Prescott")
                 for c in coretypes]
 
-    monkeypatch.setattr(_backend, "_corenames_in_children", children)
+    monkeypatch.setattr(openblas_cores, "_corenames_in_children", children)
     flags = flags_of("sapphire_rapids")
     want = ("Prescott", frozenset({"Cooperlake", "SkylakeX", "Haswell"}))
-    assert _backend.probe_openblas_cores("libopenblas.so.0", flags) == want
+    assert openblas_cores.probe_openblas_cores("libopenblas.so.0", flags) == want
     assert asked == [[None], ["SapphireRapids", "Cooperlake", "SkylakeX", "Haswell"]]
-    assert _backend.probe_openblas_cores("libopenblas.so.0", flags) == want
+    assert openblas_cores.probe_openblas_cores("libopenblas.so.0", flags) == want
     assert len(asked) == 2  # kept
     kept, = (tmp_path / "mlxvlm").glob("openblas-cores-*.json")
     assert json.loads(kept.read_text())["default"] == "Prescott"
 
     # OpenBLAS knows the CPU (its own pick is of the CPU's best set): nothing more asked.
     asked.clear()
-    monkeypatch.setattr(_backend, "_corenames_in_children",
+    monkeypatch.setattr(openblas_cores, "_corenames_in_children",
                         lambda library, coretypes: asked.append(list(coretypes)) or ["SkylakeX"])
-    assert _backend.probe_openblas_cores("libopenblas.so.0", flags_of("skylake_x")) == (
+    assert openblas_cores.probe_openblas_cores("libopenblas.so.0", flags_of("skylake_x")) == (
         "SkylakeX", frozenset())
     assert asked == [[None]]
 
@@ -292,7 +293,7 @@ needs_x86_openblas = pytest.mark.skipif(
 def test_probe_reads_the_names_a_real_openblas_accepts():
     """Every x86-64 CPU runs the SSE3 kernels, so a DYNAMIC_ARCH build (Debian's) takes
     "Prescott"; a name it does not know falls back to its own pick."""
-    got = _backend._corenames_in_children(OPENBLAS, ["Prescott", "NoSuchCore"])
+    got = openblas_cores._corenames_in_children(OPENBLAS, ["Prescott", "NoSuchCore"])
     assert got[0] == "Prescott"
     assert got[1] != "NoSuchCore"
 
@@ -300,14 +301,18 @@ def test_probe_reads_the_names_a_real_openblas_accepts():
 LOAD_PROBE = """
 import ctypes, os, sys
 import numpy as np
-import importlib.util
-spec = importlib.util.spec_from_file_location("backend_alone", sys.argv[1])
-backend = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(backend)
+import types
+# mlxvlm.cpu's BLAS modules alone: the packages stand in for themselves, so that
+# mlxvlm/__init__.py (which loads OpenBLAS its own way) does not run.
+for name, path in (("mlxvlm", sys.argv[1]), ("mlxvlm.cpu", os.path.join(sys.argv[1], "cpu"))):
+    package = types.ModuleType(name)
+    package.__path__ = [path]
+    sys.modules[name] = package
+from mlxvlm.cpu import blas as backend, openblas_cores
 # As on a CPU this OpenBLAS does not know: it would pick its SSE3 kernels and accepts
 # every name mlxvlm has.
-backend.probe_openblas_cores = lambda library, flags: (
-    "Prescott", frozenset(backend.openblas_cores_for(flags)))
+openblas_cores.probe_openblas_cores = lambda library, flags: (
+    "Prescott", frozenset(openblas_cores.openblas_cores_for(flags)))
 backend.preload_openblas()
 blas = ctypes.CDLL(None)
 I, P = ctypes.c_int, ctypes.c_void_p
@@ -327,15 +332,15 @@ def test_openblas_loads_with_the_kernels_mlxvlm_names_and_computes_right(tmp_pat
     """With OpenBLAS reported to pick SSE3 kernels here, it loads with the best ones this
     CPU runs, the user's environment is left as it was, and products are right; with the
     user's OPENBLAS_CORETYPE, theirs are used and the faster choice is said."""
-    _, flags = _backend.cpu_vendor_and_flags()
-    best = _backend.openblas_cores_for(flags)
+    _, flags = openblas_cores.cpu_vendor_and_flags()
+    best = openblas_cores.openblas_cores_for(flags)
     if not best:
         pytest.skip("this CPU has no AVX2: mlxvlm names no kernels on it")
 
     def run(env_extra):
         env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
         env.update(env_extra, XDG_CACHE_HOME=str(tmp_path), MLXVLM_NO_GEMV_FORWARD="1")
-        out = subprocess.run([sys.executable, "-c", LOAD_PROBE, _backend.__file__],
+        out = subprocess.run([sys.executable, "-c", LOAD_PROBE, str(Path(openblas_cores.__file__).parents[1])],
                              capture_output=True, text=True, env=env, timeout=120)
         assert out.returncode == 0, out.stderr
         status, coretype, err = (part.strip() for part in out.stdout.split("|"))

@@ -12,17 +12,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
+
+from mlxvlm.cpu import policy
 
 try:
     import fcntl
 except ImportError:  # not POSIX: builds are not serialised, the atomic rename still holds
     fcntl = None
 
-REBUILD_ENV = "MLXVLM_REBUILD"
+REBUILD_ENV = policy.REBUILD_ENV
 
 
 class BuildError(RuntimeError):
@@ -37,7 +42,34 @@ def cache_dir() -> Path:
 @functools.cache
 def compiler_version(compiler: str) -> str:
     """The compiler's own ``--version`` line: a compiler upgraded under the same path
-    must not reuse objects built by the old one."""
+    must not reuse objects built by the old one.
+
+    Asked of the compiler once per installed binary (its resolved path, size and
+    modification time) and kept in the cache directory: the BLAS shim's build checks
+    its fingerprint at every ``import mlxvlm``, which should not start a process."""
+    try:
+        binary = Path(shutil.which(compiler) or compiler).resolve()
+        info = binary.stat()
+    except OSError:
+        return _ask_version(compiler)
+    key = json.dumps([compiler, str(binary), info.st_size, info.st_mtime_ns])
+    kept = cache_dir() / "compilers" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.txt"
+    try:
+        return kept.read_text(encoding="utf-8")
+    except OSError:
+        pass
+    version = _ask_version(compiler)
+    if not version.startswith("unknown"):
+        with contextlib.suppress(OSError):
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=kept.parent, delete=False,
+                                             encoding="utf-8") as f:
+                f.write(version)
+            os.replace(f.name, kept)  # atomic: a concurrent process reads all or nothing
+    return version
+
+
+def _ask_version(compiler: str) -> str:
     try:
         result = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                                 timeout=30)
@@ -78,7 +110,7 @@ def exclusive(target: Path) -> Iterator[None]:
 def previous_failure(target: Path) -> str | None:
     """Why the last build of ``target`` (this fingerprint) failed, unless a rebuild is
     asked for."""
-    if os.environ.get(REBUILD_ENV, "").strip() not in ("", "0"):
+    if policy.rebuild_requested():
         return None
     try:
         return _failure_file(target).read_text(encoding="utf-8")

@@ -132,17 +132,10 @@ def _keep_quantized_for_training(model) -> None:
     """A quantized base stays quantized under LoRA (QLoRA: the memory of the quantized
     weights). MLX's CPU kernels for quantized products are slow for the many rows of a
     training sequence, so there each quantized layer is wrapped to dequantize on the fly
-    and use BLAS (mlxvlm.cpu_fast_paths), still holding only the quantized weights."""
-    import mlx.nn as nn
-    from mlx.utils import tree_unflatten
+    and use BLAS (mlxvlm.cpu.fast_paths), still holding only the quantized weights."""
+    from mlxvlm.cpu import ops
 
-    from mlxvlm.cpu_fast_paths import CPUQuantizedLinear, fast_paths_enabled
-
-    if fast_paths_enabled():
-        model.update_modules(tree_unflatten([
-            (name, CPUQuantizedLinear(m)) for name, m in model.named_modules()
-            if type(m) is nn.QuantizedLinear
-        ]))
+    ops.stream_quantized_layers(model)
 
 
 def _write_full_model(model, model_path: Path, output: Path) -> None:

@@ -294,7 +294,7 @@ class Model(VisionLanguageModel):
     def image_features(self, pixel_values: Any) -> mx.array:
         """(images, patches, text width) from the processor's (images, C, H, W)."""
         # The compute dtype: a norm's (a linear layer's weight may stay 16-bit on the CPU,
-        # see mlxvlm.half_weights, and may be quantized).
+        # see mlxvlm.cpu.half_weights, and may be quantized).
         dtype = self.vision_tower.vision_model.post_layernorm.weight.dtype
         return siglip.projected_image_features(self, pixel_values, dtype)
 

@@ -11,7 +11,7 @@ port matches the reference to float rounding:
   (tests/test_activations.py checks every entry against transformers).
 - ``silu``: ``x * sigmoid(x)`` -> ``nn.silu``.
 
-The last three go through ``fast_math`` (same function, faster on the CPU backend).
+The last three go through ``mlxvlm.cpu.ops`` (same function, faster on the CPU backend).
 
 Names not listed (``gelu_new``, whose float32 form differs from ``nn.gelu_approx`` by up
 to 1.7e-4, ``gelu_fast``, ``gelu_10``, ...) are refused rather than approximated.
@@ -24,15 +24,15 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxvlm.models.layers import fast_math
+from mlxvlm.cpu.ops import gelu_tanh, quick_gelu, silu
 
-# The exponential-based ones run through fast_math, which computes the same function
+# The exponential-based ones run through the CPU backend's door, which computes the same function
 # faster on MLX's CPU backend and is exactly MLX's function everywhere else.
 ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
     "gelu": nn.gelu,
-    "gelu_pytorch_tanh": fast_math.gelu_tanh,
-    "quick_gelu": fast_math.quick_gelu,
-    "silu": fast_math.silu,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "quick_gelu": quick_gelu,
+    "silu": silu,
 }
 
 

@@ -37,12 +37,11 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from mlxvlm.models.config_utils import text_config
-from mlxvlm.models.layers import fast_math
-from mlxvlm.models.layers.attention import cached_attention
+from mlxvlm.cpu.ops import cached_attention, gated, silu
 from mlxvlm.models.layers.rotary import apply_rotary
 
 
-swiglu = fast_math.gated(fast_math.silu)
+swiglu = gated(silu)
 
 
 def default_mrope(text: dict, family: str) -> dict:

@@ -29,7 +29,7 @@ import numpy as np
 from mlxvlm.models import run_ahead
 from mlxvlm.models.config_utils import rope_parameters
 from mlxvlm.models.layers.activations import activation
-from mlxvlm.models.layers.attention import scaled_dot_product_attention
+from mlxvlm.cpu.ops import scaled_dot_product_attention
 from mlxvlm.models.layers.qwen_vision import apply_rotary
 from mlxvlm.models.weights import rename_prefix
 

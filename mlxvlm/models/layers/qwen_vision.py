@@ -41,7 +41,7 @@ from mlxvlm.models import run_ahead
 from mlxvlm.models.config_utils import rope_parameters
 from mlxvlm.models.layers import rotary as rotary_embedding
 from mlxvlm.models.layers.activations import activation
-from mlxvlm.models.layers.attention import scaled_dot_product_attention
+from mlxvlm.cpu.ops import scaled_dot_product_attention
 
 
 @dataclass

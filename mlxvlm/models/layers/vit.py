@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxvlm.half_weights import residual_plus
+from mlxvlm.cpu.ops import residual_plus, scaled_dot_product_attention
 from mlxvlm.models import run_ahead
 from mlxvlm.models.layers.activations import activation
-from mlxvlm.models.layers.attention import scaled_dot_product_attention
 
 
 @dataclass(frozen=True)

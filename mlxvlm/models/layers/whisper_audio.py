@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.models import run_ahead
-from mlxvlm.models.layers.attention import scaled_dot_product_attention
+from mlxvlm.cpu.ops import scaled_dot_product_attention
 
 
 @dataclass

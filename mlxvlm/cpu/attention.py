@@ -1,29 +1,24 @@
 """Scaled dot-product attention: ``mx.fast.scaled_dot_product_attention``, with a faster
-path for large float32 attention on MLX's CPU backend.
+path for float32 attention on MLX's CPU backend.
 
 On the CPU, MLX evaluates ``mx.fast.scaled_dot_product_attention`` as a score matmul, a
-softmax and a value matmul, and the softmax dominates (see ``fast_math``): one SigLIP
-layer's attention over 1024 patches (12 heads) takes ~350 ms on a 2-core x86-64
-machine, 290 ms of it in ``exp``. The CPU path here
+softmax and a value matmul, and the softmax dominates (see ``fast_math``). Where
+mlxvlm's CPU kernels are built (``kernels.attention``) the attention is one C++
+primitive at every size. Without them, large problems take the MLX composition here,
+which
 
-- takes the queries in blocks, so that each block's scores (about half a million floats)
-  stay in cache while they are exponentiated;
+- takes the queries in blocks, so that each block's scores stay in cache while they are
+  exponentiated;
 - uses ``fast_math``'s exponential and gets each row's sum from the value matmul itself
   (the values carry an extra column of ones), normalising the small output rather than
   the large probability matrix;
-- runs on the caller's stream. (Alternating the blocks over two CPU streams measured
-  2-3x slower with a multi-threaded OpenBLAS: the two streams' BLAS threads fight for
-  the cores; it only paid off with single-threaded BLAS.)
+- runs on the caller's stream (alternating the blocks over two CPU streams made the
+  two streams' BLAS threads fight for the cores).
 
 The maths is the reference softmax(q k^T * scale + mask) v with the row maximum
 subtracted; results agree with MLX's to float32 rounding (tests/test_fast_math.py).
 Every other backend or dtype takes MLX's kernel, and the derivatives are those of MLX's
-attention (``fast_math.with_reference_vjp`` here, the kernel's own in C++); without
-mlxvlm's kernels, small problems (decode steps, short prompts) take MLX's kernel too.
-
-Where mlxvlm's CPU kernels are built (``mlxvlm.kernels``), the same blocked algorithm runs
-as one C++ primitive instead (a SigLIP layer's attention ~220 -> ~60 ms); the MLX
-composition here is the path without a compiler.
+attention (``fast_math.with_reference_vjp`` here, the kernel's own in C++).
 """
 
 from __future__ import annotations
@@ -31,8 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models import base as mlx_lm_base
 
-from mlxvlm import kernels
-from mlxvlm.models.layers import fast_math
+from mlxvlm.cpu import fast_math, kernels, policy
 
 # Without mlxvlm's kernels, below this many scores (batch x heads x queries x keys) MLX's
 # own attention is as fast as the blocked composition. The kernel takes every size: a
@@ -106,7 +100,7 @@ def scaled_dot_product_attention(
     keys = k.shape[2]
     use_kernel = kernels.enabled()
     if (
-        not fast_math.use_fast_math(q)
+        not policy.fast_math_applies(q)
         or k.dtype != mx.float32
         or v.dtype != mx.float32
         or (not use_kernel and B * heads * queries * keys < MIN_SCORES)

@@ -1,12 +1,10 @@
-"""Fast paths on MLX's CPU backend: 16-bit and quantized layers, and mlx-lm text models'
-maths.
+"""A loaded model rewritten for MLX's CPU backend: 16-bit and quantized layers, norms,
+rotary embeddings, and mlx-lm text models' maths.
 
-Measured on a 2-core x86-64 machine (mlx 0.32.4, OpenBLAS loaded, see ``_backend``):
-``mx.quantized_matmul`` for a 4-bit 1x1536x8960 product takes 0.16 s, a float32 gemv of
-the same shape 0.011 s, and for 256 rows 41 s against 0.23 s. The quantized kernel costs
-about as much per row as dequantizing the whole matrix. With mlxvlm's CPU kernels built,
-affine 4/8-bit layers run on ``mlxvlm.kernels.quantized_linear`` and stay quantized
-(``mlxvlm.cpu_quantized``). Other quantized layers, or all of them without the kernels:
+MLX's CPU ``quantized_matmul`` costs about as much per row as dequantizing the whole
+matrix (benchmarks/README.md has the figures). With mlxvlm's CPU kernels built, affine
+4/8-bit layers run on ``kernels.quantized_linear`` and stay quantized (``quantized``).
+Other quantized layers, or all of them without the kernels:
 
 - if the model's quantized layers fit in memory as float32 (within a budget: half of the
   machine's RAM by default, ``MLXVLM_CPU_DEQUANTIZE_MAX_GB`` to change it), they are
@@ -16,37 +14,34 @@ affine 4/8-bit layers run on ``mlxvlm.kernels.quantized_linear`` and stay quanti
   decode) dequantizes the layer's weight for that call and uses BLAS, while a single row
   (decode) uses the quantized kernel. Memory stays at the quantized size plus one layer.
 
-With mlxvlm's CPU kernels built (``mlxvlm.kernels``; they need a C++ compiler), a
-bfloat16/float16 checkpoint's linear and embedding weights stay 16-bit and are computed
-in float32 (``mlxvlm.half_weights``): half the memory of float32 weights, and decoding
-reads half the bytes. Layers dequantized at load are float32 (``scale * q + bias`` in
-float32, exactly what the quantized kernels compute; 16 bits would round it). The
-kernels also take the model's LayerNorm/RMSNorm layers (``mlxvlm.cpu_norms``) and its
-rotary embeddings (``mlxvlm.cpu_rope``): each one operation where MLX's CPU backend
-composes ~12-20, which is what a decoding step's time goes to (dispatch, not arithmetic).
+With the kernels built (they need a C++ compiler), a bfloat16/float16 checkpoint's
+linear and embedding weights stay 16-bit and are computed in float32 (``half_weights``):
+half the memory of float32 weights, and decoding reads half the bytes. Layers dequantized
+at load are float32 (``scale * q + bias`` in float32, exactly what the quantized kernels
+compute; 16 bits would round it). The kernels also take the model's LayerNorm/RMSNorm
+layers (``norms``) and its rotary embeddings (``rope``): each one operation where MLX's
+CPU backend composes many, which is what a decoding step's time goes to (dispatch, not
+arithmetic).
 
-It also gives the text models from mlx-lm the exp-based maths of
-``models/layers/fast_math.py`` and the blocked attention of ``models/layers/attention.py``
-(the vision towers and mlxvlm's own decoders call those directly): their gated MLPs
-become ``GatedMLP`` over the same projections, and their attention calls are routed
-through ``attention`` (see ``models/layers/mlx_lm_backbone.py``).
+It also gives the text models from mlx-lm the exp-based maths of ``fast_math`` and the
+blocked attention of ``attention`` (see ``mlx_lm``); the vision towers and mlxvlm's own
+decoders reach those through ``ops``.
 
-Metal (and CUDA) keep MLX's own kernels: nothing here runs off the CPU backend.
-``MLXVLM_NO_CPU_FAST_PATHS=1`` turns all of this off; ``load(..., cpu_fast_paths=False)``
-leaves the model's modules as they are (fine-tuning does).
+Metal (and CUDA) keep MLX's own kernels: nothing here runs off the CPU backend
+(``policy.fast_paths_enabled``). ``MLXVLM_NO_CPU_FAST_PATHS=1`` turns all of this off;
+``load(..., cpu_fast_paths=False)`` leaves the model's modules as they are (fine-tuning
+does).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-DISABLE_ENV = "MLXVLM_NO_CPU_FAST_PATHS"
-BUDGET_ENV = "MLXVLM_CPU_DEQUANTIZE_MAX_GB"
+from mlxvlm.cpu import kernels, policy
 
 
 @dataclass
@@ -94,25 +89,9 @@ class FastPathReport:
         return "; ".join(parts) or "no quantized layers"
 
 
-def fast_paths_enabled() -> bool:
-    return mx.default_device() == mx.cpu and os.environ.get(DISABLE_ENV, "") in ("", "0")
-
-
 def keeps_half_weights() -> bool:
     """Whether 16-bit weights stay 16-bit here (the CPU backend, with the kernels)."""
-    from mlxvlm import kernels
-
     return kernels.enabled()
-
-
-def dequantize_budget_bytes() -> int:
-    if os.environ.get(BUDGET_ENV):
-        return int(float(os.environ[BUDGET_ENV]) * 1e9)
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
-    return total // 2
 
 
 def _float32(a):
@@ -185,18 +164,18 @@ def _as_float_module(layer: nn.Module) -> nn.Module:
 def apply_cpu_fast_paths(model: nn.Module) -> FastPathReport:
     """Rewrite the model for the CPU backend, in place: mlx-lm MLPs and attention onto the
     fast maths, quantized layers onto BLAS (see the module docstring)."""
-    if not fast_paths_enabled():
+    if not policy.fast_paths_enabled():
         return FastPathReport(reason="off (not on the CPU backend, or disabled)")
-    from mlxvlm.models.layers.mlx_lm_backbone import use_fast_attention, use_fast_mlps
+    from mlxvlm.cpu.mlx_lm import use_fast_attention, use_fast_mlps
 
     fast_mlps = use_fast_mlps(model)
     use_fast_attention(model)
     report = _apply_quantized_fast_paths(model)
     report.fast_mlps = fast_mlps
     if keeps_half_weights():
-        from mlxvlm.cpu_norms import use_cpu_norms
-        from mlxvlm.cpu_rope import use_cpu_rope
-        from mlxvlm.half_weights import use_half_weight_layers
+        from mlxvlm.cpu.half_weights import use_half_weight_layers
+        from mlxvlm.cpu.norms import use_cpu_norms
+        from mlxvlm.cpu.rope import use_cpu_rope
 
         report.half_layers, report.half_bytes = use_half_weight_layers(model)
         report.kernel_norms = use_cpu_norms(model)
@@ -215,7 +194,7 @@ def _apply_quantized_fast_paths(model: nn.Module) -> FastPathReport:
     report = FastPathReport()
     replacements = []
     if keeps_half_weights():  # the kernels are here: supported layers stay quantized
-        from mlxvlm.cpu_quantized import kernel_layer, kernel_supports
+        from mlxvlm.cpu.quantized import kernel_layer, kernel_supports
 
         for name, layer in quantized:
             if kernel_supports(layer):
@@ -225,7 +204,7 @@ def _apply_quantized_fast_paths(model: nn.Module) -> FastPathReport:
     float_bytes = sum(
         m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits * 4 for _, m in quantized
     )
-    if quantized and float_bytes <= dequantize_budget_bytes():
+    if quantized and float_bytes <= policy.dequantize_budget_bytes():
         for name, layer in quantized:
             replacements.append((name, _as_float_module(layer)))
         report.dequantized, report.dequantized_bytes = len(quantized), float_bytes
@@ -237,3 +216,14 @@ def _apply_quantized_fast_paths(model: nn.Module) -> FastPathReport:
     model.update_modules(tree_unflatten(replacements))
     mx.eval(model.parameters())
     return report
+
+
+def stream_quantized_layers(model: nn.Module) -> None:
+    """For training on a quantized base (QLoRA) on the CPU backend: each plain quantized
+    linear layer becomes a ``CPUQuantizedLinear`` (BLAS for many rows, still holding only
+    the quantized weights). Nothing changes elsewhere."""
+    if policy.fast_paths_enabled():
+        model.update_modules(tree_unflatten([
+            (name, CPUQuantizedLinear(m)) for name, m in model.named_modules()
+            if type(m) is nn.QuantizedLinear
+        ]))

@@ -5,7 +5,7 @@ An MLX extension is C++ compiled against the installed ``mlx`` (its headers and
 ``libmlx``) and bound with nanobind in MLX's nanobind domain, so that ``mlx.core.array``
 passes through (see MLX's "Custom Extensions" documentation). It needs a C++17 compiler,
 Python's headers and the ``nanobind`` package; without them the kernels are skipped and
-``mlxvlm.kernels.status`` says why.
+``mlxvlm.cpu.kernels.status`` says why.
 
 The build runs at first use rather than at install time: it must compile against the
 ``mlx`` that runs (its headers and ``libmlx``), which an isolated install-time build

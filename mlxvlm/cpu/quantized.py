@@ -1,16 +1,16 @@
 """Quantized linear and embedding layers computed by mlxvlm's CPU kernel, on MLX's CPU
 backend: the weights stay packed (4 or 8 bits), the maths is float32.
 
-MLX's CPU ``quantized_matmul`` is slow (a 4-bit 1x1536x8960 product: ~36 ms, against
-~3 ms for a float32 gemv), so without the kernels mlxvlm dequantizes quantized layers to
-float32 at load (``cpu_fast_paths``), at 8x the memory of 4-bit weights.
-``mlxvlm.kernels.quantized_linear`` computes on the packed weights instead, about as fast
-as the float32 gemv, and exactly the dequantized product (scale * q + bias in float32).
+MLX's CPU ``quantized_matmul`` is many times slower than a float32 gemv of the same
+shape, so without the kernels mlxvlm dequantizes quantized layers to float32 at load
+(``fast_paths``), at 8x the memory of 4-bit weights. ``kernels.quantized_linear``
+computes on the packed weights instead, at about the float32 gemv's speed, and exactly
+the dequantized product (scale * q + bias in float32).
 
 The layers are ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding`` subclasses with the
 same parameters, so LoRA (QLoRA) wrapping and saving treat them as the layers they
 replace. Affine 4- and 8-bit layers whose group size is a multiple of 8 qualify; others
-keep ``cpu_fast_paths``' handling.
+keep ``fast_paths``' handling.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxvlm import kernels
+from mlxvlm.cpu import kernels
 
 
 def kernel_supports(layer: nn.Module) -> bool:

@@ -1,46 +1,43 @@
-"""mlxvlm's CPU kernels for MLX: attention, and linear layers with 16-bit weights.
+"""mlxvlm's CPU kernels for MLX: attention, activations, norms, rotations, and linear
+layers on 16-bit or quantized weights.
 
 MLX primitives (C++ in this folder, compiled on first use by ``build.py``):
 
 - ``attention(q, k, v, scale=, mask=)``: softmax(scale q k^T + mask) v in float32. With
   AVX-512: register-tiled products fused with an online softmax, query tiles spread over
   the CPU threads; elsewhere: blocked so the scores stay in cache, the matmuls through
-  the process's BLAS, a vectorised softmax. One SigLIP layer's attention over 1024
-  patches on a 2-core x86-64 machine: ~220 ms composed of MLX ops, ~60 ms on the BLAS
-  path, 23-32 ms with AVX-512.
+  the process's BLAS, a vectorised softmax.
 - ``half_linear(x, weight, bias=None, residual=None)``: x (float32) times a
   bfloat16/float16 weight, computed in float32 without keeping a float32 copy of the
-  weight. Lets a bf16 checkpoint run at float32 speed with half the memory. A residual
+  weight, so a bf16 checkpoint runs at float32 speed with half the memory. A residual
   (the output's shape) is summed in the pass that writes the output rows, in place of a
   separate addition (``half_weights.residual_plus``). Prefill's products (more than four
   rows) run on a blocked AVX-512 GEMM of mlxvlm's own where it measures faster than the
-  weights converted into the BLAS (``prefill_products()`` says which; 1.7x OpenBLAS's
-  AVX2 kernels per core on a Zen 5 EPYC); ``MLXVLM_HALF_GEMM=own`` or ``blas`` chooses.
+  weights converted into the BLAS (``prefill_products()`` says which);
+  ``MLXVLM_HALF_GEMM=own`` or ``blas`` chooses.
 - ``quantized_linear(x, weight, scales, biases, group_size=, bits=)``: MLX's affine
   4/8-bit layers computed on the packed weights (decode) or dequantized a chunk at a
   time into BLAS (prefill), so quantized checkpoints stay quantized in memory.
-- ``norm(x, weight, bias, eps=, rms=)``: LayerNorm / RMSNorm, vectorised and threaded
-  (one SigLIP LayerNorm: ~5 ms in MLX, well under 1 ms here).
+- ``norm(x, weight, bias, eps=, rms=)``: LayerNorm / RMSNorm, vectorised and threaded.
 - ``rope(x, dims, traditional=, base=, scale=, offset=, freqs=)``: ``mx.fast.rope`` as
-  one operation (MLX's CPU backend composes ~20 per call, each ~10 us of dispatch in a
-  decoding step, twice per layer); ``rotary(x, cos, sin)``: ``x * cos + rotate_half(x) *
-  sin`` from a model's own tables (Qwen's M-RoPE) as one operation, not seven.
+  one operation (MLX's CPU backend composes it from ~20, whose dispatch is what a
+  decoding step pays for); ``rotary(x, cos, sin)``: ``x * cos + rotate_half(x) * sin``
+  from a model's own tables (Qwen's M-RoPE) as one operation, not seven.
 - ``activation(x, kind, up=None)``: GELU (tanh form), quick GELU, SiLU or exp, optionally
-  times ``up`` (gated MLPs), vectorised and threaded: GELU over 1024 x 3072 floats
-  ~38 ms with ``fast_math``'s MLX composition, a few ms here.
+  times ``up`` (gated MLPs), vectorised and threaded.
 
-Used only on MLX's CPU backend (``cpu_fast_paths``, ``models/layers/attention.py``);
-``MLXVLM_NO_CPU_KERNELS=1`` opts out, and so does ``MLXVLM_NO_CPU_FAST_PATHS``. When the
-build is not possible (no C++ compiler, Python headers or nanobind) mlxvlm keeps its
-MLX-only paths and ``describe()`` says why. The instruction set (AVX-512, AVX2 or
-portable loops) is chosen at run time; ``MLXVLM_CPU_ISA=avx2`` or ``portable`` caps it.
+Used only on MLX's CPU backend (``fast_paths``, ``attention``, ``fast_math``);
+``MLXVLM_NO_CPU_KERNELS=1`` opts out, and so does ``MLXVLM_NO_CPU_FAST_PATHS`` (both read
+in ``policy``). When the build is not possible (no C++ compiler, Python headers or
+nanobind) mlxvlm keeps its MLX-only paths and ``describe()`` says why. The instruction
+set (AVX-512, AVX2 or portable loops) is chosen at run time; ``MLXVLM_CPU_ISA=avx2`` or
+``portable`` caps it. Figures are in benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
-import os
 import subprocess
 import sys
 import threading
@@ -49,11 +46,7 @@ from types import ModuleType
 
 import mlx.core as mx
 
-from mlxvlm import _backend
-
-DISABLE_ENV = "MLXVLM_NO_CPU_KERNELS"
-ISA_ENV = "MLXVLM_CPU_ISA"  # caps the instruction set; read by the C++ side (vector_math.h)
-ISAS = ("avx512", "avx2", "portable")
+from mlxvlm.cpu import policy
 
 status: str = "not loaded yet"
 _module: ModuleType | None = None
@@ -63,7 +56,7 @@ _loading = threading.Lock()  # one build and one import per process (the server'
 
 def _sgemm_address() -> int:
     """The cblas_sgemm libmlx uses: OpenBLAS (through mlxvlm's sgemv shim) when
-    ``mlxvlm._backend`` loaded it globally, else libmlx's own BLAS."""
+    ``mlxvlm.cpu.blas`` loaded it globally, else libmlx's own BLAS."""
     try:
         return ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value
     except AttributeError:
@@ -92,12 +85,12 @@ def load() -> ModuleType | None:
 
 def _build_and_import() -> ModuleType | None:
     global status
-    from mlxvlm.kernels.build import BuildError, build
+    from mlxvlm.cpu.kernels.build import BuildError, build
 
     try:
         module = _import(build(verbose=True))
         module.set_sgemm(_sgemm_address())
-        module.set_threads(_backend.cpu_threads())  # for its own pool, without the shim
+        module.set_threads(policy.cpu_threads())  # for its own pool, without the shim
         _smoke_call(module)
     except (BuildError, OSError, ImportError, AttributeError, TypeError, RuntimeError,
             subprocess.SubprocessError) as exc:
@@ -108,11 +101,11 @@ def _build_and_import() -> ModuleType | None:
     status = (f"attention, activation, norm, rotary, 16-bit and quantized linear kernels "
               f"({module.simd()}, {threads} thread{'s' if threads != 1 else ''}"
               f"{', shared with the float32 products' if module.shares_blas_pool() else ''})")
-    cap = os.environ.get(ISA_ENV, "")
-    if cap and cap not in ISAS:  # the kernels then use the widest set the CPU has
-        status += f"; {ISA_ENV}={cap!r} ignored (expected one of {', '.join(ISAS)})"
-        print(f"mlxvlm: {ISA_ENV}={cap!r} ignored: expected one of {', '.join(ISAS)}",
-              file=sys.stderr)
+    cap = policy.isa_cap_ignored()
+    if cap is not None:  # the kernels then use the widest set the CPU has
+        isa, isas = policy.ISA_ENV, ", ".join(policy.ISAS)
+        status += f"; {isa}={cap!r} ignored (expected one of {isas})"
+        print(f"mlxvlm: {isa}={cap!r} ignored: expected one of {isas}", file=sys.stderr)
     return module
 
 
@@ -130,13 +123,7 @@ def _smoke_call(module: ModuleType) -> None:
 
 def enabled() -> bool:
     """Whether the kernels apply here: the CPU backend, not opted out, built."""
-    from mlxvlm.cpu_fast_paths import fast_paths_enabled
-
-    return fast_paths_enabled() and not _opted_out() and load() is not None
-
-
-def _opted_out() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip() not in ("", "0")
+    return policy.fast_paths_enabled() and not policy.kernels_disabled() and load() is not None
 
 
 def _require() -> ModuleType:
@@ -153,8 +140,8 @@ def simd() -> str:
 
 def describe() -> str:
     """What the kernels do here, or why they are not used (for ``--verbose``)."""
-    if _opted_out():
-        return f"disabled by {DISABLE_ENV}"
+    if policy.kernels_disabled():
+        return f"disabled by {policy.NO_KERNELS_ENV}"
     if load() is None:
         return status
     return (f"{status}; prefill products of 16-bit and quantized weights: "
@@ -164,7 +151,7 @@ def describe() -> str:
 def prefill_products() -> str:
     """How ``half_linear`` and ``quantized_linear`` compute products of more than four rows
     here, and why: mlxvlm's AVX-512 GEMM or the weights converted into the process's
-    sgemm, the faster of the two on this CPU (measured once per process, ~10 ms) unless
+    sgemm, the faster of the two on this CPU (measured once per process) unless
     ``MLXVLM_HALF_GEMM`` is "own" or "blas"."""
     return _require().prefill_products()
 

@@ -1,10 +1,9 @@
 """LayerNorm and RMSNorm layers that use mlxvlm's CPU kernel.
 
-MLX's CPU ``layer_norm`` takes ~5 ms for one SigLIP layer's 1024 x 768 activations on a
-2-core x86-64 machine, twice per layer; ``mlxvlm.kernels.norm`` does it in well under a
-millisecond. In a decoding step the work is a few hundred floats and the cost is
-dispatch: MLX's CPU backend composes ``mx.fast.rms_norm`` from ~12 operations (square,
-sum, rsqrt, products and their broadcasts) at ~10 us each, the kernel is one. The layers
+MLX's CPU ``layer_norm`` is slow over a vision tower's activations, and ``kernels.norm``
+is vectorised and threaded. In a decoding step the work is a few hundred floats and the
+cost is dispatch: MLX's CPU backend composes ``mx.fast.rms_norm`` from ~12 operations
+(square, sum, rsqrt, products and their broadcasts), the kernel is one. The layers
 below are ``nn.LayerNorm`` / ``nn.RMSNorm`` subclasses with the same parameters (and a
 module for Gemma's ``1 + weight`` RMSNorm); other dtypes keep MLX's ``mx.fast``
 functions, and the kernel's derivatives are theirs.
@@ -18,12 +17,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from mlxvlm import kernels
-from mlxvlm.models.layers import fast_math
+from mlxvlm.cpu import kernels, policy
 
 
 def _kernel_applies(x: mx.array) -> bool:
-    return fast_math.use_fast_math(x) and kernels.enabled()
+    return policy.fast_math_applies(x) and kernels.enabled()
 
 
 class CPULayerNorm(nn.LayerNorm):

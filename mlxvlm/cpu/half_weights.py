@@ -3,7 +3,7 @@ float32, on MLX's CPU backend.
 
 MLX's bfloat16/float16 matmuls are several times slower than float32 ones on the CPU, so
 mlxvlm computes in float32 there. Converting the weights to float32 doubled a bf16
-checkpoint's memory; with ``mlxvlm.kernels.half_linear`` the weights of every linear and
+checkpoint's memory; with ``kernels.half_linear`` the weights of every linear and
 embedding layer stay 16-bit (decode reads half the bytes, prefill converts them a chunk
 at a time) and only the small rest of the model (norms, biases, convolutions) is float32.
 
@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxvlm import kernels
+from mlxvlm.cpu import kernels
 
 HALF_DTYPES = (mx.bfloat16, mx.float16)
 
@@ -75,7 +75,7 @@ def cast_to_float32_keeping_half_weights(model: nn.Module) -> None:
     prefix = lambda name: f"{name}." if name else ""  # noqa: E731
     kept = {f"{prefix(name)}weight" for name, _ in _half_layers(model)}
     # Quantized layers' 16-bit scales and biases too: the quantized kernel reads them as
-    # they are (mlxvlm.cpu_quantized), and dequantizing casts them (cpu_fast_paths).
+    # they are (``quantized``), and dequantizing casts them (``fast_paths``).
     kept |= {
         f"{prefix(name)}{part}"
         for name, m in model.named_modules()

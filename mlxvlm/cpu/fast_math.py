@@ -2,36 +2,32 @@
 
 Why: the ``mlx[cpu]`` wheel for x86-64 is built for the baseline instruction set, so its
 ``exp`` (and ``tanh``, ``erf``, ``sigmoid``) evaluate one float at a time through a
-software ``fma``. Measured on a 2-core x86-64 machine (mlx 0.32.4): ``mx.exp`` over
-786 K floats takes 14.7 ms, the softmax of one SigLIP layer (12 x 1024 x 1024 scores)
-290 ms — most of a 512-px image's encoding time.
+software ``fma``; softmax and GELU over a vision tower's activations spend most of their
+time there (benchmarks/README.md has the figures).
 
-What: the same Cephes polynomial MLX itself uses (``exp(x) = 2**n * p(f)``, ``n`` the
-nearest integer to ``x / ln 2``), written as MLX array arithmetic that ``mx.compile``
-turns into plain loops the C++ compiler vectorises — 1.9 ms for the same 786 K floats,
-with the same maximum relative error as ``mx.exp`` (1.8e-6 against float64 over
-[-64, 0]). Large arrays are evaluated in slices of about half a million elements, as
-the kernels are several times faster while their data stays in cache.
+What: where mlxvlm's C++ kernels are built, each function here is one kernel call
+(``kernels.activation``). Without them: the same Cephes polynomial MLX itself uses
+(``exp(x) = 2**n * p(f)``, ``n`` the nearest integer to ``x / ln 2``), written as MLX
+array arithmetic that ``mx.compile`` turns into plain loops the C++ compiler vectorises,
+with the same maximum relative error as ``mx.exp``. Large arrays are evaluated in
+slices, as those loops are faster while their data stays in cache.
 
 Every function here has the backward pass of the standard MLX function it replaces
 (``with_reference_vjp``), so fine-tuning differentiates exactly what it did before.
-``use_fast_math(x)`` decides: float32 arrays on the CPU backend, unless
+``policy.fast_math_applies(x)`` decides: float32 arrays on the CPU backend, unless
 ``MLXVLM_NO_CPU_FAST_PATHS`` is set. Elsewhere (Metal, CUDA, half precision) callers
-use MLX's own functions unchanged.
+get MLX's own functions unchanged.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxvlm import kernels
-
-DISABLE_ENV = "MLXVLM_NO_CPU_FAST_PATHS"
+from mlxvlm.cpu import kernels, policy
 
 # Smaller arrays (decode steps) keep MLX's single fused kernel: fewer dispatches.
 MIN_ELEMENTS = 1 << 14
@@ -52,15 +48,6 @@ _EXP2_COEFFICIENTS = (
     1.339887440266574e-3,
     1.535336188319500e-4,
 )
-
-
-def use_fast_math(x: mx.array) -> bool:
-    """True where these functions should replace MLX's: a float32 array on the CPU."""
-    return (
-        x.dtype == mx.float32
-        and mx.default_device() == mx.cpu
-        and os.environ.get(DISABLE_ENV, "") in ("", "0")
-    )
 
 
 # The work is split into small compiled functions because MLX fuses one output per kernel
@@ -159,7 +146,7 @@ def _kernel_exp(x: mx.array) -> mx.array:
 def exp(x: mx.array) -> mx.array:
     """``mx.exp``, fast on the CPU (on the MLX composition, inputs above 88 give ~2.4e38
     rather than inf)."""
-    if not use_fast_math(x):
+    if not policy.fast_math_applies(x):
         return mx.exp(x)
     return _kernel_exp(x) if kernels.enabled() else _mlx_exp(x)
 
@@ -200,14 +187,14 @@ def _dispatching(fast_kernel: Callable, reference: Callable, kind: str) -> Calla
         return kernels.activation(x, kind)
 
     def function(x: mx.array) -> mx.array:
-        if x.size < MIN_ELEMENTS or not use_fast_math(x):
+        if x.size < MIN_ELEMENTS or not policy.fast_math_applies(x):
             return reference(x)
         return kernel(x) if kernels.enabled() else composed(x)
 
     function.__name__ = reference.__name__
     function.__doc__ = f"``{reference.__module__}.{reference.__name__}``, fast on the CPU."
     function.reference = reference  # the MLX function it stands for
-    function.kind = kind  # its name in mlxvlm.kernels.ACTIVATIONS
+    function.kind = kind  # its name in kernels.ACTIVATIONS
     return function
 
 
@@ -227,7 +214,7 @@ def gated(act: Callable) -> Callable[[mx.array, mx.array], mx.array]:
         return kernels.activation(gate, act.kind, up)
 
     def function(gate: mx.array, up: mx.array) -> mx.array:
-        if gate.size < MIN_ELEMENTS or not use_fast_math(gate):
+        if gate.size < MIN_ELEMENTS or not policy.fast_math_applies(gate):
             return fused(gate, up)
         if kernels.enabled() and up.shape == gate.shape:
             return kernel(gate, up)
