@@ -1,4 +1,4 @@
-"""mlxvlm's CPU kernels (mlxvlm/kernels) compute what MLX computes, and models use them.
+"""mlxvlm's CPU kernels (mlxvlm/cpu/kernels) compute what MLX computes, and models use them.
 
 - ``half_linear``: float32 input times a bfloat16/float16 weight against the float64
   product of the same weights, for decode-sized (gemv) and prefill-sized inputs, with
