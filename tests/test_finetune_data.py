@@ -178,3 +178,24 @@ def test_hugging_face_dataset_in_trl_layout(tmp_path, checkpoint):
     assert result.train_examples == 3
     config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 8 and config["lora_alpha"] == 16
+
+
+@pytest.mark.parametrize("kind", ["tokenizer_bos", "template_bos"])
+def test_training_ids_start_as_inference_prompts_do(tiny_checkpoints, kind):
+    """A tokenizer that adds BOS: training examples carry the one BOS that inference's
+    prompts carry (neither lost nor doubled), and the loss mask still covers the reply."""
+    from mlxvlm.prompt import prepare_inputs
+
+    model, processor = load(tiny_checkpoints.bos_variant("llava", kind))
+    bos = processor.tokenizer.bos_token_id
+    question = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": "What is it?"}]}]
+    reply = {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]}
+    image = make_image(64, 64)
+    encoded = encode_conversation(processor, [*question, reply], [image])
+    prompt = prepare_inputs(processor, question, [image], feature_names=model.feature_names)
+    prompt_ids = prompt.input_ids[0].tolist()
+    assert prompt_ids.count(bos) == 1 and prompt_ids[0] == bos
+    assert encoded.input_ids.tolist()[: len(prompt_ids)] == prompt_ids
+    assert "A red square." in masked_text(processor, encoded)
+    assert not encoded.loss_mask[: len(prompt_ids)].any()

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.prompt import special_tokens_option
 
 
 class MaskingError(MlxvlmError):
@@ -124,9 +125,10 @@ def encode_conversation(
     images, in order -> the processor's ids and features, and the loss mask."""
     text, spans = assistant_spans(processor, messages)
     text_ids, text_mask = _token_mask(processor.tokenizer, text, spans)
-    outputs = processor(
-        text=[text], images=list(images) or None, return_tensors="np", add_special_tokens=False
-    )
+    # Special tokens as inference adds them (mlxvlm.prompt): a model taught without the
+    # BOS its tokenizer adds would then be asked with it.
+    outputs = processor(text=[text], images=list(images) or None, return_tensors="np",
+                        **special_tokens_option(processor, text))
     input_ids = np.asarray(outputs["input_ids"], dtype=np.int32).reshape(-1)
     loss_mask = _carry_mask(text_ids, text_mask, input_ids.tolist())
     features = {
