@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from mlxvlm.cpu import policy
 
@@ -126,3 +126,28 @@ def remember_failure(target: Path, message: str) -> None:
 def forget_failure(target: Path) -> None:
     with contextlib.suppress(OSError):
         _failure_file(target).unlink()
+
+
+def build_once(key: Path, product: Path, make: Callable[[], None], what: str,
+               announce: Callable[[], None] | None = None) -> Path:
+    """``product``, made by ``make()`` unless it exists: under ``key``'s lock, and not
+    again after a failure remembered under ``key`` (``what`` names the inputs in that
+    error); ``announce()`` runs just before a build starts. Raises ``BuildError``."""
+    if product.exists():
+        return product
+    with exclusive(key):
+        if product.exists():  # built by the process that held the lock before us
+            return product
+        failure = previous_failure(key)
+        if failure is not None:
+            raise BuildError(f"{failure} (an earlier build with the same {what}; "
+                             f"{policy.REBUILD_ENV}=1 tries again)")
+        if announce is not None:
+            announce()
+        try:
+            make()
+        except (BuildError, OSError, subprocess.SubprocessError) as exc:
+            remember_failure(key, str(exc))
+            raise BuildError(str(exc)) from exc
+        forget_failure(key)
+    return product

@@ -18,13 +18,10 @@ from pathlib import Path
 
 from mlxvlm.cpu.build_cache import (
     BuildError,
+    build_once,
     cache_dir,
     compiler_version,
-    exclusive,
     fingerprint,
-    forget_failure,
-    previous_failure,
-    remember_failure,
 )
 
 SOURCE = Path(__file__).with_name("blas_shim.c")
@@ -49,22 +46,8 @@ def build_shim() -> Path:
     before (at once), or when the build fails now."""
     compiler = _compiler()
     target = target_path(compiler)
-    if target.exists():
-        return target
-    with exclusive(target):
-        if target.exists():  # built by the process that held the lock before us
-            return target
-        failure = previous_failure(target)
-        if failure is not None:
-            raise BuildError(f"{failure} (an earlier build with the same source and "
-                             f"compiler; MLXVLM_REBUILD=1 tries again)")
-        try:
-            _compile(compiler, target)
-        except (BuildError, OSError, subprocess.SubprocessError) as exc:
-            remember_failure(target, str(exc))
-            raise BuildError(str(exc)) from exc
-        forget_failure(target)
-    return target
+    return build_once(target, target, lambda: _compile(compiler, target),
+                      "source and compiler")
 
 
 def _compile(compiler: str, target: Path) -> None:

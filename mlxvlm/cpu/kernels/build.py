@@ -28,13 +28,10 @@ from pathlib import Path
 
 from mlxvlm.cpu.build_cache import (
     BuildError,
+    build_once,
     cache_dir,
     compiler_version,
-    exclusive,
     fingerprint,
-    forget_failure,
-    previous_failure,
-    remember_failure,
 )
 
 MODULE_NAME = "_mlxvlm_cpu_kernels"
@@ -111,24 +108,13 @@ def build(verbose: bool = False) -> Path:
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     target_dir = cache_dir() / f"cpu-kernels-{_fingerprint(tools)}"
     target = target_dir / f"{MODULE_NAME}{suffix}"
-    if target.exists():
-        return target
-    with exclusive(target_dir):
-        if target.exists():  # built by the process that held the lock before us
-            return target
-        failure = previous_failure(target_dir)
-        if failure is not None:
-            raise BuildError(f"{failure} (an earlier build with the same sources and "
-                             f"toolchain; MLXVLM_REBUILD=1 tries again)")
+
+    def announce() -> None:
         if verbose:
             print("mlxvlm: compiling the CPU kernels (once)...", file=sys.stderr, flush=True)
-        try:
-            _compile_and_link(tools, target_dir, target)
-        except (BuildError, OSError, subprocess.SubprocessError) as exc:
-            remember_failure(target_dir, str(exc))
-            raise BuildError(str(exc)) from exc
-        forget_failure(target_dir)
-    return target
+
+    return build_once(target_dir, target, lambda: _compile_and_link(tools, target_dir, target),
+                      "sources and toolchain", announce)
 
 
 def _compile_and_link(tools: dict, target_dir: Path, target: Path) -> None:
