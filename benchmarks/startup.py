@@ -2,7 +2,7 @@
 every run did before mlxvlm kept torch out) and off (the default), in alternating fresh
 processes: import, load and first-token times, whole-run wall time and peak RSS.
 
-    python benchmarks/startup.py --model examples/shapes-vlm --runs 5 --out benchmarks/results/startup-DATE-HOST.json
+    python benchmarks/startup.py --model examples/shapes-vlm --runs 5 --out benchmarks/results/DATE-HOST/startup-demo.json
 """
 
 from __future__ import annotations
