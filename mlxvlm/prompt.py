@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.media import ACCESS_OPTIONS, load_audio, load_image, load_video
+from mlxvlm.media import MediaPolicy, load_audio, load_image, load_video
 
 Message = dict[str, Any]
 
@@ -210,7 +210,7 @@ def prepare_inputs(
     system: str | None = None,
     raw_prompt: bool = False,
     feature_names: Sequence[str] | None = None,
-    media_options: dict | None = None,
+    media_policy: MediaPolicy | Mapping[str, Any] | None = None,
     video_options: dict | None = None,
     audio_in_video: bool = True,
 ) -> PreparedInputs:
@@ -219,9 +219,9 @@ def prepare_inputs(
     ``image``, ``video``, ``audio``: one source or a list of them, for the media parts
     that name none (with a plain string prompt: placed before the text). A video given as
     a list of frames must itself be inside the list: ``video=[[frame, frame, ...]]``.
-    ``media_options``: ``load_image``'s options; its access options (remote URLs, local
-    files, timeout) apply to videos and audio too. ``video_options``: ``load_video``'s
-    (``fps``, ``max_frames``, ``max_pixels`` ...). ``audio_in_video``: an omni model also
+    ``media_policy``: where every image, video and audio may come from (a ``MediaPolicy``,
+    or a mapping of its fields; an unknown name is a ``TypeError``). ``video_options``:
+    ``load_video``'s (``fps``, ``max_frames``, ``max_pixels`` ...). ``audio_in_video``: an omni model also
     hears each video's sound track. ``raw_prompt``: ``prompt`` is already the model's exact
     input text (media must then be passed as arguments and the text must hold the
     placeholders); it is tokenized as ``processor(text=prompt)`` does, with the
@@ -243,8 +243,8 @@ def prepare_inputs(
         messages, media = normalize_media_messages(messages, extra)
         text = render_chat(processor, messages)
 
-    loaded = _load_media(processor, media, media_options or {}, video_options or {},
-                         audio_in_video)
+    loaded = _load_media(processor, media, MediaPolicy.of(media_policy),
+                         video_options or {}, audio_in_video)
     special = {} if raw_prompt else special_tokens_option(processor, text)
     outputs = processor(
         text=[text], return_tensors="np", **special, **loaded.processor_kwargs()
@@ -291,7 +291,7 @@ class _LoadedMedia:
         return kwargs
 
 
-def _load_media(processor: Any, media: list[tuple[str, Any]], image_options: dict,
+def _load_media(processor: Any, media: list[tuple[str, Any]], policy: MediaPolicy,
                 video_options: dict, audio_in_video: bool) -> _LoadedMedia:
     """Decode every source, checking first that the processor takes its kind."""
     kinds = {kind for kind, _ in media}
@@ -303,23 +303,22 @@ def _load_media(processor: Any, media: list[tuple[str, Any]], image_options: dic
         raise MlxvlmError("this model does not take audio input")
     rate = getattr(feature_extractor, "sampling_rate", None)
     hears_video = audio_in_video and rate is not None and _is_omni(processor)
-    access = {k: v for k, v in image_options.items() if k in ACCESS_OPTIONS}
 
     loaded = _LoadedMedia()
     for kind, source in media:
         if kind == "image":
-            loaded.images.append(load_image(source, **image_options))
+            loaded.images.append(load_image(source, policy=policy))
         elif kind == "video":
             options = {**video_options, "with_audio": hears_video}
             if hears_video:
                 options["audio_rate"] = rate
-            video = load_video(source, **access, **options)
+            video = load_video(source, policy=policy, **options)
             if hears_video and video.audio is not None:
                 loaded.audio_slots.append(video.audio.resampled(rate))
                 loaded.audio_from_video.append(len(loaded.videos))
             loaded.videos.append(video)
         else:
-            sound = load_audio(source, sampling_rate=rate, **access)
+            sound = load_audio(source, sampling_rate=rate, policy=policy)
             loaded.standalone_audio.append(sound)
             loaded.audio_slots.append(sound)
             loaded.audio_from_video.append(None)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mlxvlm import media
+from mlxvlm.media import sources
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.media import MediaError, load_image, load_images
 
@@ -574,7 +574,7 @@ def test_http_total_download_deadline(server, monkeypatch):
     # A server that keeps sending must not hold the caller past the deadline; a fake
     # clock makes the deadline pass after the first chunk instead of waiting for it.
     ticks = iter([0.0] + [1e9] * 100)
-    monkeypatch.setattr(media, "_clock", lambda: next(ticks))
+    monkeypatch.setattr(sources, "_clock", lambda: next(ticks))
     expect_error(f"{server}/big-no-length", "timed out", timeout=5)
 
 
@@ -655,7 +655,7 @@ def test_pixel_budget_is_shared_by_requests_being_prepared():
 
 
 def test_default_pixel_budget_follows_memory(monkeypatch):
-    from mlxvlm import media
+    from mlxvlm.media import budget
 
-    monkeypatch.setattr(media, "physical_memory", lambda: 16 * 2**30)
-    assert media.default_pixel_budget() == (16 * 2**30 // 64 // 4, 16 * 2**30 // 64)
+    monkeypatch.setattr(budget, "physical_memory", lambda: 16 * 2**30)
+    assert budget.default_pixel_budget() == (16 * 2**30 // 64 // 4, 16 * 2**30 // 64)

@@ -7,7 +7,7 @@ import ipaddress
 
 import pytest
 
-from mlxvlm import public_net
+from mlxvlm.media import public_net
 
 PRIVATE_V4 = ["127.0.0.1", "10.0.0.5", "192.168.1.1", "172.16.0.1", "169.254.169.254",
               "100.64.0.1", "0.0.0.0"]

@@ -27,7 +27,7 @@ from server_harness import MODEL_ID, LiveServer, bomb_png, png_data_url, user, w
 from tiny import make_image
 
 import mlxvlm
-from mlxvlm import public_net
+from mlxvlm.media import public_net
 
 MAX_BODY = 300_000
 

@@ -13,6 +13,7 @@ from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.cache import DEFAULT_QUANTIZED_KV_START
 from mlxvlm.generate.stream import sampling_options
 from mlxvlm.generate.text import GenerationOutput, OutputFolder
+from mlxvlm.media import MediaPolicy
 from mlxvlm.prompt import prepare_inputs
 from mlxvlm.sampling import SamplingOptions
 
@@ -38,7 +39,7 @@ def batch_generate(
     max_batch_size: int = 8,
     prefill_step_size: int = 2048,
     system: str | None = None,
-    media_options: dict | None = None,
+    media_policy: MediaPolicy | None = None,
     max_kv_size: int | None = None,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
@@ -89,7 +90,7 @@ def batch_generate(
         inputs = prepare_inputs(
             processor, prompt, image, video=video, audio=audio, system=system,
             feature_names=getattr(model, "feature_names", None),
-            media_options=media_options, video_options=video_options,
+            media_policy=media_policy, video_options=video_options,
         )
         engine.submit(inputs, options, collect(index))
     while engine.has_work and not errors:

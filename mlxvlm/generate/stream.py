@@ -15,6 +15,7 @@ from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.cache import DEFAULT_QUANTIZED_KV_START, CacheOptions
 from mlxvlm.generate.loop import fit_to_context, generate_tokens
 from mlxvlm.generate.text import GenerationOutput, OutputFolder, SequenceText, eos_token_ids
+from mlxvlm.media import MediaPolicy
 from mlxvlm.prompt import prepare_inputs
 from mlxvlm.sampling import RowSampler, SamplingOptions, token_logprobs
 from mlxvlm.sampling_defaults import checkpoint_defaults
@@ -83,7 +84,7 @@ def stream_generate(
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: Sequence[Callable] | None = None,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
-    media_options: dict | None = None,
+    media_policy: MediaPolicy | None = None,
 ) -> Generator[GenerationResult, None, None]:
     """Generate text for a prompt (a string or chat messages) and images, videos or audio,
     step by step (``video``/``audio`` as ``prepare_inputs`` takes them; ``fps`` and
@@ -125,7 +126,7 @@ def stream_generate(
         system=system,
         raw_prompt=raw_prompt,
         feature_names=getattr(model, "feature_names", None),
-        media_options=media_options,
+        media_policy=media_policy,
         video_options=video_options,
     )
     prompt_tokens = inputs.num_tokens

@@ -4,7 +4,7 @@ cap, a deadline and a server-wide buffering budget.
 
 (Media policy — no remote fetches unless allowed and then public addresses only, local
 files only inside the allowed folder, byte and pixel caps — is enforced by
-``mlxvlm.media`` with the options ``GenerationService.media_options`` gives it.
+``mlxvlm.media`` under the policy ``GenerationService.media_policy`` gives it.
 Connection-level limits — header deadline, connection cap — are in ``protocol``.)
 """
 

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
-from mlxvlm.media import PixelBudget, load_image
+from mlxvlm.media import MediaPolicy, PixelBudget, load_image
 from mlxvlm.prefix_cache import PrefixCache, image_hash
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
 from mlxvlm.server.config import ServerConfig
@@ -98,17 +98,17 @@ class GenerationService:
 
     # -- preparation ----------------------------------------------------------------
 
-    def media_options(self) -> dict[str, Any]:
+    def media_policy(self) -> MediaPolicy:
         c = self.config
-        return {
-            "allow_remote": c.allow_remote_media,
-            "public_only": True,
-            "allow_local": c.allowed_media_dir is not None,
-            "allowed_dir": c.allowed_media_dir,
-            "timeout": c.media_timeout,
-            "max_bytes": c.max_image_bytes,
-            "max_pixels": c.max_image_pixels,
-        }
+        return MediaPolicy(
+            allow_remote=c.allow_remote_media,
+            public_only=True,
+            allow_local=c.allowed_media_dir is not None,
+            allowed_dir=c.allowed_media_dir,
+            timeout=c.media_timeout,
+            max_image_bytes=c.max_image_bytes,
+            max_image_pixels=c.max_image_pixels,
+        )
 
     def _prepare(self, messages: list[dict], cache_namespace: str | None) -> PreparedRequest:
         with self.pixels.request():
@@ -119,8 +119,8 @@ class GenerationService:
     def _prepare_within_budget(self, messages: list[dict]) -> PreparedRequest:
         """Load the images (each is hashed by content, for prefix reuse), then render and
         process the conversation. Other media (video, audio) are left to
-        ``prepare_inputs``, under the same access options."""
-        options = self.media_options()
+        ``prepare_inputs``, under the same policy."""
+        policy = self.media_policy()
         images, other_media = [], False
         prepared_messages = []
         for message in messages:
@@ -129,7 +129,7 @@ class GenerationService:
                 parts = []
                 for part in content:
                     if part["type"] == "image_url":
-                        images.append(load_image(part["image_url"]["url"], **options))
+                        images.append(load_image(part["image_url"]["url"], policy=policy))
                         part = {"type": "image", "image": images[-1]}
                     elif part["type"] != "text":
                         other_media = True
@@ -140,7 +140,7 @@ class GenerationService:
             self.processor,
             prepared_messages,
             feature_names=getattr(self.model, "feature_names", None),
-            media_options=options,
+            media_policy=policy,
         )
         # MLX evaluates a graph only on the thread that built it (its streams are
         # per thread), so the inputs must be concrete before they reach the engine.

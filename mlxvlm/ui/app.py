@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from mlxvlm.media import MediaPolicy
 from mlxvlm.sampling_defaults import checkpoint_defaults, resolve
 from mlxvlm.ui.fields import guard_file_handling
 from mlxvlm.ui.session import ChatSession
@@ -14,10 +15,10 @@ from mlxvlm.ui.uploads import process_uploads, watch_upload_route
 MAX_TOKENS_CAP = 8192
 
 
-def upload_media_options() -> dict:
+def upload_media_options() -> MediaPolicy:
     """Limits for reading attachments: only files in this process's upload folder (the
     chat accepts only uploads, see ``uploads``; this is the media reader's own check)."""
-    return {"allow_remote": False, "allowed_dir": str(process_uploads().directory)}
+    return MediaPolicy(allow_remote=False, allowed_dir=str(process_uploads().directory))
 
 
 def build_app(session: ChatSession) -> gr.Blocks:

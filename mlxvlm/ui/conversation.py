@@ -11,9 +11,10 @@ image decoded so that its content hash can key the prompt-prefix cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.media import MediaPolicy
 from mlxvlm.ui.media_kinds import MediaKind, kind_of
 
 # The metadata title of the app's notices in the chat; any message with a metadata title
@@ -114,13 +115,14 @@ def build_conversation(
     history: Sequence[dict],
     message: dict | str,
     kinds: Sequence[MediaKind],
-    media_options: dict | None = None,
+    media_options: MediaPolicy | Mapping[str, Any] | None = None,
     placeholders: Sequence[str] = (),
 ) -> Conversation:
     """The model's conversation: ``history`` (Gradio messages) and the new ``message``
     (the multimodal textbox's {"text", "files"}). Raises ``MlxvlmError`` (``MediaError``
     for an image that cannot be read or an attachment of a kind the model does not take;
-    videos and audio are read later, by ``prepare_inputs``, with ``media_options``).
+    videos and audio are read later, by ``prepare_inputs``, under ``media_options``, a
+    ``MediaPolicy`` or a mapping of its fields).
 
     ``placeholders``: the model's media placeholder strings (e.g. ``<|image_pad|>``),
     removed from text: the processor expands every one it finds into media tokens, so a
@@ -159,7 +161,7 @@ def build_conversation(
                 content.append(kind.part(part["path"]))
                 conversation.image_hashes = None
                 continue
-            media = kind.load(part["path"], **(media_options or {}))
+            media = kind.load(part["path"], policy=MediaPolicy.of(media_options))
             if conversation.image_hashes is not None:
                 conversation.image_hashes.append(kind.content_hash(media))
             content.append(kind.part(media))

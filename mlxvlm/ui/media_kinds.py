@@ -24,7 +24,7 @@ class MediaKind:
     name: str
     features: frozenset[str]  # processor outputs that show the model takes this kind
     processor_part: str  # the processor attribute that prepares it
-    # (path, **media_options) -> decoded media, and its content hash; None: the path goes
+    # (path, policy=MediaPolicy) -> decoded media, and its content hash; None: the path goes
     # into the message and ``prepare_inputs`` decodes it.
     load: Callable[..., Any] | None = None
     content_hash: Callable[[Any], str] | None = None

@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.media import MediaPolicy
 from mlxvlm.prefix_cache import PrefixCache
 from mlxvlm.prompt import prepare_inputs
 from mlxvlm.ui.conversation import NOTICE_TITLE, attachment_paths, build_conversation
@@ -102,7 +103,7 @@ class ChatSession:
         model_name: str,
         *,
         prefix_cache: PrefixCache | None = None,
-        media_options: dict | None = None,
+        media_options: MediaPolicy | None = None,
         uploads: Uploads | None = None,
     ):
         self.model = model
@@ -193,7 +194,7 @@ class ChatSession:
                 conversation.messages,
                 system=settings.system,
                 feature_names=getattr(self.model, "feature_names", None),
-                media_options=self.media_options,
+                media_policy=self.media_options,
             )
             # MLX evaluates a graph only on the thread that built it: the engine's thread
             # must get concrete arrays.
