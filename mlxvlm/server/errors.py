@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -32,6 +32,10 @@ _TYPES = {
     429: "rate_limit_error",
     503: "server_error",
 }
+
+
+# Status recorded for a request whose client went away (nginx's convention).
+CLIENT_CLOSED = 499
 
 
 class ClientDisconnected(Exception):
@@ -71,12 +75,20 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    first = errors[0] if errors else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    message = first.get("msg", "invalid request")
-    return (f"{param}: {message}" if param else message), param
+def validation_error(errors: list[dict]) -> APIError:
+    """The one formatter of invalid input (a chat body pydantic refused, or a parameter
+    FastAPI did): the most specific problem. For a value that may take several shapes (a
+    string or a list of parts) the error deepest inside it says what is wrong."""
+    if not errors:
+        return APIError(400, "invalid request")
+    first = max(errors, key=lambda e: len(e["loc"]))
+    # Drop FastAPI's "body" and pydantic's union-branch labels ("str", "list[...]", tag
+    # names) from the path.
+    path = [str(p) for p in first["loc"] if isinstance(p, int) or p.isidentifier()]
+    path = [p for p in path if p not in ("body", "str", "list", "dict")]
+    param = ".".join(path) or None
+    message = first["msg"]
+    return APIError(400, f"{param}: {message}" if param else message, param=param)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -85,9 +97,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(error)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError):
-        message, param = _validation_message(list(error.errors()))
-        return error_response(APIError(400, message, param=param))
+    async def invalid_request(_: Request, error: RequestValidationError):
+        return error_response(validation_error(list(error.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException):
@@ -97,10 +108,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(status, message, code=code, headers=error.headers))
 
     @app.exception_handler(ClientDisconnect)
-    async def client_gone(request: Request, _: ClientDisconnect):
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(request: Request, _: Exception):
         # Nobody is left to read an answer; the status is for the log and /metrics.
         logger.info("client went away during %s %s", request.method, request.url.path)
-        return JSONResponse({}, status_code=499)
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(Exception)
     async def server_fault(_: Request, error: Exception):

@@ -20,7 +20,7 @@ def render_metrics(service: GenerationService) -> str:
     counters = service.counters
     lines: list[str] = []
     m = lambda *args: _metric(lines, *args)  # noqa: E731
-    m("mlxvlm_requests_total", "counter", "Chat completion requests answered, by HTTP status",
+    m("mlxvlm_requests_total", "counter", "HTTP requests answered, by status",
       [({"status": str(code)}, n) for code, n in sorted((counters.by_status or {}).items())])
     m("mlxvlm_requests_rejected_busy_total", "counter",
       "Requests refused with 429 because the queue was full", [({}, counters.rejected_busy)])

@@ -74,6 +74,18 @@ def _ranged(name: str):
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 
+def _set_only_with(flag: str, message: str):
+    """A field validator: the field may be set only when the earlier field ``flag`` is
+    true."""
+
+    def check(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get(flag):
+            raise ValueError(message)
+        return value
+
+    return classmethod(check)
+
+
 class ChatCompletionRequest(_Strict):
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -99,19 +111,10 @@ class ChatCompletionRequest(_Strict):
 
     # Field validators rather than one model validator, so that the error's location
     # (and with it the error body's "param") names the field.
-    @field_validator("stream_options")
-    @classmethod
-    def _only_when_streaming(cls, value, info: ValidationInfo):
-        if value is not None and not info.data.get("stream"):
-            raise ValueError("stream_options is only allowed when stream is true")
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _needs_logprobs(cls, value, info: ValidationInfo):
-        if value is not None and not info.data.get("logprobs"):
-            raise ValueError("top_logprobs needs logprobs set to true")
-        return value
+    _only_when_streaming = field_validator("stream_options")(
+        _set_only_with("stream", "stream_options is only allowed when stream is true"))
+    _needs_logprobs = field_validator("top_logprobs")(
+        _set_only_with("logprobs", "top_logprobs needs logprobs set to true"))
 
     @field_validator("logit_bias")
     @classmethod

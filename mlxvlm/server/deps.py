@@ -1,0 +1,45 @@
+"""The routes' dependencies: what ``create_app`` put on the application (the service, the
+body budget, the tokenizer's bytes) and the chat request read and validated from the
+body, so that a route only says what it needs."""
+
+from __future__ import annotations
+
+from fastapi import Depends, Request
+from pydantic import ValidationError
+
+from mlxvlm.server.config import ServerConfig
+from mlxvlm.server.errors import validation_error
+from mlxvlm.server.logprobs import TokenBytes
+from mlxvlm.server.schemas import ChatCompletionRequest
+from mlxvlm.server.security import read_body, require_json
+from mlxvlm.server.service import GenerationService
+
+
+def get_service(request: Request) -> GenerationService:
+    return request.app.state.service
+
+
+def get_config(service: GenerationService = Depends(get_service)) -> ServerConfig:
+    return service.config
+
+
+def get_token_bytes(request: Request) -> TokenBytes:
+    return request.app.state.token_bytes
+
+
+def get_vocab_size(request: Request) -> int:
+    return request.app.state.vocab_size
+
+
+async def chat_request(request: Request,
+                       config: ServerConfig = Depends(get_config)) -> ChatCompletionRequest:
+    """The body, read within the server's one body limit (size, deadline, shared budget:
+    ``security.read_body``) and validated. Read by hand rather than as a FastAPI body
+    parameter, which would read any size before validating."""
+    require_json(request)
+    body = await read_body(request, config.max_body_bytes, timeout=config.body_timeout,
+                           budget=request.app.state.body_budget)
+    try:
+        return ChatCompletionRequest.model_validate_json(body)
+    except ValidationError as error:
+        raise validation_error(error.errors()) from None
