@@ -23,3 +23,13 @@ def tiny_checkpoints(tmp_path_factory):
     from tiny import TinyCheckpoints
 
     return TinyCheckpoints(tmp_path_factory.mktemp("tiny-checkpoints"))
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """An empty mlxvlm build cache (kernels, BLAS shim, compiler versions) for one test."""
+    from mlxvlm.cpu import build_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(build_cache.REBUILD_ENV, raising=False)
+    return tmp_path / "mlxvlm"
