@@ -38,6 +38,7 @@ from mlxvlm.models.layers.qwen_vision import (
     grids_thw,
     patch_rows_cols,
 )
+from mlxvlm.models.layers.siglip import VisionEmbeddings
 from mlxvlm.models.layers.vit import MLP
 
 # transformers' PaddleOCRVisionConfig defaults, for keys a checkpoint's config leaves out.
@@ -94,17 +95,9 @@ class NavitVisionConfig:
         return cls(**{f.name: values[f.name] for f in fields(cls)})
 
 
-class PatchEmbeddings(nn.Module):
-    """``embeddings.*``: the patch convolution and the learned position table."""
-
-    def __init__(self, config: NavitVisionConfig):
-        super().__init__()
-        self.config = config
-        # MLX's channels-last layout (out, P, P, C), as mlx-community stores it.
-        self.patch_embedding = nn.Conv2d(
-            config.num_channels, config.hidden_size, config.patch_size, stride=config.patch_size
-        )
-        self.position_embedding = nn.Embedding(config.patches_per_side**2, config.hidden_size)
+class PatchEmbeddings(VisionEmbeddings):
+    """``embeddings.*``: SigLIP's patch convolution (in MLX's channels-last layout, as
+    mlx-community stores it) and learned position table, applied to loose patches."""
 
     def __call__(self, patches: mx.array, grid_thw: np.ndarray) -> mx.array:
         """(N, C, P, P) patches of images with (t, h, w) grids -> (N, D)."""
