@@ -41,9 +41,10 @@ CASES["large_and_tall_images"] = (parity.user(None, None, "Table Recognition:"),
 ALL_CASES.update(CASES)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(tiny_checkpoints):
-    """case -> ``parity.Reference`` with NEW_TOKENS greedy tokens."""
+    """case -> ``parity.Reference`` with NEW_TOKENS greedy tokens (computed once per
+    session: tests/test_paddleocr_vl_serving.py reads them too)."""
 
     @functools.cache
     def run(case: str) -> parity.Reference:
