@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import parity
-from parity import LOGITS_ATOL, MIN_REFERENCE_MARGIN, loaded, parameter_list  # noqa: F401
+from parity import MIN_REFERENCE_MARGIN, parameter_list
+from parity import loaded  # noqa: F401 (fixture)
 from tiny import make_image
 from tiny.paddleocr import LAYOUTS, reference_processor
 from mlxvlm.models import get_family
