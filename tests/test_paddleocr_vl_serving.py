@@ -10,7 +10,6 @@ import threading
 import pytest
 from server_harness import MODEL_ID, LiveServer, png_data_url, user
 
-import parity
 from parity import loaded  # noqa: F401 (fixture)
 from test_paddleocr_vl_parity import ALL_CASES, CASES, FAMILY, IMAGE_A, IMAGE_TALL, NEW_TOKENS
 from test_paddleocr_vl_parity import reference  # noqa: F401 (fixture)
