@@ -47,7 +47,7 @@ TURN_3 = (TURN_2[0] + [
 
 FAMILIES = [
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "gemma3", "idefics3", "llava",
-    "llava_next", "llava_onevision", "pixtral", "mistral3",
+    "llava_next", "llava_onevision", "pixtral", "mistral3", "paddleocr_vl",
 ]
 
 
@@ -59,6 +59,8 @@ def tower_entry(model) -> tuple[type, str, callable]:
     family = type(model).__module__.rsplit(".", 1)[-1]
     if family.startswith("qwen"):
         return type(model.vision_tower), "encode", lambda pixels, grids: len(np.reshape(grids, (-1, 3)))
+    if family == "paddleocr_vl":
+        return type(model.visual), "encode", lambda pixels, grids: len(np.reshape(grids, (-1, 3)))
     if family in ("gemma3", "paligemma"):
         return type(model.vision_tower), "__call__", lambda pixels: pixels.shape[0]
     if family == "idefics3":
@@ -86,7 +88,8 @@ def encoded(monkeypatch):
 
             counting._spy = True
             monkeypatch.setattr(cls, name, counting)
-        tower = model.vision_model if hasattr(model, "vision_model") else model.vision_tower
+        tower = next(getattr(model, name) for name in ("vision_model", "visual", "vision_tower")
+                     if hasattr(model, name))
         return lambda: counts.get(id(tower), 0)
 
     return spy

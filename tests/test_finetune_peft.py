@@ -65,6 +65,8 @@ def reference_model(tiny_checkpoints, family):
     ("pixtral", "lora", True, 0, None),
     ("qwen2_5_omni", "lora", True, 0, ["qkv"]),
     ("qwen2_5_omni", "dora", True, 0, ["qkv"]),
+    ("paddleocr_vl", "lora", False, -1, None),
+    ("paddleocr_vl", "lora", True, 0, ["qkv", "out_proj"]),
 ])
 def test_adapter_trained_here_loads_in_peft(tiny_checkpoints, tmp_path, family, method,
                                             train_vision, num_layers, targets):
@@ -92,6 +94,7 @@ LLAVA_TOWER = r"model\.vision_tower\..*\.(q_proj|v_proj|out_proj|fc1|fc2)"
 PIXTRAL_TOWER = r"model\.vision_tower\..*\.(q_proj|o_proj|gate_proj|down_proj)"
 OMNI_QKV = r"model\.visual\.blocks\.\d+\.attn\.(q|k|v)"
 OMNI_QV = r"model\.visual\.blocks\.\d+\.attn\.(q|v)"
+PADDLE_TOWER_QV = r"model\.visual\.vision_model\.encoder\.layers\.\d+\.self_attn\.(q_proj|v_proj)"
 
 
 @pytest.mark.parametrize("family,options", [
@@ -104,8 +107,12 @@ OMNI_QV = r"model\.visual\.blocks\.\d+\.attn\.(q|v)"
     ("qwen2_5_omni", {"target_modules": OMNI_QKV, "alpha_pattern": {"k": 3.0}}),
     # k left out: its rows of the fused layer keep the base weights (and norms, with DoRA)
     ("qwen2_5_omni", {"target_modules": OMNI_QV, "use_dora": True}),
+    # the decoder's and the tower's q_proj/v_proj (fused into qkv here) alike
+    ("paddleocr_vl", {"use_dora": False}),
+    ("paddleocr_vl", {"target_modules": PADDLE_TOWER_QV, "use_dora": True}),
 ], ids=["lora", "dora", "rslora-alpha-pattern", "llava-tower", "pixtral-tower-dora",
-        "omni-qkv-alpha-pattern", "omni-qv-dora"])
+        "omni-qkv-alpha-pattern", "omni-qv-dora",
+        "paddleocr-decoder-and-tower", "paddleocr-tower-qv-dora"])
 def test_adapter_made_with_peft_loads_here(tiny_checkpoints, tmp_path, family, options):
     torch.manual_seed(0)
     base = reference_model(tiny_checkpoints, family)

@@ -47,7 +47,7 @@ from mlxvlm.models.layers.whisper_audio import (
     sanitize_conv_weights,
 )
 from mlxvlm.models.processor_utils import image_only, tokenizer_and_chat_template
-from mlxvlm.models.weights import is_hf_naming, map_hf_weights
+from mlxvlm.models.weights import fuse_linears, is_hf_naming, map_hf_weights
 
 # Hugging Face name prefix -> ours (after "thinker." is dropped).
 HF_PREFIXES = (("model.audio_tower.", "audio_tower."), *qwen2_vl.HF_PREFIXES)
@@ -323,17 +323,7 @@ def _processor_class():
 def fuse_vision_qkv(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """The vision blocks' separate attention ``q`` / ``k`` / ``v`` tensors as one ``qkv``,
     stacked along the output, as the Qwen-VL towers store them."""
-    fused: dict[str, mx.array] = {}
-    qkv: dict[str, dict[str, mx.array]] = {}
-    for name, value in weights.items():
-        parts = name.rsplit(".", 2)
-        if name.startswith("vision_tower.blocks.") and parts[-2] in ("q", "k", "v"):
-            qkv.setdefault(f"{parts[0]}.qkv.{parts[-1]}", {})[parts[-2]] = value
-        else:
-            fused[name] = value
-    for name, pieces in qkv.items():
-        fused[name] = mx.concatenate([pieces["q"], pieces["k"], pieces["v"]], axis=0)
-    return fused
+    return fuse_linears(weights, "vision_tower.blocks.", ("q", "k", "v"), "qkv")
 
 
 # Module names for callers outside the models package (tests, tools).

@@ -191,7 +191,7 @@ class Model(VisionLanguageModel):
                 f"for {patches.sum()}"
             )
         if active_cache(self) is None:
-            return self.vision_tower.encode(pixels, grids)
+            return self.encode_vision(pixels, grids)
         per_item = split_rows(pixels, patches)
         merged = self.args.vision.spatial_merge_size**2
 
@@ -200,13 +200,17 @@ class Model(VisionLanguageModel):
                 batch = pixels
             else:
                 batch = join_rows([per_item[i] for i in indices])
-            features, deepstack = self.vision_tower.encode(batch, grids[indices])
+            features, deepstack = self.encode_vision(batch, grids[indices])
             tokens = patches[indices] // merged
             return list(zip(*(split_rows(f, tokens) for f in (features, *deepstack))))
 
         outputs = cached_features(self, kind, list(zip(per_item, grids)), encode)
         columns = [join_rows(column) for column in zip(*outputs)]
         return columns[0], columns[1:]
+
+    def encode_vision(self, pixels: mx.array, grids: np.ndarray) -> tuple[mx.array, list]:
+        """The vision tower's tokens and DeepStack taps for ``pixels`` of ``grids``."""
+        return self.vision_tower.encode(pixels, grids)
 
     def embed_vision(self, input_ids, pixel_values=None, image_grid_thw=None,
                      pixel_values_videos=None, video_grid_thw=None):

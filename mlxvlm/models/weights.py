@@ -119,3 +119,21 @@ def tie_lm_head(weights: dict[str, mx.array], lm_head: str, embed_tokens: str) -
     if lm_head not in weights and embed_tokens in weights:
         weights[lm_head] = weights[embed_tokens]
     return weights
+
+
+def fuse_linears(weights: dict[str, mx.array], under: str, parts: tuple[str, ...],
+                 fused: str) -> dict[str, mx.array]:
+    """Linear layers named ``<module>.<part>.<weight|bias>`` (each of ``parts``, e.g.
+    separate attention q / k / v) under the prefix ``under`` stored as one
+    ``<module>.<fused>.*``, stacked along the output in the order of ``parts``."""
+    out: dict[str, mx.array] = {}
+    groups: dict[str, dict[str, mx.array]] = {}
+    for name, value in weights.items():
+        module, part, leaf = (name.rsplit(".", 2) + ["", ""])[:3]
+        if name.startswith(under) and part in parts:
+            groups.setdefault(f"{module}.{fused}.{leaf}", {})[part] = value
+        else:
+            out[name] = value
+    for name, pieces in groups.items():
+        out[name] = mx.concatenate([pieces[part] for part in parts], axis=0)
+    return out

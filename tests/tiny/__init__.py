@@ -29,6 +29,7 @@ BUILDERS = {
     "pixtral": "tiny.pixtral",
     "paligemma": "tiny.paligemma",
     "qwen2_5_omni": "tiny.omni",
+    "paddleocr_vl": "tiny.paddleocr",
 }
 
 

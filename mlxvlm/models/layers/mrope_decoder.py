@@ -74,6 +74,7 @@ class TextConfig:
     explicit_head_dim: int | None = None  # None: hidden_size / num_attention_heads
     qk_norm: bool = False  # RMSNorm over each head of the queries and keys
     o_proj_bias: bool = False
+    mlp_bias: bool = False  # ERNIE-4.5 (PaddleOCR-VL): one use_bias for every projection
     mrope_interleaved: bool = False
     # Sparse MoE MLP (Qwen3-VL-MoE); num_experts 0: dense MLP everywhere.
     num_experts: int = 0
@@ -446,11 +447,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
-        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
-        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
@@ -463,7 +464,7 @@ class DecoderLayer(nn.Module):
         if config.is_moe_layer(index):
             self.mlp = Qwen3MoeSparseMoeBlock(config)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

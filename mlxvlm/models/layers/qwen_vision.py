@@ -179,7 +179,11 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
 
     def __call__(self, x: mx.array, rotary, segments: Sequence[int]) -> mx.array:
-        """Attention within each segment (a frame or a window) of ``x`` (N, D) only."""
+        return self.proj(self.attend(x, rotary, segments))
+
+    def attend(self, x: mx.array, rotary, segments: Sequence[int]) -> mx.array:
+        """Attention within each segment (a frame or a window) of ``x`` (N, D) only,
+        before the output projection: (N, D)."""
         N = x.shape[0]
         qkv = self.qkv(x).reshape(N, 3, self.num_heads, -1)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # (N, heads, head_dim)
@@ -200,7 +204,7 @@ class VisionAttention(nn.Module):
             )
         ]
         out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
-        return self.proj(out.transpose(1, 0, 2).reshape(N, -1))
+        return out.transpose(1, 0, 2).reshape(N, -1)
 
 
 class VisionMLP(nn.Module):
@@ -324,21 +328,27 @@ def patch_rows_cols(grid_thw: np.ndarray, merge: int) -> np.ndarray:
 
 
 def bilinear_position_taps(
-    grid_thw: np.ndarray, merge: int, side: int
+    grid_thw: np.ndarray, merge: int, side: int, align_corners: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per patch (processor order): the 4 cells of a ``side`` x ``side`` learned position
-    table and their weights that resample it bilinearly (corners aligned) to the image's
-    patch grid. Returns (N, 4) int indices and (N, 4) float32 weights."""
+    table and their weights that resample it bilinearly to the image's patch grid, as
+    torch's ``interpolate`` does with ``align_corners`` (corners aligned: Qwen3-VL; else
+    half-pixel centres with the border cell repeated: PaddleOCR-VL). Returns (N, 4) int
+    indices and (N, 4) float32 weights."""
     rows_cols = patch_rows_cols(grid_thw, merge).astype(np.float32)
     sizes = np.concatenate(
         [np.tile([[h, w]], (t * h * w, 1)) for t, h, w in grid_thw.tolist()]
     ).astype(np.float32)
     # Each axis: source coordinate, its floor/ceil cells and linear weights.
-    src = rows_cols * np.float32(side - 1) / np.maximum(sizes - 1, 1)
+    if align_corners:
+        src = rows_cols * np.float32(side - 1) / np.maximum(sizes - 1, 1)
+    else:
+        src = (rows_cols + np.float32(0.5)) * np.float32(side) / sizes - np.float32(0.5)
     lower = np.floor(src)
     frac = (src - lower).astype(np.float32)
     lower = lower.astype(np.int64)
-    upper = np.minimum(lower + 1, side - 1)
+    upper = np.clip(lower + 1, 0, side - 1)
+    lower = np.clip(lower, 0, side - 1)
     (r0, c0), (r1, c1) = lower.T, upper.T
     (fr, fc) = frac.T
     indices = np.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], -1)
