@@ -12,7 +12,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from mlxvlm.server.config import ServerConfig
 from mlxvlm.server.errors import install_error_handlers
 from mlxvlm.server.logprobs import TokenBytes
-from mlxvlm.server.routes import chat, models
+from mlxvlm.server.routes import chat, messages, models
 from mlxvlm.server.security import (
     APIKeyMiddleware,
     BodyBudget,
@@ -52,7 +52,8 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
             CORSMiddleware,
             allow_origins=config.allowed_origins,
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version",
+                           "anthropic-beta"],
         )
     hosts = allowed_host_names(config.host, config.allowed_hosts)
     if hosts is not None:
@@ -61,4 +62,5 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
     app.add_middleware(StatusCounting, counters=service.counters)
     app.include_router(models.router)
     app.include_router(chat.router)
+    app.include_router(messages.router)
     return app

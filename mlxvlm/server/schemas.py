@@ -19,31 +19,31 @@ from mlxvlm.option_ranges import SAMPLING
 MAX_STOP_STRINGS = 16
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-class ImageURL(_Strict):
+class ImageURL(StrictModel):
     url: str = Field(min_length=1)
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ImagePart(_Strict):
+class ImagePart(StrictModel):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class InputAudioPart(_Strict):
+class InputAudioPart(StrictModel):
     type: Literal["input_audio"]
     input_audio: dict
 
 
-class VideoPart(_Strict):
+class VideoPart(StrictModel):
     type: Literal["video_url"]
     video_url: dict
 
@@ -53,13 +53,13 @@ ContentPart = Annotated[
 ]
 
 
-class Message(_Strict):
+class Message(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
@@ -86,7 +86,7 @@ def _set_only_with(flag: str, message: str):
     return classmethod(check)
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(StrictModel):
     model: str
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = _ranged("max_tokens")
