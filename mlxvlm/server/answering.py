@@ -9,13 +9,16 @@ stream)`` for a whole answer and ``events(first, stream)`` for a stream.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Awaitable, Callable
+import asyncio
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
 from mlxvlm.batching import BatchStep
+from mlxvlm.constrained import ConstraintError, GrammarConstraint, json_schema_constraint
+from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.errors import MlxvlmError, PromptTooLongError
 from mlxvlm.media import MediaError, PixelBudgetError
 from mlxvlm.sampling import SamplingOptions
@@ -44,11 +47,32 @@ def as_api_error(error: Exception, param: str = "messages") -> APIError:
     return APIError(400, str(error), param=param)
 
 
+def response_constraint(chat: ChatCompletionRequest, processor: Any,
+                        param: str = "response_format") -> GrammarConstraint | None:
+    """The grammar a ``response_format`` asks for (None for plain text); a schema that
+    cannot be used is a 400 naming ``param``."""
+    fmt = chat.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    schema = fmt.json_schema.json_schema if fmt.type == "json_schema" else None
+    strict = bool(fmt.json_schema.strict) if fmt.type == "json_schema" else False
+    try:
+        return json_schema_constraint(getattr(processor, "tokenizer", processor),
+                                      eos_token_ids(processor), schema, strict=strict)
+    except ConstraintError as error:
+        raise APIError(400, str(error), param=param, code="invalid_response_format") from None
+
+
 async def answer(request: Request, chat: ChatCompletionRequest, options: SamplingOptions,
                  service: GenerationService, *, body: BodyWriter, events: EventWriter,
-                 param: str = "messages") -> Response:
+                 param: str = "messages", format_param: str = "response_format") -> Response:
     """Run ``chat`` and answer with ``body``'s JSON or ``events``' stream (``param``: the
-    request field that input errors name)."""
+    request field that input errors name; ``format_param``: the one a response format
+    that cannot be used names)."""
+    if chat.response_format is not None:
+        # Compiling a schema can take a while: not on the event loop.
+        options.constraint = await asyncio.to_thread(
+            response_constraint, chat, service.processor, format_param)
     with RequestLifetime(service, request) as life:
         try:
             # With API keys, prefix reuse stays within the key (cached_tokens would

@@ -77,12 +77,18 @@ def input_messages(request: ResponsesRequest) -> Conversation:
     return messages
 
 
-def refuse_unsupported(request: ResponsesRequest) -> None:
-    """What this server cannot honour is refused rather than silently dropped."""
-    text_format = request.text.format if request.text else None
-    if text_format is not None and text_format.type != "text":
-        raise APIError(400, f"text.format {text_format.type!r} is not supported by this "
-                       "server yet; leave text.format out (or 'text')", param="text.format")
+def response_format(request: ResponsesRequest) -> dict[str, Any] | None:
+    """``text.format`` as chat completions' ``response_format``."""
+    fmt = request.text.format if request.text else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.json_schema is None:
+        raise APIError(400, "a json_schema text format needs its schema",
+                       param="text.format.schema")
+    return {"type": "json_schema", "json_schema": {
+        "name": fmt.name, "schema": fmt.json_schema, "strict": fmt.strict}}
 
 
 def to_chat_request(request: ResponsesRequest, earlier: Conversation) -> ChatCompletionRequest:
@@ -100,6 +106,7 @@ def to_chat_request(request: ResponsesRequest, earlier: Conversation) -> ChatCom
         "temperature": request.temperature,
         "top_p": request.top_p,
         "stream": request.stream,
+        "response_format": response_format(request),
     })
 
 
@@ -128,6 +135,11 @@ class ResponseWriter:
         self.store = store
         self.namespace = namespace
         self._sequence = 0
+
+    def _format(self) -> dict[str, Any]:
+        fmt = self.request.text.format if self.request.text else None
+        return {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True,
+                                                                   exclude_none=True)
 
     def _message(self, text: str, status: str) -> dict[str, Any]:
         content = [] if status == "in_progress" else [
@@ -162,7 +174,7 @@ class ResponseWriter:
             "store": request.store,
             "temperature": request.temperature,
             "top_p": request.top_p,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": self._format()},
             "tool_choice": "auto",
             "tools": [],
             "truncation": "disabled",

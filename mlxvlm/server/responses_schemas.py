@@ -39,7 +39,14 @@ class InputMessage(StrictModel):
 
 
 class TextFormat(StrictModel):
+    """Responses' format: a json_schema one carries its name, schema and strict flag
+    itself (chat completions nests them under ``json_schema``)."""
+
     type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
 
 class TextOptions(StrictModel):

@@ -59,6 +59,19 @@ class Message(StrictModel):
     name: str | None = None
 
 
+class JSONSchemaFormat(StrictModel):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    # "schema" is a name pydantic's BaseModel keeps for itself.
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
@@ -105,6 +118,7 @@ class ChatCompletionRequest(StrictModel):
     stream_options: StreamOptions | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = _ranged("top_logprobs")
+    response_format: ResponseFormat | None = None
     # OpenAI's limit; only 1 is served (see chat.sampling_options).
     n: int | None = Field(default=None, ge=1, le=128)
     user: str | None = None
@@ -115,6 +129,14 @@ class ChatCompletionRequest(StrictModel):
         _set_only_with("stream", "stream_options is only allowed when stream is true"))
     _needs_logprobs = field_validator("top_logprobs")(
         _set_only_with("logprobs", "top_logprobs needs logprobs set to true"))
+
+    @field_validator("response_format")
+    @classmethod
+    def _schema_given(cls, value):
+        if value is not None and value.type == "json_schema" and (
+                value.json_schema is None or value.json_schema.json_schema is None):
+            raise ValueError("a json_schema response format needs json_schema.schema")
+        return value
 
     @field_validator("logit_bias")
     @classmethod

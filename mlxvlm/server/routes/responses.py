@@ -16,7 +16,6 @@ from mlxvlm.server.responses import (
     ResponseStore,
     ResponseWriter,
     input_messages,
-    refuse_unsupported,
     to_chat_request,
     warn_unknown_fields,
 )
@@ -48,7 +47,6 @@ async def responses(
     if body.model != config.model_id:
         raise unknown_model(config, body.model)
     warn_unknown_fields(body)
-    refuse_unsupported(body)
     namespace = request.scope.get("state", {}).get(KEY_ID)
     earlier: list = []
     if body.previous_response_id is not None:
@@ -64,4 +62,4 @@ async def responses(
     writer = ResponseWriter(config.model_id, body, earlier + input_messages(body), store,
                             namespace)
     return await answer(request, chat, options, service, body=writer.body,
-                        events=writer.events, param="input")
+                        events=writer.events, param="input", format_param="text.format")
