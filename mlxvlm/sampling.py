@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -75,6 +75,8 @@ class SamplingOptions:
     stop: str | Sequence[str] | None = None
     # None: no log-probabilities; k >= 0: the chosen token's plus the k most likely.
     top_logprobs: int | None = None
+    # A grammar the answer must follow (mlxvlm.constrained.GrammarConstraint).
+    constraint: Any = None
 
     def validate(self) -> None:
         """Every value within the ranges all entry points share (``mlxvlm.option_ranges``)."""
@@ -97,13 +99,18 @@ class SamplingOptions:
         return build_sampler(self.temperature, self.top_p, self.top_k, self.min_p)
 
     def logits_processors(self) -> list[Callable]:
-        return make_logits_processors(
+        """A fresh list per sequence (a grammar's processor holds that sequence's state);
+        the grammar comes last, so that no other processor can lift its mask."""
+        processors = make_logits_processors(
             logit_bias=self.logit_bias,
             repetition_penalty=self.repetition_penalty,
             repetition_context_size=self.repetition_context_size,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
         )
+        if self.constraint is not None:
+            processors.append(self.constraint.processor(self.max_tokens))
+        return processors
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -122,9 +129,17 @@ class RowSampler:
                  sampler: Sampler | None = None, processors: Sequence[Callable] | None = None):
         self.seed = options.seed
         self.sampler = sampler if sampler is not None else options.sampler()
-        self.processors = list(processors if processors is not None
-                               else options.logits_processors())
+        if processors is None:
+            self.processors = options.logits_processors()
+        else:  # the caller's own, and the grammar still last
+            self.processors = list(processors)
+            if options.constraint is not None:
+                self.processors.append(options.constraint.processor(options.max_tokens))
         self.history = prompt_ids if self.processors else None
+        if self.history is not None:
+            # Evaluated here, in the thread that built it: MLX streams are per thread, and
+            # the batching engine's thread could not evaluate another thread's lazy slice.
+            mx.eval(self.history)
         self.sampled = 0
 
     @property

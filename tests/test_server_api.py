@@ -267,3 +267,20 @@ def test_failure_after_streaming_started_is_an_error_event(server, client, monke
     assert received and received[0].choices[0].delta.role == "assistant"
     monkeypatch.undo()
     assert chat(client, [{"role": "user", "content": "Hello"}], **GREEDY).choices
+
+
+def test_penalties_and_logit_bias_answer_as_generate_does(client, loaded):
+    # Their logits processors read the prompt's ids, made in the request's thread and
+    # used in the engine's (a regression: that failed with a 500).
+    messages = [{"role": "user", "content": "Describe a garden with a house."}]
+    response = chat(client, messages, presence_penalty=1.5, frequency_penalty=0.5,
+                    logit_bias={"7": 5.0}, **GREEDY)
+    expected = reference(loaded, messages, max_tokens=24, presence_penalty=1.5,
+                         frequency_penalty=0.5, logit_bias={7: 5.0})
+    assert response.choices[0].message.content == expected.text
+    plain = reference(loaded, messages, max_tokens=24)
+    assert expected.text != plain.text  # the options change the answer
+    repeated = client.chat.completions.create(
+        model=MODEL_ID, messages=messages, extra_body={"repetition_penalty": 1.3}, **GREEDY)
+    assert repeated.choices[0].message.content == reference(
+        loaded, messages, max_tokens=24, repetition_penalty=1.3).text

@@ -56,6 +56,7 @@ class BatchStep:
     generation_tokens: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    stop_string: str | None = None  # on the last step: the stop string that ended it
 
 
 Deliver = Callable[["BatchStep | BaseException"], None]
@@ -523,6 +524,7 @@ class BatchEngine:
             prompt_tokens=seq.inputs.num_tokens,
             cached_tokens=seq.cached_tokens,
             generation_tokens=len(seq.generated),
+            stop_string=seq.text.stop_string,
         )
         if seq.options.top_logprobs is not None:
             step.logprob, step.top_logprobs = token_logprobs(

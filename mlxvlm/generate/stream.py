@@ -17,6 +17,7 @@ from mlxvlm.generate.loop import fit_to_context, generate_tokens
 from mlxvlm.generate.text import GenerationOutput, OutputFolder, SequenceText, eos_token_ids
 from mlxvlm.media import MediaPolicy
 from mlxvlm.prompt import prepare_inputs
+from mlxvlm.constrained import json_schema_constraint
 from mlxvlm.sampling import RowSampler, SamplingOptions, token_logprobs
 from mlxvlm.sampling_defaults import checkpoint_defaults
 from mlxvlm.sampling_defaults import resolve as resolve_sampling
@@ -79,6 +80,7 @@ def stream_generate(
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     prefill_step_size: int = 2048,
     stop: str | Sequence[str] | None = None,
+    json_schema: dict | bool | None = None,
     system: str | None = None,
     raw_prompt: bool = False,
     sampler: Callable[[mx.array], mx.array] | None = None,
@@ -98,7 +100,9 @@ def stream_generate(
     else is greedy / off (see ``mlxvlm.sampling_defaults``). ``presence_penalty``,
     ``frequency_penalty``, ``logit_bias`` (token id -> bias) and ``top_logprobs`` mean
     what they mean in OpenAI's API (and the server). A ``seed`` samples the same tokens
-    here as in ``batch_generate`` and the server.
+    here as in ``batch_generate`` and the server. ``json_schema``: the answer is JSON
+    valid under this schema (``True``: any JSON object), by constrained decoding
+    (``mlxvlm.constrained``).
     """
     options = sampling_options(
         processor, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -107,6 +111,10 @@ def stream_generate(
         frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed, stop=stop,
         top_logprobs=top_logprobs,
     )
+    if json_schema is not None and json_schema is not False:
+        options.constraint = json_schema_constraint(
+            getattr(processor, "tokenizer", processor), eos_token_ids(processor),
+            None if json_schema is True else json_schema)
     if prefill_step_size < 1:
         raise MlxvlmError(f"prefill_step_size must be at least 1, got {prefill_step_size}")
     cache_options = CacheOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)

@@ -16,13 +16,15 @@ class StopStrings:
     def __init__(self, stops: Iterable[str] | None):
         self.stops = [s for s in (stops or []) if s]
         self.held = ""
+        self.matched: str | None = None  # the stop string that cut the stream
 
     def push(self, segment: str) -> tuple[str, bool]:
         text = self.held + segment
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.held = ""
-            return text[: min(hits)], True
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            return text[:at], True
         hold = 0
         for stop in self.stops:
             for k in range(min(len(stop) - 1, len(text)), hold, -1):
@@ -64,6 +66,11 @@ class SequenceText:
         self.stops = StopStrings(_as_stop_list(stop))
         self.max_tokens = max_tokens
         self.num_tokens = 0
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the sequence, if one did."""
+        return self.stops.matched
 
     def add(self, token: int) -> tuple[str, str | None]:
         self.num_tokens += 1

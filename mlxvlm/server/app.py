@@ -12,7 +12,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from mlxvlm.server.config import ServerConfig
 from mlxvlm.server.errors import install_error_handlers
 from mlxvlm.server.logprobs import TokenBytes
-from mlxvlm.server.routes import chat, models
+from mlxvlm.server.responses import ResponseStore
+from mlxvlm.server.routes import chat, messages, models, responses
 from mlxvlm.server.security import (
     APIKeyMiddleware,
     BodyBudget,
@@ -42,6 +43,7 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
     app.state.body_budget = BodyBudget(config.max_buffered_body_bytes)
     app.state.token_bytes = TokenBytes(service.engine.tokenizer)
     app.state.vocab_size = len(processor.tokenizer)
+    app.state.response_store = ResponseStore(config.max_stored_responses)
     install_error_handlers(app)
     # Added last = outermost: the Host is checked first (DNS rebinding), then CORS
     # answers preflights before the key is checked.
@@ -52,7 +54,8 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
             CORSMiddleware,
             allow_origins=config.allowed_origins,
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version",
+                           "anthropic-beta"],
         )
     hosts = allowed_host_names(config.host, config.allowed_hosts)
     if hosts is not None:
@@ -61,4 +64,6 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
     app.add_middleware(StatusCounting, counters=service.counters)
     app.include_router(models.router)
     app.include_router(chat.router)
+    app.include_router(messages.router)
+    app.include_router(responses.router)
     return app

@@ -45,6 +45,8 @@ class ServerConfig:
     max_tokens: int = 512  # when a request does not say
     prefill_step_size: int = 2048
     prompt_cache_size: int = 8  # finished conversations kept for prefix reuse; 0: off
+    # Responses kept for previous_response_id (per server, least recently used out); 0: off
+    max_stored_responses: int = 256
     prepare_workers: int = 2
     retry_after_seconds: int = 1
 
@@ -76,7 +78,7 @@ class ServerConfig:
                      "max_image_pixels", "max_tokens", "prefill_step_size", "prepare_workers"):
             if getattr(self, name) < 1:
                 raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_queue", "prompt_cache_size"):
+        for name in ("max_queue", "prompt_cache_size", "max_stored_responses"):
             if getattr(self, name) < 0:
                 raise MlxvlmError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -139,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Prompt tokens per prefill chunk")
     parser.add_argument("--prompt-cache-size", type=ranged(at_least(0)), default=8,
                         help="Finished conversations kept for prefix reuse (0: off)")
+    parser.add_argument("--max-stored-responses", type=ranged(at_least(0)), default=256,
+                        help="Responses API answers kept for previous_response_id, least "
+                        "recently used dropped first (0: none kept)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="Least severe log messages shown")
@@ -187,4 +192,5 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_tokens=args.max_tokens,
         prefill_step_size=args.prefill_step_size,
         prompt_cache_size=args.prompt_cache_size,
+        max_stored_responses=args.max_stored_responses,
     )

@@ -1,4 +1,6 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""Errors in the shape of the API a path belongs to: OpenAI's ``{"error": {"message",
+"type", "param", "code"}}``, or Anthropic's ``{"type": "error", "error": {"type",
+"message"}}`` under ``/v1/messages``.
 
 Every error a client can see goes through here, including FastAPI's and Starlette's own
 (validation, unknown route, wrong method), so that no other body shape ever reaches a
@@ -34,6 +36,26 @@ _TYPES = {
 }
 
 
+# Anthropic's error types by status (its API's own names).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+# Paths whose clients expect Anthropic's error shape.
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
 # Status recorded for a request whose client went away (nginx's convention).
 CLIENT_CLOSED = 499
 
@@ -61,18 +83,24 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, param=self.param, code=self.code)
+    def body(self, path: str = "") -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param, code=self.code,
+                          path=path)
 
 
 def error_body(status: int, message: str, *, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+               code: str | None = None, path: str = "") -> dict[str, Any]:
+    """The error body a client of ``path`` expects."""
+    if is_anthropic_path(path):
+        kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else
+                                    "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    return JSONResponse(error.body(path), status_code=error.status, headers=error.headers)
 
 
 def validation_error(errors: list[dict]) -> APIError:
@@ -93,19 +121,20 @@ def validation_error(errors: list[dict]) -> APIError:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError):
-        return error_response(error)
+    async def api_error(request: Request, error: APIError):
+        return error_response(error, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, error: RequestValidationError):
-        return error_response(validation_error(list(error.errors())))
+    async def invalid_request(request: Request, error: RequestValidationError):
+        return error_response(validation_error(list(error.errors())), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException):
+    async def http_error(request: Request, error: StarletteHTTPException):
         status = error.status_code
         message = error.detail if isinstance(error.detail, str) else "request failed"
         code = "not_found" if status == 404 else None
-        return error_response(APIError(status, message, code=code, headers=error.headers))
+        return error_response(APIError(status, message, code=code, headers=error.headers),
+                              request.url.path)
 
     @app.exception_handler(ClientDisconnect)
     @app.exception_handler(ClientDisconnected)
@@ -115,6 +144,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(Exception)
-    async def server_fault(_: Request, error: Exception):
+    async def server_fault(request: Request, error: Exception):
         logger.exception("unhandled error")
-        return error_response(APIError(500, "internal server error; see the server log"))
+        return error_response(APIError(500, "internal server error; see the server log"),
+                              request.url.path)

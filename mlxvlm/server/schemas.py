@@ -19,31 +19,31 @@ from mlxvlm.option_ranges import SAMPLING
 MAX_STOP_STRINGS = 16
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-class ImageURL(_Strict):
+class ImageURL(StrictModel):
     url: str = Field(min_length=1)
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ImagePart(_Strict):
+class ImagePart(StrictModel):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class InputAudioPart(_Strict):
+class InputAudioPart(StrictModel):
     type: Literal["input_audio"]
     input_audio: dict
 
 
-class VideoPart(_Strict):
+class VideoPart(StrictModel):
     type: Literal["video_url"]
     video_url: dict
 
@@ -53,13 +53,26 @@ ContentPart = Annotated[
 ]
 
 
-class Message(_Strict):
+class Message(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
-class StreamOptions(_Strict):
+class JSONSchemaFormat(StrictModel):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    # "schema" is a name pydantic's BaseModel keeps for itself.
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
@@ -86,7 +99,7 @@ def _set_only_with(flag: str, message: str):
     return classmethod(check)
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(StrictModel):
     model: str
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = _ranged("max_tokens")
@@ -105,6 +118,7 @@ class ChatCompletionRequest(_Strict):
     stream_options: StreamOptions | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = _ranged("top_logprobs")
+    response_format: ResponseFormat | None = None
     # OpenAI's limit; only 1 is served (see chat.sampling_options).
     n: int | None = Field(default=None, ge=1, le=128)
     user: str | None = None
@@ -115,6 +129,14 @@ class ChatCompletionRequest(_Strict):
         _set_only_with("stream", "stream_options is only allowed when stream is true"))
     _needs_logprobs = field_validator("top_logprobs")(
         _set_only_with("logprobs", "top_logprobs needs logprobs set to true"))
+
+    @field_validator("response_format")
+    @classmethod
+    def _schema_given(cls, value):
+        if value is not None and value.type == "json_schema" and (
+                value.json_schema is None or value.json_schema.json_schema is None):
+            raise ValueError("a json_schema response format needs json_schema.schema")
+        return value
 
     @field_validator("logit_bias")
     @classmethod

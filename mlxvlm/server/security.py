@@ -79,7 +79,7 @@ class HostCheckMiddleware:
         response = error_response(APIError(
             421, f"this server does not answer to the host {shown!r}; it answers "
             f"{', '.join(sorted(self.allowed))} (the server's --allowed-hosts)",
-            code="invalid_host"))
+            code="invalid_host"), scope["path"])
         await response(scope, receive, send)
 
 
@@ -89,13 +89,14 @@ def key_id(key: str) -> str:
 
 
 class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` with one of ``api_keys`` on every path but
-    ``PUBLIC_PATHS`` (and CORS preflights, which browsers send without credentials); the
-    matching key's ``key_id`` goes into the request's state as ``KEY_ID``."""
+    """Requires one of ``api_keys`` on every path but ``PUBLIC_PATHS`` (and CORS
+    preflights, which browsers send without credentials): as ``Authorization: Bearer
+    <key>`` (OpenAI's clients) or ``x-api-key: <key>`` (Anthropic's). The matching key's
+    ``key_id`` goes into the request's state as ``KEY_ID``."""
 
     def __init__(self, app: ASGIApp, api_keys: Iterable[str]):
         self.app = app
-        self.expected = [(f"Bearer {key}".encode(), key_id(key)) for key in api_keys]
+        self.expected = [(key.encode(), key_id(key)) for key in api_keys]
 
     def _match(self, given: bytes) -> str | None:
         found = None
@@ -108,19 +109,26 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        name = self._match(given)
+        headers = dict(scope["headers"])
+        authorization = headers.get(b"authorization", b"")
+        x_api_key = headers.get(b"x-api-key", b"")
+        name = None
+        if authorization.startswith(b"Bearer "):
+            name = self._match(authorization[len(b"Bearer "):])
+        if name is None and x_api_key:
+            name = self._match(x_api_key)
         if name is not None:
             scope.setdefault("state", {})[KEY_ID] = name
             await self.app(scope, receive, send)
             return
         message = (
-            "incorrect API key provided" if given else
-            "missing API key; send it as 'Authorization: Bearer <key>'"
+            "incorrect API key provided" if authorization or x_api_key else
+            "missing API key; send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
         )
         response = error_response(
             APIError(401, message, code="invalid_api_key",
-                     headers={"WWW-Authenticate": 'Bearer realm="mlxvlm"'})
+                     headers={"WWW-Authenticate": 'Bearer realm="mlxvlm"'}),
+            scope["path"],
         )
         await response(scope, receive, send)
 

@@ -1,0 +1,108 @@
+"""What every generating endpoint shares (chat completions, Messages, Responses): a chat
+request through admission, preparation and the engine, within one ``RequestLifetime``,
+to the endpoint's own body or stream of events.
+
+An endpoint translates its request into a ``ChatCompletionRequest`` (the one validated
+form of a conversation and its sampling options) and gives two writers: ``body(first,
+stream)`` for a whole answer and ``events(first, stream)`` for a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from jinja2 import TemplateError
+
+from mlxvlm.batching import BatchStep
+from mlxvlm.constrained import ConstraintError, GrammarConstraint, json_schema_constraint
+from mlxvlm.generate.text import eos_token_ids
+from mlxvlm.errors import MlxvlmError, PromptTooLongError
+from mlxvlm.media import MediaError, PixelBudgetError
+from mlxvlm.sampling import SamplingOptions
+from mlxvlm.server.chat import to_messages
+from mlxvlm.server.errors import APIError
+from mlxvlm.server.lifetime import RequestLifetime
+from mlxvlm.server.schemas import ChatCompletionRequest
+from mlxvlm.server.security import KEY_ID
+from mlxvlm.server.service import GenerationService, TokenStream
+
+BodyWriter = Callable[[BatchStep, TokenStream], Awaitable[dict]]
+EventWriter = Callable[[BatchStep, TokenStream], AsyncIterator[str]]
+
+
+def as_api_error(error: Exception, param: str = "messages") -> APIError:
+    """A user-input error from preparing or running a request, as a 400 (including a
+    chat template that refuses the conversation, e.g. roles out of order)."""
+    if isinstance(error, PromptTooLongError):
+        return APIError(400, str(error), param=param, code="context_length_exceeded")
+    if isinstance(error, PixelBudgetError) and error.shared:
+        return APIError(429, str(error), code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    if isinstance(error, PixelBudgetError):
+        return APIError(400, str(error), param=param, code="too_many_pixels")
+    if isinstance(error, MediaError):
+        return APIError(400, str(error), param=param, code="invalid_media")
+    return APIError(400, str(error), param=param)
+
+
+def response_constraint(chat: ChatCompletionRequest, processor: Any,
+                        param: str = "response_format") -> GrammarConstraint | None:
+    """The grammar a ``response_format`` asks for (None for plain text); a schema that
+    cannot be used is a 400 naming ``param``."""
+    fmt = chat.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    schema = fmt.json_schema.json_schema if fmt.type == "json_schema" else None
+    strict = bool(fmt.json_schema.strict) if fmt.type == "json_schema" else False
+    try:
+        return json_schema_constraint(getattr(processor, "tokenizer", processor),
+                                      eos_token_ids(processor), schema, strict=strict)
+    except ConstraintError as error:
+        raise APIError(400, str(error), param=param, code="invalid_response_format") from None
+
+
+async def answer(request: Request, chat: ChatCompletionRequest, options: SamplingOptions,
+                 service: GenerationService, *, body: BodyWriter, events: EventWriter,
+                 param: str = "messages", format_param: str = "response_format") -> Response:
+    """Run ``chat`` and answer with ``body``'s JSON or ``events``' stream (``param``: the
+    request field that input errors name; ``format_param``: the one a response format
+    that cannot be used names)."""
+    if chat.response_format is not None:
+        # Compiling a schema can take a while: not on the event loop.
+        options.constraint = await asyncio.to_thread(
+            response_constraint, chat, service.processor, format_param)
+    with RequestLifetime(service, request) as life:
+        try:
+            # With API keys, prefix reuse stays within the key (cached_tokens would
+            # otherwise tell one client what another sent).
+            namespace = request.scope.get("state", {}).get(KEY_ID)
+            prepared = await life.until_disconnect(
+                service.prepare(to_messages(chat), namespace))
+            stream = life.submit(prepared, options)
+            # Wait for the first token before answering, so that a request that fails
+            # in prefill still gets a proper error status.
+            first = await life.until_disconnect(stream.__anext__())
+            if not chat.stream:
+                return JSONResponse(await life.until_disconnect(body(first, stream)))
+        except (MlxvlmError, ValueError, TemplateError) as error:
+            raise as_api_error(error, param) from error
+        return life.event_stream(events(first, stream))
+
+
+async def steps(first: BatchStep, stream: TokenStream) -> AsyncIterator[BatchStep]:
+    """The request's steps from its first to its last (the one with a finish reason)."""
+    step = first
+    while True:
+        yield step
+        if step.finish_reason is not None:
+            return
+        step = await stream.__anext__()
+
+
+def stream_failure(error: Exception) -> tuple[int, str]:
+    """The status and message of a failure once a stream's headers are sent."""
+    status = 400 if isinstance(error, (MlxvlmError, ValueError)) else 500
+    message = str(error) if status == 400 else "generation failed; see the server log"
+    return status, message

@@ -1,0 +1,73 @@
+"""The request body of OpenAI's ``POST /v1/responses``, validated strictly (as the chat
+completions body is: ``schemas``), with the fields this server implements."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field
+
+from mlxvlm.option_ranges import SAMPLING
+from mlxvlm.server.schemas import StrictModel
+
+
+class InputText(StrictModel):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(StrictModel):
+    """An earlier answer's text, sent back as part of the conversation."""
+
+    type: Literal["output_text"]
+    text: str
+
+
+class InputImage(StrictModel):
+    type: Literal["input_image"]
+    image_url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+InputPart = Annotated[Union[InputText, OutputText, InputImage], Field(discriminator="type")]
+
+
+class InputMessage(StrictModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputPart]
+
+
+class TextFormat(StrictModel):
+    """Responses' format: a json_schema one carries its name, schema and strict flag
+    itself (chat completions nests them under ``json_schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(StrictModel):
+    format: TextFormat | None = None
+
+
+def _ranged(name: str):
+    return Field(default=None, **SAMPLING[name].pydantic())
+
+
+class ResponsesRequest(StrictModel):
+    model: str
+    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: int | None = _ranged("max_tokens")
+    temperature: float | None = _ranged("temperature")
+    top_p: float | None = _ranged("top_p")
+    stream: bool = False
+    # Whether the answer may be continued with previous_response_id (OpenAI's default).
+    store: bool = True
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=200)
+    text: TextOptions | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None

@@ -1,0 +1,65 @@
+"""``POST /v1/responses``: OpenAI's Responses API, answered by the same machinery as
+chat completions (``answering.answer``), continuing stored conversations by
+``previous_response_id``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from mlxvlm.sampling_defaults import checkpoint_defaults
+from mlxvlm.server.answering import answer
+from mlxvlm.server.chat import sampling_options
+from mlxvlm.server.deps import get_service, get_vocab_size, json_body
+from mlxvlm.server.errors import APIError
+from mlxvlm.server.responses import (
+    ResponseStore,
+    ResponseWriter,
+    input_messages,
+    to_chat_request,
+    warn_unknown_fields,
+)
+from mlxvlm.server.responses_schemas import ResponsesRequest
+from mlxvlm.server.routes.models import unknown_model
+from mlxvlm.server.security import KEY_ID
+from mlxvlm.server.service import GenerationService
+
+router = APIRouter()
+
+
+async def responses_request(request: Request) -> ResponsesRequest:
+    return await json_body(request, ResponsesRequest)
+
+
+def get_store(request: Request) -> ResponseStore:
+    return request.app.state.response_store
+
+
+@router.post("/v1/responses")
+async def responses(
+    request: Request,
+    body: ResponsesRequest = Depends(responses_request),
+    service: GenerationService = Depends(get_service),
+    store: ResponseStore = Depends(get_store),
+    vocab_size: int = Depends(get_vocab_size),
+) -> Response:
+    config = service.config
+    if body.model != config.model_id:
+        raise unknown_model(config, body.model)
+    warn_unknown_fields(body)
+    namespace = request.scope.get("state", {}).get(KEY_ID)
+    earlier: list = []
+    if body.previous_response_id is not None:
+        earlier = store.get(namespace, body.previous_response_id)
+        if earlier is None:
+            raise APIError(400, f"previous response {body.previous_response_id!r} not found "
+                           "(it was not stored, or this server no longer keeps it: "
+                           "--max-stored-responses)", param="previous_response_id",
+                           code="previous_response_not_found")
+    chat = to_chat_request(body, earlier)
+    options = sampling_options(chat, config.max_tokens, vocab_size,
+                               checkpoint_defaults(service.processor))
+    writer = ResponseWriter(config.model_id, body, earlier + input_messages(body), store,
+                            namespace)
+    return await answer(request, chat, options, service, body=writer.body,
+                        events=writer.events, param="input", format_param="text.format")
