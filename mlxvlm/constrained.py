@@ -134,6 +134,7 @@ class GrammarProcessor:
         self.prompt_length: int | None = None
         self.consumed = 0
         self.closing = False
+        self.whole_answer: int | None = None
 
     def _closing_token(self, allowed: np.ndarray) -> int:
         return int(np.argmax(np.where(allowed, self.constraint.preference, -np.inf)))
@@ -153,11 +154,13 @@ class GrammarProcessor:
 
     def _check_the_budget(self) -> None:
         """An answer that cannot be completed within ``max_tokens`` is refused before its
-        first token (checked where the budget is within the closing horizon)."""
-        if self.max_tokens > CLOSING_HORIZON or self._closing_distance(self.max_tokens) is not None:
+        first token. The tokens a whole answer takes (``whole_answer``) also say when an
+        answer that could end but might go on (another of several calls) must end."""
+        self.whole_answer = self._closing_distance(CLOSING_HORIZON * 4)
+        needed = self.whole_answer
+        if needed is None or needed <= self.max_tokens:
             return
-        needed = self._closing_distance(CLOSING_HORIZON * 4)
-        at_least = f"at least {needed}" if needed is not None else "more"
+        at_least = f"at least {needed}"
         raise ConstraintError(
             f"max_tokens {self.max_tokens} is too few for {self.constraint.description}: "
             f"its shortest answer takes {at_least} tokens of this tokenizer")
@@ -181,7 +184,16 @@ class GrammarProcessor:
         if not self.closing and left <= CLOSING_HORIZON and not self.matcher.is_accepting():
             distance = self._closing_distance(limit=left)
             self.closing = distance is None or distance >= left - 1
-        if self.closing and not self.matcher.is_accepting():
+        if self.matcher.is_accepting():
+            # Complete, but the grammar lets it go on: too little budget is left for
+            # another whole part, so it ends here.
+            if self.closing or left <= (self.whole_answer or 0) + 1:
+                only = np.zeros_like(allowed)
+                ends = [t for t in self.constraint.lltokenizer.eos_tokens if t < only.size]
+                only[ends] = allowed[ends]
+                if only.any():
+                    allowed = only
+        elif self.closing:
             only = np.zeros_like(allowed)
             only[self._closing_token(allowed)] = True
             allowed = only
@@ -209,3 +221,12 @@ def json_schema_constraint(tokenizer: Any, eos_token_ids: Iterable[int],
     except ValueError as error:
         raise ConstraintError(f"{described} cannot be used: {error}") from None
     return GrammarConstraint(grammar, grammar_tokenizer(tokenizer, eos_token_ids), described)
+
+
+def lark_constraint(tokenizer: Any, eos_token_ids: Iterable[int], lark: str,
+                    description: str) -> GrammarConstraint:
+    """Answers in the language of a Lark grammar (llguidance's dialect, where
+    ``%json {schema}`` embeds a JSON schema)."""
+    llguidance = _llguidance()
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    return GrammarConstraint(grammar, grammar_tokenizer(tokenizer, eos_token_ids), description)

@@ -169,7 +169,10 @@ def normalize_messages(
     return normalized, [source for kind, source in media if kind == "image"]
 
 
-def render_chat(processor: Any, messages: list[Message]) -> str:
+def render_chat(processor: Any, messages: list[Message],
+                template_options: Mapping[str, Any] | None = None) -> str:
+    """The conversation through the checkpoint's chat template; ``template_options``:
+    what the template itself takes (``tools``, ``enable_thinking`` ...)."""
     template_owner = processor if getattr(processor, "chat_template", None) else None
     tokenizer = processor.tokenizer
     if template_owner is None and getattr(tokenizer, "chat_template", None):
@@ -180,7 +183,7 @@ def render_chat(processor: Any, messages: list[Message]) -> str:
             "tokenizer_config.json); add one, or pass a raw prompt with raw_prompt=True"
         )
     return template_owner.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
+        messages, tokenize=False, add_generation_prompt=True, **(template_options or {})
     )
 
 
@@ -213,6 +216,7 @@ def prepare_inputs(
     media_policy: MediaPolicy | Mapping[str, Any] | None = None,
     video_options: dict | None = None,
     audio_in_video: bool = True,
+    template_options: Mapping[str, Any] | None = None,
 ) -> PreparedInputs:
     """Render the conversation with the chat template and run the processor.
 
@@ -225,7 +229,8 @@ def prepare_inputs(
     hears each video's sound track. ``raw_prompt``: ``prompt`` is already the model's exact
     input text (media must then be passed as arguments and the text must hold the
     placeholders); it is tokenized as ``processor(text=prompt)`` does, with the
-    processor's default special tokens.
+    processor's default special tokens. ``template_options``: passed to the chat
+    template (``tools=[...]``, ``enable_thinking=False`` where the template takes them).
 
     The rendered chat is tokenized as transformers' ``processor.apply_chat_template(...,
     tokenize=True)`` tokenizes it (see ``special_tokens_option``): a tokenizer that adds
@@ -241,7 +246,7 @@ def prepare_inputs(
         messages = build_messages(prompt, len(extra["image"]), system,
                                   num_videos=len(extra["video"]), num_audios=len(extra["audio"]))
         messages, media = normalize_media_messages(messages, extra)
-        text = render_chat(processor, messages)
+        text = render_chat(processor, messages, template_options)
 
     loaded = _load_media(processor, media, MediaPolicy.of(media_policy),
                          video_options or {}, audio_in_video)

@@ -137,8 +137,3 @@ def test_stored_responses_are_bounded_and_kept_per_api_key(server, client):
         create(client, input="And another?", previous_response_id=mine.id)
     assert len(server.app.state.response_store) == 3
 
-
-def test_unsupported_text_formats_are_refused_not_ignored(client):
-    with pytest.raises(openai.BadRequestError) as raised:
-        create(client, input="hi", text={"format": {"type": "json_object"}})
-    assert raised.value.body["param"] == "text.format"

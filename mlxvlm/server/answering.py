@@ -28,6 +28,7 @@ from mlxvlm.server.lifetime import RequestLifetime
 from mlxvlm.server.schemas import ChatCompletionRequest
 from mlxvlm.server.security import KEY_ID
 from mlxvlm.server.service import GenerationService, TokenStream
+from mlxvlm.server.tools import AnswerPlan
 
 BodyWriter = Callable[[BatchStep, TokenStream], Awaitable[dict]]
 EventWriter = Callable[[BatchStep, TokenStream], AsyncIterator[str]]
@@ -65,21 +66,28 @@ def response_constraint(chat: ChatCompletionRequest, processor: Any,
 
 async def answer(request: Request, chat: ChatCompletionRequest, options: SamplingOptions,
                  service: GenerationService, *, body: BodyWriter, events: EventWriter,
-                 param: str = "messages", format_param: str = "response_format") -> Response:
+                 plan: AnswerPlan | None = None, param: str = "messages",
+                 format_param: str = "response_format") -> Response:
     """Run ``chat`` and answer with ``body``'s JSON or ``events``' stream (``param``: the
     request field that input errors name; ``format_param``: the one a response format
-    that cannot be used names)."""
-    if chat.response_format is not None:
-        # Compiling a schema can take a while: not on the event loop.
+    that cannot be used names). ``plan``: the request's tools and thinking; it learns
+    the rendered prompt (``plan.prompt_text``) before the writers run."""
+    # Compiling a grammar can take a while: not on the event loop.
+    if plan is not None and plan.tools and plan.tool_choice != "auto":
+        options.constraint = await asyncio.to_thread(plan.constraint)
+    elif chat.response_format is not None:
         options.constraint = await asyncio.to_thread(
             response_constraint, chat, service.processor, format_param)
+    template_options = plan.template_options if plan is not None else None
     with RequestLifetime(service, request) as life:
         try:
             # With API keys, prefix reuse stays within the key (cached_tokens would
             # otherwise tell one client what another sent).
             namespace = request.scope.get("state", {}).get(KEY_ID)
             prepared = await life.until_disconnect(
-                service.prepare(to_messages(chat), namespace))
+                service.prepare(to_messages(chat), namespace, template_options))
+            if plan is not None:
+                plan.prompt_text = prepared.inputs.prompt_text
             stream = life.submit(prepared, options)
             # Wait for the first token before answering, so that a request that fails
             # in prefill still gets a proper error status.

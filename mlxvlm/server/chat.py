@@ -50,8 +50,28 @@ def to_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
             content: Any = message.content or ""
         else:
             content = [part.model_dump(exclude_none=True) for part in message.content]
-        messages.append({"role": role, "content": content})
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if message.tool_calls:
+            # Chat templates take a call's arguments as a mapping, not OpenAI's JSON text.
+            entry["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name,
+                              "arguments": _arguments(call.function.arguments)}}
+                for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.name is not None and role == "tool":
+            entry["name"] = message.name
+        messages.append(entry)
     return messages
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise APIError(400, "a tool call's arguments must be JSON text",
+                       param="messages") from None
 
 
 def sampling_options(
@@ -104,7 +124,10 @@ class CompletionWriter:
         self.created = int(time.time())
         self.model = model_id
 
-    def body(self, text: str, last: BatchStep, logprobs: list[dict] | None) -> dict[str, Any]:
+    def body(self, message: dict[str, Any], finish_reason: str | None,
+             last: BatchStep, logprobs: list[dict] | None) -> dict[str, Any]:
+        """``message``: the answer's fields beside its role (content, and where there
+        are any, reasoning_content and tool_calls)."""
         return {
             "id": self.id,
             "object": "chat.completion",
@@ -113,9 +136,9 @@ class CompletionWriter:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "message": {"role": "assistant", **message, "refusal": None},
                     "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
-                    "finish_reason": last.finish_reason,
+                    "finish_reason": finish_reason,
                 }
             ],
             "usage": usage(last),

@@ -53,10 +53,44 @@ ContentPart = Annotated[
 ]
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallItem(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JSONSchemaFormat(StrictModel):
@@ -119,6 +153,11 @@ class ChatCompletionRequest(StrictModel):
     logprobs: bool | None = None
     top_logprobs: int | None = _ranged("top_logprobs")
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # What the chat template itself takes, e.g. {"enable_thinking": false} (vLLM's name).
+    chat_template_kwargs: dict | None = None
     # OpenAI's limit; only 1 is served (see chat.sampling_options).
     n: int | None = Field(default=None, ge=1, le=128)
     user: str | None = None
@@ -136,6 +175,18 @@ class ChatCompletionRequest(StrictModel):
         if value is not None and value.type == "json_schema" and (
                 value.json_schema is None or value.json_schema.json_schema is None):
             raise ValueError("a json_schema response format needs json_schema.schema")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _named_tool_exists(cls, value, info: ValidationInfo):
+        tools = info.data.get("tools") or []
+        if isinstance(value, NamedToolChoice) and value.function.name not in {
+                tool.function.name for tool in tools}:
+            raise ValueError(f"tool_choice names {value.function.name!r}, which is not "
+                             "one of the tools")
+        if value == "required" and not tools:
+            raise ValueError("tool_choice 'required' needs tools")
         return value
 
     @field_validator("logit_bias")

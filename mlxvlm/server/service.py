@@ -110,13 +110,15 @@ class GenerationService:
             max_image_pixels=c.max_image_pixels,
         )
 
-    def _prepare(self, messages: list[dict], cache_namespace: str | None) -> PreparedRequest:
+    def _prepare(self, messages: list[dict], cache_namespace: str | None,
+                 template_options: dict | None = None) -> PreparedRequest:
         with self.pixels.request():
-            prepared = self._prepare_within_budget(messages)
+            prepared = self._prepare_within_budget(messages, template_options)
         prepared.cache_namespace = cache_namespace
         return prepared
 
-    def _prepare_within_budget(self, messages: list[dict]) -> PreparedRequest:
+    def _prepare_within_budget(self, messages: list[dict],
+                               template_options: dict | None = None) -> PreparedRequest:
         """Load the images (each is hashed by content, for prefix reuse), then render and
         process the conversation. Other media (video, audio) are left to
         ``prepare_inputs``, under the same policy."""
@@ -141,6 +143,7 @@ class GenerationService:
             prepared_messages,
             feature_names=getattr(self.model, "feature_names", None),
             media_policy=policy,
+            template_options=template_options,
         )
         # MLX evaluates a graph only on the thread that built it (its streams are
         # per thread), so the inputs must be concrete before they reach the engine.
@@ -149,13 +152,14 @@ class GenerationService:
         hashes = None if other_media else [image_hash(image) for image in images]
         return PreparedRequest(inputs, hashes)
 
-    async def prepare(self, messages: list[dict],
-                      cache_namespace: str | None = None) -> PreparedRequest:
+    async def prepare(self, messages: list[dict], cache_namespace: str | None = None,
+                      template_options: dict | None = None) -> PreparedRequest:
         """``cache_namespace`` (the client's API key id) confines prefix reuse to the
-        requests of one client."""
+        requests of one client; ``template_options`` go to the chat template (tools,
+        thinking)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._prepare_pool, self._prepare, messages,
-                                          cache_namespace)
+                                          cache_namespace, template_options)
 
     # -- generation -----------------------------------------------------------------
 

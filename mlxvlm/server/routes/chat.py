@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from mlxvlm.batching import BatchStep
 from mlxvlm.sampling_defaults import checkpoint_defaults
+from mlxvlm.server.answer_parts import AnswerSplitter, Part
 from mlxvlm.server.answering import answer, steps, stream_failure
 from mlxvlm.server.chat import (
     SSE_DONE,
@@ -25,6 +26,7 @@ from mlxvlm.server.logprobs import TokenBytes, logprob_content
 from mlxvlm.server.routes.models import unknown_model
 from mlxvlm.server.schemas import ChatCompletionRequest
 from mlxvlm.server.service import GenerationService, TokenStream
+from mlxvlm.server.tools import AnswerPlan
 
 logger = logging.getLogger("mlxvlm.server")
 
@@ -45,43 +47,81 @@ async def chat_completions(
     warn_unknown_fields(chat)
     options = sampling_options(chat, config.max_tokens, vocab_size,
                                checkpoint_defaults(service.processor))
+    plan = AnswerPlan(chat, service.processor)
     writer = CompletionWriter(config.model_id)
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
 
     def body(first: BatchStep, stream: TokenStream):
-        return _collect(token_bytes, writer, first, stream, chat.logprobs)
+        return _collect(token_bytes, writer, plan, first, stream, chat.logprobs)
 
     def events(first: BatchStep, stream: TokenStream):
-        return _stream_events(token_bytes, writer, first, stream, include_usage, chat.logprobs)
+        return _stream_events(token_bytes, writer, plan, first, stream, include_usage,
+                              chat.logprobs)
 
-    return await answer(request, chat, options, service, body=body, events=events)
+    return await answer(request, chat, options, service, body=body, events=events,
+                        plan=plan)
 
 
-async def _collect(token_bytes: TokenBytes, writer: CompletionWriter, first: BatchStep,
-                   stream: TokenStream, want_logprobs: bool | None) -> dict:
+def _finish_reason(last: BatchStep, splitter: AnswerSplitter) -> str | None:
+    return "tool_calls" if splitter.calls and last.finish_reason == "stop" else last.finish_reason
+
+
+async def _collect(token_bytes: TokenBytes, writer: CompletionWriter, plan: AnswerPlan,
+                   first: BatchStep, stream: TokenStream, want_logprobs: bool | None) -> dict:
     texts, logprobs = [], []
     async for step in steps(first, stream):
         texts.append(step.text)
         if want_logprobs:
             logprobs.append(logprob_content(token_bytes, step))
-    return writer.body("".join(texts), step, logprobs if want_logprobs else None)
+    splitter = plan.splitter()
+    parts = splitter.feed("".join(texts)) + splitter.finish()
+    content = "".join(p.text for p in parts if p.kind == "content")
+    reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
+    message: dict = {"content": content if content or not splitter.calls else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if splitter.calls:
+        message["tool_calls"] = [call.openai() for call in splitter.calls]
+    return writer.body(message, _finish_reason(step, splitter), step,
+                       logprobs if want_logprobs else None)
 
 
-async def _stream_events(token_bytes: TokenBytes, writer: CompletionWriter, first: BatchStep,
-                         stream: TokenStream, include_usage: bool,
+def _deltas(parts: list[Part], splitter: AnswerSplitter) -> list[dict]:
+    deltas = []
+    for part in parts:
+        if part.kind == "tool_call":
+            index = splitter.calls.index(part.call)
+            deltas.append({"tool_calls": [part.call.openai(index)]})
+        elif part.kind == "reasoning":
+            deltas.append({"reasoning_content": part.text})
+        else:
+            deltas.append({"content": part.text})
+    return deltas
+
+
+async def _stream_events(token_bytes: TokenBytes, writer: CompletionWriter, plan: AnswerPlan,
+                         first: BatchStep, stream: TokenStream, include_usage: bool,
                          want_logprobs: bool | None) -> AsyncIterator[str]:
     yield writer.chunk({"role": "assistant", "content": ""}, include_usage=include_usage)
+    splitter = plan.splitter()
     try:
         async for step in steps(first, stream):
             logprobs = [logprob_content(token_bytes, step)] if want_logprobs else None
-            if step.text or logprobs:
-                yield writer.chunk({"content": step.text}, logprobs=logprobs,
+            parts = splitter.feed(step.text)
+            if step.finish_reason is not None:
+                parts += splitter.finish()
+            deltas = _deltas(parts, splitter)
+            if logprobs and not deltas:
+                deltas = [{"content": ""}]
+            for n, delta in enumerate(deltas):
+                yield writer.chunk(delta, logprobs=logprobs if n == 0 else None,
                                    include_usage=include_usage)
     except Exception as error:  # headers are sent: the failure goes as an error event
         logger.exception("generation failed while streaming")
         yield sse(error_body(*stream_failure(error)))
         return
-    yield writer.chunk({}, finish_reason=step.finish_reason, include_usage=include_usage)
+    yield writer.chunk({}, finish_reason=_finish_reason(step, splitter),
+                       include_usage=include_usage)
     if include_usage:
         yield writer.usage_chunk(step)
     yield SSE_DONE

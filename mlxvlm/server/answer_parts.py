@@ -1,0 +1,196 @@
+"""A generated answer split into its parts: the model's reasoning (a thinking model's
+``<think>`` ... ``</think>``), the text for the user, and tool calls in the format the
+checkpoint's chat template teaches (Hermes/Qwen's ``<tool_call>{json}</tool_call>``,
+Mistral's ``[TOOL_CALLS]``). ``AnswerSplitter`` takes the text as it streams and holds
+back only what may still begin a marker."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a family writes tool calls: ``open`` starts one; ``close`` ends it (None: the
+    calls run to the end of the answer, as Mistral's do)."""
+
+    name: str
+    open: str
+    close: str | None
+
+
+HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
+MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", None)
+
+
+def tool_format(chat_template: str | None) -> ToolFormat | None:
+    """The tool-call format the chat template renders (None: it renders no tools)."""
+    template = chat_template or ""
+    if HERMES.open in template:
+        return HERMES
+    if MISTRAL.open in template:
+        return MISTRAL
+    return None
+
+
+def thinks(chat_template: str | None) -> bool:
+    return THINK_OPEN in (chat_template or "")
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def openai(self, index: int | None = None) -> dict[str, Any]:
+        call = {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def _calls_from_json(value: Any) -> list[ToolCall] | None:
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        arguments = item.get("arguments", item.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return None
+        calls.append(ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+def parse_calls(fmt: ToolFormat, body: str) -> list[ToolCall] | None:
+    """The calls in one tool region's text (between the markers); None: not calls."""
+    body = body.strip()
+    if fmt is MISTRAL and "[ARGS]" in body:  # the newer form: name[ARGS]{...} per call
+        calls = []
+        for piece in body.split(fmt.open):
+            name, _, arguments = piece.partition("[ARGS]")
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                return None
+            calls.append(ToolCall(name.strip(), json.dumps(parsed, ensure_ascii=False)))
+        return calls
+    try:
+        return _calls_from_json(json.loads(body))
+    except ValueError:
+        return None
+
+
+@dataclass
+class Part:
+    kind: str  # "reasoning", "content" or "tool_call"
+    text: str = ""
+    call: ToolCall | None = None
+
+
+class AnswerSplitter:
+    """Feed the answer's text as it comes (``feed``), then ``finish``; each returns the
+    parts now known. ``reasoning_first``: the prompt already opened the thinking block
+    (a template that ends its generation prompt with ``<think>``)."""
+
+    def __init__(self, tools: ToolFormat | None, thinking: bool, reasoning_first: bool = False):
+        self.tools = tools
+        self.thinking = thinking
+        self.state = "reasoning" if reasoning_first else "content"
+        self.buffer = ""
+        self.calls: list[ToolCall] = []
+        self.region_ended = False
+
+    def _opening_markers(self) -> list[tuple[str, str]]:
+        markers = []
+        if self.thinking:
+            markers.append((THINK_OPEN, "reasoning"))
+        if self.tools is not None:
+            markers.append((self.tools.open, "tool"))
+        return markers
+
+    def _emit(self, kind: str, text: str, parts: list[Part]) -> None:
+        if self.region_ended and kind == "content":
+            # The newlines a template puts after a thinking block or a call are layout.
+            text = text.lstrip("\n")
+            self.region_ended = not text
+        if not text:
+            return
+        if parts and parts[-1].kind == kind and kind != "tool_call":
+            parts[-1].text += text
+        else:
+            parts.append(Part(kind, text))
+
+    def _end_tool_region(self, body: str, raw: str, parts: list[Part]) -> None:
+        calls = parse_calls(self.tools, body)
+        if calls is None:  # not a call after all: the user sees the text
+            self._emit("content", raw, parts)
+            return
+        for call in calls:
+            self.calls.append(call)
+            parts.append(Part("tool_call", call=call))
+
+    def feed(self, text: str) -> list[Part]:
+        self.buffer += text
+        parts: list[Part] = []
+        while True:
+            if self.state == "reasoning":
+                end = self.buffer.find(THINK_CLOSE)
+                if end < 0:
+                    keep = _marker_prefix(self.buffer, [THINK_CLOSE])
+                    self._emit("reasoning", self.buffer[: len(self.buffer) - keep], parts)
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    return parts
+                self._emit("reasoning", self.buffer[:end], parts)
+                self.buffer = self.buffer[end + len(THINK_CLOSE):]
+                self.state, self.region_ended = "content", True
+            elif self.state == "tool":
+                close = self.tools.close
+                end = self.buffer.find(close) if close else -1
+                if end < 0:
+                    return parts  # the region is held whole until it ends
+                body = self.buffer[:end]
+                self._end_tool_region(body, self.tools.open + body + close, parts)
+                self.buffer = self.buffer[end + len(close):]
+                self.state, self.region_ended = "content", True
+            else:
+                markers = self._opening_markers()
+                found = [(self.buffer.find(m), m, state) for m, state in markers]
+                found = [f for f in found if f[0] >= 0]
+                if not found:
+                    keep = _marker_prefix(self.buffer, [m for m, _ in markers])
+                    self._emit("content", self.buffer[: len(self.buffer) - keep], parts)
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    return parts
+                at, marker, state = min(found)
+                self._emit("content", self.buffer[:at], parts)
+                self.buffer = self.buffer[at + len(marker):]
+                self.state = state
+
+    def finish(self) -> list[Part]:
+        parts = self.feed("")
+        rest, self.buffer = self.buffer, ""
+        if self.state == "tool":
+            self._end_tool_region(rest, self.tools.open + rest, parts)
+        else:
+            self._emit(self.state, rest, parts)
+        return parts
+
+
+def _marker_prefix(text: str, markers: list[str]) -> int:
+    """How many characters at the end of ``text`` may begin one of ``markers``."""
+    hold = 0
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), hold, -1):
+            if text.endswith(marker[:k]):
+                hold = k
+                break
+    return hold
