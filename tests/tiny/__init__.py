@@ -29,6 +29,7 @@ BUILDERS = {
     "pixtral": "tiny.pixtral",
     "paligemma": "tiny.paligemma",
     "qwen2_5_omni": "tiny.omni",
+    "lfm2_vl": "tiny.lfm2_vl",
 }
 
 
