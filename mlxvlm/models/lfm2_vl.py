@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import ArraysCache
 
 from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
@@ -98,6 +99,20 @@ class ModelArgs:
         )
 
 
+class ConvCache(ArraysCache):
+    """mlx-lm's cache of a short convolution's last inputs that also counts the tokens it
+    has seen, as a KV cache does: a sequence's length is read off its first layer's cache,
+    and LFM2's first layer is a convolution."""
+
+    def __init__(self):
+        super().__init__(size=1)
+        self.offset = 0
+
+    def advance(self, n: int) -> None:
+        super().advance(n)
+        self.offset += n
+
+
 def unshuffle(patches: mx.array, rows: int, columns: int, factor: int) -> mx.array:
     """(rows * columns, D) patch features, row by row -> (rows * columns / factor², factor²
     D): one token per ``factor x factor`` block, blocks row by row, each token's channels
@@ -146,6 +161,10 @@ class Model(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
                 # PyTorch's depthwise Conv1d (channels, 1, kernel) -> MLX's (channels, kernel, 1)
                 sanitized[name] = value.transpose(0, 2, 1)
         return sanitized
+
+    def make_cache(self) -> list[Any]:
+        return [ConvCache() if isinstance(c, ArraysCache) else c
+                for c in self.language_model.make_cache()]
 
     @classmethod
     def load_processor(cls, model_path, config: dict):
