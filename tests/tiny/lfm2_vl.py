@@ -92,6 +92,13 @@ def build_processor(tokenizer, image_processor):
                            chat_template=CHAT_TEMPLATE)
 
 
+def reference_processor(tiny: TinyModel):
+    """transformers' processor over the tiny model's in-memory parts (its image processor
+    is mlxvlm's numpy one: transformers' own needs torchvision, and
+    tests/test_lfm2_vl_images.py shows the two give the same outputs)."""
+    return build_processor(tiny.tokenizer, tiny.image_processor)
+
+
 def _config(tokenizer):
     from transformers import Lfm2VlConfig
 
