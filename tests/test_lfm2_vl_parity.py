@@ -19,6 +19,7 @@ import pytest
 from parity import (
     LOGITS_ATOL,
     assert_another_image_changes_the_output,
+    assert_batched_tokens_match,
     assert_decode_steps_match,
     assert_first_pass_matches,
     assert_greedy_tokens_match,
@@ -111,6 +112,13 @@ def test_chunked_prefill_gives_the_same_tokens(step, loaded, reference):
     assert our_tokens(model, processor, *CASES["two_images"], prefill_step_size=step) == (
         reference(FAMILY, "two_images").tokens
     )
+
+
+def test_batched_generation_gives_each_prompt_its_tokens(loaded, reference):
+    """Decoded together (each request's convolution state one row of the batch's, its KV
+    cache one row of mlx-lm's batched cache), every prompt keeps its reference's tokens."""
+    model, processor = loaded(FAMILY, "transformers")
+    assert_batched_tokens_match(model, processor, CASES, [reference(FAMILY, c) for c in CASES])
 
 
 def test_naflex_tower_matches_transformers_on_a_padded_batch():

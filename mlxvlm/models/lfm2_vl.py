@@ -104,8 +104,8 @@ class ConvCache(ArraysCache):
     has seen, as a KV cache does: a sequence's length is read off its first layer's cache,
     and LFM2's first layer is a convolution."""
 
-    def __init__(self):
-        super().__init__(size=1)
+    def __init__(self, size: int = 1, left_padding=None):
+        super().__init__(size, left_padding)
         self.offset = 0
 
     def advance(self, n: int) -> None:
