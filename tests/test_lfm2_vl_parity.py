@@ -40,7 +40,7 @@ from parity import (
 from tiny import make_image
 from tiny.lfm2_vl import LAYOUTS
 from mlxvlm import load
-from mlxvlm.models import lfm2_vl
+from mlxvlm.models import get_family, lfm2_vl
 from mlxvlm.models.feature_cache import no_feature_cache
 from mlxvlm.models.layers import siglip2
 
@@ -200,6 +200,15 @@ def test_both_config_layouts_build_the_same_model(tiny_checkpoints):
     hub, new = model_args_in_both_layouts(tiny_checkpoints, FAMILY)
     assert hub == new
     assert hub.text.layer_types == ["conv", "full_attention", "conv", "full_attention"]
+
+
+def test_first_configs_spellings_read_the_same(tiny_checkpoints):
+    """LiquidAI's first configs: model_type "lfm2-vl" and image_token_index."""
+    config = read_config(tiny_checkpoints, FAMILY, "hub")
+    first = {**config, "model_type": "lfm2-vl", "image_token_index": config.pop("image_token_id")}
+    assert get_family("lfm2-vl") is lfm2_vl
+    assert lfm2_vl.Model.from_config(first).args == lfm2_vl.Model.from_config(
+        read_config(tiny_checkpoints, FAMILY, "hub")).args
 
 
 def test_sanitized_names_are_mlx_community_names(tiny_checkpoints, loaded):

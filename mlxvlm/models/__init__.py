@@ -32,6 +32,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_5_omni": "qwen2_5_omni",
     "qwen2_5_omni_thinker": "qwen2_5_omni",
     "lfm2_vl": "lfm2_vl",
+    "lfm2-vl": "lfm2_vl",  # LiquidAI's first configs
 }
 
 

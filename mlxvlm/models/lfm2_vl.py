@@ -23,7 +23,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
-from mlxvlm.models.config_utils import as_transformers_reads_it
+from mlxvlm.models.config_utils import as_transformers_reads_it, token_id
 from mlxvlm.models.feature_cache import cached_features
 from mlxvlm.models.layers import mlx_lm_backbone, siglip2
 from mlxvlm.models.layers.activations import activation
@@ -83,14 +83,16 @@ class ModelArgs:
         """From either config layout, read through transformers' own config classes (the
         Hub's text_config says ``block_ff_dim`` for ``intermediate_size``, and may leave
         out rope_parameters and layer_types)."""
-        config = as_transformers_reads_it(config)
+        # LiquidAI's first configs say "lfm2-vl" and image_token_index
+        image_token_id = token_id(config, "image_token")
+        config = as_transformers_reads_it({**config, "model_type": "lfm2_vl"})
         text = dict(config["text_config"])
         text["tie_word_embeddings"] = bool(config["tie_word_embeddings"])
         activation(config["projector_hidden_act"])  # refuses an unsupported one now
         return cls(
             text=lfm2_text_args(text),
             vision=siglip2.Siglip2VisionConfig.from_hf(config["vision_config"]),
-            image_token_id=config["image_token_id"],
+            image_token_id=config["image_token_id"] if image_token_id is None else image_token_id,
             downsample_factor=config["downsample_factor"],
             projector_hidden_size=config["projector_hidden_size"],
             projector_hidden_act=config["projector_hidden_act"],
