@@ -121,6 +121,34 @@ def test_batched_generation_gives_each_prompt_its_tokens(loaded, reference):
     assert_batched_tokens_match(model, processor, CASES, [reference(FAMILY, c) for c in CASES])
 
 
+def test_the_server_answers_with_the_reference_tokens(loaded, reference):
+    """Two chat requests at once over HTTP (an image one and a text one, batched by the
+    server's engine) answer with their references' greedy text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_harness import LiveServer, png_data_url
+    from server_harness import user as server_user
+
+    model, processor = loaded(FAMILY, "hub")
+    requests = {
+        "one_image": [server_user("Describe this image.", png_data_url(IMAGE_A))],
+        "text": [{"role": "user", "content": CASES["text"][0][0]["content"]}],
+    }
+    with LiveServer(model, processor) as server:
+        client = server.client()
+
+        def ask(messages):
+            return client.chat.completions.create(model=server.config.model_id, messages=messages,
+                                                  max_tokens=24, temperature=0.0)
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = dict(zip(requests, pool.map(ask, requests.values())))
+    for case, answer in answers.items():
+        expected = processor.tokenizer.decode(reference(FAMILY, case).tokens, skip_special_tokens=True)
+        assert answer.choices[0].message.content == expected
+        assert answer.usage.prompt_tokens == len(reference(FAMILY, case).input_ids)
+
+
 def test_naflex_tower_matches_transformers_on_a_padded_batch():
     """transformers' tower on a padded batch of three grids (down- and upscaled position
     grids, one at full length), masked; ours runs each image on its own real patches."""
