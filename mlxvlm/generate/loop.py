@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxvlm.errors import PromptTooLongError
+from mlxvlm.generate.state_cache import StateSnapshots, cache_offset
 from mlxvlm.models.run_ahead import bounded_run_ahead
 from mlxvlm.prompt import PreparedInputs
 from mlxvlm.sampling import RowSampler, sampling_step
@@ -43,6 +44,7 @@ def prefill_chunks(
     *,
     prefill_step_size: int,
     quantize: Callable[[list[Any]], None] | None = None,
+    snapshots: StateSnapshots | None = None,
 ) -> Generator[int, None, None]:
     """Run ``input_ids`` (and their ``embeddings``) but their final chunk through the
     model into ``cache``, in chunks of ``prefill_step_size``; yield how many are done after
@@ -54,13 +56,14 @@ def prefill_chunks(
     prompt's last token costs no pass of its own. The tokens are the part of the prompt
     not yet in ``cache``: all of it, or what follows a reused prefix.
     Shared by ``generate_tokens`` and the batching engine, so that a request's prefill is
-    the same computation in both.
+    the same computation in both. ``snapshots`` records the state layers' states (see
+    ``state_cache``) after each chunk: lengths a later prompt may resume from.
     """
     total = input_ids.shape[1]
     done = 0
     # The model's bidirectional spans, made relative to input_ids (which start at the
     # cache's offset): a chunk never ends inside one.
-    start = cache[0].offset if cache else 0
+    start = cache_offset(cache)
     spans = [(s - start, e - start) for s, e in model.bidirectional_spans(state)]
     with mx.stream(generation_stream):
         while total - done > prefill_step_size:
@@ -76,6 +79,8 @@ def prefill_chunks(
             if quantize is not None:
                 quantize(cache)
             mx.eval([c.state for c in cache])
+            if snapshots is not None:
+                snapshots.record(cache)
             done += n
             mx.clear_cache()
             yield done
