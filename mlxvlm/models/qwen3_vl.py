@@ -72,14 +72,16 @@ def text_config_from_hf(config: dict) -> TextConfig:
     )
 
 
-def vision_config_from_hf(config: dict) -> VisionConfig:
+def vision_config_from_hf(config: dict, default_deepstack=(8, 16, 24)) -> VisionConfig:
+    """Qwen3-VL's tower; ``default_deepstack``: the taps where the config names none
+    (Qwen3.5's tower, the same one without DeepStack, passes ())."""
     vision = vision_config(config)
     return VisionConfig.from_hf(
         vision,
         patch_size=16, hidden_act="gelu_pytorch_tanh",
         norm="layernorm", mlp="linear_fc", patch_bias=True, merger="linear_fc",
         num_position_embeddings=vision.get("num_position_embeddings", 2304),
-        deepstack_visual_indexes=tuple(vision.get("deepstack_visual_indexes", (8, 16, 24))),
+        deepstack_visual_indexes=tuple(vision.get("deepstack_visual_indexes", default_deepstack)),
     )
 
 

@@ -514,10 +514,12 @@ class Qwen2MRopeModel(nn.Module):
 class LanguageModel(nn.Module):
     """``language_model`` in checkpoints: the decoder plus its output head."""
 
-    def __init__(self, config: TextConfig):
+    decoder_class: type = Qwen2MRopeModel  # ``language_model.model``
+
+    def __init__(self, config: Any):
         super().__init__()
         self.config = config
-        self.model = Qwen2MRopeModel(config)
+        self.model = self.decoder_class(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 

@@ -1,0 +1,183 @@
+"""Qwen3.5 (hybrid Gated DeltaNet / gated attention decoder) against transformers
+(float32), on tiny random checkpoints (tests/tiny/qwen3_5.py).
+
+Both config layouts load through ``mlxvlm.load`` and are compared with the in-memory
+transformers model: first-pass logits and 24 greedy tokens through
+``mlxvlm.stream_generate`` for text, one image, two images and an image in a later turn;
+a prefill cut into chunks of 3 tokens (each linear layer's convolution window and
+recurrent state carried across chunks); every decode step teacher-forced on the
+reference's answer; the chat template's thinking switch on and off. Guards: another
+image changes the output, the linear layers' state matters, a wrong rope θ is caught.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from parity import (
+    assert_another_image_changes_the_output,
+    assert_decode_steps_match,
+    assert_reference_is_decisive,
+    assert_wrong_model_is_caught,
+    loaded,  # noqa: F401 (fixture)
+    model_args_in_both_layouts,
+    our_logits,
+    our_tokens,
+    parameter_list,
+    read_config,
+    reference,  # noqa: F401 (fixture)
+    reference_run,
+    standard_cases,
+    standard_parity_tests,
+    transformers_logits,
+    load_transformers_model,
+    CAUGHT,
+)
+from tiny import make_image
+from tiny.qwen3_5 import LAYOUTS
+from mlxvlm.models import get_family
+from mlxvlm.prompt import prepare_inputs
+
+torch = pytest.importorskip("torch")
+
+IMAGE_A = make_image(112, 84, seed=1)  # 6 x 8 patches of 16 px -> 12 tokens
+IMAGE_B = make_image(84, 56, seed=2)  # 4 x 6 patches -> 6 tokens
+IMAGE_A2 = make_image(112, 84, seed=3)  # A's size, other content
+
+CASES, ALL_CASES = standard_cases(IMAGE_A, IMAGE_B, IMAGE_A2)
+FAMILY = "qwen3_5"
+FAMILY_LAYOUTS = [(FAMILY, layout) for layout in LAYOUTS]
+THINKING_OFF = {"enable_thinking": False}
+
+
+def tokens(model, processor, case: str, **options) -> list[int]:
+    return our_tokens(model, processor, *ALL_CASES[case], **options)
+
+
+test_first_pass_logits_match_transformers, test_greedy_tokens_match_transformers = (
+    standard_parity_tests(FAMILY_LAYOUTS, CASES)
+)
+
+
+def test_chunked_prefill_carries_the_linear_state(loaded, reference):
+    """Chunks of 3 tokens cut through text and image runs: every linear layer must carry
+    its convolution window and recurrent state from chunk to chunk."""
+    model, processor = loaded(FAMILY, "hub")
+    assert tokens(model, processor, "two_images", prefill_step_size=3) == (
+        reference(FAMILY, "two_images").tokens
+    )
+
+
+def test_decode_steps_match_transformers(tiny_checkpoints, loaded, reference):
+    model, processor = loaded(FAMILY, "transformers")
+    assert_decode_steps_match(tiny_checkpoints.model(FAMILY).model, model, processor,
+                              CASES["image_in_second_turn"],
+                              reference(FAMILY, "image_in_second_turn"))
+
+
+@pytest.fixture(scope="module")
+def thinking_off_reference(tiny_checkpoints, loaded):
+    _, processor = loaded(FAMILY, "transformers")
+    return reference_run(tiny_checkpoints.model(FAMILY).model, processor,
+                         *CASES["one_image"], **THINKING_OFF)
+
+
+def test_thinking_off_matches_transformers(loaded, reference, thinking_off_reference):
+    """``enable_thinking=False`` (the template closes an empty thinking block) gives
+    another prompt than the default (a thinking block left open), each matching
+    transformers' own."""
+    model, processor = loaded(FAMILY, "transformers")
+    thinking_on = reference(FAMILY, "one_image")
+    assert thinking_off_reference.input_ids != thinking_on.input_ids
+    inputs = prepare_inputs(processor, *CASES["one_image"], chat_template_kwargs=THINKING_OFF)
+    assert inputs.input_ids[0].tolist() == thinking_off_reference.input_ids
+    assert_reference_is_decisive(thinking_off_reference)
+    assert tokens(model, processor, "one_image",
+                  chat_template_kwargs=THINKING_OFF) == thinking_off_reference.tokens
+    assert thinking_off_reference.tokens != thinking_on.tokens
+
+
+# ---------------------------------------------------------------- the tests can fail
+
+
+def test_another_image_changes_the_output(loaded, reference):
+    model, processor = loaded(FAMILY, "transformers")
+    assert_another_image_changes_the_output(model, processor, ALL_CASES, FAMILY, reference)
+
+
+def test_linear_state_matters(loaded, reference):
+    """Linear layers that forget their convolution window and recurrent state before a
+    decode step moves the logits far from the reference: the decode parity
+    exercises the state."""
+    model, processor = loaded(FAMILY, "transformers")
+    ref = reference(FAMILY, "text")
+    messages, images = CASES["text"]
+    inputs = prepare_inputs(processor, messages, images, feature_names=model.feature_names)
+    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
+    cache = model.make_cache()
+    model(inputs.input_ids, cache, embeddings=embeddings, state=state)
+    for layer_cache in cache:
+        if not hasattr(layer_cache, "offset"):  # a linear layer: convolution window, state
+            layer_cache[0] = mx.zeros_like(layer_cache[0])
+            layer_cache[1] = mx.zeros_like(layer_cache[1])
+    logits = model(mx.array([[ref.tokens[0]]]), cache, state=state)[0, -1]
+    ids = ref.input_ids + [ref.tokens[0]]
+    fresh = model.make_cache()
+    whole = model(mx.array([ids]), fresh)[0, -1]
+    assert np.abs(np.array(logits) - np.array(whole)).max() > CAUGHT
+
+
+def test_wrong_rope_theta_would_be_caught(tiny_checkpoints, loaded, reference):
+    config = read_config(tiny_checkpoints, FAMILY, "hub")
+    del config["text_config"]["rope_parameters"]["rope_theta"]
+    model, processor = loaded(FAMILY, "hub")
+    assert_wrong_model_is_caught(get_family(FAMILY).Model.from_config(config), model, processor,
+                                 CASES["image_in_second_turn"],
+                                 reference(FAMILY, "image_in_second_turn"))
+
+
+# -------------------------------------------------------------- checkpoints and names
+
+
+def test_hub_layout_reads_the_same_in_transformers(tiny_checkpoints, reference):
+    path = tiny_checkpoints.path(FAMILY, "hub")
+    processor = get_family(FAMILY).load_processor(path, {})
+    logits = transformers_logits(load_transformers_model(path), processor, *CASES["one_image"])
+    np.testing.assert_array_equal(logits, reference(FAMILY, "one_image").logits)
+
+
+def test_both_config_layouts_build_the_same_model(tiny_checkpoints):
+    hub, new = model_args_in_both_layouts(tiny_checkpoints, FAMILY)
+    assert hub == new
+    assert new.text.layer_types == ("linear_attention", "full_attention") * 2
+    assert new.text.rotary_dim == 16 and new.text.rope_theta == 5000.0
+    assert new.vision.deepstack_visual_indexes == ()
+
+
+def test_sanitized_names_are_mlx_community_names(tiny_checkpoints, loaded):
+    module = get_family(FAMILY)
+    model, _ = loaded(FAMILY, "transformers")
+    expected = {name for name, _ in parameter_list(model)}
+    for layout in LAYOUTS:
+        path = tiny_checkpoints.path(FAMILY, layout)
+        weights = mx.load(str(path / "model.safetensors"))
+        assert module.is_hf_checkpoint(weights.keys())
+        layout_model = module.Model.from_config(read_config(tiny_checkpoints, FAMILY, layout))
+        sanitized = layout_model.sanitize(weights)
+        assert set(sanitized) == expected
+        assert not module.is_hf_checkpoint(sanitized.keys())
+    for name in [
+        "vision_tower.pos_embed.weight",
+        "vision_tower.merger.linear_fc2.weight",
+        "language_model.model.layers.0.linear_attn.in_proj_qkv.weight",
+        "language_model.model.layers.0.linear_attn.conv1d.weight",
+        "language_model.model.layers.0.linear_attn.A_log",
+        "language_model.model.layers.0.linear_attn.norm.weight",
+        "language_model.model.layers.1.self_attn.q_norm.weight",
+        "language_model.model.layers.1.self_attn.q_proj.weight",
+        "language_model.model.norm.weight",
+    ]:
+        assert name in expected, name
+    assert "language_model.lm_head.weight" not in expected  # tied
