@@ -12,7 +12,8 @@ behave differently in three ways, which this module is the one place to know:
 - they cannot be trimmed: the state after ``n`` tokens cannot be recovered from the state
   after more, so prompt-cache reuse needs the state *as it was* at the end of the shared
   prefix. ``StateSnapshots`` keeps those states at the lengths where a later prompt may
-  diverge (after each prefill chunk, at the end of the prompt, at the end of the answer);
+  diverge (after the prompt's last end-of-turn token, after each prefill chunk, at the end
+  of the prompt, at the end of the answer);
   a reused prefix is cut back to the longest snapshot within it, and its KV caches are
   trimmed to the same length;
 - their size is fixed, so ``max_kv_size`` (a rotating KV cache) leaves them as they are
@@ -25,7 +26,7 @@ Everything here is keyed on the cache *type*, not on a model family: any layer w
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
@@ -67,6 +68,15 @@ def restored_state(arrays: Sequence[Any]) -> ArraysCache:
     layer_cache = ArraysCache(len(arrays))
     layer_cache.cache = list(arrays)
     return layer_cache
+
+
+def turn_boundaries(input_ids: Sequence[int], end_of_turn_ids: Collection[int]) -> list[int]:
+    """Where a snapshot lets the next turn of a chat resume: right after the prompt's last
+    end-of-turn token. A follow-up prompt repeats the conversation up to there, while the
+    generation prompt after it (``<|im_start|>assistant`` and an opened thinking block) is
+    rendered differently once the answer is part of the history."""
+    ends = [i + 1 for i, token in enumerate(input_ids) if int(token) in end_of_turn_ids]
+    return ends[-1:]
 
 
 class StateSnapshots:
