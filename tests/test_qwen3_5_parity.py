@@ -1,5 +1,5 @@
-"""Qwen3.5 (hybrid Gated DeltaNet / gated attention decoder) against transformers
-(float32), on tiny random checkpoints (tests/tiny/qwen3_5.py).
+"""Qwen3.5 and Qwen3.5-MoE (hybrid Gated DeltaNet / gated attention decoder) against
+transformers (float32), on tiny random checkpoints (tests/tiny/qwen3_5.py).
 
 Both config layouts load through ``mlxvlm.load`` and are compared with the in-memory
 transformers model: first-pass logits and 24 greedy tokens through
@@ -36,7 +36,7 @@ from parity import (
     CAUGHT,
 )
 from tiny import make_image
-from tiny.qwen3_5 import LAYOUTS
+from tiny.qwen3_5 import FAMILIES, LAYOUTS
 from mlxvlm.models import get_family
 from mlxvlm.prompt import prepare_inputs
 
@@ -48,7 +48,7 @@ IMAGE_A2 = make_image(112, 84, seed=3)  # A's size, other content
 
 CASES, ALL_CASES = standard_cases(IMAGE_A, IMAGE_B, IMAGE_A2)
 FAMILY = "qwen3_5"
-FAMILY_LAYOUTS = [(FAMILY, layout) for layout in LAYOUTS]
+FAMILY_LAYOUTS = [(family, layout) for family in FAMILIES for layout in LAYOUTS]
 THINKING_OFF = {"enable_thinking": False}
 
 
@@ -141,30 +141,33 @@ def test_wrong_rope_theta_would_be_caught(tiny_checkpoints, loaded, reference):
 # -------------------------------------------------------------- checkpoints and names
 
 
-def test_hub_layout_reads_the_same_in_transformers(tiny_checkpoints, reference):
-    path = tiny_checkpoints.path(FAMILY, "hub")
-    processor = get_family(FAMILY).load_processor(path, {})
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hub_layout_reads_the_same_in_transformers(family, tiny_checkpoints, reference):
+    path = tiny_checkpoints.path(family, "hub")
+    processor = get_family(family).load_processor(path, {})
     logits = transformers_logits(load_transformers_model(path), processor, *CASES["one_image"])
-    np.testing.assert_array_equal(logits, reference(FAMILY, "one_image").logits)
+    np.testing.assert_array_equal(logits, reference(family, "one_image").logits)
 
 
-def test_both_config_layouts_build_the_same_model(tiny_checkpoints):
-    hub, new = model_args_in_both_layouts(tiny_checkpoints, FAMILY)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_both_config_layouts_build_the_same_model(family, tiny_checkpoints):
+    hub, new = model_args_in_both_layouts(tiny_checkpoints, family)
     assert hub == new
     assert new.text.layer_types == ("linear_attention", "full_attention") * 2
     assert new.text.rotary_dim == 16 and new.text.rope_theta == 5000.0
     assert new.vision.deepstack_visual_indexes == ()
 
 
-def test_sanitized_names_are_mlx_community_names(tiny_checkpoints, loaded):
-    module = get_family(FAMILY)
-    model, _ = loaded(FAMILY, "transformers")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sanitized_names_are_mlx_community_names(family, tiny_checkpoints, loaded):
+    module = get_family(family)
+    model, _ = loaded(family, "transformers")
     expected = {name for name, _ in parameter_list(model)}
     for layout in LAYOUTS:
-        path = tiny_checkpoints.path(FAMILY, layout)
+        path = tiny_checkpoints.path(family, layout)
         weights = mx.load(str(path / "model.safetensors"))
         assert module.is_hf_checkpoint(weights.keys())
-        layout_model = module.Model.from_config(read_config(tiny_checkpoints, FAMILY, layout))
+        layout_model = module.Model.from_config(read_config(tiny_checkpoints, family, layout))
         sanitized = layout_model.sanitize(weights)
         assert set(sanitized) == expected
         assert not module.is_hf_checkpoint(sanitized.keys())
@@ -180,4 +183,26 @@ def test_sanitized_names_are_mlx_community_names(tiny_checkpoints, loaded):
         "language_model.model.norm.weight",
     ]:
         assert name in expected, name
-    assert "language_model.lm_head.weight" not in expected  # tied
+    if family == "qwen3_5_moe":
+        for name in ["language_model.lm_head.weight",
+                     "language_model.model.layers.0.mlp.gate.weight",
+                     "language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight",
+                     "language_model.model.layers.1.mlp.switch_mlp.down_proj.weight",
+                     "language_model.model.layers.1.mlp.shared_expert.up_proj.weight",
+                     "language_model.model.layers.1.mlp.shared_expert_gate.weight"]:
+            assert name in expected, name
+    else:
+        assert "language_model.lm_head.weight" not in expected  # tied
+
+
+def test_moe_experts_read_in_either_orientation(tiny_checkpoints, loaded):
+    """Expert tensors stored (experts, in, out) give the same model as transformers 5's
+    (experts, out, in): the orientation is read from their shape."""
+    module = get_family("qwen3_5_moe")
+    model, _ = loaded("qwen3_5_moe", "transformers")
+    weights = mx.load(str(tiny_checkpoints.path("qwen3_5_moe", "transformers") / "model.safetensors"))
+    config = read_config(tiny_checkpoints, "qwen3_5_moe", "transformers")
+    flipped = {k: v.transpose(0, 2, 1) if ".mlp.experts." in k else v for k, v in weights.items()}
+    sanitized = module.Model.from_config(config).sanitize(flipped)
+    for name, value in parameter_list(model):
+        np.testing.assert_array_equal(np.array(sanitized[name]), np.array(value), err_msg=name)

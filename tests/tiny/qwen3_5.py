@@ -135,7 +135,7 @@ def _config(family: str, tokenizer):
 
 
 # Picked so that every parity prompt gets 24 greedy tokens with clear top-1/top-2 margins.
-_SEED_OFFSET = {"qwen3_5": 5, "qwen3_5_moe": 0}
+_SEED_OFFSET = {"qwen3_5": 5, "qwen3_5_moe": 3}
 
 
 def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
@@ -210,3 +210,14 @@ def _save_hub_processor_files(tiny: TinyModel, directory: Path) -> None:
     (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     (directory / "chat_template.jinja").unlink(missing_ok=True)
     (directory / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+
+
+def reference_processor(tiny: TinyModel):
+    """transformers' processor over the tiny model's in-memory parts (images and text)."""
+    import transformers
+
+    from mlxvlm.models.processor_utils import image_only
+
+    return image_only(transformers.Qwen3VLProcessor)(
+        image_processor=tiny.image_processor, tokenizer=tiny.tokenizer,
+        video_processor=None, chat_template=CHAT_TEMPLATE)
