@@ -29,6 +29,7 @@ from av_media import coloured_frames, sine, write_video
 from parity import LOGITS_ATOL, MIN_REFERENCE_MARGIN, NEW_TOKENS
 from tiny import make_image
 from tiny.qwen import QWEN3_VIDEO_MAX_PIXELS
+from video_reference import transformers_inputs
 from mlxvlm import load, stream_generate
 from mlxvlm.models.qwen_video import QwenVideoProcessor, resize_bicubic_uint8, smart_resize
 from mlxvlm.prompt import prepare_inputs
@@ -76,36 +77,6 @@ def fps_asked(family):
     return None if family in QWEN3 else 2.0
 
 
-def transformers_inputs(checkpoint, messages, fps):
-    """transformers' own processor for the checkpoint (torchvision's video processor)
-    through ``apply_chat_template(tokenize=True)``: each video decoded by transformers'
-    ``load_video`` (PyAV: torchcodec, its default decoder, is not installed) and sampled
-    by the video processor itself, from the metadata."""
-    from transformers import AutoImageProcessor, AutoProcessor
-    from transformers.video_utils import load_video as transformers_load_video
-
-    # Images through the PIL image processor, as mlxvlm's (tests/test_qwen_vl_parity.py
-    # holds it to transformers'); videos through torchvision's video processor.
-    processor = AutoProcessor.from_pretrained(
-        checkpoint, image_processor=AutoImageProcessor.from_pretrained(checkpoint, backend="pil"))
-    decoded, metadata = [], []
-    for message in messages:
-        content = []
-        for part in message["content"]:
-            if part["type"] == "video":
-                frames, meta = transformers_load_video(part["video"], backend="pyav")
-                part = {"type": "video", "video": frames}
-                metadata.append(meta)
-            content.append(part)
-        decoded.append({**message, "content": content})
-    options = {"video_metadata": metadata, "cap_pixels_per_frame": False}
-    if fps is not None:
-        options["fps"] = fps
-    return processor.apply_chat_template(
-        decoded, tokenize=True, return_dict=True, add_generation_prompt=True,
-        return_tensors="pt", processor_kwargs=options)
-
-
 @pytest.fixture(scope="module")
 def loaded(tiny_checkpoints):
     return functools.cache(lambda family, layout: load(tiny_checkpoints.path(family, layout)))
@@ -119,7 +90,8 @@ def reference(tiny_checkpoints, videos):
     def run(family, case):
         model = tiny_checkpoints.model(family).model
         batch = transformers_inputs(tiny_checkpoints.path(family, "transformers"),
-                                    cases(videos)[case], fps_asked(family))
+                                    cases(videos)[case], fps_asked(family),
+                                    cap_pixels_per_frame=False)
         with torch.no_grad():
             logits = model(**batch).logits[0].numpy()
             out = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False,
