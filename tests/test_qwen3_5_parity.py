@@ -206,3 +206,58 @@ def test_moe_experts_read_in_either_orientation(tiny_checkpoints, loaded):
     sanitized = module.Model.from_config(config).sanitize(flipped)
     for name, value in parameter_list(model):
         np.testing.assert_array_equal(np.array(sanitized[name]), np.array(value), err_msg=name)
+
+
+# ------------------------------------------------------------------------------- video
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_video_frames_with_timestamps_match_transformers(family, tiny_checkpoints, loaded):
+    """A 2-frame video prompted as Qwen3.5 prompts videos (each frame's tokens after a
+    "<t seconds>" timestamp, each frame its own M-RoPE grid) after an image, the same
+    patches fed to both sides: first-pass logits and 24 greedy tokens (prefilled in
+    chunks of 5, through the linear layers' state) as transformers'. (Frame sampling and
+    the video processor are Qwen3-VL's, tested in tests/test_qwen_video_parity.py.)"""
+    reference_model = tiny_checkpoints.model(family).model
+    model, processor = loaded(family, "transformers")
+    tok = processor.tokenizer
+    start, end = (tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
+    image_pad, video_pad = (tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
+    ids = tok.encode("<|im_start|>user\nLook:") + [start] + [image_pad] * 4 + [end]
+    ids += tok.encode("Now the clip:")
+    for seconds in ("<0.5 seconds>", "<1.5 seconds>"):
+        ids += tok.encode(seconds) + [start] + [video_pad] * 6 + [end]
+    ids += tok.encode("What happens?<|im_end|>\n<|im_start|>assistant\n")
+    rng = np.random.default_rng(0)
+    patch = 3 * 2 * 16 * 16
+    features = {
+        "pixel_values": rng.normal(size=(16, patch)).astype(np.float32),
+        "image_grid_thw": np.array([[1, 4, 4]]),
+        "pixel_values_videos": rng.normal(size=(48, patch)).astype(np.float32),
+        "video_grid_thw": np.array([[2, 4, 6]]),
+    }
+    token_types = [1 if t == image_pad else 2 if t == video_pad else 0 for t in ids]
+    torch_inputs = dict(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                        mm_token_type_ids=torch.tensor([token_types]),
+                        **{k: torch.from_numpy(v) for k, v in features.items()})
+    with torch.no_grad():
+        ref_logits = reference_model(**torch_inputs).logits[0].numpy()
+        out = reference_model.generate(**torch_inputs, max_new_tokens=24, do_sample=False,
+                                       output_scores=True, return_dict_in_generate=True)
+    ref_tokens = out.sequences[0, len(ids):].tolist()
+    margin = min(float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores)
+
+    input_ids = mx.array([ids], dtype=mx.int32)
+    embeddings, state = model.embed(input_ids, **{k: mx.array(v) for k, v in features.items()})
+    logits = model(input_ids, model.make_cache(), embeddings=embeddings, state=state)
+    np.testing.assert_allclose(np.array(logits[0]), ref_logits, rtol=0, atol=1e-4)
+
+    assert len(ref_tokens) == 24 and margin > 1e-3
+    cache, tokens = model.make_cache(), []
+    for first in range(0, len(ids), 5):
+        chunk = slice(first, min(first + 5, len(ids)))
+        logits = model(input_ids[:, chunk], cache, embeddings=embeddings[:, chunk], state=state)
+    for _ in range(24):
+        tokens.append(int(logits[0, -1].argmax()))
+        logits = model(mx.array([[tokens[-1]]]), cache, state=state)
+    assert tokens == ref_tokens
