@@ -58,6 +58,9 @@ def reference_model(tiny_checkpoints, family):
 # (family, method, train_vision, num_layers, target_modules): num_layers 0 with train_vision
 # adapts the vision side alone, so a vision adapter peft misplaced could not hide behind
 # the decoder's; Qwen2.5-Omni's cases adapt only its fused qkv, saved as q, k and v.
+HYBRID_TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj", "o_proj"]
+
+
 @pytest.mark.parametrize("family,method,train_vision,num_layers,targets", [
     ("qwen2_vl", "lora", False, -1, None),
     ("qwen2_5_vl", "lora", True, -1, None),
@@ -66,6 +69,8 @@ def reference_model(tiny_checkpoints, family):
     ("pixtral", "lora", True, 0, None),
     ("qwen2_5_omni", "lora", True, 0, ["qkv"]),
     ("qwen2_5_omni", "dora", True, 0, ["qkv"]),
+    # Qwen3.5: both layer kinds, linear attention's projections and full attention's
+    ("qwen3_5", "lora", False, -1, HYBRID_TARGETS),
     ("lfm2_vl", "lora", True, -1, None),
 ])
 def test_adapter_trained_here_loads_in_peft(tiny_checkpoints, tmp_path, family, method,
@@ -108,9 +113,11 @@ LFM2_VL_MODULES = r"model\.(language_model|vision_tower)\..*\.(in_proj|out_proj|
     ("qwen2_5_omni", {"target_modules": OMNI_QKV, "alpha_pattern": {"k": 3.0}}),
     # k left out: its rows of the fused layer keep the base weights (and norms, with DoRA)
     ("qwen2_5_omni", {"target_modules": OMNI_QV, "use_dora": True}),
+    ("qwen3_5", {"target_modules": HYBRID_TARGETS + ["in_proj_b", "gate_proj"]}),
     ("lfm2_vl", {"target_modules": LFM2_VL_MODULES}),
 ], ids=["lora", "dora", "rslora-alpha-pattern", "llava-tower", "pixtral-tower-dora",
-        "omni-qkv-alpha-pattern", "omni-qv-dora", "lfm2-vl-conv-attention-tower"])
+        "omni-qkv-alpha-pattern", "omni-qv-dora", "qwen3_5-both-layer-kinds",
+        "lfm2-vl-conv-attention-tower"])
 def test_adapter_made_with_peft_loads_here(tiny_checkpoints, tmp_path, family, options):
     torch.manual_seed(0)
     base = reference_model(tiny_checkpoints, family)

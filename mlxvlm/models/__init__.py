@@ -25,6 +25,8 @@ FAMILIES: dict[str, str] = {
     "llava_onevision": "llava_onevision",
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl_moe",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
     "mistral3": "mistral3",
     "pixtral": "pixtral",
     "paligemma": "paligemma",

@@ -19,7 +19,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import ArraysCache
 
 from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
@@ -101,20 +100,6 @@ class ModelArgs:
         )
 
 
-class ConvCache(ArraysCache):
-    """mlx-lm's cache of a short convolution's last inputs that also counts the tokens it
-    has seen, as a KV cache does: a sequence's length is read off its first layer's cache,
-    and LFM2's first layer is a convolution."""
-
-    def __init__(self, size: int = 1, left_padding=None):
-        super().__init__(size, left_padding)
-        self.offset = 0
-
-    def advance(self, n: int) -> None:
-        super().advance(n)
-        self.offset += n
-
-
 def unshuffle(patches: mx.array, rows: int, columns: int, factor: int) -> mx.array:
     """(rows * columns, D) patch features, row by row -> (rows * columns / factor², factor²
     D): one token per ``factor x factor`` block, blocks row by row, each token's channels
@@ -163,10 +148,6 @@ class Model(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
                 # PyTorch's depthwise Conv1d (channels, 1, kernel) -> MLX's (channels, kernel, 1)
                 sanitized[name] = value.transpose(0, 2, 1)
         return sanitized
-
-    def make_cache(self) -> list[Any]:
-        return [ConvCache() if isinstance(c, ArraysCache) else c
-                for c in self.language_model.make_cache()]
 
     @classmethod
     def load_processor(cls, model_path, config: dict):
