@@ -42,9 +42,11 @@ def axis_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]
 def _resize_last_axis(image: np.ndarray, out_size: int) -> np.ndarray:
     in_size = image.shape[-1]
     first, fixed, precision = axis_taps(in_size, out_size)
-    index = np.minimum(first[:, None] + np.arange(fixed.shape[1]), in_size - 1)
-    gathered = image[..., index].astype(np.int64)  # (..., out, taps)
-    total = (gathered * fixed).sum(-1) + (1 << (precision - 1))
+    # int32 is exact: the weights sum to about 2**precision < 2**16, times 255
+    total = np.full(image.shape[:-1] + (out_size,), 1 << (precision - 1), dtype=np.int32)
+    for tap in range(fixed.shape[1]):  # one tap at a time: memory of one output
+        index = np.minimum(first + tap, in_size - 1)
+        total += image[..., index].astype(np.int32) * fixed[:, tap].astype(np.int32)
     return np.clip(total >> precision, 0, 255).astype(np.uint8)
 
 
