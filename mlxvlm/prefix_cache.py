@@ -7,6 +7,12 @@ placeholder tokens* are equal: the placeholder tokens of two different images of
 same size are identical, so every placeholder token is keyed by a hash of the image
 content (see ``prompt_key``).
 
+Layers whose cache is a fixed-size recurrent or convolution state (see
+``generate.state_cache``: Qwen3.5's linear attention, LFM2's convolutions) cannot be
+trimmed back to a shared prefix. Their entries carry ``StateSnapshots`` (the states at
+the ends of the prefill chunks, of the prompt and of the answer), and a lookup reuses the
+longest snapshot within the shared prefix, the KV caches trimmed to the same length.
+
 A prefix hit shows in ``usage.prompt_tokens_details.cached_tokens``, which would tell one
 client what another sent before; a server with API keys therefore keys every prompt by
 its client's namespace as well, so that reuse stays within one API key.
@@ -18,12 +24,17 @@ import copy
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from PIL import Image
+
+from mlxvlm.generate.state_cache import (
+    StateSnapshots,
+    can_trim_except_states,
+    is_state_cache,
+)
 
 
 def image_hash(image: Image.Image) -> str:
@@ -105,16 +116,41 @@ class _Entry:
     cache: list[Any]  # per layer, B=1
     state: Any  # the decode-time state made for those tokens (from ``embed``)
     nbytes: int
+    # The state layers' states by length, the whole key's included (None: no state layer).
+    snapshots: StateSnapshots | None = None
+
+    def reusable_length(self, length: int) -> int:
+        """The longest prefix of at most ``length`` tokens this entry can give back."""
+        if self.snapshots is None:
+            return length
+        return self.snapshots.longest_within(length) or 0
+
+    def cut(self, length: int) -> list[Any]:
+        """A private copy of the cache holding its first ``length`` tokens."""
+        trim = self.key.shape[0] - length
+        cache = []
+        for index, layer_cache in enumerate(self.cache):
+            if is_state_cache(layer_cache):
+                cache.append(None)  # restored from the snapshot below
+                continue
+            layer_cache = copy.deepcopy(layer_cache)
+            layer_cache.trim(trim)
+            cache.append(layer_cache)
+        if self.snapshots is not None:
+            self.snapshots.restore(cache, length)
+        return cache
 
 
 @dataclass
 class PrefixHit:
     """A reusable prefix: a private copy of the cache holding the first ``length`` tokens of
-    the new prompt, and the state the entry was made with."""
+    the new prompt, the state the entry was made with, and the state-layer snapshots
+    within those tokens (still valid for the new prompt, which shares them)."""
 
     cache: list[Any]
     state: Any
     length: int
+    snapshots: StateSnapshots = field(default_factory=StateSnapshots)
 
 
 class PrefixCache:
@@ -138,10 +174,23 @@ class PrefixCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 
-    def insert(self, key: np.ndarray, cache: list[Any], state: Any) -> None:
-        if self.max_entries <= 0 or not can_trim_prompt_cache(cache):
+    def insert(self, key: np.ndarray, cache: list[Any], state: Any,
+               snapshots: StateSnapshots | None = None) -> None:
+        """Keep ``cache`` (holding the tokens ``key`` names) for later prompts. A cache with
+        state layers is reusable only at the lengths ``snapshots`` recorded and at its
+        own end; without snapshots, only whole. A cache with a layer that is neither
+        trimmable nor a state (a rotating KV cache) is not kept."""
+        if self.max_entries <= 0 or not can_trim_except_states(cache):
             return
-        entry = _Entry(np.asarray(key), cache, state, sum(c.nbytes for c in cache))
+        key = np.asarray(key)
+        nbytes = sum(c.nbytes for c in cache)
+        if any(is_state_cache(c) for c in cache):
+            snapshots = (snapshots or StateSnapshots()).up_to(key.shape[0])
+            nbytes += snapshots.nbytes
+            snapshots.record(cache)
+        else:
+            snapshots = None
+        entry = _Entry(key, cache, state, nbytes, snapshots)
         with self._lock:
             # An entry that the new one extends is no longer needed.
             for entry_id, old in list(self._entries.items()):
@@ -161,6 +210,7 @@ class PrefixCache:
             best_id, best_length = None, 0
             for entry_id, entry in self._entries.items():
                 length = min(common_prefix_length(entry.key, key), key.shape[0] - 1)
+                length = entry.reusable_length(length)
                 if length > best_length:
                     best_id, best_length = entry_id, length
             if best_id is None:
@@ -168,6 +218,6 @@ class PrefixCache:
             self._entries.move_to_end(best_id)
             entry = self._entries[best_id]
         # Entries are never changed once inserted, so the copy needs no lock.
-        cache = copy.deepcopy(entry.cache)
-        trim_prompt_cache(cache, entry.key.shape[0] - best_length)
-        return PrefixHit(cache, entry.state, best_length)
+        snapshots = entry.snapshots.up_to(best_length) if entry.snapshots else StateSnapshots()
+        return PrefixHit(entry.cut(best_length),
+                         entry.state, best_length, snapshots)

@@ -31,6 +31,7 @@ import numpy as np
 
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.media import MediaPolicy, load_audio, load_image, load_video
+from mlxvlm.media.frame_sampling import sampler_for
 
 Message = dict[str, Any]
 
@@ -170,9 +171,9 @@ def normalize_messages(
 
 
 def render_chat(processor: Any, messages: list[Message],
-                template_options: Mapping[str, Any] | None = None) -> str:
-    """The conversation through the checkpoint's chat template; ``template_options``:
-    what the template itself takes (``tools``, ``enable_thinking`` ...)."""
+                chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The chat template's text for ``messages`` with the generation prompt;
+    ``chat_template_kwargs`` are the template's own variables (``enable_thinking``)."""
     template_owner = processor if getattr(processor, "chat_template", None) else None
     tokenizer = processor.tokenizer
     if template_owner is None and getattr(tokenizer, "chat_template", None):
@@ -183,7 +184,7 @@ def render_chat(processor: Any, messages: list[Message],
             "tokenizer_config.json); add one, or pass a raw prompt with raw_prompt=True"
         )
     return template_owner.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **(template_options or {})
+        messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
     )
 
 
@@ -216,7 +217,7 @@ def prepare_inputs(
     media_policy: MediaPolicy | Mapping[str, Any] | None = None,
     video_options: dict | None = None,
     audio_in_video: bool = True,
-    template_options: Mapping[str, Any] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> PreparedInputs:
     """Render the conversation with the chat template and run the processor.
 
@@ -226,7 +227,8 @@ def prepare_inputs(
     ``media_policy``: where every image, video and audio may come from (a ``MediaPolicy``,
     or a mapping of its fields; an unknown name is a ``TypeError``). ``video_options``:
     ``load_video``'s (``fps``, ``max_frames``, ``max_pixels`` ...). ``audio_in_video``: an omni model also
-    hears each video's sound track. ``raw_prompt``: ``prompt`` is already the model's exact
+    hears each video's sound track. ``chat_template_kwargs``: variables of the chat template
+    (``{"enable_thinking": False}``). ``raw_prompt``: ``prompt`` is already the model's exact
     input text (media must then be passed as arguments and the text must hold the
     placeholders); it is tokenized as ``processor(text=prompt)`` does, with the
     processor's default special tokens. ``template_options``: passed to the chat
@@ -246,7 +248,7 @@ def prepare_inputs(
         messages = build_messages(prompt, len(extra["image"]), system,
                                   num_videos=len(extra["video"]), num_audios=len(extra["audio"]))
         messages, media = normalize_media_messages(messages, extra)
-        text = render_chat(processor, messages, template_options)
+        text = render_chat(processor, messages, chat_template_kwargs)
 
     loaded = _load_media(processor, media, MediaPolicy.of(media_policy),
                          video_options or {}, audio_in_video)
@@ -308,6 +310,8 @@ def _load_media(processor: Any, media: list[tuple[str, Any]], policy: MediaPolic
         raise MlxvlmError("this model does not take audio input")
     rate = getattr(feature_extractor, "sampling_rate", None)
     hears_video = audio_in_video and rate is not None and _is_omni(processor)
+    # Frames as the family's transformers video processor samples them.
+    sampler = sampler_for(video_processor) if video_processor is not None else None
 
     loaded = _LoadedMedia()
     for kind, source in media:
@@ -317,7 +321,7 @@ def _load_media(processor: Any, media: list[tuple[str, Any]], policy: MediaPolic
             options = {**video_options, "with_audio": hears_video}
             if hears_video:
                 options["audio_rate"] = rate
-            video = load_video(source, policy=policy, **options)
+            video = load_video(source, policy=policy, sampler=sampler, **options)
             if hears_video and video.audio is not None:
                 loaded.audio_slots.append(video.audio.resampled(rate))
                 loaded.audio_from_video.append(len(loaded.videos))

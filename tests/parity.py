@@ -153,14 +153,14 @@ def with_images(messages: list[dict], images) -> list[dict]:
     return [{**message, "content": fill(message["content"])} for message in messages]
 
 
-def processor_inputs(processor, messages, images, return_tensors: str = "pt"):
+def processor_inputs(processor, messages, images, return_tensors: str = "pt", **template):
     """The processor's inputs for a chat, exactly as transformers builds them:
     ``apply_chat_template(tokenize=True)``, which also decides the special tokens (the
     tokenizer's, unless the rendered prompt starts with its BOS) and passes the images
-    nested per conversation."""
+    nested per conversation; ``template``: the chat template's variables."""
     return processor.apply_chat_template(
         with_images(messages, images), add_generation_prompt=True, tokenize=True,
-        return_dict=True, return_tensors=return_tensors,
+        return_dict=True, return_tensors=return_tensors, **template,
     )
 
 
@@ -180,10 +180,11 @@ def load_transformers_model(path: Path):
     return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def reference_run(model, processor, messages, images, new_tokens: int = NEW_TOKENS) -> Reference:
+def reference_run(model, processor, messages, images, new_tokens: int = NEW_TOKENS,
+                  **template) -> Reference:
     import torch
 
-    inputs = processor_inputs(processor, messages, images)
+    inputs = processor_inputs(processor, messages, images, **template)
     with torch.no_grad():
         logits = model(**inputs).logits[0].numpy()
         out = model.generate(

@@ -35,7 +35,8 @@ def torch_logits(model, processor) -> np.ndarray:
     # Integers as int64, as transformers' processors give them (Qwen2.5-Omni's rope index
     # needs the attention mask, and writes positions into a tensor of the ids' type).
     kwargs = {k: _torch_tensor(v) for k, v in inputs.features.items() if k in (
-        "pixel_values", "image_grid_thw", "image_sizes", "mm_token_type_ids", "attention_mask")}
+        "pixel_values", "image_grid_thw", "image_sizes", "mm_token_type_ids", "attention_mask",
+        "spatial_shapes", "pixel_attention_mask")}
     with torch.no_grad():
         out = model(input_ids=_torch_tensor(inputs.input_ids), **kwargs)
     return out.logits[0].float().numpy()
@@ -57,6 +58,9 @@ def reference_model(tiny_checkpoints, family):
 # (family, method, train_vision, num_layers, target_modules): num_layers 0 with train_vision
 # adapts the vision side alone, so a vision adapter peft misplaced could not hide behind
 # the decoder's; Qwen2.5-Omni's cases adapt only its fused qkv, saved as q, k and v.
+HYBRID_TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj", "o_proj"]
+
+
 @pytest.mark.parametrize("family,method,train_vision,num_layers,targets", [
     ("qwen2_vl", "lora", False, -1, None),
     ("qwen2_5_vl", "lora", True, -1, None),
@@ -67,6 +71,9 @@ def reference_model(tiny_checkpoints, family):
     ("qwen2_5_omni", "dora", True, 0, ["qkv"]),
     ("paddleocr_vl", "lora", False, -1, None),
     ("paddleocr_vl", "lora", True, 0, ["qkv", "out_proj"]),
+    # Qwen3.5: both layer kinds, linear attention's projections and full attention's
+    ("qwen3_5", "lora", False, -1, HYBRID_TARGETS),
+    ("lfm2_vl", "lora", True, -1, None),
 ])
 def test_adapter_trained_here_loads_in_peft(tiny_checkpoints, tmp_path, family, method,
                                             train_vision, num_layers, targets):
@@ -95,6 +102,8 @@ PIXTRAL_TOWER = r"model\.vision_tower\..*\.(q_proj|o_proj|gate_proj|down_proj)"
 OMNI_QKV = r"model\.visual\.blocks\.\d+\.attn\.(q|k|v)"
 OMNI_QV = r"model\.visual\.blocks\.\d+\.attn\.(q|v)"
 PADDLE_TOWER_QV = r"model\.visual\.vision_model\.encoder\.layers\.\d+\.self_attn\.(q_proj|v_proj)"
+# LFM2's convolution and attention blocks and its MLP, and the NaFlex tower.
+LFM2_VL_MODULES = r"model\.(language_model|vision_tower)\..*\.(in_proj|out_proj|q_proj|w1|w2|fc1)"
 
 
 @pytest.mark.parametrize("family,options", [
@@ -110,9 +119,12 @@ PADDLE_TOWER_QV = r"model\.visual\.vision_model\.encoder\.layers\.\d+\.self_attn
     # the decoder's and the tower's q_proj/v_proj (fused into qkv here) alike
     ("paddleocr_vl", {"use_dora": False}),
     ("paddleocr_vl", {"target_modules": PADDLE_TOWER_QV, "use_dora": True}),
+    ("qwen3_5", {"target_modules": HYBRID_TARGETS + ["in_proj_b", "gate_proj"]}),
+    ("lfm2_vl", {"target_modules": LFM2_VL_MODULES}),
 ], ids=["lora", "dora", "rslora-alpha-pattern", "llava-tower", "pixtral-tower-dora",
         "omni-qkv-alpha-pattern", "omni-qv-dora",
-        "paddleocr-decoder-and-tower", "paddleocr-tower-qv-dora"])
+        "paddleocr-decoder-and-tower", "paddleocr-tower-qv-dora",
+        "qwen3_5-both-layer-kinds", "lfm2-vl-conv-attention-tower"])
 def test_adapter_made_with_peft_loads_here(tiny_checkpoints, tmp_path, family, options):
     torch.manual_seed(0)
     base = reference_model(tiny_checkpoints, family)

@@ -94,6 +94,25 @@ def test_load_and_generate_import_no_torch(checkpoint):
     assert reports[-1]["loaded"][:1] == ["torch"]  # the program itself can still import it
 
 
+def test_lfm2_vl_images_import_no_torch(tiny_checkpoints):
+    """LFM2-VL's image processor is mlxvlm's (transformers' needs torchvision): an image
+    prompt, tiled, loads and generates without torch."""
+    pytest.importorskip("torch")
+    reports = run_child(
+        """
+        import mlxvlm
+        model, processor = mlxvlm.load(CHECKPOINT)
+        from tiny import make_image
+        out = mlxvlm.generate(model, processor, "Describe this image.", make_image(112, 84, seed=1),
+                              max_tokens=4)
+        assert out.generation_tokens == 4 and out.prompt_tokens > 64
+        report("generate")
+        """,
+        tiny_checkpoints.path("lfm2_vl", "hub"),
+    )
+    assert_torch_free(reports)
+
+
 def test_server_answering_a_request_imports_no_torch(checkpoint):
     reports = run_child(
         """

@@ -61,7 +61,7 @@ def test_greedy_batch_equals_generate_alone(loaded):
         assert batched.prompt_tokens == one.prompt_tokens
 
 
-@pytest.mark.parametrize("family", ["llava"])
+@pytest.mark.parametrize("family", ["llava", "lfm2_vl"])
 def test_greedy_batch_equals_generate_for_mlx_lm_backbones(tiny_checkpoints, family):
     """Families built on mlx-lm's text models batch through mlx-lm's own batched caches."""
     from tiny import builder

@@ -35,6 +35,7 @@ from mlxvlm.batching.decode import DecodeBatch
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.cache import DEFAULT_QUANTIZED_KV_START, CacheOptions
 from mlxvlm.generate.loop import embed_prompt, fit_to_context, generation_stream, prefill_chunks
+from mlxvlm.generate.state_cache import StateSnapshots, is_state_cache, turn_boundaries
 from mlxvlm.generate.text import SequenceText, eos_token_ids
 from mlxvlm.prefix_cache import PrefixCache, prompt_key
 from mlxvlm.prompt import PreparedInputs
@@ -101,6 +102,8 @@ class _Sequence:
     cached_tokens: int = 0
     prefilled: int = 0  # prompt tokens after the cached ones already in the cache
     generated: list[int] = field(default_factory=list)  # delivered tokens
+    # Its state layers' states where a later prompt may resume (see generate.state_cache).
+    snapshots: StateSnapshots = field(default_factory=StateSnapshots)
 
     @property
     def cancelled(self) -> bool:
@@ -414,6 +417,13 @@ class BatchEngine:
             embeddings = embeddings[:, start:]
         seq.cache = hit.cache if hit is not None else self.cache_options.make(model, seq.inputs)
         seq.state, seq.embeddings, seq.cached_tokens = state, embeddings, start
+        boundaries: list[int] = []
+        if hit is not None:
+            seq.snapshots = hit.snapshots
+        if seq.key is not None and any(is_state_cache(c) for c in seq.cache):
+            # State layers cannot be trimmed: snapshot where the next turn will resume.
+            ends = turn_boundaries(np.asarray(ids[0]).tolist(), self.eos_token_ids)
+            boundaries = [end - start for end in ends]
         seq.prefill = prefill_chunks(
             model,
             ids[:, start:],
@@ -422,6 +432,8 @@ class BatchEngine:
             seq.cache,
             prefill_step_size=self.prefill_step_size,
             quantize=self.cache_options.quantize,
+            snapshots=seq.snapshots if seq.key is not None else None,
+            boundaries=boundaries,
         )
         self.stats.prompt_tokens += seq.inputs.num_tokens
         self.stats.cached_prompt_tokens += start
@@ -452,6 +464,8 @@ class BatchEngine:
             self.cache_options.quantize(seq.cache)
             tokens, logprobs = sampling_step(logits, [seq.row])
             mx.eval(tokens, logprobs)
+            if seq.key is not None:  # the whole prompt: where its next turn resumes
+                seq.snapshots.record(seq.cache, evaluate=True)
         seq.embeddings = None
         now = time.perf_counter()
         self.stats.time_to_first_token_sum += now - seq.submitted_at
@@ -543,7 +557,7 @@ class BatchEngine:
             # last sampled one.
             fed = seq.generated[: seq.row.sampled - 1]
             key = np.concatenate([seq.key, np.asarray(fed, dtype=np.int64)])
-            self.prefix_cache.insert(key, cache, seq.state)
+            self.prefix_cache.insert(key, cache, seq.state, seq.snapshots)
 
     def _update_throughput(self, tokens: int, seconds: float) -> None:
         if seconds <= 0:

@@ -50,7 +50,11 @@ def make_generation_cache(
     model: nn.Module, inputs: PreparedInputs, max_kv_size: int | None
 ) -> list[Any]:
     """The family's cache; with ``max_kv_size``, full caches become rotating ones that
-    always keep the prompt's media tokens (and the first few tokens)."""
+    always keep the prompt's media tokens (and the first few tokens). Layers whose cache
+    is a fixed-size recurrent or convolution state (``state_cache``: Qwen3.5's linear
+    attention, LFM2's convolutions) keep it as it is: their state summarizes every token
+    seen, so only the attention layers forget what falls out of the window. ``kv_bits``
+    (``CacheOptions.quantize``) likewise quantizes only the attention layers' KV caches."""
     cache = model.make_cache()
     if max_kv_size is None:
         return cache

@@ -9,12 +9,13 @@ engine, so that a request's prefill and sampling are the same computation in bot
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxvlm.errors import PromptTooLongError
+from mlxvlm.generate.state_cache import StateSnapshots, cache_offset
 from mlxvlm.models.run_ahead import bounded_run_ahead
 from mlxvlm.prompt import PreparedInputs
 from mlxvlm.sampling import RowSampler, sampling_step
@@ -43,6 +44,8 @@ def prefill_chunks(
     *,
     prefill_step_size: int,
     quantize: Callable[[list[Any]], None] | None = None,
+    snapshots: StateSnapshots | None = None,
+    boundaries: Sequence[int] = (),
 ) -> Generator[int, None, None]:
     """Run ``input_ids`` (and their ``embeddings``) but their final chunk through the
     model into ``cache``, in chunks of ``prefill_step_size``; yield how many are done after
@@ -54,17 +57,27 @@ def prefill_chunks(
     prompt's last token costs no pass of its own. The tokens are the part of the prompt
     not yet in ``cache``: all of it, or what follows a reused prefix.
     Shared by ``generate_tokens`` and the batching engine, so that a request's prefill is
-    the same computation in both.
+    the same computation in both. ``snapshots`` records the state layers' states (see
+    ``state_cache``) after each chunk: lengths a later prompt may resume from.
+    ``boundaries`` (positions in ``input_ids``) are where a chunk must end, so that a
+    snapshot is taken there, even inside what would be the final chunk.
     """
     total = input_ids.shape[1]
     done = 0
     # The model's bidirectional spans, made relative to input_ids (which start at the
     # cache's offset): a chunk never ends inside one.
-    start = cache[0].offset if cache else 0
+    start = cache_offset(cache)
     spans = [(s - start, e - start) for s, e in model.bidirectional_spans(state)]
+    cuts = sorted(b for b in boundaries if 0 < b < total)
     with mx.stream(generation_stream):
-        while total - done > prefill_step_size:
-            n = _chunk_length(done, prefill_step_size, spans)
+        while True:
+            n = prefill_step_size
+            cut = next((b for b in cuts if b > done), None)
+            if cut is not None and cut - done < n:
+                n = cut - done
+            elif total - done <= prefill_step_size:
+                break  # the final chunk: the first sampling step takes it
+            n = _chunk_length(done, n, spans)
             if done + n >= total:
                 break  # a span reaches the prompt's end: the first sampling step takes it
             model(
@@ -76,6 +89,8 @@ def prefill_chunks(
             if quantize is not None:
                 quantize(cache)
             mx.eval([c.state for c in cache])
+            if snapshots is not None:
+                snapshots.record(cache)
             done += n
             mx.clear_cache()
             yield done

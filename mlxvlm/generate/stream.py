@@ -87,6 +87,7 @@ def stream_generate(
     logits_processors: Sequence[Callable] | None = None,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
     media_policy: MediaPolicy | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Generator[GenerationResult, None, None]:
     """Generate text for a prompt (a string or chat messages) and images, videos or audio,
     step by step (``video``/``audio`` as ``prepare_inputs`` takes them; ``fps`` and
@@ -100,9 +101,10 @@ def stream_generate(
     else is greedy / off (see ``mlxvlm.sampling_defaults``). ``presence_penalty``,
     ``frequency_penalty``, ``logit_bias`` (token id -> bias) and ``top_logprobs`` mean
     what they mean in OpenAI's API (and the server). A ``seed`` samples the same tokens
-    here as in ``batch_generate`` and the server. ``json_schema``: the answer is JSON
-    valid under this schema (``True``: any JSON object), by constrained decoding
-    (``mlxvlm.constrained``).
+    here as in ``batch_generate`` and the server. ``chat_template_kwargs`` go to the chat
+    template (e.g. ``{"enable_thinking": False}`` for the Qwen3 and Qwen3.5 templates).
+    ``json_schema``: the answer is JSON valid under this schema (``True``: any JSON
+    object), by constrained decoding (``mlxvlm.constrained``).
     """
     options = sampling_options(
         processor, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -136,6 +138,7 @@ def stream_generate(
         feature_names=getattr(model, "feature_names", None),
         media_policy=media_policy,
         video_options=video_options,
+        chat_template_kwargs=chat_template_kwargs,
     )
     prompt_tokens = inputs.num_tokens
     max_tokens = options.max_tokens

@@ -25,6 +25,8 @@ FAMILIES: dict[str, str] = {
     "llava_onevision": "llava_onevision",
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl_moe",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
     "mistral3": "mistral3",
     "pixtral": "pixtral",
     "paligemma": "paligemma",
@@ -32,6 +34,8 @@ FAMILIES: dict[str, str] = {
     "qwen2_5_omni": "qwen2_5_omni",
     "qwen2_5_omni_thinker": "qwen2_5_omni",
     "paddleocr_vl": "paddleocr_vl",
+    "lfm2_vl": "lfm2_vl",
+    "lfm2-vl": "lfm2_vl",  # LiquidAI's first configs
 }
 
 

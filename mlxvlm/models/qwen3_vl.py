@@ -32,6 +32,7 @@ from mlxvlm.models.layers.mrope_decoder import (
 )
 from mlxvlm.models.layers.qwen_vision import VisionConfig
 from mlxvlm.models.qwen2_vl import ModelArgs
+from mlxvlm.models.qwen_video import Qwen3VideoProcessor
 
 # transformers' Qwen3VLTextConfig.default_theta
 DEFAULT_ROPE_THETA = 500_000.0
@@ -72,14 +73,16 @@ def text_config_from_hf(config: dict) -> TextConfig:
     )
 
 
-def vision_config_from_hf(config: dict) -> VisionConfig:
+def vision_config_from_hf(config: dict, default_deepstack=(8, 16, 24)) -> VisionConfig:
+    """Qwen3-VL's tower; ``default_deepstack``: the taps where the config names none
+    (Qwen3.5's tower, the same one without DeepStack, passes ())."""
     vision = vision_config(config)
     return VisionConfig.from_hf(
         vision,
         patch_size=16, hidden_act="gelu_pytorch_tanh",
         norm="layernorm", mlp="linear_fc", patch_bias=True, merger="linear_fc",
         num_position_embeddings=vision.get("num_position_embeddings", 2304),
-        deepstack_visual_indexes=tuple(vision.get("deepstack_visual_indexes", (8, 16, 24))),
+        deepstack_visual_indexes=tuple(vision.get("deepstack_visual_indexes", default_deepstack)),
     )
 
 
@@ -91,7 +94,7 @@ def frame_grids(video_grids: np.ndarray) -> np.ndarray:
 class Model(qwen2_vl.Model):
     feature_names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
     processor_class = "Qwen3VLProcessor"
-    processor_videos = False  # video input is not wired yet
+    video_processor_class = Qwen3VideoProcessor
 
     @classmethod
     def from_config(cls, config: dict) -> "Model":

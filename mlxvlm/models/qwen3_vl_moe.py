@@ -34,29 +34,36 @@ class Model(qwen3_vl.Model):
         return model
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        text = self.args.text
-        split = {}
-        for name, value in weights.items():
-            prefix, _, kind = name.rpartition(".mlp.experts.")
-            if not prefix:
-                split[name] = value
-                continue
-            if not self._experts_out_in:
-                value = value.transpose(0, 2, 1)
-            target = f"{prefix}.mlp.switch_mlp"
-            if kind == "gate_up_proj":
-                width = text.moe_intermediate_size
-                expected = (text.num_experts, 2 * width, text.hidden_size)
-                _check_shape(name, value, expected)
-                split[f"{target}.gate_proj.weight"] = value[:, :width]
-                split[f"{target}.up_proj.weight"] = value[:, width:]
-            elif kind == "down_proj":
-                expected = (text.num_experts, text.hidden_size, text.moe_intermediate_size)
-                _check_shape(name, value, expected)
-                split[f"{target}.down_proj.weight"] = value
-            else:
-                raise ValueError(f"unexpected expert tensor {name!r}")
-        return super().sanitize(split)
+        return super().sanitize(split_experts(weights, self.args.text, self._experts_out_in))
+
+
+def split_experts(weights: dict[str, mx.array], text, out_in: bool) -> dict[str, mx.array]:
+    """Hugging Face's 3-D ``mlp.experts.gate_up_proj`` / ``down_proj`` as mlx-lm's
+    ``mlp.switch_mlp.{gate,up,down}_proj`` (experts, out, in); ``out_in``: whether they are
+    stored so already. ``text`` names ``num_experts``, ``moe_intermediate_size`` and
+    ``hidden_size`` (Qwen3-VL-MoE's and Qwen3.5-MoE's configs)."""
+    split = {}
+    for name, value in weights.items():
+        prefix, _, kind = name.rpartition(".mlp.experts.")
+        if not prefix:
+            split[name] = value
+            continue
+        if not out_in:
+            value = value.transpose(0, 2, 1)
+        target = f"{prefix}.mlp.switch_mlp"
+        if kind == "gate_up_proj":
+            width = text.moe_intermediate_size
+            expected = (text.num_experts, 2 * width, text.hidden_size)
+            _check_shape(name, value, expected)
+            split[f"{target}.gate_proj.weight"] = value[:, :width]
+            split[f"{target}.up_proj.weight"] = value[:, width:]
+        elif kind == "down_proj":
+            expected = (text.num_experts, text.hidden_size, text.moe_intermediate_size)
+            _check_shape(name, value, expected)
+            split[f"{target}.down_proj.weight"] = value
+        else:
+            raise ValueError(f"unexpected expert tensor {name!r}")
+    return split
 
 
 def _check_shape(name: str, value: mx.array, expected: tuple[int, ...]) -> None:

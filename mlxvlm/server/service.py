@@ -143,7 +143,7 @@ class GenerationService:
             prepared_messages,
             feature_names=getattr(self.model, "feature_names", None),
             media_policy=policy,
-            template_options=template_options,
+            chat_template_kwargs=template_options,
         )
         # MLX evaluates a graph only on the thread that built it (its streams are
         # per thread), so the inputs must be concrete before they reach the engine.

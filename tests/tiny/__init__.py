@@ -25,11 +25,14 @@ BUILDERS = {
     "llava_onevision": "tiny.llava",
     "qwen3_vl": "tiny.qwen",
     "qwen3_vl_moe": "tiny.qwen",
+    "qwen3_5": "tiny.qwen3_5",
+    "qwen3_5_moe": "tiny.qwen3_5",
     "mistral3": "tiny.pixtral",
     "pixtral": "tiny.pixtral",
     "paligemma": "tiny.paligemma",
     "qwen2_5_omni": "tiny.omni",
     "paddleocr_vl": "tiny.paddleocr",
+    "lfm2_vl": "tiny.lfm2_vl",
 }
 
 
