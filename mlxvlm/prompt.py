@@ -228,11 +228,10 @@ def prepare_inputs(
     or a mapping of its fields; an unknown name is a ``TypeError``). ``video_options``:
     ``load_video``'s (``fps``, ``max_frames``, ``max_pixels`` ...). ``audio_in_video``: an omni model also
     hears each video's sound track. ``chat_template_kwargs``: variables of the chat template
-    (``{"enable_thinking": False}``). ``raw_prompt``: ``prompt`` is already the model's exact
+    (``{"enable_thinking": False}``, ``tools=[...]``). ``raw_prompt``: ``prompt`` is already the model's exact
     input text (media must then be passed as arguments and the text must hold the
     placeholders); it is tokenized as ``processor(text=prompt)`` does, with the
-    processor's default special tokens. ``template_options``: passed to the chat
-    template (``tools=[...]``, ``enable_thinking=False`` where the template takes them).
+    processor's default special tokens.
 
     The rendered chat is tokenized as transformers' ``processor.apply_chat_template(...,
     tokenize=True)`` tokenizes it (see ``special_tokens_option``): a tokenizer that adds
