@@ -1,5 +1,6 @@
 """Video for Qwen2-VL and Qwen2.5-VL (and Qwen3-VL, Qwen3.5, their MoE models): mlxvlm's
-numpy video processor against transformers' maths, and the models against transformers on videos PyAV writes offline.
+numpy video processor against transformers' maths, and the models against transformers on
+videos PyAV writes offline.
 
 transformers' own ``Qwen2VLVideoProcessor`` cannot run here: it imports torchvision, which
 does not install beside this torch. So the processor is checked against the pieces that
