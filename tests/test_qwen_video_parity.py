@@ -1,5 +1,6 @@
-"""Video for Qwen2-VL and Qwen2.5-VL: mlxvlm's numpy video processor against transformers'
-maths, and the models against transformers on videos PyAV writes offline.
+"""Video for Qwen2-VL and Qwen2.5-VL (and Qwen3-VL, Qwen3.5, their MoE models): mlxvlm's
+numpy video processor against transformers' maths, and the models against transformers on
+videos PyAV writes offline.
 
 transformers' own ``Qwen2VLVideoProcessor`` cannot run here: it imports torchvision, which
 does not install beside this torch. So the processor is checked against the pieces that
@@ -36,8 +37,8 @@ from mlxvlm.prompt import prepare_inputs
 
 torch = pytest.importorskip("torch")
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-QWEN3 = ("qwen3_vl", "qwen3_vl_moe")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+QWEN3 = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # Qwen3-VL's video processor
 IMAGE = make_image(84, 56, seed=2)
 
 

@@ -15,16 +15,14 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxvlm.models import qwen3_5
-from mlxvlm.models.qwen3_vl_moe import experts_stored_out_in, split_experts
+from mlxvlm.models.qwen3_vl_moe import require_experts, split_experts
 
 
 class Model(qwen3_5.Model):
     @classmethod
     def from_config(cls, config: dict) -> "Model":
         model = super().from_config(config)
-        if model.args.text.num_experts == 0:
-            raise ValueError("a qwen3_5_moe config must set num_experts")
-        model._writer_out_in = experts_stored_out_in(config)
+        require_experts(model, config)
         return model
 
     def _experts_out_in(self, weights: dict[str, mx.array]) -> bool:

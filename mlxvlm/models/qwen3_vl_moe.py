@@ -24,17 +24,23 @@ def experts_stored_out_in(config: dict) -> bool:
     return int(version.split(".")[0]) >= 5
 
 
+def require_experts(model, config: dict) -> None:
+    """Refuse a MoE family's config without experts; note how the writer stores them."""
+    if model.args.text.num_experts == 0:
+        raise ValueError(f"a {config.get('model_type')} config must set num_experts "
+                         "(or num_local_experts)")
+    model._writer_out_in = experts_stored_out_in(config)
+
+
 class Model(qwen3_vl.Model):
     @classmethod
     def from_config(cls, config: dict) -> "Model":
         model = super().from_config(config)
-        if model.args.text.num_experts == 0:
-            raise ValueError("a qwen3_vl_moe config must set num_experts (or num_local_experts)")
-        model._experts_out_in = experts_stored_out_in(config)
+        require_experts(model, config)
         return model
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        return super().sanitize(split_experts(weights, self.args.text, self._experts_out_in))
+        return super().sanitize(split_experts(weights, self.args.text, self._writer_out_in))
 
 
 def split_experts(weights: dict[str, mx.array], text, out_in: bool) -> dict[str, mx.array]:

@@ -39,6 +39,7 @@ from tiny.qwen import (
     _module_tree_weights,
     _special_ids,
     build_image_processor,
+    write_video_processor_config,
 )
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
@@ -135,7 +136,7 @@ def _config(family: str, tokenizer):
 
 
 # Picked so that every parity prompt gets 24 greedy tokens with clear top-1/top-2 margins.
-_SEED_OFFSET = {"qwen3_5": 5, "qwen3_5_moe": 3}
+_SEED_OFFSET = {"qwen3_5": 5, "qwen3_5_moe": 1}
 
 
 def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
@@ -176,6 +177,7 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
         _save_hub_processor_files(tiny, directory)
     else:
         raise ValueError(f"unknown layout {layout!r} (choose from {LAYOUTS})")
+    write_video_processor_config("qwen3_vl", directory)  # Qwen3.5 ships Qwen3-VL's
     write_safetensors(weights, directory)
     return directory
 
