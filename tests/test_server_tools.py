@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -70,9 +71,20 @@ def loaded(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def client(loaded):
+def server(loaded):
     with LiveServer(*loaded) as live:
-        yield live.client()
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0,
+                               timeout=60.0)
 
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -190,3 +202,56 @@ def test_a_region_that_is_not_a_call_stays_text():
     assert calls == [] and text["content"] == "a <tool_call>not json</tool_call> b"
     text, calls = split(HERMES, ["almost <tool_ca"])  # held back, then given at the end
     assert text["content"] == "almost <tool_ca"
+
+
+CLAUDE_WEATHER = {"name": "get_weather", "description": "The weather in a city",
+                  "input_schema": WEATHER["function"]["parameters"]}
+NO_THINKING = {"thinking": {"type": "disabled"}, "temperature": 1.0}
+
+
+def test_messages_tool_use_blocks_validate_plain_and_streamed(claude):
+    kwargs = dict(model=MODEL_ID, max_tokens=120, messages=ASK, tools=[CLAUDE_WEATHER],
+                  tool_choice={"type": "any"}, extra_body=dict(NO_THINKING, seed=6))
+    message = claude.messages.create(**kwargs)
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert uses and message.stop_reason == "tool_use"
+    for use in uses:
+        assert use.name == "get_weather" and use.id.startswith("toolu_")
+        jsonschema.validate(use.input, PARAMETERS["get_weather"])
+    with claude.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert [b.input for b in final.content if b.type == "tool_use"] == [u.input for u in uses]
+    assert final.stop_reason == "tool_use"
+
+
+def test_messages_tool_results_go_back_through_the_template(loaded):
+    from mlxvlm.server.chat import to_messages
+    from mlxvlm.server.messages import to_chat_request
+    from mlxvlm.server.messages_schemas import MessagesRequest
+    from mlxvlm.server.tools import AnswerPlan
+
+    request = MessagesRequest.model_validate({
+        "model": MODEL_ID, "max_tokens": 8, "tools": [CLAUDE_WEATHER], "messages": ASK + [
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+             "name": "get_weather", "input": {"city": "Paris", "unit": "celsius"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": "sunny, 21"}]}]})
+    chat = to_chat_request(request)
+    model, processor = loaded
+    text = mlxvlm.prompt.render_chat(processor, to_messages(chat),
+                                     AnswerPlan(chat, processor).template_options)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text
+    assert "<tool_response>\nsunny, 21\n</tool_response>" in text
+
+
+def test_messages_thinking_blocks(claude, loaded):
+    model, processor = loaded
+    expected = mlxvlm.generate(model, processor, ASK, max_tokens=16)
+    thinking = claude.messages.create(model=MODEL_ID, max_tokens=16, messages=ASK,
+                                      extra_body={"temperature": 0})
+    assert [b.type for b in thinking.content] == ["thinking"]
+    assert thinking.content[0].thinking == expected.text
+    plain = claude.messages.create(model=MODEL_ID, max_tokens=16, messages=ASK,
+                                   extra_body={"thinking": {"type": "disabled"},
+                                               "temperature": 0})
+    assert [b.type for b in plain.content] == ["text"]

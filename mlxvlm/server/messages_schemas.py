@@ -32,7 +32,50 @@ class ImageBlock(StrictModel):
     source: Annotated[Union[Base64Source, URLSource], Field(discriminator="type")]
 
 
-ContentBlock = Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]
+class ToolUseBlock(StrictModel):
+    """An earlier answer's call."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+
+
+class ToolResultBlock(StrictModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Annotated[Union[TextBlock, ImageBlock],
+                                  Field(discriminator="type")]] | None = None
+    is_error: bool | None = None
+
+
+class ThinkingBlock(StrictModel):
+    """An earlier answer's thinking (chat templates drop it from earlier turns)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+ContentBlock = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock,
+                               ThinkingBlock], Field(discriminator="type")]
+
+
+class AnthropicTool(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")
+    description: str | None = None
+    input_schema: dict
+
+
+class ToolChoice(StrictModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingConfig(StrictModel):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=1)
 
 
 class AnthropicMessage(StrictModel):
@@ -56,3 +99,6 @@ class MessagesRequest(StrictModel):
     top_p: float | None = _ranged("top_p")
     top_k: int | None = _ranged("top_k")
     metadata: dict | None = None
+    tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None

@@ -14,6 +14,7 @@ from mlxvlm.server.messages import MessageWriter, to_chat_request, warn_unknown_
 from mlxvlm.server.messages_schemas import MessagesRequest
 from mlxvlm.server.routes.models import unknown_model
 from mlxvlm.server.service import GenerationService
+from mlxvlm.server.tools import AnswerPlan
 
 router = APIRouter()
 
@@ -36,6 +37,7 @@ async def messages(
     chat = to_chat_request(body)
     options = sampling_options(chat, config.max_tokens, vocab_size,
                                checkpoint_defaults(service.processor))
-    writer = MessageWriter(config.model_id)
+    plan = AnswerPlan(chat, service.processor)
+    writer = MessageWriter(config.model_id, plan)
     return await answer(request, chat, options, service, body=writer.body,
-                        events=writer.events)
+                        events=writer.events, plan=plan)
