@@ -255,3 +255,39 @@ def test_messages_thinking_blocks(claude, loaded):
                                    extra_body={"thinking": {"type": "disabled"},
                                                "temperature": 0})
     assert [b.type for b in plain.content] == ["text"]
+
+
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+def test_responses_function_calls_validate_and_continue_with_their_output(client):
+    kwargs = dict(model=MODEL_ID, input="What is the weather in Paris?",
+                  tools=[RESPONSES_WEATHER], tool_choice="required", max_output_tokens=120,
+                  temperature=1.0, reasoning={"effort": "none"})
+    response = client.responses.create(**kwargs)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), PARAMETERS["get_weather"])
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.done" in kinds
+    streamed = [i for i in events[-1].response.output if i.type == "function_call"]
+    assert streamed and all(json.loads(c.arguments) for c in streamed)
+    follow = client.responses.create(
+        model=MODEL_ID, previous_response_id=response.id, max_output_tokens=8,
+        temperature=0, reasoning={"effort": "none"},
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                "output": "sunny, 21"}])
+    assert follow.status in ("completed", "incomplete")
+    assert follow.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_responses_reasoning_item(client, loaded):
+    model, processor = loaded
+    expected = mlxvlm.generate(model, processor, ASK, max_tokens=16)
+    response = client.responses.create(model=MODEL_ID, input=ASK[0]["content"],
+                                       max_output_tokens=16, temperature=0)
+    (item,) = response.output
+    assert item.type == "reasoning"
+    assert item.content[0].text == expected.text

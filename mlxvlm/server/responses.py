@@ -13,11 +13,13 @@ from collections import OrderedDict
 from typing import Any, AsyncIterator
 
 from mlxvlm.batching import BatchStep
+from mlxvlm.server.answer_parts import Part, ToolCall
 from mlxvlm.server.answering import steps, stream_failure
 from mlxvlm.server.errors import APIError, error_body
 from mlxvlm.server.responses_schemas import ResponsesRequest
 from mlxvlm.server.schemas import ChatCompletionRequest
 from mlxvlm.server.service import TokenStream
+from mlxvlm.server.tools import AnswerPlan
 
 logger = logging.getLogger("mlxvlm.server")
 
@@ -68,8 +70,20 @@ def input_messages(request: ResponsesRequest) -> Conversation:
     """The request's own input as messages (without the continued conversation)."""
     if isinstance(request.input, str):
         return [{"role": "user", "content": request.input}]
-    messages = []
+    messages: Conversation = []
     for item in request.input:
+        if item.type == "function_call":
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            continue
+        if item.type == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": item.output})
+            continue
         role = "system" if item.role == "developer" else item.role
         content = item.content if isinstance(item.content, str) else [
             _part(part) for part in item.content]
@@ -107,7 +121,31 @@ def to_chat_request(request: ResponsesRequest, earlier: Conversation) -> ChatCom
         "top_p": request.top_p,
         "stream": request.stream,
         "response_format": response_format(request),
+        "tools": [{"type": "function", "function": {
+            "name": t.name, "description": t.description, "parameters": t.parameters}}
+            for t in request.tools] if request.tools else None,
+        "tool_choice": _chat_tool_choice(request.tool_choice),
+        "chat_template_kwargs": _template_kwargs(request),
     })
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if choice is None or isinstance(choice, str):
+        return choice
+    return {"type": "function", "function": {"name": choice.name}}
+
+
+def _wire_tool_choice(choice: Any) -> Any:
+    if choice is None:
+        return "auto"
+    return choice if isinstance(choice, str) else choice.model_dump()
+
+
+def _template_kwargs(request: ResponsesRequest) -> dict | None:
+    """``reasoning.effort`` "none" turns a template's thinking off; any other keeps it."""
+    if request.reasoning is None or request.reasoning.effort is None:
+        return None
+    return {"enable_thinking": request.reasoning.effort != "none"}
 
 
 def _usage(last: BatchStep) -> dict[str, Any]:
@@ -122,18 +160,19 @@ def _usage(last: BatchStep) -> dict[str, Any]:
 
 class ResponseWriter:
     """One response's ids, its object and events; once answered, its conversation goes
-    into the store (when the request lets it)."""
+    into the store (when the request lets it). ``plan`` splits the answer into a
+    reasoning item, a message and function calls."""
 
     def __init__(self, model_id: str, request: ResponsesRequest, conversation: Conversation,
-                 store: ResponseStore, namespace: str | None):
+                 store: ResponseStore, namespace: str | None, plan: AnswerPlan):
         self.id = f"resp_{uuid.uuid4().hex}"
-        self.message_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.model = model_id
         self.request = request
         self.conversation = conversation  # what was asked, without the instructions
         self.store = store
         self.namespace = namespace
+        self.plan = plan
         self._sequence = 0
 
     def _format(self) -> dict[str, Any]:
@@ -141,23 +180,15 @@ class ResponseWriter:
         return {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True,
                                                                    exclude_none=True)
 
-    def _message(self, text: str, status: str) -> dict[str, Any]:
-        content = [] if status == "in_progress" else [
-            {"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-        return {"type": "message", "id": self.message_id, "status": status,
-                "role": "assistant", "content": content}
-
-    def response(self, text: str | None, last: BatchStep | None) -> dict[str, Any]:
+    def response(self, output: list[dict] | None, last: BatchStep | None) -> dict[str, Any]:
         """The response object: in progress (``last`` None) or answered."""
         request = self.request
         if last is None:
-            status, output, incomplete = "in_progress", [], None
+            status, incomplete = "in_progress", None
         elif last.finish_reason == "length":
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
-            output = [self._message(text or "", "incomplete")]
         else:
             status, incomplete = "completed", None
-            output = [self._message(text or "", "completed")]
         return {
             "id": self.id,
             "object": "response",
@@ -168,33 +199,53 @@ class ResponseWriter:
             "instructions": request.instructions,
             "max_output_tokens": request.max_output_tokens,
             "model": self.model,
-            "output": output,
+            "output": output or [],
             "parallel_tool_calls": True,
             "previous_response_id": request.previous_response_id,
             "store": request.store,
             "temperature": request.temperature,
             "top_p": request.top_p,
             "text": {"format": self._format()},
-            "tool_choice": "auto",
-            "tools": [],
+            "tool_choice": _wire_tool_choice(request.tool_choice),
+            "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
             "truncation": "disabled",
             "metadata": request.metadata or {},
             "user": request.user,
             "usage": None if last is None else _usage(last),
         }
 
-    def _remember(self, text: str) -> None:
-        if self.request.store:
-            self.store.put(self.namespace, self.id,
-                           self.conversation + [{"role": "assistant", "content": text}])
+    def _remember(self, items: list[dict]) -> None:
+        if not self.request.store:
+            return
+        text = "".join(part["text"] for item in items if item["type"] == "message"
+                       for part in item["content"])
+        answer: dict[str, Any] = {"role": "assistant", "content": text}
+        calls = [item for item in items if item["type"] == "function_call"]
+        if calls:
+            answer["tool_calls"] = [
+                {"id": c["call_id"], "type": "function",
+                 "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in calls]
+        self.store.put(self.namespace, self.id, self.conversation + [answer])
 
     async def body(self, first: BatchStep, stream: TokenStream) -> dict[str, Any]:
         texts = []
         async for step in steps(first, stream):
             texts.append(step.text)
-        text = "".join(texts)
-        self._remember(text)
-        return self.response(text, step)
+        splitter = self.plan.splitter()
+        parts = splitter.feed("".join(texts)) + splitter.finish()
+        status = "incomplete" if step.finish_reason == "length" else "completed"
+        items: list[dict] = []
+        for part in parts:
+            if items and part.kind != "tool_call" and items[-1]["kind"] == part.kind:
+                items[-1]["text"] += part.text
+            else:
+                items.append({"kind": part.kind, "text": part.text, "call": part.call})
+        output = [_item(entry["kind"], _new_id(entry["kind"]), entry["text"], entry["call"],
+                        status) for entry in items] or [_item("content", _new_id("content"),
+                                                             "", None, status)]
+        self._remember(output)
+        return self.response(output, step)
 
     def _event(self, kind: str, **data: Any) -> str:
         self._sequence += 1
@@ -202,32 +253,120 @@ class ResponseWriter:
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     async def events(self, first: BatchStep, stream: TokenStream) -> AsyncIterator[str]:
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         yield self._event("response.created", response=self.response(None, None))
         yield self._event("response.in_progress", response=self.response(None, None))
-        yield self._event("response.output_item.added", output_index=0,
-                          item=self._message("", "in_progress"))
-        yield self._event("response.content_part.added", **where,
-                          part={"type": "output_text", "text": "", "annotations": []})
-        texts = []
+        items = _StreamedItems(self._event)
+        splitter = self.plan.splitter()
         try:
             async for step in steps(first, stream):
-                if step.text:
-                    texts.append(step.text)
-                    yield self._event("response.output_text.delta", **where,
-                                      delta=step.text, logprobs=[])
+                parts = splitter.feed(step.text)
+                if step.finish_reason is not None:
+                    parts += splitter.finish()
+                for part in parts:
+                    for event in items.add(part):
+                        yield event
         except Exception as error:  # headers are sent: the failure goes as an error event
             logger.exception("generation failed while streaming")
             status, message = stream_failure(error)
             yield self._event("error", **error_body(status, message)["error"])
             return
-        text = "".join(texts)
-        self._remember(text)
-        final = self.response(text, step)
-        yield self._event("response.output_text.done", **where, text=text, logprobs=[])
-        yield self._event("response.content_part.done", **where,
-                          part={"type": "output_text", "text": text, "annotations": []})
-        yield self._event("response.output_item.done", output_index=0,
-                          item=final["output"][0])
+        status = "incomplete" if step.finish_reason == "length" else "completed"
+        for event in items.close(status):
+            yield event
+        self._remember(items.done)
+        final = self.response(items.done, step)
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         yield self._event(kind, response=final)
+
+
+def _new_id(kind: str) -> str:
+    prefix = {"content": "msg", "reasoning": "rs", "tool_call": "fc"}[kind]
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _item(kind: str, item_id: str, text: str, call: ToolCall | None,
+          status: str) -> dict[str, Any]:
+    """One output item, as the Responses API writes it."""
+    if kind == "tool_call":
+        return {"type": "function_call", "id": item_id, "call_id": call.id,
+                "name": call.name, "arguments": call.arguments, "status": "completed"}
+    if kind == "reasoning":
+        content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+        return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
+                "status": status}
+    content = [] if status == "in_progress" else [
+        {"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": content}
+
+
+class _StreamedItems:
+    """The output items of a streamed response as its parts arrive: each item is opened,
+    filled and closed with the official events."""
+
+    def __init__(self, event):
+        self.event = event
+        self.done: list[dict] = []
+        self.kind: str | None = None  # the open item's kind
+        self.id = ""
+        self.text = ""
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.id, "output_index": len(self.done), "content_index": 0}
+
+    def _open(self, kind: str) -> list[str]:
+        self.kind, self.id, self.text = kind, _new_id(kind), ""
+        events = [self.event("response.output_item.added", output_index=len(self.done),
+                             item=_item(kind, self.id, "", None, "in_progress"))]
+        if kind == "content":
+            events.append(self.event("response.content_part.added", **self._where(),
+                                     part={"type": "output_text", "text": "",
+                                           "annotations": []}))
+        return events
+
+    def _close(self, status: str) -> list[str]:
+        if self.kind is None:
+            return []
+        where, text = self._where(), self.text
+        if self.kind == "content":
+            events = [
+                self.event("response.output_text.done", **where, text=text, logprobs=[]),
+                self.event("response.content_part.done", **where,
+                           part={"type": "output_text", "text": text, "annotations": []})]
+        else:
+            events = [self.event("response.reasoning_text.done", **where, text=text)]
+        item = _item(self.kind, self.id, text, None, status)
+        events.append(self.event("response.output_item.done", output_index=len(self.done),
+                                 item=item))
+        self.done.append(item)
+        self.kind = None
+        return events
+
+    def add(self, part: Part) -> list[str]:
+        if part.kind == "tool_call":
+            events = self._close("completed")
+            item_id, index = _new_id("tool_call"), len(self.done)
+            call = part.call
+            item = _item("tool_call", item_id, "", call, "completed")
+            events += [
+                self.event("response.output_item.added", output_index=index,
+                           item=dict(item, arguments="", status="in_progress")),
+                self.event("response.function_call_arguments.delta", item_id=item_id,
+                           output_index=index, delta=call.arguments),
+                self.event("response.function_call_arguments.done", item_id=item_id,
+                           output_index=index, name=call.name, arguments=call.arguments),
+                self.event("response.output_item.done", output_index=index, item=item)]
+            self.done.append(item)
+            return events
+        events = [] if self.kind == part.kind else self._close("completed") + self._open(part.kind)
+        self.text += part.text
+        name = "response.output_text.delta" if part.kind == "content" else \
+            "response.reasoning_text.delta"
+        extra = {"logprobs": []} if part.kind == "content" else {}
+        events.append(self.event(name, **self._where(), delta=part.text, **extra))
+        return events
+
+    def close(self, status: str) -> list[str]:
+        if self.kind is None and not self.done:  # an empty answer is an empty message
+            return self._open("content") + self._close(status)
+        return self._close(status)

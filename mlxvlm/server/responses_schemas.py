@@ -38,6 +38,44 @@ class InputMessage(StrictModel):
     content: str | list[InputPart]
 
 
+class FunctionCallInput(StrictModel):
+    """An earlier answer's call, sent back."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutput(StrictModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+InputItem = Union[InputMessage, FunctionCallInput, FunctionCallOutput]
+
+
+class FunctionTool(StrictModel):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(StrictModel):
+    type: Literal["function"]
+    name: str
+
+
+class Reasoning(StrictModel):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: str | None = None
+
+
 class TextFormat(StrictModel):
     """Responses' format: a json_schema one carries its name, schema and strict flag
     itself (chat completions nests them under ``json_schema``)."""
@@ -59,7 +97,7 @@ def _ranged(name: str):
 
 class ResponsesRequest(StrictModel):
     model: str
-    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: int | None = _ranged("max_tokens")
     temperature: float | None = _ranged("temperature")
@@ -71,3 +109,7 @@ class ResponsesRequest(StrictModel):
     text: TextOptions | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: Reasoning | None = None

@@ -23,6 +23,7 @@ from mlxvlm.server.responses_schemas import ResponsesRequest
 from mlxvlm.server.routes.models import unknown_model
 from mlxvlm.server.security import KEY_ID
 from mlxvlm.server.service import GenerationService
+from mlxvlm.server.tools import AnswerPlan
 
 router = APIRouter()
 
@@ -59,7 +60,9 @@ async def responses(
     chat = to_chat_request(body, earlier)
     options = sampling_options(chat, config.max_tokens, vocab_size,
                                checkpoint_defaults(service.processor))
+    plan = AnswerPlan(chat, service.processor)
     writer = ResponseWriter(config.model_id, body, earlier + input_messages(body), store,
-                            namespace)
+                            namespace, plan)
     return await answer(request, chat, options, service, body=writer.body,
-                        events=writer.events, param="input", format_param="text.format")
+                        events=writer.events, plan=plan, param="input",
+                        format_param="text.format")
