@@ -31,6 +31,8 @@ FAMILIES: dict[str, str] = {
     # the Hub's full model and transformers' thinker alone; text output only
     "qwen2_5_omni": "qwen2_5_omni",
     "qwen2_5_omni_thinker": "qwen2_5_omni",
+    "qwen3_omni_moe": "qwen3_omni_moe",
+    "qwen3_omni_moe_thinker": "qwen3_omni_moe",
 }
 
 

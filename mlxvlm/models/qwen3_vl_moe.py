@@ -34,29 +34,54 @@ class Model(qwen3_vl.Model):
         return model
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        text = self.args.text
-        split = {}
-        for name, value in weights.items():
-            prefix, _, kind = name.rpartition(".mlp.experts.")
-            if not prefix:
-                split[name] = value
-                continue
-            if not self._experts_out_in:
-                value = value.transpose(0, 2, 1)
-            target = f"{prefix}.mlp.switch_mlp"
-            if kind == "gate_up_proj":
-                width = text.moe_intermediate_size
-                expected = (text.num_experts, 2 * width, text.hidden_size)
-                _check_shape(name, value, expected)
-                split[f"{target}.gate_proj.weight"] = value[:, :width]
-                split[f"{target}.up_proj.weight"] = value[:, width:]
-            elif kind == "down_proj":
-                expected = (text.num_experts, text.hidden_size, text.moe_intermediate_size)
-                _check_shape(name, value, expected)
-                split[f"{target}.down_proj.weight"] = value
-            else:
-                raise ValueError(f"unexpected expert tensor {name!r}")
-        return super().sanitize(split)
+        return super().sanitize(switch_mlp_weights(weights, self.args.text, self._experts_out_in))
+
+
+def switch_mlp_weights(weights: dict[str, mx.array], text, out_in: bool) -> dict[str, mx.array]:
+    """Each layer's ``mlp.experts.gate_up_proj`` / ``down_proj`` (3-D, ``out_in``: as
+    (experts, out, in), else (experts, in, out)) as mlx-lm's ``mlp.switch_mlp.*``."""
+    split = {}
+    for name, value in weights.items():
+        prefix, _, kind = name.rpartition(".mlp.experts.")
+        if not prefix:
+            split[name] = value
+            continue
+        if not out_in:
+            value = value.transpose(0, 2, 1)
+        target = f"{prefix}.mlp.switch_mlp"
+        if kind == "gate_up_proj":
+            width = text.moe_intermediate_size
+            expected = (text.num_experts, 2 * width, text.hidden_size)
+            _check_shape(name, value, expected)
+            split[f"{target}.gate_proj.weight"] = value[:, :width]
+            split[f"{target}.up_proj.weight"] = value[:, width:]
+        elif kind == "down_proj":
+            expected = (text.num_experts, text.hidden_size, text.moe_intermediate_size)
+            _check_shape(name, value, expected)
+            split[f"{target}.down_proj.weight"] = value
+        else:
+            raise ValueError(f"unexpected expert tensor {name!r}")
+    return split
+
+
+def stack_expert_modules(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """One tensor per expert (``mlp.experts.E.gate_proj.weight``, (out, in), as the Hub's
+    Qwen3-MoE checkpoints store them) stacked in expert order as mlx-lm's
+    ``mlp.switch_mlp.gate_proj.weight`` (experts, out, in)."""
+    stacked: dict[str, mx.array] = {}
+    experts: dict[str, dict[int, mx.array]] = {}
+    for name, value in weights.items():
+        prefix, _, rest = name.rpartition(".mlp.experts.")
+        index, _, leaf = rest.partition(".")
+        if not prefix or not index.isdigit():
+            stacked[name] = value
+            continue
+        experts.setdefault(f"{prefix}.mlp.switch_mlp.{leaf}", {})[int(index)] = value
+    for name, by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError(f"the experts of {name!r} are not numbered 0..{len(by_index) - 1}")
+        stacked[name] = mx.stack([by_index[i] for i in range(len(by_index))])
+    return stacked
 
 
 def _check_shape(name: str, value: mx.array, expected: tuple[int, ...]) -> None:

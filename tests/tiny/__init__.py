@@ -29,6 +29,7 @@ BUILDERS = {
     "pixtral": "tiny.pixtral",
     "paligemma": "tiny.paligemma",
     "qwen2_5_omni": "tiny.omni",
+    "qwen3_omni_moe": "tiny.qwen3_omni",
 }
 
 
