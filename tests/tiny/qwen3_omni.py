@@ -100,6 +100,20 @@ def build_processor_parts():
                                     return_attention_mask=True))
 
 
+def reference_processor(tiny: TinyModel):
+    """transformers' processor over the tiny model's in-memory parts, for images, audio
+    and text (its video processor needs torchvision)."""
+    from transformers import Qwen3OmniMoeProcessor
+
+    from mlxvlm.models.processor_utils import image_only
+
+    return image_only(Qwen3OmniMoeProcessor)(
+        image_processor=tiny.image_processor, video_processor=None,
+        feature_extractor=tiny.feature_extractor, tokenizer=tiny.tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
 def _config(tokenizer):
     from transformers import Qwen3OmniMoeThinkerConfig
 
