@@ -46,8 +46,8 @@ TURN_3 = (TURN_2[0] + [
 ], [IMAGE_A, IMAGE_B, IMAGE_C])
 
 FAMILIES = [
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "gemma3", "idefics3", "llava",
-    "llava_next", "llava_onevision", "pixtral", "mistral3",
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "qwen3_omni_moe", "gemma3", "idefics3",
+    "llava", "llava_next", "llava_onevision", "pixtral", "mistral3",
 ]
 
 

@@ -65,6 +65,9 @@ def reference_model(tiny_checkpoints, family):
     ("pixtral", "lora", True, 0, None),
     ("qwen2_5_omni", "lora", True, 0, ["qkv"]),
     ("qwen2_5_omni", "dora", True, 0, ["qkv"]),
+    # attention only: peft does not place an MoE model's dense-MLP adapters (transformers
+    # 5 renames MLP weights of such models while loading)
+    ("qwen3_omni_moe", "lora", True, -1, ["q_proj", "k_proj", "v_proj", "o_proj", "qkv"]),
 ])
 def test_adapter_trained_here_loads_in_peft(tiny_checkpoints, tmp_path, family, method,
                                             train_vision, num_layers, targets):
@@ -104,8 +107,10 @@ OMNI_QV = r"model\.visual\.blocks\.\d+\.attn\.(q|v)"
     ("qwen2_5_omni", {"target_modules": OMNI_QKV, "alpha_pattern": {"k": 3.0}}),
     # k left out: its rows of the fused layer keep the base weights (and norms, with DoRA)
     ("qwen2_5_omni", {"target_modules": OMNI_QV, "use_dora": True}),
+    # the thinker's decoder attention, audio tower and vision tower
+    ("qwen3_omni_moe", {"target_modules": ["q_proj", "v_proj", "o_proj", "qkv", "fc1"]}),
 ], ids=["lora", "dora", "rslora-alpha-pattern", "llava-tower", "pixtral-tower-dora",
-        "omni-qkv-alpha-pattern", "omni-qv-dora"])
+        "omni-qkv-alpha-pattern", "omni-qv-dora", "qwen3-omni-thinker"])
 def test_adapter_made_with_peft_loads_here(tiny_checkpoints, tmp_path, family, options):
     torch.manual_seed(0)
     base = reference_model(tiny_checkpoints, family)

@@ -15,8 +15,8 @@ from mlxvlm import load
 from mlxvlm.models.layers import mlx_lm_backbone
 
 FAMILIES = [
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni", "gemma3",
-    "idefics3", "smolvlm", "llava", "llava_next", "llava_onevision", "pixtral", "mistral3",
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni", "qwen3_omni_moe",
+    "gemma3", "idefics3", "smolvlm", "llava", "llava_next", "llava_onevision", "pixtral", "mistral3",
     "paligemma",
 ]
 MESSAGES = user(None, "Describe this image.")

@@ -219,6 +219,12 @@ class Model(qwen2_5_omni.Model):
         return None  # transformers' vision attention is one fused qkv, as ours
 
     def hf_module_name(self, name: str) -> str:
+        if name.startswith(VISION_TOWER) and "merger" in name:
+            # the mergers' Hugging Face names, inverted (module names end without a dot)
+            hf = f"model.visual.{name[len(VISION_TOWER):]}."
+            for theirs, ours in MERGER_NAMES:
+                hf = hf.replace(ours, theirs)
+            return hf[:-1]
         return VisionLanguageModel.hf_module_name(self, name)
 
     # -- the parts that differ from Qwen2.5-Omni --------------------------------------
