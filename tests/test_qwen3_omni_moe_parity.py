@@ -35,6 +35,7 @@ from tiny import make_image
 from tiny.qwen3_omni import LAYOUTS
 from mlxvlm import stream_generate
 from mlxvlm.media import load_video
+from mlxvlm.media.frame_sampling import sampler_for
 from mlxvlm.models import get_family
 from mlxvlm.prompt import prepare_inputs
 
@@ -93,15 +94,27 @@ def test_deepstack_matters(loaded, reference):
 
 
 @pytest.fixture(scope="module")
-def clips(tmp_path_factory):
-    """3 s at 10 fps, sampled at 2 fps: 3 frame grids at 0, 1 and 2 s (positions 0, 13,
-    26); one with a 300 Hz sound track (39 audio tokens merged among the frames), one
-    silent."""
+def clips(tmp_path_factory, loaded):
+    """3 s at 10 fps, sampled at 2 fps as the family's video processor samples: 3 frame
+    grids at 0, 1 and 2 s (positions 0, 13, 26); one with a 300 Hz sound track (39 audio
+    tokens merged among the frames), one silent."""
     root = tmp_path_factory.mktemp("qwen3-omni")
     frames = coloured_frames(30, 64, 48, seed=3)
     sound = write_video(root / "sound.mp4", frames, fps=10, audio=sine(3.0, 16000, 300.0))
     silent = write_video(root / "silent.mp4", coloured_frames(30, 64, 48, seed=4), fps=10)
-    return {"sound": load_video(sound, fps=2.0), "silent": load_video(silent, fps=2.0)}
+    sampler = sampler_for(loaded(FAMILY, "transformers")[1].video_processor)
+    return {name: load_video(path, fps=2.0, sampler=sampler)
+            for name, path in (("sound", sound), ("silent", silent))}
+
+
+def test_frames_are_sampled_as_transformers_qwen2_vl_video_processor_does(loaded, clips):
+    """transformers maps qwen3_omni_moe to Qwen2VLVideoProcessor, whose sample_frames
+    takes frames one even step apart from the first (tests/test_frame_sampling.py checks
+    the sampler against it)."""
+    from mlxvlm.media.frame_sampling import QwenStepSampler
+
+    assert type(sampler_for(loaded(FAMILY, "transformers")[1].video_processor)) is QwenStepSampler
+    assert clips["sound"].frame_indices.tolist() == [0, 5, 10, 15, 20, 25]
 
 
 def media_cases(clips):

@@ -149,11 +149,10 @@ class Model(qwen2_vl.Model):
     @classmethod
     def load_processor(cls, model_path: str | Path, config: dict):
         """transformers' omni processor (``processor_class``: tokenizer, PIL image
-        processor, Whisper feature extractor, chat template) with mlxvlm's numpy video
-        processor."""
+        processor, Whisper feature extractor, chat template) with mlxvlm's numpy twin of
+        the family's video processor (``video_processor_class``: Qwen2-VL's for both
+        omni families, as transformers maps them)."""
         from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, WhisperFeatureExtractor
-
-        from mlxvlm.models.qwen_video import QwenVideoProcessor
 
         tokenizer, chat_template = tokenizer_and_chat_template(model_path)
         if any(getattr(tokenizer, name, None) is None for name in cls.omni_tokens):
@@ -161,7 +160,7 @@ class Model(qwen2_vl.Model):
                                                       extra_special_tokens=cls.omni_tokens)
         return omni_processor_class(cls.processor_class)(
             image_processor=Qwen2VLImageProcessorPil.from_pretrained(model_path),
-            video_processor=QwenVideoProcessor.from_pretrained(model_path),
+            video_processor=cls.video_processor_class.from_pretrained(model_path),
             feature_extractor=WhisperFeatureExtractor.from_pretrained(model_path),
             tokenizer=tokenizer,
             chat_template=chat_template,

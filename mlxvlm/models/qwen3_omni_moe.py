@@ -45,6 +45,7 @@ from mlxvlm.models.layers.qwen3_omni_audio import (
     sanitize_conv_weights,
 )
 from mlxvlm.models.layers.qwen_vision import QwenVisionTransformer, convert_hf_weight
+from mlxvlm.models.qwen_video import QwenVideoProcessor
 from mlxvlm.models.weights import is_hf_naming, map_hf_weights, rename_prefix
 
 THINKER = "thinker."
@@ -161,6 +162,9 @@ class Model(qwen2_5_omni.Model):
     unused_weight_prefixes = SPEECH_OUTPUT
     processor_class = "Qwen3OmniMoeProcessor"
     omni_tokens = OMNI_TOKENS
+    # transformers maps qwen3_omni_moe to Qwen2VLVideoProcessor: its frame sampling
+    # ("qwen2_vl") and preprocessing.
+    video_processor_class = QwenVideoProcessor
 
     def __init__(self, args: qwen2_5_omni.OmniArgs):
         VisionLanguageModel.__init__(self, args)
