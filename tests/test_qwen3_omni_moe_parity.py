@@ -16,12 +16,19 @@ import numpy as np
 import pytest
 
 from av_media import coloured_frames, sine, write_video
+from omni_parity import (
+    assert_positions_match_get_rope_index,
+    media_logits,
+    media_reference_run,
+    media_tokens,
+    media_turn,
+    processor_layouts,
+)
 from parity import (
     LOGITS_ATOL,
     MIN_REFERENCE_MARGIN,
     NEW_TOKENS,
     assert_another_image_changes_the_output,
-    load_transformers_model,
     loaded,  # noqa: F401 (fixture)
     model_args_in_both_layouts,
     parameter_list,
@@ -33,14 +40,11 @@ from parity import (
 )
 from tiny import make_image
 from tiny.qwen3_omni import LAYOUTS
-from mlxvlm import stream_generate
 from mlxvlm.media import load_video
 from mlxvlm.media.frame_sampling import sampler_for
 from mlxvlm.models import get_family
-from mlxvlm.prompt import prepare_inputs
 
 torch = pytest.importorskip("torch")
-from transformers.video_utils import VideoMetadata  # noqa: E402 (after the torch check)
 
 # transformers' processor itself trips numpy's copy-keyword deprecation on torch tensors
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -55,11 +59,6 @@ FAMILY_LAYOUTS = [(FAMILY, layout) for layout in LAYOUTS]
 SOUND_A = sine(2.5, 16000, 440.0)  # 250 mel frames: 3 chunks, 33 tokens in 2 windows
 SOUND_B = sine(0.7, 16000, 900.0)
 SOUND_C = sine(1.5, 16000, 600.0)
-
-
-def media_turn(*parts, text):
-    return [{"role": "user", "content": [*({"type": p} for p in parts),
-                                         {"type": "text", "text": text}]}]
 
 
 # ---------------------------------------------------------------- text and images
@@ -121,7 +120,8 @@ def media_cases(clips):
     return {
         "audio": (media_turn("audio", "audio", text="Tell me a story about the sounds."),
                   {"audio": [SOUND_A, SOUND_B]}),
-        "audio_image": (media_turn("image", "audio", text="Tell me about the picture and the sound."),
+        "audio_image": (media_turn("image", "audio",
+                                   text="Tell me about the picture and the sound."),
                         {"image": [IMAGE_A], "audio": [SOUND_C]}),
         "video": (media_turn("video", text="What happens in the video?"),
                   {"video": [clips["silent"]]}),
@@ -132,61 +132,18 @@ def media_cases(clips):
     }
 
 
-def metadata(video):
-    return VideoMetadata(total_num_frames=video.total_frames, fps=video.source_fps,
-                         frames_indices=video.frame_indices.tolist())
-
-
-def reference_batch(processor, messages, media):
-    """transformers' processor inputs for a case, built the way it documents them, and
-    the flag its model then needs."""
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    kwargs = {"images": media.get("image"), "audio": media.get("audio")}
-    extra = {}
-    if media.get("video"):
-        video = media["video"][0]
-        kwargs.update(videos=[video.frames], video_metadata=[metadata(video)])
-        if video.audio is not None:
-            kwargs.update(audio=[video.audio.samples], load_audio_from_video=True,
-                          audio_from_video_indices=[0])
-            extra = {"use_audio_in_video": True}
-    return processor(text=[text], return_tensors="pt", **kwargs), extra
-
-
 @pytest.fixture(scope="module")
 def media_reference(tiny_checkpoints, loaded, clips):
-    """case -> transformers' prompt ids, first-pass logits, greedy tokens, thinnest margin."""
+    """case -> transformers' ``Reference``."""
 
     @functools.cache
     def run(case):
         messages, media = media_cases(clips)[case]
         _, processor = loaded(FAMILY, "transformers")
-        model = tiny_checkpoints.model(FAMILY).model
-        batch, extra = reference_batch(processor, messages, media)
-        with torch.no_grad():
-            logits = model(**batch, **extra).logits[0].numpy()
-            out = model.generate(**batch, **extra, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 output_scores=True, return_dict_in_generate=True)
-        tokens = out.sequences[0, batch["input_ids"].shape[1]:].tolist()
-        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-        return batch["input_ids"][0].tolist(), logits, tokens, min(margins)
+        return media_reference_run(tiny_checkpoints.model(FAMILY).model, processor,
+                                   messages, media)
 
     return run
-
-
-def media_logits(model, processor, messages, media):
-    inputs = prepare_inputs(processor, messages, media.get("image"), video=media.get("video"),
-                            audio=media.get("audio"), feature_names=model.feature_names)
-    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
-    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
-    return inputs, np.array(logits[0])
-
-
-def media_tokens(model, processor, messages, media, **options):
-    results = stream_generate(model, processor, messages, image=media.get("image"),
-                              video=media.get("video"), audio=media.get("audio"),
-                              max_tokens=NEW_TOKENS, **options)
-    return [r.token for r in results]
 
 
 @pytest.mark.parametrize("case", ["audio", "audio_image", "video", "video_with_sound"])
@@ -221,47 +178,10 @@ def test_another_audio_changes_the_output(loaded, media_reference, clips):
     assert tokens != media_reference("audio")[2]
 
 
-def processor_layouts(processor, clips):
-    """Prompts as the processor lays them out, for both sides' position ids."""
-    long_sound = sine(5.0, 16000, 250.0)  # a sound track longer than the video
-    slow = load_video(clips["silent"].frames[:8], fps=1.0)  # grids at 0, 2, 4, 6 s
-    layouts = {
-        "image_audio_video": (media_turn("image", "audio", "video", text="All of it."),
-                              {"images": [IMAGE_A], "audio": [SOUND_A],
-                               "videos": [clips["silent"]]}, False),
-        "video_with_long_sound": (media_turn("audio", "video", text="Both."),
-                                  {"audio": [SOUND_B], "videos": [clips["silent"]],
-                                   "track": long_sound}, True),
-        "slow_video_with_short_sound": (media_turn("video", text="Go."),
-                                        {"videos": [slow], "track": SOUND_B}, True),
-    }
-    for name, (messages, media, with_sound) in layouts.items():
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        videos = media["videos"]
-        kwargs = {"images": media.get("images"), "audio": list(media.get("audio", [])) or None,
-                  "videos": [v.frames for v in videos],
-                  "video_metadata": [metadata(v) for v in videos]}
-        if with_sound:
-            kwargs["audio"] = [*(media.get("audio") or []), media["track"]]
-            kwargs["load_audio_from_video"] = True
-            kwargs["audio_from_video_indices"] = [None] * len(media.get("audio") or []) + [0]
-        yield name, processor(text=[text], return_tensors="pt", **kwargs), with_sound
-
-
 def test_positions_match_transformers_get_rope_index(tiny_checkpoints, loaded, clips):
     model, processor = loaded(FAMILY, "transformers")
-    reference_model = tiny_checkpoints.model(FAMILY).model
-    for name, batch, with_sound in processor_layouts(processor, clips):
-        mel_frames = batch["feature_attention_mask"].sum(-1)
-        ref_positions, ref_delta = reference_model.get_rope_index(
-            batch["input_ids"], batch.get("image_grid_thw"), batch.get("video_grid_thw"),
-            batch["attention_mask"], with_sound, mel_frames, batch.get("video_second_per_grid"))
-        state = model.rope_state(
-            batch["input_ids"][0].numpy(), batch.get("image_grid_thw"),
-            batch.get("video_grid_thw"), batch.get("video_second_per_grid"), mel_frames.numpy())
-        np.testing.assert_array_equal(np.array(state.position_ids), ref_positions[:, 0].numpy(),
-                                      err_msg=name)
-        assert state.rope_delta == int(ref_delta), name
+    layouts = processor_layouts(processor, clips["silent"], IMAGE_A, (SOUND_A, SOUND_B, SOUND_C))
+    assert_positions_match_get_rope_index(model, tiny_checkpoints.model(FAMILY).model, layouts)
 
 
 # ------------------------------------------------------------- checkpoints and names
@@ -316,6 +236,7 @@ def test_sanitized_names_are_mlx_community_names(tiny_checkpoints, loaded):
                  "thinker.language_model.model.layers.0.mlp.gate_proj.weight",
                  "thinker.language_model.lm_head.weight"):
         assert name in expected, name
-    assert sanitized["thinker.audio_tower.conv2d2.weight"].shape == (8, 3, 3, 8)  # (out, kh, kw, in)
-    assert sanitized["thinker.language_model.model.layers.1.mlp.switch_mlp.up_proj.weight"].shape == (
-        4, 16, 64)
+    # (out, kh, kw, in), and (experts, out, in)
+    assert sanitized["thinker.audio_tower.conv2d2.weight"].shape == (8, 3, 3, 8)
+    experts = "thinker.language_model.model.layers.1.mlp.switch_mlp"
+    assert sanitized[f"{experts}.up_proj.weight"].shape == (4, 16, 64)

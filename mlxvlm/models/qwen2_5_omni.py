@@ -108,6 +108,7 @@ class Model(qwen2_vl.Model):
     processor_class = "Qwen2_5OmniProcessor"
     # The tokenizer attributes the processor reads, for tokenizer configs without them.
     omni_tokens = OMNI_TOKENS
+    audio_config_class = AudioConfig
 
     def __init__(self, args: OmniArgs):
         super().__init__(args)
@@ -118,13 +119,17 @@ class Model(qwen2_vl.Model):
         return qwen2_5_vl.vision_config_from_hf(config)
 
     @classmethod
+    def text_config_from_hf(cls, config: dict) -> TextConfig:
+        return TextConfig.from_hf(config)
+
+    @classmethod
     def from_config(cls, config: dict) -> "Model":
         thinker = thinker_config(config)
         return cls(
             OmniArgs(
-                text=TextConfig.from_hf(thinker),
+                text=cls.text_config_from_hf(thinker),
                 vision=cls.vision_config_from_hf(thinker),
-                audio=AudioConfig.from_hf(thinker.get("audio_config") or {}),
+                audio=cls.audio_config_class.from_hf(thinker.get("audio_config") or {}),
                 image_token_id=token_id(thinker, "image_token", 151655),
                 video_token_id=token_id(thinker, "video_token", 151656),
                 audio_token_id=token_id(thinker, "audio_token", 151646),
@@ -219,7 +224,8 @@ class Model(qwen2_vl.Model):
         mel frames (the feature attention mask's sums)."""
         args = self.args
         ids = np.asarray(ids).reshape(-1)
-        audio_tokens = np.zeros(0, np.int64) if mel_frames is None else self.audio_tokens(mel_frames)
+        audio_tokens = (np.zeros(0, np.int64) if mel_frames is None
+                        else self.audio_tokens(mel_frames))
         spans = {
             args.image_token_id: [VisionSpan(tuple(g)) for g in grids_thw(image_grid_thw)],
             args.video_token_id: self._video_spans(ids, grids_thw(video_grid_thw),

@@ -36,7 +36,7 @@ import numpy as np
 
 from mlxvlm.models import qwen2_5_omni, qwen3_vl, qwen3_vl_moe
 from mlxvlm.models.base import VisionLanguageModel
-from mlxvlm.models.config_utils import text_config, token_id
+from mlxvlm.models.config_utils import text_config
 from mlxvlm.models.layers.mrope_decoder import LanguageModel, VisionSpan
 from mlxvlm.models.layers.qwen3_omni_audio import (
     AudioEncoder,
@@ -160,6 +160,7 @@ class Model(qwen2_5_omni.Model):
     hf_prefixes = HF_PREFIXES
     mlx_prefixes = MLX_PREFIXES
     unused_weight_prefixes = SPEECH_OUTPUT
+    audio_config_class = Qwen3AudioConfig
     processor_class = "Qwen3OmniMoeProcessor"
     omni_tokens = OMNI_TOKENS
     # transformers maps qwen3_omni_moe to Qwen2VLVideoProcessor: its frame sampling
@@ -176,22 +177,16 @@ class Model(qwen2_5_omni.Model):
     language_model = property(lambda self: self.thinker.language_model)
 
     @classmethod
+    def text_config_from_hf(cls, config: dict):
+        return text_config_from_hf(config)
+
+    @classmethod
+    def vision_config_from_hf(cls, config: dict):
+        return qwen3_vl.vision_config_from_hf(config)
+
+    @classmethod
     def from_config(cls, config: dict) -> "Model":
-        thinker = qwen2_5_omni.thinker_config(config)
-        audio = thinker.get("audio_config") or {}
-        model = cls(
-            qwen2_5_omni.OmniArgs(
-                text=text_config_from_hf(thinker),
-                vision=qwen3_vl.vision_config_from_hf(thinker),
-                audio=Qwen3AudioConfig.from_hf(audio),
-                image_token_id=token_id(thinker, "image_token", 151655),
-                video_token_id=token_id(thinker, "video_token", 151656),
-                audio_token_id=token_id(thinker, "audio_token", 151646),
-                audio_start_token_id=thinker.get("audio_start_token_id", 151647),
-                vision_start_token_id=thinker.get("vision_start_token_id", 151652),
-                position_id_per_seconds=thinker.get("position_id_per_seconds", 25),
-            )
-        )
+        model = super().from_config(config)
         model._experts_out_in = qwen3_vl_moe.experts_stored_out_in(config)
         return model
 

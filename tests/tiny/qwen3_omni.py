@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from tiny.common import INIT_RANGE, TinyModel, build_bpe_tokenizer, perturb_constants, write_safetensors
+from tiny.omni import omni_tiny, save_processor_files
 
 FAMILIES = ("qwen3_omni_moe",)
 LAYOUTS = ("transformers", "hub")
@@ -159,13 +160,7 @@ def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
     torch.manual_seed(seed)
     model = Qwen3OmniMoeThinkerForConditionalGeneration(_config(tokenizer)).float().eval()
     perturb_constants(model, torch.Generator().manual_seed(seed + 1))
-    model.generation_config.bos_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    image_processor, feature_extractor = build_processor_parts()
-    tiny = TinyModel(family, model, tokenizer, image_processor)
-    tiny.feature_extractor = feature_extractor
-    return tiny
+    return omni_tiny(family, model, tokenizer, *build_processor_parts())
 
 
 # ---------------------------------------------------------------------------------- saving
@@ -176,35 +171,21 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
     directory.mkdir(parents=True, exist_ok=True)
     tiny.model.save_pretrained(directory)
     config = json.loads((directory / "config.json").read_text())
-    weights = {name: value.detach().cpu().numpy() for name, value in tiny.model.state_dict().items()}
+    weights = {name: value.detach().cpu().numpy()
+               for name, value in tiny.model.state_dict().items()}
     tiny.tokenizer.save_pretrained(directory)
-    if layout == "transformers":
-        processor = {
-            "image_processor": tiny.image_processor.to_dict(),
-            "feature_extractor": tiny.feature_extractor.to_dict(),
-            # the video processor's settings are the image processor's (16 px patches)
-            "video_processor": {**tiny.image_processor.to_dict(),
-                                "video_processor_type": "Qwen2VLVideoProcessor"},
-            "processor_class": "Qwen3OmniMoeProcessor",
-        }
-        (directory / "processor_config.json").write_text(json.dumps(processor, indent=2))
-        (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    elif layout == "hub":
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r} (choose from {LAYOUTS})")
+    # the video processor's settings are the image processor's (16 px patches)
+    video = {**tiny.image_processor.to_dict(), "video_processor_type": "Qwen2VLVideoProcessor"}
+    save_processor_files(tiny, directory, layout, "Qwen3OmniMoeProcessor", CHAT_TEMPLATE,
+                         MIN_PIXELS, MAX_PIXELS, video_processor=video)
+    if layout == "hub":
         weights = hub_weights(weights)
         # speech-output tensors the thinker must skip
         weights["talker.codec_head.weight"] = np.zeros((8, 4), np.float32)
         weights["code2wav.pre_transformer.norm.weight"] = np.zeros((4,), np.float32)
         (directory / "config.json").write_text(json.dumps(hub_config(config), indent=2))
-        preprocessor = {**tiny.image_processor.to_dict(), **tiny.feature_extractor.to_dict(),
-                        "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
-                        "image_processor_type": "Qwen2VLImageProcessor",
-                        "processor_class": "Qwen3OmniMoeProcessor"}
-        preprocessor.pop("size", None)
-        (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
-        (directory / "chat_template.jinja").unlink(missing_ok=True)
-        (directory / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    else:
-        raise ValueError(f"unknown layout {layout!r} (choose from {LAYOUTS})")
     write_safetensors(weights, directory)
     return directory
 

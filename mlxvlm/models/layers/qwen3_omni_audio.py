@@ -56,7 +56,8 @@ def output_lengths(mel_frames: np.ndarray, n_window: int) -> np.ndarray:
                      for frames in np.asarray(mel_frames).reshape(-1).tolist()], dtype=np.int64)
 
 
-def attention_windows(mel_frames: np.ndarray, config: Qwen3AudioConfig, longest_chunk: int) -> list[int]:
+def attention_windows(mel_frames: np.ndarray, config: Qwen3AudioConfig,
+                      longest_chunk: int) -> list[int]:
     """The lengths, in tokens, of the windows attention runs within: each audio's tokens
     cut every ``chunks per window x the longest chunk's tokens`` (as transformers' cu_seqlens)."""
     window = longest_chunk * (config.n_window_infer // (2 * config.n_window))
