@@ -102,8 +102,12 @@ def clips(tmp_path_factory, loaded):
     sound = write_video(root / "sound.mp4", frames, fps=10, audio=sine(3.0, 16000, 300.0))
     silent = write_video(root / "silent.mp4", coloured_frames(30, 64, 48, seed=4), fps=10)
     sampler = sampler_for(loaded(FAMILY, "transformers")[1].video_processor)
-    return {name: load_video(path, fps=2.0, sampler=sampler)
-            for name, path in (("sound", sound), ("silent", silent))}
+    clips = {name: load_video(path, fps=2.0, sampler=sampler)
+             for name, path in (("sound", sound), ("silent", silent))}
+    # 4 frames of 3 s: grids 1.5 s apart, at positions 0 and 19.5 (transformers keeps
+    # them fractional), and everything after them too
+    clips["sound_slow"] = load_video(sound, fps=1.5, sampler=sampler)
+    return clips
 
 
 def test_frames_are_sampled_as_transformers_qwen2_vl_video_processor_does(loaded, clips):
@@ -127,6 +131,8 @@ def media_cases(clips):
                   {"video": [clips["silent"]]}),
         "video_with_sound": (media_turn("video", text="What do you hear?"),
                              {"video": [clips["sound"]]}),
+        "slow_video_with_sound": (media_turn("video", text="What do you hear?"),
+                                  {"video": [clips["sound_slow"]]}),
         "other_audio": (media_turn("audio", "audio", text="Tell me a story about the sounds."),
                         {"audio": [SOUND_C, SOUND_B]}),
     }
@@ -146,7 +152,8 @@ def media_reference(tiny_checkpoints, loaded, clips):
     return run
 
 
-@pytest.mark.parametrize("case", ["audio", "audio_image", "video", "video_with_sound"])
+@pytest.mark.parametrize("case", ["audio", "audio_image", "video", "video_with_sound",
+                                  "slow_video_with_sound"])
 def test_media_logits_and_greedy_tokens_match_transformers(case, loaded, media_reference, clips):
     model, processor = loaded(FAMILY, "transformers")
     messages, media = media_cases(clips)[case]
@@ -158,6 +165,27 @@ def test_media_logits_and_greedy_tokens_match_transformers(case, loaded, media_r
     assert margin > MIN_REFERENCE_MARGIN, f"top-1/top-2 margin {margin:.2e} is too thin"
     # prefill chunks of 16 tokens cut the media blocks (and DeepStack's rows)
     assert media_tokens(model, processor, messages, media, prefill_step_size=16) == ref_tokens
+
+
+def test_fractional_positions_stay_fractional(loaded, clips):
+    """A video whose frame grids fall between integer positions: the prompt's positions
+    are fractional (as transformers keeps them), the tokens after the prompt continue
+    from them, and a fractional rope delta carries into batched decoding."""
+    from mlxvlm.models.layers.mrope_decoder import MRopeState
+
+    model, processor = loaded(FAMILY, "transformers")
+    messages, media = media_cases(clips)["slow_video_with_sound"]
+    inputs, _ = media_logits(model, processor, messages, media)
+    _, state = model.embed(inputs.input_ids, **inputs.features)
+    ids = np.array(state.position_ids)
+    # the second frame grid, 1.5 s x 13 after the first
+    assert state.position_ids.dtype == mx.float32 and (ids[0] % 1 == 0.5).any()
+    prompt = ids.shape[1]
+    assert np.array(state.positions(prompt - 1, 2)).tolist() == [
+        [ids[axis, -1], prompt + state.rope_delta] for axis in range(3)]
+    half = MRopeState(mx.zeros((3, 2)), 0.5)
+    batch = MRopeState.batch([half, None])
+    assert batch.positions(mx.array([2, 3]), 1)[:, 0, 0].tolist() == [2.5, 3]
 
 
 def test_hub_layout_takes_audio_and_video_alike(loaded, media_reference, clips):
@@ -180,7 +208,8 @@ def test_another_audio_changes_the_output(loaded, media_reference, clips):
 
 def test_positions_match_transformers_get_rope_index(tiny_checkpoints, loaded, clips):
     model, processor = loaded(FAMILY, "transformers")
-    layouts = processor_layouts(processor, clips["silent"], IMAGE_A, (SOUND_A, SOUND_B, SOUND_C))
+    layouts = [*processor_layouts(processor, clips["silent"], IMAGE_A, (SOUND_A, SOUND_B, SOUND_C)),
+               *processor_layouts(processor, clips["sound_slow"], IMAGE_B, (SOUND_C, SOUND_A, SOUND_B))]
     assert_positions_match_get_rope_index(model, tiny_checkpoints.model(FAMILY).model, layouts)
 
 

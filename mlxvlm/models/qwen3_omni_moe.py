@@ -37,7 +37,7 @@ import numpy as np
 from mlxvlm.models import qwen2_5_omni, qwen3_vl, qwen3_vl_moe
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import text_config
-from mlxvlm.models.layers.mrope_decoder import LanguageModel, VisionSpan
+from mlxvlm.models.layers.mrope_decoder import LanguageModel, VisionSpan, whole
 from mlxvlm.models.layers.qwen3_omni_audio import (
     AudioEncoder,
     Qwen3AudioConfig,
@@ -118,7 +118,9 @@ class InterleavedAudioVideoSpan:
     def write(self, positions: np.ndarray, ids: np.ndarray, index: int, start: int,
               merge: int, text_after: str) -> tuple[int, int]:
         video = self.video.position_ids(merge, start)
-        audio = np.broadcast_to(np.arange(self.audio_tokens) + start, (3, self.audio_tokens))
+        # float32 sums, as the reference adds them
+        audio = np.arange(self.audio_tokens, dtype=np.float32) + np.float32(start)
+        audio = np.broadcast_to(audio.astype(np.float64), (3, self.audio_tokens))
         n = video.shape[1] + self.audio_tokens
         block = ids[index: index + n]
         if (block.size != n or (block == self.video_token).sum() != video.shape[1]
@@ -143,7 +145,7 @@ class InterleavedAudioVideoSpan:
                 columns.extend(rest.T)
                 last = [rest]
         positions[:, index: index + n] = np.stack(columns, axis=1)
-        return index + n, int(last[0].max()) + 1
+        return index + n, whole(last[0].max().item() + 1)
 
 
 class Thinker(nn.Module):
@@ -232,17 +234,11 @@ class Model(qwen2_5_omni.Model):
         return output_lengths(mel_frames, self.args.audio.n_window)
 
     def frame_positions(self, grid_frames: int, seconds_per_grid: float) -> np.ndarray:
-        """Each frame grid's time in seconds x ``position_id_per_seconds``: transformers
-        keeps it in float32, untruncated, so only whole positions are supported."""
-        times = (np.arange(grid_frames, dtype=np.float32) * np.float32(seconds_per_grid)
-                 * np.float32(self.args.position_id_per_seconds))
-        if (times != np.round(times)).any():
-            raise NotImplementedError(
-                f"a video sampled at {seconds_per_grid} s per frame grid puts its frames at "
-                f"fractional positions ({times.tolist()}); sample it at a rate that gives "
-                "whole positions (e.g. 2 fps)"
-            )
-        return times.astype(np.int64)
+        """Each frame grid's time in seconds x ``position_id_per_seconds``, in float32
+        and untruncated as transformers keeps it: a video sampled at a rate that does not
+        divide the seconds evenly sits between integer positions (and so does all after)."""
+        return (np.arange(grid_frames, dtype=np.float32) * np.float32(seconds_per_grid)
+                * np.float32(self.args.position_id_per_seconds))
 
     def sound_track_span(self, video: VisionSpan, audio_tokens: int) -> InterleavedAudioVideoSpan:
         args = self.args
