@@ -177,6 +177,9 @@ def build_model(model_path: Path, config: dict, family, weights: dict[str, mx.ar
     (see ``is_converted``), quantized as the config says. Weights that do not fit the
     tree raise CheckpointError. Shared by ``load`` and ``mlxvlm.convert``."""
     model = family.Model.from_config(config)
+    unused = family.Model.unused_weight_prefixes
+    if unused:
+        weights = {name: value for name, value in weights.items() if not name.startswith(unused)}
     if not is_converted(model_path, config) and family.Model.is_hf_checkpoint(weights.keys()):
         weights = model.sanitize(weights)
     apply_quantization(model, config, weights)

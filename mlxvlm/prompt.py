@@ -285,7 +285,7 @@ class _LoadedMedia:
             kwargs["videos"] = [v.frames for v in self.videos]
             kwargs["video_metadata"] = [
                 VideoMetadata(total_num_frames=v.total_frames, fps=v.source_fps,
-                              frames_indices=v.frame_indices.tolist(),
+                              duration=v.duration, frames_indices=v.frame_indices.tolist(),
                               width=v.frames.shape[2], height=v.frames.shape[1])
                 for v in self.videos
             ]

@@ -38,8 +38,10 @@ RECIPES = {
 }
 
 # Every family names its text decoder `language_model` (as mlx-community's checkpoints
-# do); everything else — vision/audio towers and projectors — is multimodal.
+# do), at the top or inside an omni model's `thinker`; everything else — vision/audio
+# towers and projectors — is multimodal.
 TEXT_MODEL = "language_model"
+TEXT_MODEL_PATHS = (TEXT_MODEL, f"thinker.{TEXT_MODEL}")
 
 Predicate = Callable[[str, nn.Module], "bool | dict"]
 
@@ -103,7 +105,7 @@ def recipe_spec(recipe: str, group_size: int | None = None) -> tuple[QuantSpec, 
 
 
 def is_multimodal_path(path: str) -> bool:
-    return path.split(".", 1)[0] != TEXT_MODEL
+    return not any(path == text or path.startswith(f"{text}.") for text in TEXT_MODEL_PATHS)
 
 
 def _block_index(path: str) -> int | None:

@@ -48,6 +48,7 @@ TURN_3 = (TURN_2[0] + [
 FAMILIES = [
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "gemma3", "idefics3", "llava",
     "llava_next", "llava_onevision", "pixtral", "mistral3", "qwen3_5", "lfm2_vl", "paddleocr_vl",
+    "qwen3_omni_moe",
 ]
 
 

@@ -74,6 +74,9 @@ HYBRID_TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj", "o
     # Qwen3.5: both layer kinds, linear attention's projections and full attention's
     ("qwen3_5", "lora", False, -1, HYBRID_TARGETS),
     ("lfm2_vl", "lora", True, -1, None),
+    # attention only: peft does not place an MoE model's dense-MLP adapters (transformers
+    # 5 renames MLP weights of such models while loading)
+    ("qwen3_omni_moe", "lora", True, -1, ["q_proj", "k_proj", "v_proj", "o_proj", "qkv"]),
 ])
 def test_adapter_trained_here_loads_in_peft(tiny_checkpoints, tmp_path, family, method,
                                             train_vision, num_layers, targets):
@@ -121,10 +124,12 @@ LFM2_VL_MODULES = r"model\.(language_model|vision_tower)\..*\.(in_proj|out_proj|
     ("paddleocr_vl", {"target_modules": PADDLE_TOWER_QV, "use_dora": True}),
     ("qwen3_5", {"target_modules": HYBRID_TARGETS + ["in_proj_b", "gate_proj"]}),
     ("lfm2_vl", {"target_modules": LFM2_VL_MODULES}),
+    # the thinker's decoder attention, audio tower and vision tower
+    ("qwen3_omni_moe", {"target_modules": ["q_proj", "v_proj", "o_proj", "qkv", "fc1"]}),
 ], ids=["lora", "dora", "rslora-alpha-pattern", "llava-tower", "pixtral-tower-dora",
         "omni-qkv-alpha-pattern", "omni-qv-dora",
         "paddleocr-decoder-and-tower", "paddleocr-tower-qv-dora",
-        "qwen3_5-both-layer-kinds", "lfm2-vl-conv-attention-tower"])
+        "qwen3_5-both-layer-kinds", "lfm2-vl-conv-attention-tower", "qwen3-omni-thinker"])
 def test_adapter_made_with_peft_loads_here(tiny_checkpoints, tmp_path, family, options):
     torch.manual_seed(0)
     base = reference_model(tiny_checkpoints, family)

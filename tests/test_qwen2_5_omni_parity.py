@@ -16,6 +16,15 @@ import numpy as np
 import pytest
 
 from av_media import coloured_frames, sine, write_video
+from omni_parity import (
+    assert_positions_match_get_rope_index,
+    media_logits,
+    media_reference_run,
+    media_tokens,
+    media_turn,
+    processor_layouts,
+    reference_batch,
+)
 from parity import LOGITS_ATOL, MIN_REFERENCE_MARGIN, NEW_TOKENS, parameter_list
 from tiny import make_image
 from tiny.omni import LAYOUTS
@@ -25,7 +34,6 @@ from mlxvlm.models import get_family
 from mlxvlm.prompt import prepare_inputs
 
 torch = pytest.importorskip("torch")
-from transformers.video_utils import VideoMetadata  # noqa: E402 (after the torch check)
 
 # transformers' processor itself trips numpy's copy-keyword deprecation on torch tensors
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -37,9 +45,7 @@ SOUND_B = sine(0.7, 16000, 900.0)
 SOUND_C = sine(1.5, 16000, 600.0)
 
 
-def user(*parts, text):
-    return [{"role": "user", "content": [*({"type": p} for p in parts),
-                                         {"type": "text", "text": text}]}]
+user = media_turn
 
 
 @pytest.fixture(scope="module")
@@ -63,24 +69,6 @@ def cases(clip):
     }
 
 
-def reference_batch(processor, messages, media):
-    """transformers' processor inputs for a case, built the way it documents them."""
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    kwargs = {"images": media.get("image"), "audio": media.get("audio")}
-    extra = {}
-    if media.get("video"):
-        video = media["video"][0]
-        kwargs.update(
-            videos=[video.frames],
-            video_metadata=[VideoMetadata(total_num_frames=video.total_frames,
-                                          fps=video.source_fps,
-                                          frames_indices=video.frame_indices.tolist())],
-            audio=[video.audio.samples], load_audio_from_video=True, audio_from_video_indices=[0],
-        )
-        extra = {"use_audio_in_video": True}
-    return processor(text=[text], return_tensors="pt", **kwargs), extra
-
-
 @pytest.fixture(scope="module")
 def loaded(tiny_checkpoints):
     return functools.cache(lambda layout: load(tiny_checkpoints.path(FAMILY, layout)))
@@ -94,32 +82,13 @@ def reference(tiny_checkpoints, loaded, clip):
     def run(case):
         messages, media = cases(clip)[case]
         _, processor = loaded("transformers")
-        model = tiny_checkpoints.model(FAMILY).model
-        batch, extra = reference_batch(processor, messages, media)
-        with torch.no_grad():
-            logits = model(**batch, **extra).logits[0].numpy()
-            out = model.generate(**batch, **extra, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 output_scores=True, return_dict_in_generate=True)
-        tokens = out.sequences[0, batch["input_ids"].shape[1]:].tolist()
-        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-        return batch["input_ids"][0].tolist(), logits, tokens, min(margins)
+        return media_reference_run(tiny_checkpoints.model(FAMILY).model, processor,
+                                   messages, media)
 
     return run
 
 
-def our_logits(model, processor, messages, media):
-    inputs = prepare_inputs(processor, messages, media.get("image"), video=media.get("video"),
-                            audio=media.get("audio"), feature_names=model.feature_names)
-    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
-    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
-    return inputs, np.array(logits[0])
-
-
-def our_tokens(model, processor, messages, media, **options):
-    results = stream_generate(model, processor, messages, image=media.get("image"),
-                              video=media.get("video"), audio=media.get("audio"),
-                              max_tokens=NEW_TOKENS, **options)
-    return [r.token for r in results]
+our_logits, our_tokens = media_logits, media_tokens
 
 
 # ----------------------------------------------------------------------------- parity
@@ -175,50 +144,10 @@ def test_both_layouts_build_the_same_model(tiny_checkpoints):
 # --------------------------------------------------------------------------- TMRoPE
 
 
-def processor_layouts(processor, clip):
-    """Prompts as the processor lays them out: ids, grids and audio lengths for both
-    sides. Each needs no model run."""
-    long_sound = sine(5.0, 16000, 250.0)  # sound longer than the video: a trailing chunk
-    slow = load_video(clip.frames[:8], fps=1.0)  # frames 1 s apart: grids at 0, 2, 4, 6 s
-    layouts = {
-        "image_audio_video": (user("image", "audio", "video", text="All of it."),
-                              {"images": [IMAGE], "audio": [SOUND_A], "videos": [clip]}, False),
-        "video_with_long_sound": (user("audio", "video", text="Both."),
-                                  {"audio": [SOUND_B], "videos": [clip],
-                                   "track": long_sound}, True),
-        "slow_video_with_short_sound": (user("video", text="Go."),
-                                        {"videos": [slow], "track": SOUND_C}, True),
-    }
-    for name, (messages, media, with_sound) in layouts.items():
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        videos = media.get("videos", [])
-        kwargs = {"images": media.get("images"), "audio": list(media.get("audio", [])) or None}
-        if videos:
-            kwargs["videos"] = [v.frames for v in videos]
-            kwargs["video_metadata"] = [
-                VideoMetadata(total_num_frames=v.total_frames, fps=v.source_fps,
-                              frames_indices=v.frame_indices.tolist()) for v in videos]
-        if with_sound:
-            kwargs["audio"] = [*(media.get("audio") or []), media["track"]]
-            kwargs["load_audio_from_video"] = True
-            kwargs["audio_from_video_indices"] = [None] * len(media.get("audio") or []) + [0]
-        yield name, processor(text=[text], return_tensors="pt", **kwargs), with_sound
-
-
 def test_positions_match_transformers_get_rope_index(tiny_checkpoints, loaded, clip):
     model, processor = loaded("transformers")
-    reference = tiny_checkpoints.model(FAMILY).model
-    for name, batch, with_sound in processor_layouts(processor, clip):
-        mel_frames = batch["feature_attention_mask"].sum(-1)
-        ref_positions, ref_delta = reference.get_rope_index(
-            batch["input_ids"], batch.get("image_grid_thw"), batch.get("video_grid_thw"),
-            batch["attention_mask"], with_sound, mel_frames, batch.get("video_second_per_grid"))
-        state = model.rope_state(
-            batch["input_ids"][0].numpy(), batch.get("image_grid_thw"),
-            batch.get("video_grid_thw"), batch.get("video_second_per_grid"), mel_frames.numpy())
-        np.testing.assert_array_equal(np.array(state.position_ids), ref_positions[:, 0].numpy(),
-                                      err_msg=name)
-        assert state.rope_delta == int(ref_delta), name
+    layouts = processor_layouts(processor, clip, IMAGE, (SOUND_A, SOUND_B, SOUND_C))
+    assert_positions_match_get_rope_index(model, tiny_checkpoints.model(FAMILY).model, layouts)
 
 
 def test_video_seconds_per_grid_follow_the_sampling(loaded, clip):

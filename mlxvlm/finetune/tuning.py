@@ -51,11 +51,20 @@ def _block_paths(model: nn.Module, num_layers: int) -> list[str]:
 
 
 def vision_paths(model: nn.Module) -> list[str]:
-    """The model's top-level parts other than the language model (the one holding the
-    decoder blocks): vision tower, projector, connector..."""
-    first_block = _block_paths(model, 1)[0]
-    language_model = first_block.split(".", 1)[0]
-    return [name for name, _ in model.children().items() if name != language_model]
+    """The model's parts beside the language model (the one holding the decoder blocks):
+    vision tower, projector, connector... — at the top level, and inside any part that
+    wraps the language model with them (an omni model's ``thinker``)."""
+    first_block = _block_paths(model, 1)[0].split(".")
+    paths, module, prefix = [], model, ""
+    for part in first_block:
+        children = module.children()
+        if not isinstance(children.get(part), nn.Module):
+            break
+        paths += [prefix + name for name in children if name != part]
+        if part == "language_model":
+            break
+        module, prefix = children[part], f"{prefix}{part}."
+    return paths
 
 
 def _under(path: str, roots: list[str]) -> bool:

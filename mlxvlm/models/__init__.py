@@ -36,6 +36,8 @@ FAMILIES: dict[str, str] = {
     "paddleocr_vl": "paddleocr_vl",
     "lfm2_vl": "lfm2_vl",
     "lfm2-vl": "lfm2_vl",  # LiquidAI's first configs
+    "qwen3_omni_moe": "qwen3_omni_moe",
+    "qwen3_omni_moe_thinker": "qwen3_omni_moe",
 }
 
 

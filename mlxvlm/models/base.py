@@ -99,6 +99,9 @@ class VisionLanguageModel(nn.Module):
     hf_prefixes: tuple[tuple[str, str], ...] = ()
     # Prefixes only our names have; a checkpoint holding both namings is neither layout.
     mlx_prefixes: tuple[str, ...] = ()
+    # Parts of a model some checkpoints carry (in either naming) that this family does
+    # not build, such as an omni model's speech output: their tensors are left out.
+    unused_weight_prefixes: tuple[str, ...] = ()
     # transformers' processor and PIL image processor classes, by their exported names
     # (transformers is imported only when a processor is built).
     processor_class: str | None = None

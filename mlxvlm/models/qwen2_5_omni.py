@@ -105,6 +105,10 @@ class Model(qwen2_vl.Model):
         "feature_attention_mask",
     )
     hf_prefixes = HF_PREFIXES
+    processor_class = "Qwen2_5OmniProcessor"
+    # The tokenizer attributes the processor reads, for tokenizer configs without them.
+    omni_tokens = OMNI_TOKENS
+    audio_config_class = AudioConfig
 
     def __init__(self, args: OmniArgs):
         super().__init__(args)
@@ -115,13 +119,17 @@ class Model(qwen2_vl.Model):
         return qwen2_5_vl.vision_config_from_hf(config)
 
     @classmethod
+    def text_config_from_hf(cls, config: dict) -> TextConfig:
+        return TextConfig.from_hf(config)
+
+    @classmethod
     def from_config(cls, config: dict) -> "Model":
         thinker = thinker_config(config)
         return cls(
             OmniArgs(
-                text=TextConfig.from_hf(thinker),
+                text=cls.text_config_from_hf(thinker),
                 vision=cls.vision_config_from_hf(thinker),
-                audio=AudioConfig.from_hf(thinker.get("audio_config") or {}),
+                audio=cls.audio_config_class.from_hf(thinker.get("audio_config") or {}),
                 image_token_id=token_id(thinker, "image_token", 151655),
                 video_token_id=token_id(thinker, "video_token", 151656),
                 audio_token_id=token_id(thinker, "audio_token", 151646),
@@ -145,18 +153,19 @@ class Model(qwen2_vl.Model):
 
     @classmethod
     def load_processor(cls, model_path: str | Path, config: dict):
-        """transformers' Qwen2.5-Omni processor (tokenizer, PIL image processor, Whisper
-        feature extractor, chat template) with mlxvlm's numpy video processor."""
+        """transformers' omni processor (``processor_class``: tokenizer, PIL image
+        processor, Whisper feature extractor, chat template) with mlxvlm's numpy twin of
+        the family's video processor (``video_processor_class``: Qwen2-VL's for both
+        omni families, as transformers maps them)."""
         from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, WhisperFeatureExtractor
 
-        from mlxvlm.models.qwen_video import QwenVideoProcessor
-
         tokenizer, chat_template = tokenizer_and_chat_template(model_path)
-        if any(getattr(tokenizer, name, None) is None for name in OMNI_TOKENS):
-            tokenizer = AutoTokenizer.from_pretrained(model_path, extra_special_tokens=OMNI_TOKENS)
-        return _processor_class()(
+        if any(getattr(tokenizer, name, None) is None for name in cls.omni_tokens):
+            tokenizer = AutoTokenizer.from_pretrained(model_path,
+                                                      extra_special_tokens=cls.omni_tokens)
+        return omni_processor_class(cls.processor_class)(
             image_processor=Qwen2VLImageProcessorPil.from_pretrained(model_path),
-            video_processor=QwenVideoProcessor.from_pretrained(model_path),
+            video_processor=cls.video_processor_class.from_pretrained(model_path),
             feature_extractor=WhisperFeatureExtractor.from_pretrained(model_path),
             tokenizer=tokenizer,
             chat_template=chat_template,
@@ -199,13 +208,14 @@ class Model(qwen2_vl.Model):
     ) -> tuple[mx.array, MRopeState]:
         """``vision``: the processor's images and videos (see ``embed_vision``)."""
         args = self.args
-        h, ids, (image_grids, video_grids), _ = self.embed_vision(input_ids, **vision)
+        h, ids, (image_grids, video_grids), taps = self.embed_vision(input_ids, **vision)
         mel_frames = None
         if input_features is not None:
             h, mel_frames = self._merge_audio(h, ids, input_features, feature_attention_mask)
         elif (ids == args.audio_token_id).any():
             raise ValueError("the prompt has audio placeholder tokens but no audio features")
         state = self.rope_state(ids, image_grids, video_grids, video_second_per_grid, mel_frames)
+        state.deepstack = self.deepstack(taps)
         return h, state
 
     def rope_state(self, ids: np.ndarray, image_grid_thw: Any = None, video_grid_thw: Any = None,
@@ -214,7 +224,8 @@ class Model(qwen2_vl.Model):
         mel frames (the feature attention mask's sums)."""
         args = self.args
         ids = np.asarray(ids).reshape(-1)
-        audio_tokens = np.zeros(0, np.int64) if mel_frames is None else output_lengths(mel_frames)
+        audio_tokens = (np.zeros(0, np.int64) if mel_frames is None
+                        else self.audio_tokens(mel_frames))
         spans = {
             args.image_token_id: [VisionSpan(tuple(g)) for g in grids_thw(image_grid_thw)],
             args.video_token_id: self._video_spans(ids, grids_thw(video_grid_thw),
@@ -223,6 +234,28 @@ class Model(qwen2_vl.Model):
         merge = args.vision.spatial_merge_size
         position_ids, delta = mrope_position_ids(ids, spans, merge, text_after="max")
         return MRopeState(mx.array(position_ids), delta)
+
+    def audio_tokens(self, mel_frames: np.ndarray) -> np.ndarray:
+        """How many tokens the audio encoder makes of audios of ``mel_frames`` frames."""
+        return output_lengths(mel_frames)
+
+    def frame_positions(self, grid_frames: int, seconds_per_grid: float) -> np.ndarray:
+        """The temporal position of each of a video's frame grids: its time in seconds x
+        ``position_id_per_seconds``, truncated from float32 as the reference computes it."""
+        return (np.arange(grid_frames, dtype=np.float32) * np.float32(seconds_per_grid)
+                * np.float32(self.args.position_id_per_seconds)).astype(np.int64)
+
+    def sound_track_span(self, video: VisionSpan, audio_tokens: int):
+        """A video and its sound track of ``audio_tokens`` tokens, interleaved in
+        ``seconds_per_chunk`` time chunks (TMRoPE)."""
+        args = self.args
+        return AudioVideoSpan(
+            video=video,
+            audio_tokens=audio_tokens,
+            tokens_per_chunk=int(args.position_id_per_seconds * args.seconds_per_chunk),
+            video_token=args.video_token_id,
+            audio_token=args.audio_token_id,
+        )
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -263,9 +296,7 @@ class Model(qwen2_vl.Model):
         audio_index = np.cumsum(ids == args.audio_start_token_id) - 1  # slot of each bos
         spans = []
         for v, (grid, start) in enumerate(zip(video_grids, video_starts)):
-            # time of each grid frame in position ids, float32 as the reference computes it
-            times = (np.arange(grid[0], dtype=np.float32) * seconds[v]
-                     * np.float32(args.position_id_per_seconds)).astype(np.int64)
+            times = self.frame_positions(int(grid[0]), float(seconds[v]))
             video = VisionSpan(tuple(grid), frame_positions=tuple(times.tolist()))
             if ids[start + 1] != args.audio_start_token_id:
                 spans.append(video)
@@ -273,23 +304,18 @@ class Model(qwen2_vl.Model):
             slot = int(audio_index[start + 1])
             if slot >= len(audio_tokens):
                 raise ValueError(f"video {v} has a sound-track block but no audio features")
-            spans.append(AudioVideoSpan(
-                video=video,
-                audio_tokens=int(audio_tokens[slot]),
-                tokens_per_chunk=int(args.position_id_per_seconds * args.seconds_per_chunk),
-                video_token=args.video_token_id,
-                audio_token=args.audio_token_id,
-            ))
+            spans.append(self.sound_track_span(video, int(audio_tokens[slot])))
         return spans
 
 
 @functools.cache
-def _processor_class():
-    """transformers' Qwen2.5-Omni processor, without torchvision, taking each video's
-    seconds per frame grid from how it was sampled."""
-    from transformers import BatchFeature, Qwen2_5OmniProcessor
+def omni_processor_class(name: str):
+    """transformers' omni processor ``name`` (Qwen2.5-Omni's, Qwen3-Omni's), without
+    torchvision, taking each video's seconds per frame grid from how it was sampled."""
+    import transformers
+    from transformers import BatchFeature
 
-    class OmniProcessor(image_only(Qwen2_5OmniProcessor)):
+    class OmniProcessor(image_only(getattr(transformers, name))):
         def _process_videos(self, videos, audio=None, processed_audio=None,
                             video_to_audio_indices=None, **kwargs):
             # transformers assumes one fps (2 by default) for every video; mlxvlm's

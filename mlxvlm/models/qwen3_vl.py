@@ -38,9 +38,9 @@ from mlxvlm.models.qwen_video import Qwen3VideoProcessor
 DEFAULT_ROPE_THETA = 500_000.0
 
 
-def text_config_from_hf(config: dict) -> TextConfig:
+def text_config_from_hf(config: dict, default_rope_theta: float = DEFAULT_ROPE_THETA) -> TextConfig:
     """The decoder's switches from either config layout (defaults: transformers')."""
-    text = text_config(config, DEFAULT_ROPE_THETA)
+    text = text_config(config, default_rope_theta)
     rope = default_mrope(text, "Qwen3-VL")
     heads = text["num_attention_heads"]
     # transformers 5 writes the expert count as num_local_experts

@@ -72,6 +72,26 @@ def split_experts(weights: dict[str, mx.array], text, out_in: bool) -> dict[str,
     return split
 
 
+def stack_expert_modules(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """One tensor per expert (``mlp.experts.E.gate_proj.weight``, (out, in), as the Hub's
+    Qwen3-MoE checkpoints store them) stacked in expert order as mlx-lm's
+    ``mlp.switch_mlp.gate_proj.weight`` (experts, out, in)."""
+    stacked: dict[str, mx.array] = {}
+    experts: dict[str, dict[int, mx.array]] = {}
+    for name, value in weights.items():
+        prefix, _, rest = name.rpartition(".mlp.experts.")
+        index, _, leaf = rest.partition(".")
+        if not prefix or not index.isdigit():
+            stacked[name] = value
+            continue
+        experts.setdefault(f"{prefix}.mlp.switch_mlp.{leaf}", {})[int(index)] = value
+    for name, by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError(f"the experts of {name!r} are not numbered 0..{len(by_index) - 1}")
+        stacked[name] = mx.stack([by_index[i] for i in range(len(by_index))])
+    return stacked
+
+
 def _check_shape(name: str, value: mx.array, expected: tuple[int, ...]) -> None:
     if tuple(value.shape) != expected:
         raise ValueError(

@@ -17,12 +17,22 @@ def _cubic(x: np.ndarray, a: float = -0.5) -> np.ndarray:
     return np.where(x < 1, near, np.where(x < 2, far, 0.0))
 
 
-def _int16_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+def _lanczos(x: np.ndarray, a: float = 3.0) -> np.ndarray:
+    """Lanczos' windowed sinc with three lobes (PIL's and torch's)."""
+    return np.where(np.abs(x) < a, np.sinc(x) * np.sinc(x / a), 0.0)
+
+
+# filter name -> (kernel, support in input pixels at scale 1)
+FILTERS = {"bicubic": (_cubic, 2.0), "lanczos": (_lanczos, 3.0)}
+
+
+def _int16_taps(in_size: int, out_size: int, kernel=_cubic,
+                base_support: float = 2.0) -> tuple[np.ndarray, np.ndarray, int]:
     """For each output pixel: the first input pixel, the integer weights of its taps, and
     the weights' fixed-point precision — torch's uint8 antialiased resampling, which
     widens the filter by the scale when downscaling and keeps weights in int16."""
     scale = in_size / out_size
-    support = 2.0 * scale if scale >= 1.0 else 2.0
+    support = base_support * scale if scale >= 1.0 else base_support
     taps = int(np.ceil(support)) * 2 + 1
     inv_scale = 1.0 / scale if scale >= 1.0 else 1.0
     centers = scale * (np.arange(out_size) + 0.5)
@@ -30,7 +40,7 @@ def _int16_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, in
     last = np.minimum((centers + support + 0.5).astype(np.int64), in_size)
     count = np.clip(last - first, 0, taps)
     offsets = np.arange(taps)
-    weights = _cubic((offsets[None, :] + first[:, None] - centers[:, None] + 0.5) * inv_scale)
+    weights = kernel((offsets[None, :] + first[:, None] - centers[:, None] + 0.5) * inv_scale)
     weights = np.where(offsets[None, :] < count[:, None], weights, 0.0)
     totals = weights.sum(axis=1, keepdims=True)
     weights = np.divide(weights, totals, out=np.zeros_like(weights), where=totals != 0)
@@ -44,10 +54,11 @@ def _int16_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, in
     return first, fixed.astype(np.int32), precision
 
 
-def _resample_axis(pixels: np.ndarray, out_size: int, axis: int) -> np.ndarray:
+def _resample_axis(pixels: np.ndarray, out_size: int, axis: int,
+                   filter_name: str = "bicubic") -> np.ndarray:
     """One separable pass along ``axis`` of uint8 ``pixels``, rounded back to uint8."""
     in_size = pixels.shape[axis]
-    first, weights, precision = _int16_taps(in_size, out_size)
+    first, weights, precision = _int16_taps(in_size, out_size, *FILTERS[filter_name])
     source = np.moveaxis(pixels, axis, -1).astype(np.int32)
     padded = np.concatenate(
         [source, np.zeros(source.shape[:-1] + (weights.shape[1],), np.int32)], axis=-1
@@ -59,14 +70,21 @@ def _resample_axis(pixels: np.ndarray, out_size: int, axis: int) -> np.ndarray:
     return np.moveaxis(result, -1, axis)
 
 
-def resize_bicubic_uint8(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+def resize_uint8(frames: np.ndarray, height: int, width: int,
+                 filter_name: str = "bicubic") -> np.ndarray:
     """Resize uint8 frames (..., H, W, C) as torchvision resizes uint8 tensors on the CPU
-    (``antialias=True``, bicubic): the width first, then the height, each pass in integer
-    arithmetic with int16 weights and rounded to uint8 — bit for bit the same pixels."""
+    (``antialias=True``, bicubic or lanczos): the width first, then the height, each pass
+    in integer arithmetic with int16 weights and rounded to uint8 — bit for bit the same
+    pixels."""
     if frames.shape[-3:-1] == (height, width):
         return frames
     if frames.shape[-2] != width:
-        frames = _resample_axis(frames, width, axis=frames.ndim - 2)
+        frames = _resample_axis(frames, width, frames.ndim - 2, filter_name)
     if frames.shape[-3] != height:
-        frames = _resample_axis(frames, height, axis=frames.ndim - 3)
+        frames = _resample_axis(frames, height, frames.ndim - 3, filter_name)
     return frames
+
+
+def resize_bicubic_uint8(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+    """:func:`resize_uint8` with the bicubic filter."""
+    return resize_uint8(frames, height, width, "bicubic")

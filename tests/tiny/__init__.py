@@ -33,6 +33,7 @@ BUILDERS = {
     "qwen2_5_omni": "tiny.omni",
     "paddleocr_vl": "tiny.paddleocr",
     "lfm2_vl": "tiny.lfm2_vl",
+    "qwen3_omni_moe": "tiny.qwen3_omni",
 }
 
 

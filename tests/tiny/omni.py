@@ -151,10 +151,15 @@ def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
     torch.manual_seed(seed)
     model = Qwen2_5OmniThinkerForConditionalGeneration(_config(tokenizer)).float().eval()
     perturb_constants(model, torch.Generator().manual_seed(seed + 1))
+    return omni_tiny(family, model, tokenizer, *build_processor_parts())
+
+
+def omni_tiny(family, model, tokenizer, image_processor, feature_extractor) -> TinyModel:
+    """An omni thinker's ``TinyModel``: generation ids set as the Hub's Qwen tokenizers
+    give them, the feature extractor beside the image processor."""
     model.generation_config.bos_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    image_processor, feature_extractor = build_processor_parts()
     tiny = TinyModel(family, model, tokenizer, image_processor)
     tiny.feature_extractor = feature_extractor
     return tiny
@@ -170,35 +175,47 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
     config = json.loads((directory / "config.json").read_text())
     weights = {name: value.detach().cpu().numpy() for name, value in tiny.model.state_dict().items()}
     tiny.tokenizer.save_pretrained(directory)
-    if layout == "transformers":
-        processor = {
-            "image_processor": tiny.image_processor.to_dict(),
-            "feature_extractor": tiny.feature_extractor.to_dict(),
-            "processor_class": "Qwen2_5OmniProcessor",
-        }
-        (directory / "processor_config.json").write_text(json.dumps(processor, indent=2))
-        (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    elif layout == "hub":
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r} (choose from {LAYOUTS})")
+    save_processor_files(tiny, directory, layout, "Qwen2_5OmniProcessor", CHAT_TEMPLATE,
+                         MIN_PIXELS, MAX_PIXELS)
+    if layout == "hub":
         weights = {_hub_name(name): value for name, value in weights.items()}
         # speech-output tensors the thinker must skip
         weights["talker.codec_head.weight"] = np.zeros((8, 4), np.float32)
         weights["token2wav.code2wav_bigvgan_model.conv_post.weight"] = np.zeros((1, 4, 3), np.float32)
         (directory / "config.json").write_text(json.dumps(hub_config(config), indent=2))
-        preprocessor = {**tiny.image_processor.to_dict(), **tiny.feature_extractor.to_dict(),
-                        "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
-                        "image_processor_type": "Qwen2VLImageProcessor",
-                        "processor_class": "Qwen2_5OmniProcessor"}
-        preprocessor.pop("size", None)
-        (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
-        (directory / "chat_template.jinja").unlink(missing_ok=True)
-        (directory / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
         import torch
 
         torch.save({}, directory / "spk_dict.pt")  # the talker's voices; transformers wants it
-    else:
-        raise ValueError(f"unknown layout {layout!r} (choose from {LAYOUTS})")
     write_safetensors(weights, directory)
     return directory
+
+
+def save_processor_files(tiny: TinyModel, directory: Path, layout: str, processor_class: str,
+                         chat_template: str, min_pixels: int, max_pixels: int,
+                         video_processor: dict | None = None) -> None:
+    """An omni processor's files: transformers 5's ``processor_config.json`` (its parts
+    nested; ``video_processor`` when given) and ``chat_template.jinja``, or the Hub's one
+    flat ``preprocessor_config.json`` and ``chat_template.json``."""
+    if layout == "transformers":
+        processor = {
+            "image_processor": tiny.image_processor.to_dict(),
+            "feature_extractor": tiny.feature_extractor.to_dict(),
+            **({"video_processor": video_processor} if video_processor else {}),
+            "processor_class": processor_class,
+        }
+        (directory / "processor_config.json").write_text(json.dumps(processor, indent=2))
+        (directory / "chat_template.jinja").write_text(chat_template)
+        return
+    preprocessor = {**tiny.image_processor.to_dict(), **tiny.feature_extractor.to_dict(),
+                    "min_pixels": min_pixels, "max_pixels": max_pixels,
+                    "image_processor_type": "Qwen2VLImageProcessor",
+                    "processor_class": processor_class}
+    preprocessor.pop("size", None)
+    (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    (directory / "chat_template.json").write_text(json.dumps({"chat_template": chat_template}))
 
 
 def _hub_name(name: str) -> str:

@@ -156,8 +156,10 @@ class MRopeState:
     temporal positions can pass the text's after it.)
     """
 
-    position_ids: mx.array  # (3, prompt_length) int32
-    rope_delta: int
+    # (3, prompt_length) int32; float32 where a family places frames between integers
+    # (Qwen3-Omni's TMRoPE), and then rope_delta may be a float too
+    position_ids: mx.array
+    rope_delta: int | float
     deepstack: DeepstackFeatures | None = None
 
     def positions(self, offset: int, n: int) -> mx.array:
@@ -170,7 +172,11 @@ class MRopeState:
         if offset + n > start:
             after = mx.arange(start, offset + n, dtype=mx.int32) + self.rope_delta
             parts.append(mx.broadcast_to(after, (3, after.shape[0])))
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+        if len(parts) == 1:
+            return parts[0]
+        if parts[0].dtype != parts[1].dtype:
+            parts = [part.astype(mx.float32) for part in parts]
+        return mx.concatenate(parts, axis=1)
 
     def prefix(self, length: int) -> "MRopeState":
         """The state of a prompt that shares this one's first ``length`` tokens and goes on
@@ -185,7 +191,8 @@ class MRopeState:
     def batch(states: Sequence["MRopeState | None"]) -> "MRopeBatchState":
         """The decode-time state of requests batched one per row (None: plain text)."""
         deltas = [0 if s is None else s.rope_delta for s in states]
-        return MRopeBatchState(mx.array(deltas, dtype=mx.int32))
+        fractional = any(isinstance(d, float) for d in deltas)
+        return MRopeBatchState(mx.array(deltas, dtype=mx.float32 if fractional else mx.int32))
 
 
 @dataclass
@@ -193,7 +200,7 @@ class MRopeBatchState:
     """Positions while decoding a batch, one request per row: after its prompt, a row's
     next token sits at its own cache offset plus its own ``rope_delta``."""
 
-    rope_deltas: mx.array  # (B,) int32
+    rope_deltas: mx.array  # (B,) int32 (float32 where some are fractional)
     deepstack = None  # vision features only enter during a request's own prefill
 
     def positions(self, offset: mx.array, n: int) -> mx.array:
@@ -215,7 +222,8 @@ class VisionSpan:
     time_interval: float = 1.0  # temporal position step per grid frame (videos)
     # Temporal position of each grid frame, when the family computes it itself
     # (Qwen2.5-Omni's TMRoPE: seconds x position_id_per_seconds); None: i * time_interval.
-    frame_positions: Sequence[int] | None = None
+    # Fractional ones (Qwen3-Omni keeps seconds x 13 untruncated) make the block float32.
+    frame_positions: Sequence[float] | None = None
 
     def num_tokens(self, merge: int) -> int:
         t, h, w = self.grid_thw
@@ -225,7 +233,13 @@ class VisionSpan:
         """(3, tokens): temporal, row and column of every merged token, from ``start``."""
         t, h, w = self.grid_thw
         if self.frame_positions is not None:
-            temporal = np.asarray(self.frame_positions, dtype=np.int64)
+            temporal = np.asarray(self.frame_positions)
+            if not is_whole(temporal):  # added in float32, as the reference does
+                grids = np.meshgrid(temporal.astype(np.float32), np.arange(h // merge),
+                                    np.arange(w // merge), indexing="ij")
+                block = np.stack(grids).reshape(3, -1).astype(np.float32) + np.float32(start)
+                return block.astype(np.float64)
+            temporal = temporal.astype(np.int64)
         else:
             # float32 like the reference, so that truncation lands on the same integers
             temporal = (np.arange(t, dtype=np.float32) * np.float32(self.time_interval)).astype(np.int64)
@@ -246,9 +260,18 @@ class VisionSpan:
         block = self.position_ids(merge, start)
         positions[:, index : index + n] = block
         if text_after == "max":  # Qwen2.5-Omni: after the largest id of the block
-            return index + n, int(block.max()) + 1
+            return index + n, whole(block.max().item() + 1)
         _, h, w = self.grid_thw  # Qwen-VL: text continues max(h, w) after the start
         return index + n, start + max(h, w) // merge
+
+
+def is_whole(values) -> bool:
+    return bool(np.all(np.asarray(values) == np.round(values)))
+
+
+def whole(value: float) -> int | float:
+    """A position as an int where it is one (every family but Qwen3-Omni's videos)."""
+    return int(value) if is_whole(value) else float(value)
 
 
 def time_chunks(values: np.ndarray, tokens_per_chunk: int) -> list[tuple[int, int]]:
@@ -338,7 +361,7 @@ def mrope_position_ids(
     """
     input_ids = np.asarray(input_ids).reshape(-1)
     pending = {token: list(items) for token, items in spans.items()}
-    positions = np.zeros((3, input_ids.shape[0]), dtype=np.int64)
+    positions = np.zeros((3, input_ids.shape[0]), dtype=np.float64)
     index, position = 0, 0
     while index < input_ids.shape[0]:
         token = int(input_ids[index])
@@ -360,10 +383,11 @@ def mrope_position_ids(
             f"features were given for more images/videos than the prompt has placeholders "
             f"for (left over per placeholder token: {leftover})"
         )
-    return positions.astype(np.int32), continuation_delta(positions)
+    dtype = np.int32 if is_whole(positions) else np.float32
+    return positions.astype(dtype), continuation_delta(positions)
 
 
-def continuation_delta(positions) -> int:
+def continuation_delta(positions) -> int | float:
     """How far text after a prompt with these (3, L) position ids sits from its cache
     offsets: it continues after the last token's position, as transformers' generation
     does (``position_ids[..., -1:] + 1``; a prompt ends with text, so its last position
@@ -371,7 +395,7 @@ def continuation_delta(positions) -> int:
     length = positions.shape[1]
     if not length:
         return 0
-    return int(np.asarray(positions[:, -1]).max()) + 1 - length
+    return whole(float(np.asarray(positions[:, -1]).max()) + 1 - length)
 
 
 def frequency_axes(mrope_section: Sequence[int], interleaved: bool) -> list[int]:

@@ -35,11 +35,13 @@ class AudioConfig:
     n_window: int = 100  # half a window, in mel frames
     max_source_positions: int = 1500
     activation_function: str = "gelu"
+    key_bias: bool = False  # Whisper's attention keys have none; Qwen3-Omni's do
 
     @classmethod
     def from_hf(cls, audio: dict) -> "AudioConfig":
         defaults = cls()
-        return cls(**{key: audio.get(key, getattr(defaults, key)) for key in cls.__dataclass_fields__})
+        return cls(**{key: audio.get(key, getattr(defaults, key)) for key in cls.__dataclass_fields__
+                      if key != "key_bias"})
 
 
 def output_lengths(mel_frames: np.ndarray) -> np.ndarray:
@@ -78,7 +80,7 @@ class AudioAttention(nn.Module):
         self.num_heads = config.encoder_attention_heads
         self.scale = (dim // self.num_heads) ** -0.5
         self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, dim, bias=config.key_bias)
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
 
