@@ -22,7 +22,8 @@ from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.errors import MlxvlmError, PromptTooLongError
 from mlxvlm.media import MediaError, PixelBudgetError
 from mlxvlm.sampling import SamplingOptions
-from mlxvlm.server.chat import to_messages
+from mlxvlm.sampling_defaults import checkpoint_defaults
+from mlxvlm.server.chat import sampling_options, to_messages, warn_unknown_fields
 from mlxvlm.server.errors import APIError
 from mlxvlm.server.lifetime import RequestLifetime
 from mlxvlm.server.schemas import ChatCompletionRequest
@@ -46,6 +47,32 @@ def as_api_error(error: Exception, param: str = "messages") -> APIError:
     if isinstance(error, MediaError):
         return APIError(400, str(error), param=param, code="invalid_media")
     return APIError(400, str(error), param=param)
+
+
+def unknown_model(config: Any, name: str) -> APIError:
+    return APIError(
+        404,
+        f"the model {name!r} does not exist; this server serves {config.model_id!r}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def accept(body: Any, service: GenerationService) -> None:
+    """A generating request names the model served (else 404); the fields it sends that
+    this server does not know are named in the log."""
+    if body.model != service.config.model_id:
+        raise unknown_model(service.config, body.model)
+    warn_unknown_fields(body)
+
+
+def plan_answer(chat: ChatCompletionRequest, service: GenerationService,
+                vocab_size: int) -> tuple[SamplingOptions, AnswerPlan]:
+    """The request's sampling options (those left out: the checkpoint's, else OpenAI's
+    defaults) and its plan (tools, thinking)."""
+    options = sampling_options(chat, service.config.max_tokens, vocab_size,
+                               checkpoint_defaults(service.processor))
+    return options, AnswerPlan(chat, service.processor)
 
 
 def response_constraint(chat: ChatCompletionRequest, processor: Any,

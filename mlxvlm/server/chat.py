@@ -30,10 +30,11 @@ def describe_sampling_defaults(checkpoint: CheckpointDefaults) -> str:
     return describe_checkpoint(checkpoint, OPENAI_DEFAULTS, "OpenAI's default")
 
 
-def warn_unknown_fields(request: ChatCompletionRequest) -> None:
-    """Fields this server does not implement are ignored, and said so in the log."""
+def warn_unknown_fields(request: Any) -> None:
+    """Fields this server does not implement are ignored, and said so in the log (of any
+    endpoint's request: its own fields and its messages')."""
     unknown = sorted(request.model_extra or {})
-    for index, message in enumerate(request.messages):
+    for index, message in enumerate(getattr(request, "messages", None) or []):
         unknown += [f"messages[{index}].{name}" for name in sorted(message.model_extra or {})]
     if unknown:
         logger.warning("ignoring request fields this server does not support: %s",

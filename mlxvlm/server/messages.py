@@ -21,12 +21,6 @@ from mlxvlm.server.tools import AnswerPlan
 logger = logging.getLogger("mlxvlm.server")
 
 
-def warn_unknown_fields(request: MessagesRequest) -> None:
-    unknown = sorted(request.model_extra or {})
-    if unknown:
-        logger.warning("ignoring request fields this server does not support: %s",
-                       ", ".join(unknown))
-
 
 def _part(block: Any) -> dict[str, Any]:
     if block.type == "text":

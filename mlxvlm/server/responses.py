@@ -53,12 +53,6 @@ class ResponseStore:
         return len(self._items)
 
 
-def warn_unknown_fields(request: ResponsesRequest) -> None:
-    unknown = sorted(request.model_extra or {})
-    if unknown:
-        logger.warning("ignoring request fields this server does not support: %s",
-                       ", ".join(unknown))
-
 
 def _part(part: Any) -> dict[str, Any]:
     if part.type == "input_image":

@@ -8,7 +8,7 @@ from typing import Annotated, Literal, Union
 from pydantic import Field
 
 from mlxvlm.option_ranges import SAMPLING
-from mlxvlm.server.schemas import StrictModel
+from mlxvlm.server.schemas import FunctionDefinition, StrictModel
 
 
 class InputText(StrictModel):
@@ -58,12 +58,10 @@ class FunctionCallOutput(StrictModel):
 InputItem = Union[InputMessage, FunctionCallInput, FunctionCallOutput]
 
 
-class FunctionTool(StrictModel):
+class FunctionTool(FunctionDefinition):
+    """Responses' function tool: chat completions' definition, not nested."""
+
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
 
 
 class NamedFunctionChoice(StrictModel):

@@ -10,20 +10,16 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from mlxvlm.batching import BatchStep
-from mlxvlm.sampling_defaults import checkpoint_defaults
 from mlxvlm.server.answer_parts import AnswerSplitter, Part
-from mlxvlm.server.answering import answer, steps, stream_failure
+from mlxvlm.server.answering import accept, answer, plan_answer, steps, stream_failure
 from mlxvlm.server.chat import (
     SSE_DONE,
     CompletionWriter,
-    sampling_options,
     sse,
-    warn_unknown_fields,
 )
 from mlxvlm.server.deps import chat_request, get_service, get_token_bytes, get_vocab_size
 from mlxvlm.server.errors import error_body
 from mlxvlm.server.logprobs import TokenBytes, logprob_content
-from mlxvlm.server.routes.models import unknown_model
 from mlxvlm.server.schemas import ChatCompletionRequest
 from mlxvlm.server.service import GenerationService, TokenStream
 from mlxvlm.server.tools import AnswerPlan
@@ -41,14 +37,9 @@ async def chat_completions(
     token_bytes: TokenBytes = Depends(get_token_bytes),
     vocab_size: int = Depends(get_vocab_size),
 ) -> Response:
-    config = service.config
-    if chat.model != config.model_id:
-        raise unknown_model(config, chat.model)
-    warn_unknown_fields(chat)
-    options = sampling_options(chat, config.max_tokens, vocab_size,
-                               checkpoint_defaults(service.processor))
-    plan = AnswerPlan(chat, service.processor)
-    writer = CompletionWriter(config.model_id)
+    accept(chat, service)
+    options, plan = plan_answer(chat, service, vocab_size)
+    writer = CompletionWriter(service.config.model_id)
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
 
     def body(first: BatchStep, stream: TokenStream):

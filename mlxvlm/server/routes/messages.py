@@ -6,15 +6,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from mlxvlm.sampling_defaults import checkpoint_defaults
-from mlxvlm.server.answering import answer
-from mlxvlm.server.chat import sampling_options
+from mlxvlm.server.answering import accept, answer, plan_answer
 from mlxvlm.server.deps import get_service, get_vocab_size, json_body
-from mlxvlm.server.messages import MessageWriter, to_chat_request, warn_unknown_fields
+from mlxvlm.server.messages import MessageWriter, to_chat_request
 from mlxvlm.server.messages_schemas import MessagesRequest
-from mlxvlm.server.routes.models import unknown_model
 from mlxvlm.server.service import GenerationService
-from mlxvlm.server.tools import AnswerPlan
 
 router = APIRouter()
 
@@ -30,14 +26,9 @@ async def messages(
     service: GenerationService = Depends(get_service),
     vocab_size: int = Depends(get_vocab_size),
 ) -> Response:
-    config = service.config
-    if body.model != config.model_id:
-        raise unknown_model(config, body.model)
-    warn_unknown_fields(body)
+    accept(body, service)
     chat = to_chat_request(body)
-    options = sampling_options(chat, config.max_tokens, vocab_size,
-                               checkpoint_defaults(service.processor))
-    plan = AnswerPlan(chat, service.processor)
-    writer = MessageWriter(config.model_id, plan)
+    options, plan = plan_answer(chat, service, vocab_size)
+    writer = MessageWriter(service.config.model_id, plan)
     return await answer(request, chat, options, service, body=writer.body,
                         events=writer.events, plan=plan)

@@ -8,8 +8,8 @@ from fastapi.responses import PlainTextResponse
 
 from mlxvlm.server import metrics
 from mlxvlm.server.config import ServerConfig
+from mlxvlm.server.answering import unknown_model
 from mlxvlm.server.deps import get_config, get_service
-from mlxvlm.server.errors import APIError
 from mlxvlm.server.service import GenerationService
 
 router = APIRouter()
@@ -23,14 +23,6 @@ def model_card(service: GenerationService = Depends(get_service)) -> dict:
         "owned_by": "mlxvlm",
     }
 
-
-def unknown_model(config: ServerConfig, name: str) -> APIError:
-    return APIError(
-        404,
-        f"the model {name!r} does not exist; this server serves {config.model_id!r}",
-        param="model",
-        code="model_not_found",
-    )
 
 
 @router.get("/health")

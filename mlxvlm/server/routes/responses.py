@@ -7,9 +7,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from mlxvlm.sampling_defaults import checkpoint_defaults
-from mlxvlm.server.answering import answer
-from mlxvlm.server.chat import sampling_options
+from mlxvlm.server.answering import accept, answer, plan_answer
 from mlxvlm.server.deps import get_service, get_vocab_size, json_body
 from mlxvlm.server.errors import APIError
 from mlxvlm.server.responses import (
@@ -17,13 +15,10 @@ from mlxvlm.server.responses import (
     ResponseWriter,
     input_messages,
     to_chat_request,
-    warn_unknown_fields,
 )
 from mlxvlm.server.responses_schemas import ResponsesRequest
-from mlxvlm.server.routes.models import unknown_model
 from mlxvlm.server.security import KEY_ID
 from mlxvlm.server.service import GenerationService
-from mlxvlm.server.tools import AnswerPlan
 
 router = APIRouter()
 
@@ -44,10 +39,7 @@ async def responses(
     store: ResponseStore = Depends(get_store),
     vocab_size: int = Depends(get_vocab_size),
 ) -> Response:
-    config = service.config
-    if body.model != config.model_id:
-        raise unknown_model(config, body.model)
-    warn_unknown_fields(body)
+    accept(body, service)
     namespace = request.scope.get("state", {}).get(KEY_ID)
     earlier: list = []
     if body.previous_response_id is not None:
@@ -58,10 +50,8 @@ async def responses(
                            "--max-stored-responses)", param="previous_response_id",
                            code="previous_response_not_found")
     chat = to_chat_request(body, earlier)
-    options = sampling_options(chat, config.max_tokens, vocab_size,
-                               checkpoint_defaults(service.processor))
-    plan = AnswerPlan(chat, service.processor)
-    writer = ResponseWriter(config.model_id, body, earlier + input_messages(body), store,
+    options, plan = plan_answer(chat, service, vocab_size)
+    writer = ResponseWriter(service.config.model_id, body, earlier + input_messages(body), store,
                             namespace, plan)
     return await answer(request, chat, options, service, body=writer.body,
                         events=writer.events, plan=plan, param="input",
