@@ -1,22 +1,15 @@
-"""Video for Qwen2-VL and Qwen2.5-VL (and Qwen3-VL, Qwen3.5, their MoE models): mlxvlm's
-numpy video processor against transformers' maths, and the models against transformers on
+"""Video for Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and their MoE models: mlxvlm's numpy
+video processors against transformers' maths, and the models against transformers on
 videos PyAV writes offline.
 
-transformers' own ``Qwen2VLVideoProcessor`` cannot run here: it imports torchvision, which
-does not install beside this torch. So the processor is checked against the pieces that
-do run, and against transformers' documented steps reimplemented with torch:
-
-- resizing: torchvision's ``resize`` of a uint8 tensor on the CPU (bicubic, antialiased)
-  is ``torch.nn.functional.interpolate`` on the uint8 tensor itself (torchvision >= 0.21
-  routes bicubic uint8 to torch's native kernel); ours must match it bit for bit;
-- patch layout and normalization: a video whose frames come in identical pairs gives the
-  patches transformers' PIL image processor gives each frame as an image;
-- the whole pipeline: smart_resize -> interpolate -> fused rescale/normalize -> pad to a
-  multiple of temporal_patch_size -> patchify, as ``Qwen2VLVideoProcessor._preprocess``
-  does, in torch.
-
-Then, as for images: logits of the first forward pass (<= 1e-4) and 24 greedy tokens,
-for a video alone and after an image, on tiny checkpoints in both config layouts.
+The processor's pieces are checked one by one (resizing bit for bit against torch's
+uint8 kernel, the patch layout against the PIL image processor, the whole pipeline
+against transformers' steps in torch); then the models against transformers' own
+processor for the checkpoint -- torchvision's video processor, sampling the frames itself
+-- through ``apply_chat_template(tokenize=True)`` (tests/video_reference.py): the same
+prompt (Qwen3-VL: its timestamps), the same pixels, logits of the first forward pass
+(<= 1e-4) and 24 greedy tokens, for a video alone, after an image and a long one (shrunk
+to Qwen3-VL's budget for a whole video), on tiny checkpoints in both config layouts.
 """
 
 from __future__ import annotations
