@@ -31,6 +31,7 @@ FAMILIES: dict[str, str] = {
     # the Hub's full model and transformers' thinker alone; text output only
     "qwen2_5_omni": "qwen2_5_omni",
     "qwen2_5_omni_thinker": "qwen2_5_omni",
+    "gemma4": "gemma4",
 }
 
 

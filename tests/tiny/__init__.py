@@ -29,6 +29,8 @@ BUILDERS = {
     "pixtral": "tiny.pixtral",
     "paligemma": "tiny.paligemma",
     "qwen2_5_omni": "tiny.omni",
+    "gemma4": "tiny.gemma4",
+    "gemma4_moe": "tiny.gemma4",
 }
 
 

@@ -1,0 +1,239 @@
+"""Gemma 4 against transformers (float32), on tiny random checkpoints.
+
+Two tiny models (see tests/tiny/gemma4.py): ``gemma4``, shaped like the E2B/E4B models
+(per-layer inputs, KV shared across the last layers, double-wide MLPs there, soft-capped
+logits, clipped and standardized vision tower), and ``gemma4_moe``, shaped like 26B-A4B
+(experts beside the dense MLP, keys as values in global layers with their own KV heads,
+bidirectional attention among an image's tokens in the sliding layers). Both are loaded
+from both config layouts through ``mlxvlm.load`` and compared with the in-memory
+transformers model: first-pass logits and greedy tokens for text only, one image, two
+images of different sizes and an image in a later turn. Every prompt is longer than the
+16-token sliding window. Guards check the tests can fail.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from parity import (
+    CAUGHT,
+    LOGITS_ATOL,
+    assert_another_image_changes_the_output,
+    assert_batched_tokens_match,
+    assert_decode_steps_match,
+    assert_rotating_cache_keeps_the_prompt,
+    assert_wrong_model_is_caught,
+    embedded,
+    first_pass,
+    loaded,  # noqa: F401 (fixture)
+    our_logits,
+    our_tokens,
+    parameter_list,
+    read_config,
+    reference,  # noqa: F401 (fixture)
+    save_as_mlx_checkpoint,
+    standard_cases,
+    standard_parity_tests,
+)
+from tiny import make_image
+from tiny.gemma4 import FAMILIES, LAYOUTS, SLIDING_WINDOW
+from mlxvlm import load
+from mlxvlm.models import gemma4
+
+torch = pytest.importorskip("torch")
+
+IMAGE_A = make_image(112, 84, seed=1)
+IMAGE_B = make_image(84, 56, seed=2)
+IMAGE_A2 = make_image(112, 84, seed=3)  # A's size, other content
+
+CASES, ALL_CASES = standard_cases(
+    IMAGE_A, IMAGE_B, IMAGE_A2,
+    text="Tell me a story about a red cat on a blue mat.",
+    two_images=(None, "and", None, "Compare the two images."),
+)
+FAMILY_LAYOUTS = [(family, layout) for family in FAMILIES for layout in LAYOUTS]
+
+
+def tokens_of(model, processor, case, **options):
+    return our_tokens(model, processor, *ALL_CASES[case], **options)
+
+
+# ----------------------------------------------------------------------------------- parity
+
+
+test_first_pass_logits_match_transformers, test_greedy_tokens_match_transformers = (
+    standard_parity_tests(FAMILY_LAYOUTS, CASES)
+)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_prompt_outgrows_the_sliding_window(case, reference):
+    assert len(reference("gemma4", case).input_ids) > SLIDING_WINDOW
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_steps_match_transformers(family, tiny_checkpoints, loaded, reference):
+    """Teacher-forced on the reference's answer, every decode step (through the rotating
+    sliding-window caches and the layers that share another layer's KV) gives
+    transformers' logits."""
+    model, processor = loaded(family, "hub")
+    assert_decode_steps_match(tiny_checkpoints.model(family).model, model, processor,
+                              CASES["image_in_second_turn"], reference(family, "image_in_second_turn"))
+
+
+def test_chunked_prefill_keeps_images_whole(loaded, reference):
+    """Where an image's tokens attend both ways, chunks are extended to an image's end."""
+    model, processor = loaded("gemma4_moe", "hub")
+    assert tokens_of(model, processor, "two_images", prefill_step_size=5) == (
+        reference("gemma4_moe", "two_images").tokens
+    )
+
+
+def test_chunked_prefill_through_shared_kv(loaded, reference):
+    model, processor = loaded("gemma4", "hub")
+    assert tokens_of(model, processor, "image_in_second_turn", prefill_step_size=7) == (
+        reference("gemma4", "image_in_second_turn").tokens
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_generation_gives_each_prompt_its_tokens(family, loaded, reference):
+    model, processor = loaded(family, "hub")
+    assert_batched_tokens_match(model, processor, CASES, [reference(family, c) for c in CASES])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rotating_cache_keeps_the_images(family, loaded, reference):
+    """--max-kv-size: the global layers' caches rotate but keep the prompt's image tokens."""
+    model, processor = loaded(family, "transformers")
+    assert_rotating_cache_keeps_the_prompt(model, processor, CASES["one_image"],
+                                           reference(family, "one_image"))
+
+
+# ---------------------------------------------------------------- the tests can fail
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_another_image_changes_the_output(family, loaded, reference):
+    model, processor = loaded(family, "transformers")
+    assert_another_image_changes_the_output(model, processor, ALL_CASES, family, reference)
+
+
+def test_bidirectional_image_attention_matters(loaded, reference):
+    """Run the MoE model's prompt causally (no image blocks): far off the reference."""
+    model, processor = loaded("gemma4_moe", "transformers")
+    input_ids, embeddings, _ = embedded(model, processor, *CASES["one_image"])
+    logits = first_pass(model, input_ids, embeddings, None)
+    assert np.abs(logits - reference("gemma4_moe", "one_image").logits).max() > CAUGHT
+
+
+def _break(config: dict, change: str) -> None:
+    text = config["text_config"]
+    if change == "no_softcapping":
+        text["final_logit_softcapping"] = None
+    elif change == "full_rotary":
+        text["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 1.0
+    elif change == "no_sliding_window":
+        text["sliding_window"] = 4096
+    elif change == "no_standardize":
+        config["vision_config"]["standardize"] = False
+    elif change == "no_clipping":
+        config["vision_config"]["use_clipped_linears"] = False
+
+
+@pytest.mark.parametrize("change", ["no_softcapping", "full_rotary", "no_sliding_window",
+                                    "no_standardize", "no_clipping"])
+def test_config_errors_would_be_caught(change, tiny_checkpoints, loaded, reference):
+    config = read_config(tiny_checkpoints, "gemma4", "hub")
+    _break(config, change)
+    model, processor = loaded("gemma4", "hub")
+    wrong = gemma4.Model.from_config(config)
+    if change in ("no_standardize", "no_clipping"):
+        wrong.load_weights(parameter_list(model), strict=False)
+        _, logits = our_logits(wrong, processor, *CASES["one_image"])
+        assert np.abs(logits - reference("gemma4", "one_image").logits).max() > CAUGHT
+        return
+    assert_wrong_model_is_caught(wrong, model, processor, CASES["image_in_second_turn"],
+                                 reference("gemma4", "image_in_second_turn"))
+
+
+def test_per_layer_inputs_of_placeholders_are_the_pad_tokens(loaded, reference):
+    """Taking an image token's own per-layer input instead of the pad token's is caught."""
+    model, processor = loaded("gemma4", "transformers")
+    input_ids, embeddings, state = embedded(model, processor, *CASES["one_image"])
+    h = gemma4.run_decoder(model.language_model.model, embeddings, input_ids,
+                           model.make_cache(), None)
+    logits = np.array(model._head(h)[0])
+    assert np.abs(logits - reference("gemma4", "one_image").logits).max() > CAUGHT
+
+
+# -------------------------------------------------------------- checkpoints and names
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_both_config_layouts_build_the_same_model(family, tiny_checkpoints):
+    hub, new = (gemma4.Model.from_config(read_config(tiny_checkpoints, family, layout)).args
+                for layout in ("hub", "transformers"))
+    assert hub == new
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sanitized_names_are_mlx_community_names(family, tiny_checkpoints, loaded):
+    """transformers' saved names and its module tree map onto mlx-community's names."""
+    model, _ = loaded(family, "transformers")
+    expected = {name for name, _ in parameter_list(model)}
+    reference_model = tiny_checkpoints.model(family).model
+    namings = {
+        "transformers 5": mx.load(str(tiny_checkpoints.path(family, "transformers") / "model.safetensors")),
+        "module tree": {k: mx.array(v.numpy()) for k, v in reference_model.state_dict().items()},
+    }
+    for naming, weights in namings.items():
+        assert gemma4.is_hf_checkpoint(weights.keys()), naming
+        sanitized = model.sanitize(weights)
+        assert set(sanitized) == expected, naming
+        assert not gemma4.is_hf_checkpoint(sanitized.keys()), naming
+    names = [
+        "vision_tower.patch_embedder.input_proj.weight",
+        "vision_tower.patch_embedder.position_embedding_table",
+        "vision_tower.encoder.layers.1.self_attn.q_proj.linear.weight",
+        "vision_tower.encoder.layers.1.self_attn.k_norm.weight",
+        "vision_tower.encoder.layers.1.mlp.down_proj.linear.weight",
+        "embed_vision.embedding_projection.weight",
+        "language_model.model.embed_tokens.weight",
+        "language_model.model.layers.1.self_attn.q_norm.weight",
+        "language_model.model.layers.1.layer_scalar",
+        "language_model.model.norm.weight",
+    ]
+    if family == "gemma4":
+        names += [
+            "vision_tower.encoder.layers.0.mlp.up_proj.input_max",
+            "vision_tower.std_bias",
+            "language_model.model.embed_tokens_per_layer.weight",
+            "language_model.model.per_layer_model_projection.weight",
+            "language_model.model.layers.3.per_layer_input_gate.weight",
+        ]
+        assert "language_model.model.layers.5.self_attn.k_proj.weight" not in expected
+    else:
+        names += [
+            "language_model.model.layers.0.router.proj.weight",
+            "language_model.model.layers.0.router.per_expert_scale",
+            "language_model.model.layers.0.experts.switch_glu.gate_proj.weight",
+            "language_model.model.layers.0.experts.switch_glu.down_proj.weight",
+            "language_model.model.layers.0.pre_feedforward_layernorm_2.weight",
+        ]
+        assert "language_model.model.layers.1.self_attn.v_proj.weight" not in expected
+    for name in names:
+        assert name in expected, name
+    assert "language_model.lm_head.weight" not in expected  # tied
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_mlx_layout_checkpoint_loads_unchanged(family, tmp_path, tiny_checkpoints, loaded, reference):
+    """A checkpoint saved in our names (mlx-community's) is not sanitized again and gives
+    the same logits."""
+    model, _ = loaded(family, "hub")
+    mlx_model, processor = load(save_as_mlx_checkpoint(model, tiny_checkpoints.path(family, "hub"), tmp_path))
+    _, logits = our_logits(mlx_model, processor, *CASES["two_images"])
+    np.testing.assert_allclose(logits, reference(family, "two_images").logits, rtol=0, atol=LOGITS_ATOL)
