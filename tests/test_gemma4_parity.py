@@ -17,9 +17,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from av_media import sine
 from parity import (
     CAUGHT,
     LOGITS_ATOL,
+    NEW_TOKENS,
+    Reference,
+    assert_reference_is_decisive,
     assert_another_image_changes_the_output,
     assert_batched_tokens_match,
     assert_decode_steps_match,
@@ -41,6 +45,7 @@ from tiny import make_image
 from tiny.gemma4 import FAMILIES, LAYOUTS, SLIDING_WINDOW
 from mlxvlm import load
 from mlxvlm.models import gemma4
+from mlxvlm.prompt import prepare_inputs
 
 torch = pytest.importorskip("torch")
 
@@ -110,6 +115,105 @@ def test_rotating_cache_keeps_the_images(family, loaded, reference):
     model, processor = loaded(family, "transformers")
     assert_rotating_cache_keeps_the_prompt(model, processor, CASES["one_image"],
                                            reference(family, "one_image"))
+
+
+# ------------------------------------------------------------------------------ audio
+
+SOUND_A = sine(1.0, 16000, 440.0)  # 25 soft tokens over attention windows of 5 frames
+SOUND_B = sine(0.7, 16000, 900.0)  # shorter: padded beside A in one batch
+SOUND_C = sine(1.0, 16000, 600.0)  # A's length, another pitch
+
+
+def audio_turn(*parts, text):
+    return [{"role": "user", "content": [*({"type": p} for p in parts),
+                                         {"type": "text", "text": text}]}]
+
+
+AUDIO_CASES = {
+    "audio": (audio_turn("audio", "audio", text="Listen and tell me a story."),
+              {"audio": [SOUND_A, SOUND_B]}),
+    "audio_image": (audio_turn("image", "audio", text="Tell me about the picture and the sound."),
+                    {"image": [IMAGE_B], "audio": [SOUND_A]}),
+    "other_audio": (audio_turn("audio", "audio", text="Listen and tell me a story."),
+                    {"audio": [SOUND_C, SOUND_B]}),
+}
+
+
+def with_media(messages, media):
+    """The messages with each media part holding its image or samples, in order."""
+    sources = {kind: iter(items) for kind, items in media.items()}
+    return [{**m, "content": [{**part, part["type"]: next(sources[part["type"]])}
+                              if part["type"] in sources else part for part in m["content"]]}
+            for m in messages]
+
+
+@pytest.fixture(scope="module")
+def audio_reference(tiny_checkpoints, loaded):
+    """case -> transformers' ``Reference``, through ``apply_chat_template(tokenize=True)``."""
+    import functools
+
+    @functools.cache
+    def run(case):
+        messages, media = AUDIO_CASES[case]
+        _, processor = loaded("gemma4", "transformers")
+        model = tiny_checkpoints.model("gemma4").model
+        inputs = processor.apply_chat_template(
+            with_media(messages, media), add_generation_prompt=True, tokenize=True,
+            return_dict=True, return_tensors="pt",
+        )
+        with torch.no_grad():
+            logits = model(**inputs).logits[0].numpy()
+            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True)
+        tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+        return Reference(inputs["input_ids"][0].tolist(), logits, tokens, min(margins))
+
+    return run
+
+
+def audio_logits(model, processor, messages, media):
+    inputs = prepare_inputs(processor, messages, media.get("image"), audio=media.get("audio"),
+                            feature_names=model.feature_names)
+    assert inputs.num_audios == len(media["audio"])
+    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
+    logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
+    return inputs.input_ids[0].tolist(), np.array(logits[0])
+
+
+def audio_tokens(model, processor, messages, media, **options):
+    return our_tokens(model, processor, messages, media.get("image") or [],
+                      audio=media.get("audio"), **options)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", ["audio", "audio_image"])
+def test_audio_matches_transformers(case, layout, loaded, audio_reference):
+    model, processor = loaded("gemma4", layout)
+    messages, media = AUDIO_CASES[case]
+    ref = audio_reference(case)
+    ids, logits = audio_logits(model, processor, messages, media)
+    assert ids == ref.input_ids
+    np.testing.assert_allclose(logits, ref.logits, rtol=0, atol=LOGITS_ATOL)
+    assert_reference_is_decisive(ref)
+    assert audio_tokens(model, processor, messages, media) == ref.tokens
+
+
+def test_another_sound_changes_the_output(loaded, audio_reference):
+    model, processor = loaded("gemma4", "transformers")
+    other = audio_tokens(model, processor, *AUDIO_CASES["other_audio"])
+    assert other != audio_reference("audio").tokens
+    assert other == audio_reference("other_audio").tokens
+
+
+def test_sound_spans_many_attention_windows(loaded):
+    """The clip is far longer than the encoder's attention window, so that the window
+    (and the relative positions inside it) decide the features."""
+    model, processor = loaded("gemma4", "transformers")
+    inputs = prepare_inputs(processor, *AUDIO_CASES["audio_image"][:1], audio=[SOUND_A],
+                            image=[IMAGE_B], feature_names=model.feature_names)
+    frames = int(np.asarray(inputs.features["input_features_mask"]).sum()) // 4
+    assert frames > 4 * (model.args.audio.attention_context_left - 1)
 
 
 # ---------------------------------------------------------------- the tests can fail

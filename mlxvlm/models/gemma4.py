@@ -32,7 +32,7 @@ from mlx_lm.models import gemma4_text
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it
 from mlxvlm.models.gemma3 import ImageBlocks, attention_mask
-from mlxvlm.models.layers import gemma4_vision
+from mlxvlm.models.layers import gemma4_audio, gemma4_vision
 from mlxvlm.models.merge import merge_features, placeholder_positions
 from mlxvlm.models.processor_utils import image_only, tokenizer_and_chat_template
 from mlxvlm.models.weights import map_hf_weights
@@ -121,6 +121,7 @@ def text_args(text: dict) -> gemma4_text.ModelArgs:
 class ModelArgs:
     text: gemma4_text.ModelArgs
     vision: gemma4_vision.VisionConfig | None
+    audio: gemma4_audio.AudioConfig | None
     image_token_id: int
     video_token_id: int
     audio_token_id: int
@@ -139,10 +140,11 @@ class ModelArgs:
         config = as_transformers_reads_it(config)
         text = dict(config["text_config"])
         text["tie_word_embeddings"] = config.get("tie_word_embeddings", text["tie_word_embeddings"])
-        vision = config.get("vision_config")
+        vision, audio = config.get("vision_config"), config.get("audio_config")
         return cls(
             text=text_args(text),
             vision=gemma4_vision.VisionConfig.from_hf(vision) if vision else None,
+            audio=gemma4_audio.AudioConfig.from_hf(audio) if audio else None,
             image_token_id=config["image_token_id"],
             video_token_id=config["video_token_id"],
             audio_token_id=config["audio_token_id"],
@@ -151,6 +153,15 @@ class ModelArgs:
 
 
 # ------------------------------------------------------------------------- embedders
+
+
+def channels_last(name: str, value: mx.array) -> mx.array:
+    """The audio tower's PyTorch convolutions, (out, in, k...), as MLX's (out, k..., in)."""
+    if name.endswith(".conv.weight") and value.ndim == 4:
+        return value.transpose(0, 2, 3, 1)
+    if name.endswith("depthwise_conv1d.weight") and value.ndim == 3:
+        return value.transpose(0, 2, 1)
+    return value
 
 
 class MultimodalEmbedder(nn.Module):
@@ -220,7 +231,7 @@ def run_decoder(text: gemma4_text.Gemma4TextModel, h: mx.array, ple_ids: mx.arra
 
 
 class Model(VisionLanguageModel):
-    feature_names = ("pixel_values", "image_position_ids")
+    feature_names = ("pixel_values", "image_position_ids", "input_features", "input_features_mask")
     args_class = ModelArgs
     hf_prefixes = HF_PREFIXES
 
@@ -231,6 +242,11 @@ class Model(VisionLanguageModel):
             self.vision_tower = gemma4_vision.VisionModel(args.vision)
             self.embed_vision = MultimodalEmbedder(
                 args.vision.hidden_size, text.hidden_size, args.vision.rms_norm_eps
+            )
+        if args.audio is not None:
+            self.audio_tower = gemma4_audio.AudioModel(args.audio)
+            self.embed_audio = MultimodalEmbedder(
+                args.audio.output_proj_dims, text.hidden_size, args.audio.rms_norm_eps
             )
         self.language_model = gemma4_text.Model(text)
 
@@ -262,16 +278,21 @@ class Model(VisionLanguageModel):
             weights, self.hf_to_mlx_name, skip_suffixes=SKIPPED_SUFFIXES,
             drop={LM_HEAD} if self.args.text.tie_word_embeddings else (),
         )
-        vision = self.args.vision
-        clipped = vision is not None and vision.use_clipped_linears
+        vision, audio = self.args.vision, self.args.audio
+        clipped = tuple(
+            tower for tower, config in (("vision_tower.", vision), ("audio_tower.", audio))
+            if config is not None and config.use_clipped_linears
+        )
         text_weights = {}
         others = {}
         for name, value in sanitized.items():
             if name.startswith("language_model."):
                 text_weights[name[len("language_model."):]] = value
             elif name.endswith(("input_min", "input_max", "output_min", "output_max")):
-                if clipped and name.startswith("vision_tower."):
+                if name.startswith(clipped):
                     others[name] = value
+            elif name.startswith("audio_tower."):
+                others[name] = channels_last(name, value)
             else:
                 others[name] = value
         text_weights = self.language_model.sanitize(text_weights)
@@ -303,13 +324,19 @@ class Model(VisionLanguageModel):
         return mx.array(np.where(self._multimodal_mask(ids), self.args.text.pad_token_id, ids))
 
     def embed(self, input_ids: mx.array, pixel_values: Any = None,
-              image_position_ids: Any = None) -> tuple[mx.array, PromptState]:
+              image_position_ids: Any = None, input_features: Any = None,
+              input_features_mask: Any = None) -> tuple[mx.array, PromptState]:
         ids = np.asarray(input_ids).reshape(-1)
         h = self._embed_tokens(self._text_ids(input_ids))
         features = None
         if pixel_values is not None:
             features = self.image_features(pixel_values, image_position_ids)
         h = merge_features(h, placeholder_positions(ids, self.args.image_token_id), features)
+        sound = None
+        if input_features is not None:
+            sound = self.audio_features(input_features, input_features_mask)
+        h = merge_features(h, placeholder_positions(ids, self.args.audio_token_id), sound,
+                           "audio tokens", "the audio tower")
         blocks = None
         if self.args.bidirectional_vision:
             vision = np.isin(ids, [self.args.image_token_id, self.args.video_token_id])
@@ -321,6 +348,12 @@ class Model(VisionLanguageModel):
         dtype = self.embed_vision.embedding_projection.weight.dtype
         tokens = self.vision_tower(mx.array(pixel_values).astype(dtype), np.asarray(positions))
         return self.embed_vision(tokens)
+
+    def audio_features(self, input_features: Any, mask: Any) -> mx.array:
+        """(soft tokens of every clip's real frames, text width) from the extractor's output."""
+        dtype = self.embed_audio.embedding_projection.weight.dtype
+        tokens = self.audio_tower(mx.array(input_features).astype(dtype), mx.array(mask))
+        return self.embed_audio(tokens)
 
     def _head(self, h: mx.array) -> mx.array:
         lm = self.language_model

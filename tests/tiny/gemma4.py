@@ -7,7 +7,7 @@ Two families of tiny models, both ``model_type: gemma4``:
     inputs (PLE), the last two layers sharing the KV of the last sliding and the last
     global layer before them, double-wide MLPs in those layers, final-logit soft-capping,
     global layers with their own head size and proportional (partial) rope, a vision
-    tower with clipped linears and standardized soft tokens.
+    tower with clipped linears and standardized soft tokens, and E2B's audio conformer.
 ``"gemma4_moe"``
     Shaped like google/gemma-4-26B-A4B-it: a mixture-of-experts block beside the dense MLP
     in every layer, global layers whose keys are their values (``attention_k_eq_v``) with
@@ -154,6 +154,20 @@ def _text_config(family: str, tokenizer) -> dict:
     )
 
 
+def _audio_config() -> dict:
+    """E2B's conformer, narrow and two blocks deep, with a short attention window (chunks
+    of 4 frames, 5 frames of left context) so that a second of sound spans many windows.
+    The first convolution keeps 128 channels: the projection after the two convolutions
+    reads (channels // 4) x (second channels) features, which must be (128 mels // 4) x
+    (second channels)."""
+    return dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        subsampling_conv_channels=[128, 8], conv_kernel_size=5, attention_chunk_size=4,
+        attention_context_left=6, attention_context_right=0, attention_logit_cap=50.0,
+        output_proj_dims=24, use_clipped_linears=True, initializer_range=INIT_RANGE,
+    )
+
+
 def _config(family: str, tokenizer):
     from transformers import Gemma4Config
 
@@ -166,7 +180,8 @@ def _config(family: str, tokenizer):
         initializer_range=INIT_RANGE,
     )
     return Gemma4Config(
-        text_config=_text_config(family, tokenizer), vision_config=vision, audio_config=None,
+        text_config=_text_config(family, tokenizer), vision_config=vision,
+        audio_config=_audio_config() if family == "gemma4" else None,
         boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"],
         image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
         boa_token_id=ids["<|audio>"], eoa_token_index=ids["<audio|>"],
