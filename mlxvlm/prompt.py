@@ -169,7 +169,10 @@ def normalize_messages(
     return normalized, [source for kind, source in media if kind == "image"]
 
 
-def render_chat(processor: Any, messages: list[Message]) -> str:
+def render_chat(processor: Any, messages: list[Message],
+                chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The chat rendered by its template; ``chat_template_kwargs`` are the template's own
+    switches (Gemma 4's and Qwen 3's ``enable_thinking``)."""
     template_owner = processor if getattr(processor, "chat_template", None) else None
     tokenizer = processor.tokenizer
     if template_owner is None and getattr(tokenizer, "chat_template", None):
@@ -180,7 +183,7 @@ def render_chat(processor: Any, messages: list[Message]) -> str:
             "tokenizer_config.json); add one, or pass a raw prompt with raw_prompt=True"
         )
     return template_owner.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
+        messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
     )
 
 
@@ -213,6 +216,7 @@ def prepare_inputs(
     media_policy: MediaPolicy | Mapping[str, Any] | None = None,
     video_options: dict | None = None,
     audio_in_video: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> PreparedInputs:
     """Render the conversation with the chat template and run the processor.
 
@@ -222,7 +226,8 @@ def prepare_inputs(
     ``media_policy``: where every image, video and audio may come from (a ``MediaPolicy``,
     or a mapping of its fields; an unknown name is a ``TypeError``). ``video_options``:
     ``load_video``'s (``fps``, ``max_frames``, ``max_pixels`` ...). ``audio_in_video``: an omni model also
-    hears each video's sound track. ``raw_prompt``: ``prompt`` is already the model's exact
+    hears each video's sound track. ``chat_template_kwargs``: the chat template's own
+    switches, e.g. ``{"enable_thinking": True}``. ``raw_prompt``: ``prompt`` is already the model's exact
     input text (media must then be passed as arguments and the text must hold the
     placeholders); it is tokenized as ``processor(text=prompt)`` does, with the
     processor's default special tokens.
@@ -241,7 +246,7 @@ def prepare_inputs(
         messages = build_messages(prompt, len(extra["image"]), system,
                                   num_videos=len(extra["video"]), num_audios=len(extra["audio"]))
         messages, media = normalize_media_messages(messages, extra)
-        text = render_chat(processor, messages)
+        text = render_chat(processor, messages, chat_template_kwargs)
 
     loaded = _load_media(processor, media, MediaPolicy.of(media_policy),
                          video_options or {}, audio_in_video)

@@ -117,6 +117,37 @@ def test_rotating_cache_keeps_the_images(family, loaded, reference):
                                            reference(family, "one_image"))
 
 
+# --------------------------------------------------------------------------- thinking
+
+
+def test_thinking_on_matches_transformers(tiny_checkpoints, loaded, reference):
+    """``enable_thinking`` (the Hub template's switch) opens a system turn with <|think|>
+    and leaves out the empty thought; the prompt and answer are transformers' for it."""
+    from parity import with_images
+
+    model, processor = loaded("gemma4", "hub")
+    messages, images = CASES["one_image"]
+    thinking = {"enable_thinking": True}
+    inputs = prepare_inputs(processor, messages, images, feature_names=model.feature_names,
+                            chat_template_kwargs=thinking)
+    assert "<|think|>" in inputs.prompt_text and "<|channel>" not in inputs.prompt_text
+    expected = processor.apply_chat_template(
+        with_images(messages, images), add_generation_prompt=True, tokenize=True,
+        return_dict=True, return_tensors="pt", **thinking,
+    )
+    ids = inputs.input_ids[0].tolist()
+    assert ids == expected["input_ids"][0].tolist()
+    assert ids != reference("gemma4", "one_image").input_ids  # thinking off: another prompt
+    with torch.no_grad():
+        ref_logits = tiny_checkpoints.model("gemma4").model(**expected).logits[0].numpy()
+        ref_tokens = tiny_checkpoints.model("gemma4").model.generate(
+            **expected, max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):].tolist()
+    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
+    logits = first_pass(model, inputs.input_ids, embeddings, state)
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=LOGITS_ATOL)
+    assert our_tokens(model, processor, messages, images, chat_template_kwargs=thinking) == ref_tokens
+
+
 # ------------------------------------------------------------------------------ audio
 
 SOUND_A = sine(1.0, 16000, 440.0)  # 25 soft tokens over attention windows of 5 frames

@@ -85,6 +85,7 @@ def stream_generate(
     logits_processors: Sequence[Callable] | None = None,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
     media_policy: MediaPolicy | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> Generator[GenerationResult, None, None]:
     """Generate text for a prompt (a string or chat messages) and images, videos or audio,
     step by step (``video``/``audio`` as ``prepare_inputs`` takes them; ``fps`` and
@@ -98,7 +99,8 @@ def stream_generate(
     else is greedy / off (see ``mlxvlm.sampling_defaults``). ``presence_penalty``,
     ``frequency_penalty``, ``logit_bias`` (token id -> bias) and ``top_logprobs`` mean
     what they mean in OpenAI's API (and the server). A ``seed`` samples the same tokens
-    here as in ``batch_generate`` and the server.
+    here as in ``batch_generate`` and the server. ``chat_template_kwargs`` are the chat
+    template's own switches, such as ``{"enable_thinking": True}``.
     """
     options = sampling_options(
         processor, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -128,6 +130,7 @@ def stream_generate(
         feature_names=getattr(model, "feature_names", None),
         media_policy=media_policy,
         video_options=video_options,
+        chat_template_kwargs=chat_template_kwargs,
     )
     prompt_tokens = inputs.num_tokens
     max_tokens = options.max_tokens
