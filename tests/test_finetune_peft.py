@@ -35,7 +35,8 @@ def torch_logits(model, processor) -> np.ndarray:
     # Integers as int64, as transformers' processors give them (Qwen2.5-Omni's rope index
     # needs the attention mask, and writes positions into a tensor of the ids' type).
     kwargs = {k: _torch_tensor(v) for k, v in inputs.features.items() if k in (
-        "pixel_values", "image_grid_thw", "image_sizes", "mm_token_type_ids", "attention_mask")}
+        "pixel_values", "image_grid_thw", "image_sizes", "mm_token_type_ids", "attention_mask",
+        "image_position_ids")}
     with torch.no_grad():
         out = model(input_ids=_torch_tensor(inputs.input_ids), **kwargs)
     return out.logits[0].float().numpy()
@@ -65,6 +66,8 @@ def reference_model(tiny_checkpoints, family):
     ("pixtral", "lora", True, 0, None),
     ("qwen2_5_omni", "lora", True, 0, ["qkv"]),
     ("qwen2_5_omni", "dora", True, 0, ["qkv"]),
+    ("gemma4", "lora", False, -1, None),
+    ("gemma4_moe", "lora", False, -1, None),
 ])
 def test_adapter_trained_here_loads_in_peft(tiny_checkpoints, tmp_path, family, method,
                                             train_vision, num_layers, targets):
@@ -92,6 +95,8 @@ LLAVA_TOWER = r"model\.vision_tower\..*\.(q_proj|v_proj|out_proj|fc1|fc2)"
 PIXTRAL_TOWER = r"model\.vision_tower\..*\.(q_proj|o_proj|gate_proj|down_proj)"
 OMNI_QKV = r"model\.visual\.blocks\.\d+\.attn\.(q|k|v)"
 OMNI_QV = r"model\.visual\.blocks\.\d+\.attn\.(q|v)"
+# Gemma 4's towers name their (clippable) linear layers as the decoder does: the decoder only.
+GEMMA4_DECODER = r"model\.language_model\..*\.(q_proj|v_proj|o_proj|gate_proj|down_proj)"
 
 
 @pytest.mark.parametrize("family,options", [
@@ -104,8 +109,9 @@ OMNI_QV = r"model\.visual\.blocks\.\d+\.attn\.(q|v)"
     ("qwen2_5_omni", {"target_modules": OMNI_QKV, "alpha_pattern": {"k": 3.0}}),
     # k left out: its rows of the fused layer keep the base weights (and norms, with DoRA)
     ("qwen2_5_omni", {"target_modules": OMNI_QV, "use_dora": True}),
+    ("gemma4", {"target_modules": GEMMA4_DECODER}),
 ], ids=["lora", "dora", "rslora-alpha-pattern", "llava-tower", "pixtral-tower-dora",
-        "omni-qkv-alpha-pattern", "omni-qv-dora"])
+        "omni-qkv-alpha-pattern", "omni-qv-dora", "gemma4"])
 def test_adapter_made_with_peft_loads_here(tiny_checkpoints, tmp_path, family, options):
     torch.manual_seed(0)
     base = reference_model(tiny_checkpoints, family)

@@ -47,8 +47,8 @@ EXTRA_SPECIAL_TOKENS = {
     "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>",
 }
 
-# Gemma 4's chat template as the Hub's carries it, less tools: ``enable_thinking`` opens
-# the system turn with <|think|>; without it the model turn starts with an empty thought.
+# Gemma 4's chat template as the Hub's carries it, less tools and thought parsing:
+# ``enable_thinking`` opens a system turn with <|think|>.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- set thinking = enable_thinking is defined and enable_thinking -%}"
@@ -70,9 +70,7 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}{%- endif -%}<turn|>\n"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|turn>model\n"
-    "{%- if not thinking -%}<|channel>thought\n<channel|>{%- endif -%}"
-    "{%- endif -%}"
+    "{%- if add_generation_prompt -%}<|turn>model\n{%- endif -%}"
 )
 
 PATCH_SIZE = 8
