@@ -230,6 +230,19 @@ def test_audio_matches_transformers(case, layout, loaded, audio_reference):
     assert audio_tokens(model, processor, messages, media) == ref.tokens
 
 
+def test_batched_audio_gives_each_prompt_its_tokens(loaded, audio_reference):
+    """batch_generate (the server's engine) takes the sounds and images of each prompt."""
+    from mlxvlm import batch_generate
+
+    model, processor = loaded("gemma4", "hub")
+    cases = [AUDIO_CASES[c] for c in ("audio", "audio_image")]
+    outputs = batch_generate(model, processor, [m for m, _ in cases],
+                             [media.get("image") for _, media in cases],
+                             audios=[media["audio"] for _, media in cases],
+                             max_tokens=NEW_TOKENS, temperature=0.0)
+    assert [o.tokens for o in outputs] == [audio_reference(c).tokens for c in ("audio", "audio_image")]
+
+
 def test_another_sound_changes_the_output(loaded, audio_reference):
     model, processor = loaded("gemma4", "transformers")
     other = audio_tokens(model, processor, *AUDIO_CASES["other_audio"])
@@ -245,6 +258,46 @@ def test_sound_spans_many_attention_windows(loaded):
                             image=[IMAGE_B], feature_names=model.feature_names)
     frames = int(np.asarray(inputs.features["input_features_mask"]).sum()) // 4
     assert frames > 4 * (model.args.audio.attention_context_left - 1)
+
+
+# ----------------------------------------------------------------------- prefix cache
+
+
+def _engine_tokens(engine, inputs, image):
+    from mlxvlm.batching import SamplingOptions
+    from mlxvlm.prefix_cache import image_hash
+
+    steps: list = []
+    engine.submit(inputs, SamplingOptions(max_tokens=NEW_TOKENS, temperature=0.0), steps.append,
+                  image_hashes=[image_hash(image)])
+    while engine.has_work:
+        engine.step()
+    return [s.token for s in steps], steps[0].cached_tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_cache_gives_the_tokens_of_a_fresh_prefill(family, loaded):
+    """A chat's second turn through an engine with a prefix cache answers exactly as a
+    fresh prefill does. Once a conversation outgrows the sliding window its rotated
+    sliding-layer caches cannot be trimmed back to a shared prefix (mlx-lm's
+    ``can_trim_prompt_cache``), so nothing is stored and nothing is reused: the prefix
+    cache stays correct by staying out of the way."""
+    from mlxvlm.batching import BatchEngine
+    from mlxvlm.prefix_cache import PrefixCache
+
+    model, processor = loaded(family, "transformers")
+    messages, images = CASES["one_image"]
+    first = prepare_inputs(processor, messages, images, feature_names=model.feature_names)
+    engine = BatchEngine(model, processor, prefix_cache=PrefixCache(max_entries=2))
+    answer, _ = _engine_tokens(engine, first, images[0])
+    follow_up = [*messages, {"role": "assistant", "content": processor.tokenizer.decode(answer)},
+                 {"role": "user", "content": "Tell me more about the colours."}]
+    second = prepare_inputs(processor, follow_up, images, feature_names=model.feature_names)
+    reused, cached = _engine_tokens(engine, second, images[0])
+    assert cached == 0 and len(engine.prefix_cache) == 0
+    fresh, none_cached = _engine_tokens(BatchEngine(model, processor), second, images[0])
+    assert none_cached == 0
+    assert reused == fresh
 
 
 # ---------------------------------------------------------------- the tests can fail
