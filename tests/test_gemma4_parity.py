@@ -243,6 +243,37 @@ def test_batched_audio_gives_each_prompt_its_tokens(loaded, audio_reference):
     assert [o.tokens for o in outputs] == [audio_reference(c).tokens for c in ("audio", "audio_image")]
 
 
+def test_server_takes_images_and_audio(tmp_path, loaded):
+    """The OpenAI-style server hears an input_audio part and sees an image_url one, and
+    answers as ``generate`` does for the same files."""
+    import base64
+
+    from av_media import write_audio
+    from server_harness import LiveServer, png_data_url
+
+    from mlxvlm import generate
+
+    model, processor = loaded("gemma4", "hub")
+    wav = write_audio(tmp_path / "sound.wav", SOUND_A, 16000)
+    text = "Tell me about the picture and the sound."
+    expected = generate(model, processor, audio_turn("image", "audio", text=text),
+                        image=[IMAGE_B], audio=[wav], max_tokens=12, temperature=0.0)
+    content = [
+        {"type": "image_url", "image_url": {"url": png_data_url(IMAGE_B)}},
+        {"type": "input_audio", "input_audio": {
+            "data": base64.b64encode(wav.read_bytes()).decode(), "format": "wav"}},
+        {"type": "text", "text": text},
+    ]
+    with LiveServer(model, processor) as live:
+        reply = live.client().chat.completions.create(
+            model=live.config.model_id, messages=[{"role": "user", "content": content}],
+            max_tokens=12,
+            temperature=0.0,
+        )
+    assert reply.usage.prompt_tokens == expected.prompt_tokens
+    assert reply.choices[0].message.content == expected.text
+
+
 def test_another_sound_changes_the_output(loaded, audio_reference):
     model, processor = loaded("gemma4", "transformers")
     other = audio_tokens(model, processor, *AUDIO_CASES["other_audio"])
