@@ -170,8 +170,9 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
         )
     parser.set_defaults(media=None)
     parser.add_argument(
-        "--fps", type=ranged(Range(float, 0, 1000, low_open=True)), default=DEFAULT_FPS,
-        help="Video frames sampled per second",
+        "--fps", type=ranged(Range(float, 0, 1000, low_open=True)), default=None,
+        help="Video frames sampled per second (default: the model's own rate, else "
+        f"{DEFAULT_FPS:g}); which frames: as the model's transformers processor picks them",
     )
     parser.add_argument(
         "--max-frames", type=ranged(at_least(1)), default=DEFAULT_MAX_FRAMES,
@@ -180,21 +181,43 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_cli_media(args: argparse.Namespace, verbose: bool = False) -> list[tuple[str, object]]:
-    """Decode the command line's media in order (before the slow model load, so that a bad
-    file fails fast); with ``verbose``, say what was sampled from each video and audio."""
+    """Decode the command line's images and audio in order, and check that each video
+    opens and decodes (its first frame): before the slow model load, so that a bad file
+    fails fast. Videos are sampled once the model says how (:func:`sample_cli_videos`).
+    With ``verbose``, say what was read of each audio."""
     from mlxvlm.media import load_audio, load_image, load_video
 
-    loaders = {
-        "image": load_image,
-        "video": lambda source: load_video(source, fps=args.fps, max_frames=args.max_frames),
-        "audio": load_audio,
-    }
-    loaded = [(kind, loaders[kind](source)) for kind, source in (args.media or [])]
-    if verbose:
-        for kind, media in loaded:
-            if kind != "image":
-                print(f"[mlxvlm] {media.describe()}", file=sys.stderr)
+    loaded = []
+    for kind, source in args.media or []:
+        if kind == "video":
+            load_video(source, num_frames=1, with_audio=False)
+            loaded.append((kind, source))
+            continue
+        media = load_image(source) if kind == "image" else load_audio(source)
+        if verbose and kind == "audio":
+            print(f"[mlxvlm] {media.describe()}", file=sys.stderr)
+        loaded.append((kind, media))
     return loaded
+
+
+def sample_cli_videos(media: list[tuple[str, object]], args: argparse.Namespace, processor,
+                      verbose: bool = False) -> list[tuple[str, object]]:
+    """The videos of ``load_cli_media``'s list decoded at --fps (the model's own rate if
+    not given) and sampled as the model's video processor samples; with ``verbose``,
+    say what was sampled."""
+    from mlxvlm.media import load_video
+    from mlxvlm.media.frame_sampling import sampler_for
+
+    video_processor = getattr(processor, "video_processor", None)
+    sampler = sampler_for(video_processor) if video_processor is not None else None
+    sampled = []
+    for kind, value in media:
+        if kind == "video":
+            value = load_video(value, fps=args.fps, max_frames=args.max_frames, sampler=sampler)
+            if verbose:
+                print(f"[mlxvlm] {value.describe()}", file=sys.stderr)
+        sampled.append((kind, value))
+    return sampled
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
@@ -280,6 +303,7 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
             adapter_path=args.adapter_path,
             trust_remote_code=args.trust_remote_code,
         )
+        media = sample_cli_videos(media, args, processor, verbose=args.verbose)
         if args.verbose:
             report = getattr(model, "cpu_fast_paths", None)
             if report is not None:

@@ -31,6 +31,7 @@ import numpy as np
 
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.media import MediaPolicy, load_audio, load_image, load_video
+from mlxvlm.media.frame_sampling import sampler_for
 
 Message = dict[str, Any]
 
@@ -284,7 +285,7 @@ class _LoadedMedia:
             kwargs["videos"] = [v.frames for v in self.videos]
             kwargs["video_metadata"] = [
                 VideoMetadata(total_num_frames=v.total_frames, fps=v.source_fps,
-                              frames_indices=v.frame_indices.tolist(),
+                              duration=v.duration, frames_indices=v.frame_indices.tolist(),
                               width=v.frames.shape[2], height=v.frames.shape[1])
                 for v in self.videos
             ]
@@ -308,6 +309,8 @@ def _load_media(processor: Any, media: list[tuple[str, Any]], policy: MediaPolic
         raise MlxvlmError("this model does not take audio input")
     rate = getattr(feature_extractor, "sampling_rate", None)
     hears_video = audio_in_video and rate is not None and _is_omni(processor)
+    # Frames as the family's transformers video processor samples them.
+    sampler = sampler_for(video_processor) if video_processor is not None else None
 
     loaded = _LoadedMedia()
     for kind, source in media:
@@ -317,7 +320,7 @@ def _load_media(processor: Any, media: list[tuple[str, Any]], policy: MediaPolic
             options = {**video_options, "with_audio": hears_video}
             if hears_video:
                 options["audio_rate"] = rate
-            video = load_video(source, policy=policy, **options)
+            video = load_video(source, policy=policy, sampler=sampler, **options)
             if hears_video and video.audio is not None:
                 loaded.audio_slots.append(video.audio.resampled(rate))
                 loaded.audio_from_video.append(len(loaded.videos))

@@ -28,41 +28,53 @@ import pytest
 from av_media import coloured_frames, sine, write_video
 from parity import LOGITS_ATOL, MIN_REFERENCE_MARGIN, NEW_TOKENS
 from tiny import make_image
+from tiny.qwen import QWEN3_VIDEO_MAX_PIXELS
+from video_reference import transformers_inputs
 from mlxvlm import load, stream_generate
-from mlxvlm.media import load_video
 from mlxvlm.models.qwen_video import QwenVideoProcessor, resize_bicubic_uint8, smart_resize
 from mlxvlm.prompt import prepare_inputs
 
 torch = pytest.importorskip("torch")
-from transformers.video_utils import VideoMetadata  # noqa: E402 (after the torch check)
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+QWEN3 = ("qwen3_vl", "qwen3_vl_moe")
 IMAGE = make_image(84, 56, seed=2)
 
 
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory):
-    """Two 3 s clips at 10 fps (the second with other content and a sound track), each
-    sampled at 2 fps: 6 frames of 96x64 -> 3 x 4 x 6 patches -> 18 tokens."""
+    """Video files: two 3 s clips at 10 fps (the second with other content and a sound
+    track) and a 12 s one; sampled at 2 fps, 6 frames of 96x64 (24 for the long one)."""
     root = tmp_path_factory.mktemp("videos")
-    clip = write_video(root / "clip.mp4", coloured_frames(30, 96, 64, seed=15), fps=10)
-    other = write_video(root / "other.mp4", coloured_frames(30, 96, 64, seed=16), fps=10,
-                        audio=sine(3.0, 16000))
-    return {"clip": load_video(clip, fps=2.0), "other": load_video(other, fps=2.0),
-            "clip_path": clip}
+    return {
+        "clip": write_video(root / "clip.mp4", coloured_frames(30, 96, 64, seed=21), fps=10),
+        "other": write_video(root / "other.mp4", coloured_frames(30, 96, 64, seed=16), fps=10,
+                             audio=sine(3.0, 16000)),
+        "long": write_video(root / "long.mp4", coloured_frames(120, 96, 64, seed=26), fps=10),
+    }
+
+
+QUESTION = "What is shown here?"
+COMPARE = "Is this picture in"
 
 
 def cases(videos):
-    video_turn = [{"role": "user", "content": [
-        {"type": "video"}, {"type": "text", "text": "What happens in this video?"}]}]
+    """case -> messages naming the video files (and images) as a user writes them."""
+    def video_turn(name):
+        return [{"role": "user", "content": [
+            {"type": "video", "video": str(videos[name])},
+            {"type": "text", "text": QUESTION}]}]
     mixed_turn = [{"role": "user", "content": [
-        {"type": "image"}, {"type": "text", "text": "Compare the image with"},
-        {"type": "video"}, {"type": "text", "text": "this video."}]}]
-    return {
-        "video": (video_turn, [], [videos["clip"]]),
-        "image_and_video": (mixed_turn, [IMAGE], [videos["clip"]]),
-        "other_video": (video_turn, [], [videos["other"]]),
-    }
+        {"type": "image", "image": IMAGE}, {"type": "text", "text": COMPARE},
+        {"type": "video", "video": str(videos["clip"])}, {"type": "text", "text": "this video."}]}]
+    return {"video": video_turn("clip"), "image_and_video": mixed_turn,
+            "other_video": video_turn("other"), "long_video": video_turn("long")}
+
+
+def fps_asked(family):
+    """Qwen3-VL's processor samples at 2 fps by itself; Qwen2-VL's samples only when
+    asked (else it takes every frame), so both sides are asked for 2 fps."""
+    return None if family in QWEN3 else 2.0
 
 
 @pytest.fixture(scope="module")
@@ -71,20 +83,15 @@ def loaded(tiny_checkpoints):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoints, loaded, videos):
-    """(family, case) -> transformers' prompt ids, logits, greedy tokens, thinnest margin."""
+def reference(tiny_checkpoints, videos):
+    """(family, case) -> transformers' inputs, logits, greedy tokens, thinnest margin."""
 
     @functools.cache
     def run(family, case):
-        messages, images, clips = cases(videos)[case]
         model = tiny_checkpoints.model(family).model
-        _, processor = loaded(family, "transformers")
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-
-        metadata = [VideoMetadata(total_num_frames=v.total_frames, fps=v.source_fps,
-                                  frames_indices=v.frame_indices.tolist()) for v in clips]
-        batch = processor(text=[text], images=images or None, videos=[v.frames for v in clips],
-                          video_metadata=metadata, return_tensors="pt")
+        batch = transformers_inputs(tiny_checkpoints.path(family, "transformers"),
+                                    cases(videos)[case], fps_asked(family),
+                                    cap_pixels_per_frame=False)
         with torch.no_grad():
             logits = model(**batch).logits[0].numpy()
             out = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -198,10 +205,10 @@ def test_pixels_per_frame_cap():
 # ------------------------------------------------------------------------------ parity
 
 
-# Both cases in transformers 5's layout; the Hub's (processor settings read from its
-# preprocessor_config.json) with the video alone.
+# Every case in transformers 5's layout; the Hub's (processor settings read from its
+# files) with the video alone.
 PARITY_RUNS = [(family, "transformers", case) for family in FAMILIES
-               for case in ("video", "image_and_video")]
+               for case in ("video", "image_and_video", "long_video")]
 PARITY_RUNS += [(family, "hub", "video") for family in FAMILIES]
 
 
@@ -209,49 +216,71 @@ PARITY_RUNS += [(family, "hub", "video") for family in FAMILIES]
 def test_video_logits_and_greedy_tokens_match_transformers(family, layout, case, loaded,
                                                            reference, videos):
     model, processor = loaded(family, layout)
-    messages, images, clips = cases(videos)[case]
+    messages = cases(videos)[case]
     batch, ref_logits, ref_tokens, margin = reference(family, case)
-    inputs = prepare_inputs(processor, messages, images, video=clips,
-                            feature_names=model.feature_names)
+    fps = fps_asked(family)
+    options = {} if fps is None else {"fps": fps}
+    inputs = prepare_inputs(processor, messages, feature_names=model.feature_names,
+                            video_options=options)
+    # the same frames, sampled the same way: the same prompt (Qwen3-VL: its timestamps)
+    # and the same pixels
     assert inputs.input_ids[0].tolist() == batch["input_ids"][0].tolist()
     assert inputs.num_videos == 1
+    np.testing.assert_array_equal(np.array(inputs.features["video_grid_thw"]),
+                                  batch["video_grid_thw"].numpy())
     np.testing.assert_array_equal(np.array(inputs.features["pixel_values_videos"]),
                                   batch["pixel_values_videos"].numpy())
-    if family == "qwen2_5_vl":  # 2 fps sampling: 2 frames per grid = 1 s
-        assert np.array(inputs.features["second_per_grid_ts"]).tolist() == [1.0]
+    if family == "qwen2_5_vl":
+        np.testing.assert_array_equal(np.array(inputs.features["second_per_grid_ts"]),
+                                      np.asarray(batch["second_per_grid_ts"], np.float32))
     embeddings, state = model.embed(inputs.input_ids, **inputs.features)
     logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
     np.testing.assert_allclose(np.array(logits[0]), ref_logits, rtol=0, atol=LOGITS_ATOL)
 
     assert len(ref_tokens) == NEW_TOKENS and margin > MIN_REFERENCE_MARGIN
-    results = stream_generate(model, processor, messages, image=images, video=clips,
-                              max_tokens=NEW_TOKENS, prefill_step_size=7)
+    results = stream_generate(model, processor, messages, fps=fps, max_tokens=NEW_TOKENS,
+                              prefill_step_size=7)
     assert [r.token for r in results] == ref_tokens
+
+
+def test_sampling_follows_each_familys_processor(loaded, videos):
+    """12 s at 10 fps asked at 2 fps: Qwen2-VL's processor steps 5 frames apart from the
+    first; Qwen3-VL's spreads 24 frames from the first to the last (timestamps between
+    each pair of frames); and Qwen3-VL's budget for the whole video shrinks its frames."""
+    _, qwen2 = loaded("qwen2_vl", "transformers")
+    _, qwen3 = loaded("qwen3_vl", "transformers")
+    messages = cases(videos)["long_video"]
+    step = prepare_inputs(qwen2, messages, video_options={"fps": 2.0})
+    spread = prepare_inputs(qwen3, messages)
+    assert np.array(step.features["video_grid_thw"]).tolist() == [[12, 4, 6]]
+    t, h, w = np.array(spread.features["video_grid_thw"])[0].tolist()
+    assert t == 12 and 2 * t * h * w * 16 * 16 <= QWEN3_VIDEO_MAX_PIXELS < 24 * 96 * 64
+    prompt = qwen3.tokenizer.decode(spread.input_ids[0].tolist())
+    assert "<0.2 seconds>" in prompt and "<11.7 seconds>" in prompt
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_another_video_changes_the_output(family, loaded, reference, videos):
     model, processor = loaded(family, "transformers")
-    messages, _, clips = cases(videos)["other_video"]
-    tokens = [r.token for r in stream_generate(model, processor, messages, video=clips,
-                                               max_tokens=NEW_TOKENS)]
+    tokens = [r.token for r in stream_generate(model, processor, cases(videos)["other_video"],
+                                               fps=fps_asked(family), max_tokens=NEW_TOKENS)]
     assert tokens == reference(family, "other_video")[2]
     assert tokens != reference(family, "video")[2]
 
 
-def test_video_by_path_and_media_errors(loaded, videos, reference):
-    """A path goes through load_video with the fps asked; audio is refused by a model that
-    cannot hear, and video by a processor built without it."""
+def test_video_by_argument_and_media_errors(loaded, videos, reference):
+    """A path passed as video= goes through load_video with the fps asked; audio is
+    refused by a model that cannot hear, and video by a processor built without it."""
     from mlxvlm.errors import MlxvlmError
     from mlxvlm.models import qwen2_vl
 
     model, processor = loaded("qwen2_vl", "transformers")
-    tokens = [r.token for r in stream_generate(model, processor, "What happens in this video?",
-                                               video=str(videos["clip_path"]), fps=2.0,
+    tokens = [r.token for r in stream_generate(model, processor, QUESTION,
+                                               video=str(videos["clip"]), fps=2.0,
                                                max_tokens=4)]
     assert tokens == reference("qwen2_vl", "video")[2][:4]
     with pytest.raises(MlxvlmError, match="does not take audio"):
         prepare_inputs(processor, "Listen.", audio=np.zeros(16000, np.float32))
     images_only = qwen2_vl.load_processor(processor.tokenizer.name_or_path, {}, video=False)
     with pytest.raises(MlxvlmError, match="does not take video"):
-        prepare_inputs(images_only, "Watch.", video=[videos["clip"]])
+        prepare_inputs(images_only, "Watch.", video=[str(videos["clip"])])

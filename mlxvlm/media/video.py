@@ -25,10 +25,11 @@ from mlxvlm.media.containers import (
     open_container,
 )
 from mlxvlm.media.errors import MediaError, describe_source, error
+from mlxvlm.media.frame_sampling import FALLBACK_FPS, FrameSampler
 from mlxvlm.media.images import load_image
 from mlxvlm.media.policy import DEFAULT_MAX_PIXELS, MediaPolicy
 
-DEFAULT_FPS = 2.0
+DEFAULT_FPS = FALLBACK_FPS
 # Qwen's reference utilities (qwen-vl-utils) sample at most 768 frames.
 DEFAULT_MAX_FRAMES = 768
 # All sampled frames of one video together, as decoded: what qwen-vl-utils allows a whole
@@ -76,13 +77,17 @@ class Video:
         return text
 
 
-def sample_frame_indices(total_frames: int, source_fps: float, fps: float,
-                         max_frames: int) -> np.ndarray:
-    """Indices of frames spread evenly over the video, ``fps`` per second of video (at
-    least one, at most ``max_frames``), as qwen-vl-utils and transformers sample."""
-    wanted = total_frames / source_fps * fps
-    count = int(min(max(round(wanted), 1), max_frames, total_frames))
-    return np.unique(np.linspace(0, total_frames - 1, count).round().astype(np.int64))
+def sample_frame_indices(total_frames: int, source_fps: float, fps: float | None,
+                         max_frames: int, *, num_frames: int | None = None,
+                         sampler: FrameSampler | None = None) -> np.ndarray:
+    """The indices of the frames ``sampler`` keeps (mlxvlm's even spread when None) at
+    ``fps`` or by ``num_frames``; when that is more than ``max_frames``, ``max_frames``
+    of them chosen by the same sampler."""
+    sampler = sampler or FrameSampler()
+    indices = sampler.indices(total_frames, source_fps, fps=fps, num_frames=num_frames)
+    if len(indices) > max_frames:
+        indices = sampler.indices(total_frames, source_fps, num_frames=max_frames)
+    return indices
 
 
 def fit_pixel_budget(width: int, height: int, frames: int, max_pixels: int) -> tuple[int, int]:
@@ -114,7 +119,8 @@ def _count_frames(file, *, name: str, hint: str) -> int:
         except av.FFmpegError as e:
             raise decode_error("video", name, e) from e
 
-def _decode_video(file, *, name: str, hint: str, fps: float, max_frames: int, max_pixels: int,
+def _decode_video(file, *, name: str, hint: str, fps: float | None, num_frames: int | None,
+                  sampler: FrameSampler | None, max_frames: int, max_pixels: int,
                   max_frame_pixels: int, audio_rate: int | None, with_audio: bool,
                   max_audio_seconds: float) -> Video:
     import av
@@ -142,7 +148,8 @@ def _decode_video(file, *, name: str, hint: str, fps: float, max_frames: int, ma
     if total <= 0:
         raise error("video", name, "the video has no frames", "check the file")
 
-    wanted = sample_frame_indices(total, source_fps, fps, max_frames)
+    wanted = sample_frame_indices(total, source_fps, fps, max_frames, num_frames=num_frames,
+                                  sampler=sampler)
     out_w, out_h = fit_pixel_budget(width, height, len(wanted), max_pixels)
     charge_pixels(len(wanted) * out_w * out_h, name)
     frames, indices, times = [], [], []
@@ -226,8 +233,10 @@ def _video_from_frames(frames: Any, *, name: str, fps: float, max_pixels: int,
 def load_video(
     source: Any,
     *,
-    fps: float = DEFAULT_FPS,
+    fps: float | None = None,
     max_frames: int = DEFAULT_MAX_FRAMES,
+    num_frames: int | None = None,
+    sampler: FrameSampler | None = None,
     max_pixels: int = DEFAULT_MAX_VIDEO_PIXELS,
     max_frame_pixels: int = DEFAULT_MAX_PIXELS,
     with_audio: bool = True,
@@ -244,8 +253,12 @@ def load_video(
     a uint8 array of shape (T, H, W, 3) or a list of images (anything :func:`load_image`
     takes), which are used as they are, as a video at ``fps`` frames per second.
 
-    - ``fps``: frames sampled per second of video, spread evenly; at least one frame and
-      at most ``max_frames``.
+    - ``fps`` or ``num_frames``: frames sampled per second of video, or how many; which
+      ones is the ``sampler``'s choice (a model's ``frame_sampler``, see
+      ``mlxvlm.media.frame_sampling``; None: spread evenly from the first to the last
+      frame). Neither given: the sampler's defaults (``DEFAULT_FPS`` for the even
+      spread). At most ``max_frames`` (then chosen by the same sampler). Frames given
+      directly are all used, as a video at ``fps`` (``DEFAULT_FPS`` if None).
     - ``max_pixels``: the budget of all sampled frames together; frames are downscaled
       while decoding to fit it (``Video.note`` says so).
     - ``max_frame_pixels``: the largest frame size accepted from the header, before
@@ -262,9 +275,10 @@ def load_video(
     name = describe_source(source)
     if isinstance(source, Video):
         return source
-    check_positive("video", name, fps=fps, max_frames=max_frames, max_pixels=max_pixels)
+    given = {k: v for k, v in (("fps", fps), ("num_frames", num_frames)) if v is not None}
+    check_positive("video", name, max_frames=max_frames, max_pixels=max_pixels, **given)
     if isinstance(source, (np.ndarray, list, tuple)):
-        return _video_from_frames(source, name=name, fps=fps, max_pixels=max_pixels,
+        return _video_from_frames(source, name=name, fps=fps or DEFAULT_FPS, max_pixels=max_pixels,
                                   max_frame_pixels=max_frame_pixels, policy=policy)
     if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
         raise error("video", name, f"unsupported source type {type(source).__name__}",
@@ -272,7 +286,8 @@ def load_video(
                     "or a list of frames")
     file, hint = media_file(source, kind="video", policy=policy, max_bytes=max_bytes)
     with file:
-        return _decode_video(file, name=name, hint=hint, fps=fps, max_frames=int(max_frames),
+        return _decode_video(file, name=name, hint=hint, fps=fps, num_frames=num_frames,
+                             sampler=sampler, max_frames=int(max_frames),
                              max_pixels=max_pixels, max_frame_pixels=max_frame_pixels,
                              audio_rate=audio_rate, with_audio=with_audio,
                              max_audio_seconds=max_audio_seconds)

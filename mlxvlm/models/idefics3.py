@@ -13,6 +13,7 @@ Checkpoint names (as mlx-community publishes them): ``vision_model.*``, ``connec
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,11 +128,14 @@ class Model(VisionLanguageModel):
     def load_processor(cls, model_path: str | Path, config: dict):
         """transformers' Idefics3Processor with the PIL image processor (no torchvision).
 
-        SmolVLM's own processor needs a video processor (torchvision) and num2words even
-        for images; its image prompts and image processing are Idefics3's, so SmolVLM
-        checkpoints get Idefics3's processor with SmolVLM's image processor class."""
+        SmolVLM's own processor (video: each frame a tile after its timestamp) gets
+        mlxvlm's numpy video processor; it needs num2words (the prompt spells the frame
+        count), without which SmolVLM checkpoints get Idefics3's processor -- the same
+        image prompts and processing -- and take no video."""
         smolvlm = config.get("model_type") == "smolvlm"
         image_processor = "SmolVLMImageProcessorPil" if smolvlm else "Idefics3ImageProcessorPil"
+        if smolvlm and _spells_numbers():
+            return smolvlm_processor(model_path)
         return pil_processor(model_path, "Idefics3Processor", image_processor)
 
     # -- the contract -----------------------------------------------------------------
@@ -177,6 +181,35 @@ class Model(VisionLanguageModel):
     ) -> mx.array:
         h = self.language_model(input_ids, cache, input_embeddings=embeddings)
         return self.language_model.lm_head(h[:, -1:] if last_only else h)
+
+
+def _spells_numbers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("num2words") is not None
+
+
+def smolvlm_processor(model_path: str | Path):
+    """transformers' SmolVLMProcessor over the tokenizer, the PIL image processor and
+    mlxvlm's numpy video processor, with the checkpoint's settings."""
+    import transformers
+
+    from mlxvlm.models.processor_utils import image_only, read_chat_template
+    from mlxvlm.models.smolvlm_video import SmolVLMVideoProcessor
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    options = {}
+    config = Path(model_path) / "processor_config.json"
+    if config.exists():
+        options = {k: v for k, v in json.loads(config.read_text()).items()
+                   if k == "image_seq_len"}
+    return image_only(transformers.SmolVLMProcessor)(
+        image_processor=transformers.SmolVLMImageProcessorPil.from_pretrained(model_path),
+        tokenizer=tokenizer,
+        video_processor=SmolVLMVideoProcessor.from_pretrained(model_path),
+        chat_template=read_chat_template(model_path) or tokenizer.chat_template,
+        **options,
+    )
 
 
 # Module names for callers outside the models package (tests, tools).

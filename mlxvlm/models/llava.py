@@ -135,6 +135,7 @@ class ModelArgs:
     # LLaVA-NeXT / OneVision only
     image_grid_pinpoints: tuple[tuple[int, int], ...] = field(default=())
     vision_aspect_ratio: str | None = None
+    video_token_id: int | None = None  # OneVision
 
     @classmethod
     def from_hf(cls, config: dict) -> "ModelArgs":
@@ -158,6 +159,7 @@ class ModelArgs:
                 tuple(p) for p in config.get("image_grid_pinpoints") or ()
             ),
             vision_aspect_ratio=config.get("vision_aspect_ratio"),
+            video_token_id=config.get("video_token_index"),
         )
 
 
@@ -244,9 +246,14 @@ class Model(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
         options.update(_processor_options(model_path))
         kwargs = dict(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
         if "video_processor" in processor_class.get_attributes():
-            processor_class = image_only(processor_class)  # video input is not wired yet
-            kwargs["video_processor"] = None
+            processor_class = image_only(processor_class)  # no torchvision video processor
+            kwargs["video_processor"] = cls.load_video_processor(model_path)
         return processor_class(**kwargs, **options)
+
+    @classmethod
+    def load_video_processor(cls, model_path: Path):
+        """mlxvlm's numpy video processor for the checkpoint; None: no video input."""
+        return None
 
     @classmethod
     def processor_type(cls) -> type:

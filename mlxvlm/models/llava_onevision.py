@@ -4,7 +4,9 @@ and one recipe per kind of input.
 A single image is tiled with AnyRes as in LLaVA-NeXT, and an unpadded feature map larger
 than ``anyres_max_N`` tiles (by more than 10% per side) is shrunk bilinearly to about N
 tiles' worth before the row newlines. Several images in one prompt are each seen only
-through their overview tile (plus one newline). Video input is not wired yet.
+through their overview tile (plus one newline). A video's frames are each seen whole at
+the tower's resolution, their feature maps halved bilinearly, all frames' tokens in time
+order followed by one newline.
 
 Checkpoint names: LLaVA-NeXT's.
 """
@@ -19,9 +21,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxvlm.models import llava, llava_next
+from mlxvlm.models import llava, llava_next, merge
 from mlxvlm.models.layers import anyres
 from mlxvlm.models.llava import ModelArgs
+from mlxvlm.models.onevision_video import OnevisionVideoProcessor
 
 
 def max_tiles(vision_aspect_ratio: str) -> int:
@@ -33,8 +36,42 @@ def max_tiles(vision_aspect_ratio: str) -> int:
 
 
 class Model(llava_next.Model):
-    feature_names = ("pixel_values", "image_sizes", "batch_num_images")
+    feature_names = ("pixel_values", "image_sizes", "batch_num_images", "pixel_values_videos")
     processor_class = "LlavaOnevisionProcessor"
+
+    @classmethod
+    def load_video_processor(cls, model_path):
+        return OnevisionVideoProcessor.from_pretrained(model_path)
+
+    def embed(self, input_ids: mx.array, pixel_values: Any = None,
+              pixel_values_videos: Any = None, **features: Any):
+        h, state = super().embed(input_ids, pixel_values, **features)
+        if self.args.video_token_id is None:
+            return h, state
+        positions = merge.placeholder_positions(np.asarray(input_ids).reshape(-1),
+                                                self.args.video_token_id)
+        videos = None if pixel_values_videos is None else self.video_features(
+            mx.array(pixel_values_videos) if not isinstance(pixel_values_videos, mx.array)
+            else pixel_values_videos)
+        return merge.merge_features(h, positions, videos, "video placeholder tokens"), state
+
+    def video_features(self, pixel_values_videos: mx.array) -> mx.array:
+        """(videos, frames, C, H, W) -> each video's tokens (its frames' pooled feature
+        maps in time order, then a newline), the videos one after another."""
+        videos, frames = pixel_values_videos.shape[:2]
+        tiles = pixel_values_videos.reshape(videos * frames, *pixel_values_videos.shape[2:])
+        projected = self.tile_features(tiles)
+        side = self.args.vision.patches_per_side
+        if projected.shape[1] != side * side:
+            raise ValueError(f"a frame gives {projected.shape[1]} tokens, not the {side}x{side} "
+                             "grid video pooling needs")
+        pooled_side = math.ceil(side / 2)
+        maps = projected.reshape(videos * frames, side, side, -1)
+        pooled = mx.stack([anyres.resize_bilinear(m, pooled_side, pooled_side) for m in maps])
+        pooled = pooled.reshape(videos, frames * pooled_side * pooled_side, -1)
+        newline = mx.broadcast_to(self.image_newline.astype(pooled.dtype)[None, None],
+                                  (videos, 1, pooled.shape[-1]))
+        return mx.concatenate([pooled, newline], axis=1).reshape(-1, pooled.shape[-1])
 
     @classmethod
     def processor_type(cls) -> type:

@@ -16,7 +16,44 @@ from pathlib import Path
 
 
 class NumpyVideoProcessor:
-    """Base of mlxvlm's numpy stand-ins for transformers' torchvision video processors."""
+    """Base of mlxvlm's numpy stand-ins for transformers' torchvision video processors.
+
+    A subclass names how its transformers twin samples frames in ``frame_sampling`` (see
+    ``mlxvlm.media.frame_sampling``) and holds that way's settings as attributes."""
+
+    frame_sampling = "spread"
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | Path):
+        """The checkpoint's video settings, found where transformers looks: the
+        ``video_processor`` entry of processor_config.json, video_preprocessor_config.json,
+        then preprocessor_config.json (older checkpoints share the image processor's)."""
+        model_path = Path(model_path)
+        settings = {}
+        processor_config = model_path / "processor_config.json"
+        if processor_config.exists():
+            settings = json.loads(processor_config.read_text()).get("video_processor") or {}
+        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+            if not settings and (model_path / name).exists():
+                settings = json.loads((model_path / name).read_text())
+        return cls(**settings)
+
+    @staticmethod
+    def batch_feature(data: dict, videos: list, video_metadata, return_metadata: bool,
+                      return_tensors):
+        """``data`` as transformers' video processors return it, with the videos'
+        metadata when asked (made up from the frame counts when none was given)."""
+        from transformers import BatchFeature
+        from transformers.video_utils import VideoMetadata
+
+        if return_metadata:
+            if video_metadata is None:
+                video_metadata = [VideoMetadata(total_num_frames=len(v)) for v in videos]
+            elif not isinstance(video_metadata, (list, tuple)):
+                video_metadata = [video_metadata]
+            data["video_metadata"] = list(video_metadata)
+        return BatchFeature(data, tensor_type=return_tensors,
+                            skip_tensor_conversion=["video_metadata"])
 
 
 @functools.cache

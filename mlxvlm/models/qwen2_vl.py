@@ -35,6 +35,7 @@ from mlxvlm.models.layers.qwen_vision import (
     grids_thw,
 )
 from mlxvlm.models.processor_utils import image_only, tokenizer_and_chat_template
+from mlxvlm.models.qwen_video import QwenVideoProcessor
 from mlxvlm.models.weights import LM_HEAD_NAMES, TEXT_MODEL_NAMES, map_hf_weights
 
 # Hugging Face name prefix -> ours. Checkpoints from the Hub use `visual.` / `model.`;
@@ -88,8 +89,10 @@ class Model(VisionLanguageModel):
     mlx_prefixes = (VISION_TOWER, "language_model.")
     processor_class = "Qwen2VLProcessor"
     image_processor_class = "Qwen2VLImageProcessorPil"
-    # Whether the processor takes videos (through mlxvlm's numpy video processor).
+    # Whether the processor takes videos, and mlxvlm's numpy twin of the family's
+    # transformers video processor that prepares them (and says how to sample frames).
     processor_videos = True
+    video_processor_class = QwenVideoProcessor
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
@@ -127,15 +130,13 @@ class Model(VisionLanguageModel):
         processor (``video=False``: images only; None: ``processor_videos``)."""
         import transformers
 
-        from mlxvlm.models.qwen_video import QwenVideoProcessor
-
         video = cls.processor_videos if video is None else video
         tokenizer, chat_template = tokenizer_and_chat_template(model_path)
         image_processor = getattr(transformers, cls.image_processor_class)
         return image_only(getattr(transformers, cls.processor_class))(
             image_processor=image_processor.from_pretrained(model_path),
             tokenizer=tokenizer,
-            video_processor=QwenVideoProcessor.from_pretrained(model_path) if video else None,
+            video_processor=cls.video_processor_class.from_pretrained(model_path) if video else None,
             chat_template=chat_template,
         )
 

@@ -32,6 +32,7 @@ from mlxvlm.models.layers.mrope_decoder import (
 )
 from mlxvlm.models.layers.qwen_vision import VisionConfig
 from mlxvlm.models.qwen2_vl import ModelArgs
+from mlxvlm.models.qwen_video import Qwen3VideoProcessor
 
 # transformers' Qwen3VLTextConfig.default_theta
 DEFAULT_ROPE_THETA = 500_000.0
@@ -91,7 +92,7 @@ def frame_grids(video_grids: np.ndarray) -> np.ndarray:
 class Model(qwen2_vl.Model):
     feature_names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
     processor_class = "Qwen3VLProcessor"
-    processor_videos = False  # video input is not wired yet
+    video_processor_class = Qwen3VideoProcessor
 
     @classmethod
     def from_config(cls, config: dict) -> "Model":

@@ -7,97 +7,35 @@ does the same maths on the frames ``mlxvlm.media.load_video`` sampled:
 
 1. resize every frame to ``smart_resize(h, w)`` (sides multiples of ``patch_size *
    merge_size``, pixels within ``size``) with the antialiased bicubic filter torchvision
-   applies to uint8 frames on the CPU (:func:`resize_bicubic_uint8`);
+   applies to uint8 frames on the CPU (``video_resize.resize_bicubic_uint8``);
 2. rescale and normalize in float32: ``(x - 255 * mean) / (255 * std)``;
 3. repeat the last frame up to a multiple of ``temporal_patch_size``;
 4. cut ``temporal_patch_size x patch x patch`` patches, each merge block's patches
    contiguous, flattened channels first — the layout the Qwen vision tower reads.
 
-Frames are not sampled again here: ``load_video`` already sampled them at the requested
-fps, and ``video_metadata`` (transformers' ``VideoMetadata``) says how.
+Frames are not sampled again here: ``load_video`` already sampled them as the family's
+transformers processor does (``frame_sampling`` names the way, see
+``mlxvlm.media.frame_sampling``), and ``video_metadata`` (transformers'
+``VideoMetadata``) says how.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import math
 from typing import Any, Sequence
 
 import numpy as np
 
 from mlxvlm.models.processor_utils import NumpyVideoProcessor
+from mlxvlm.models.video_resize import BICUBIC, resize_bicubic_uint8
 
 # transformers' Qwen2VLVideoProcessor defaults (OPENAI_CLIP_MEAN / _STD).
 DEFAULT_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-BICUBIC = 3  # PIL's (and transformers' PILImageResampling) number for bicubic
-
-
-# ------------------------------------------------------------------ antialiased bicubic
-
-
-def _cubic(x: np.ndarray, a: float = -0.5) -> np.ndarray:
-    """Keys' cubic convolution kernel with a = -0.5 (PIL's and torch's antialiased one)."""
-    x = np.abs(x)
-    near = ((a + 2) * x - (a + 3)) * x * x + 1
-    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-    return np.where(x < 1, near, np.where(x < 2, far, 0.0))
-
-
-def _int16_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """For each output pixel: the first input pixel, the integer weights of its taps, and
-    the weights' fixed-point precision — torch's uint8 antialiased resampling, which
-    widens the filter by the scale when downscaling and keeps weights in int16."""
-    scale = in_size / out_size
-    support = 2.0 * scale if scale >= 1.0 else 2.0
-    taps = int(np.ceil(support)) * 2 + 1
-    inv_scale = 1.0 / scale if scale >= 1.0 else 1.0
-    centers = scale * (np.arange(out_size) + 0.5)
-    first = np.maximum((centers - support + 0.5).astype(np.int64), 0)
-    last = np.minimum((centers + support + 0.5).astype(np.int64), in_size)
-    count = np.clip(last - first, 0, taps)
-    offsets = np.arange(taps)
-    weights = _cubic((offsets[None, :] + first[:, None] - centers[:, None] + 0.5) * inv_scale)
-    weights = np.where(offsets[None, :] < count[:, None], weights, 0.0)
-    totals = weights.sum(axis=1, keepdims=True)
-    weights = np.divide(weights, totals, out=np.zeros_like(weights), where=totals != 0)
-    # The largest precision whose weights still fit in int16 (torch's choice).
-    largest = weights.max()
-    precision = 0
-    while precision < 22 and int(0.5 + largest * (1 << (precision + 1))) < (1 << 15):
-        precision += 1
-    scaled = weights * (1 << precision)
-    fixed = np.where(scaled < 0, np.trunc(scaled - 0.5), np.trunc(scaled + 0.5))
-    return first, fixed.astype(np.int32), precision
-
-
-def _resample_axis(pixels: np.ndarray, out_size: int, axis: int) -> np.ndarray:
-    """One separable pass along ``axis`` of uint8 ``pixels``, rounded back to uint8."""
-    in_size = pixels.shape[axis]
-    first, weights, precision = _int16_taps(in_size, out_size)
-    source = np.moveaxis(pixels, axis, -1).astype(np.int32)
-    padded = np.concatenate(
-        [source, np.zeros(source.shape[:-1] + (weights.shape[1],), np.int32)], axis=-1
-    )
-    total = np.full(source.shape[:-1] + (out_size,), 1 << (precision - 1), np.int64)
-    for tap in range(weights.shape[1]):
-        total += padded[..., first + tap] * weights[:, tap]
-    result = np.clip(total >> precision, 0, 255).astype(np.uint8)
-    return np.moveaxis(result, -1, axis)
-
-
-def resize_bicubic_uint8(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Resize uint8 frames (..., H, W, C) as torchvision resizes uint8 tensors on the CPU
-    (``antialias=True``, bicubic): the width first, then the height, each pass in integer
-    arithmetic with int16 weights and rounded to uint8 — bit for bit the same pixels."""
-    if frames.shape[-3:-1] == (height, width):
-        return frames
-    if frames.shape[-2] != width:
-        frames = _resample_axis(frames, width, axis=frames.ndim - 2)
-    if frames.shape[-3] != height:
-        frames = _resample_axis(frames, height, axis=frames.ndim - 3)
-    return frames
+# transformers' Qwen3VLVideoProcessor defaults (IMAGENET_STANDARD_MEAN / _STD are 0.5).
+QWEN3_DEFAULT_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}
+IMAGENET_HALF = (0.5, 0.5, 0.5)
 
 
 # ---------------------------------------------------------------------- the processor
@@ -115,6 +53,9 @@ class QwenVideoProcessor(NumpyVideoProcessor):
     """Numpy twin of transformers' ``Qwen2VLVideoProcessor`` (see the module docstring)."""
 
     model_input_names = ["pixel_values_videos", "video_grid_thw"]
+    # How load_video picks the frames (mlxvlm.media.frame_sampling), and the settings it
+    # reads: Qwen2VLVideoProcessor.sample_frames'.
+    frame_sampling = "qwen2_vl"
 
     def __init__(
         self,
@@ -133,6 +74,10 @@ class QwenVideoProcessor(NumpyVideoProcessor):
         resample: int = BICUBIC,
         cap_pixels_per_frame: bool | None = None,
         max_video_tokens: int = 128_000,
+        min_frames: int = 4,
+        max_frames: int = 768,
+        fps: float | None = None,
+        num_frames: int | None = None,
         **_: Any,
     ):
         size = dict(size or DEFAULT_SIZE)
@@ -152,28 +97,14 @@ class QwenVideoProcessor(NumpyVideoProcessor):
         self.resample = resample
         self.cap_pixels_per_frame = cap_pixels_per_frame
         self.max_video_tokens = max_video_tokens
-
-    @classmethod
-    def from_pretrained(cls, model_path: str | Path) -> "QwenVideoProcessor":
-        """The checkpoint's video settings, found where transformers looks: the
-        ``video_processor`` entry of processor_config.json, video_preprocessor_config.json,
-        then preprocessor_config.json (older checkpoints share the image processor's)."""
-        model_path = Path(model_path)
-        settings = {}
-        processor_config = model_path / "processor_config.json"
-        if processor_config.exists():
-            settings = json.loads(processor_config.read_text()).get("video_processor") or {}
-        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-            if not settings and (model_path / name).exists():
-                settings = json.loads((model_path / name).read_text())
-        return cls(**settings)
+        self.min_frames, self.max_frames = min_frames, max_frames
+        self.fps, self.num_frames = fps, num_frames
 
     # -- transformers' video processor interface ---------------------------------------
 
     def __call__(self, videos: Any, video_metadata: Any = None, return_metadata: bool = False,
                  return_tensors: Any = None, **kwargs: Any):
-        from transformers import BatchFeature
-        from transformers.video_utils import VideoMetadata, make_batched_videos
+        from transformers.video_utils import make_batched_videos
 
         videos = [np.asarray(v) for v in make_batched_videos(videos)]
         options = self._options(**kwargs)
@@ -186,14 +117,7 @@ class QwenVideoProcessor(NumpyVideoProcessor):
             "pixel_values_videos": np.concatenate(patches, axis=0),
             "video_grid_thw": np.array(grids, dtype=np.int64),
         }
-        if return_metadata:
-            if video_metadata is None:
-                video_metadata = [VideoMetadata(total_num_frames=len(v)) for v in videos]
-            elif not isinstance(video_metadata, (list, tuple)):
-                video_metadata = [video_metadata]
-            data["video_metadata"] = list(video_metadata)
-        return BatchFeature(data, tensor_type=return_tensors,
-                            skip_tensor_conversion=["video_metadata"])
+        return self.batch_feature(data, videos, video_metadata, return_metadata, return_tensors)
 
     def _options(self, size=None, min_pixels=None, max_pixels=None, patch_size=None,
                  temporal_patch_size=None, merge_size=None, image_mean=None, image_std=None,
@@ -278,3 +202,60 @@ class QwenVideoProcessor(NumpyVideoProcessor):
         patches = patches.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
         flat = patches.reshape(grid_t * grid_h * grid_w, 3 * temporal_patch_size * p * p)
         return np.ascontiguousarray(flat), [grid_t, grid_h, grid_w]
+
+
+# ------------------------------------------------------------------------- Qwen3-VL
+
+
+def qwen3_frame_size(num_frames: int, height: int, width: int, *, factor: int,
+                     temporal_factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen3-VL's resize rule: sides multiples of ``factor``, and the pixels of the whole
+    video -- its frames rounded to a multiple of ``temporal_factor`` -- within the limits
+    (transformers' ``video_processing_qwen3_vl.smart_resize``)."""
+    if num_frames < temporal_factor:
+        raise ValueError(f"Qwen3-VL needs at least {temporal_factor} frames, got {num_frames}")
+    if height < factor or width < factor:  # too small a side: scale up first
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"the frames' aspect ratio {width}:{height} is beyond 200")
+    frames = round(num_frames / temporal_factor) * temporal_factor
+    new_h, new_w = round(height / factor) * factor, round(width / factor) * factor
+    if frames * new_h * new_w > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
+        new_h = max(factor, math.floor(height / beta / factor) * factor)
+        new_w = max(factor, math.floor(width / beta / factor) * factor)
+    elif frames * new_h * new_w < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        new_h = math.ceil(height * beta / factor) * factor
+        new_w = math.ceil(width * beta / factor) * factor
+    return new_h, new_w
+
+
+class Qwen3VideoProcessor(QwenVideoProcessor):
+    """Numpy twin of transformers' ``Qwen3VLVideoProcessor``: Qwen2-VL's steps with
+    16-pixel patches, a pixel budget for the whole video (``size["longest_edge"]``), and
+    frames spread from the first to the last at 2 fps by default."""
+
+    frame_sampling = "qwen3_vl"
+
+    def __init__(self, size: dict | None = None, patch_size: int = 16,
+                 image_mean: Sequence[float] = IMAGENET_HALF, image_std: Sequence[float] = IMAGENET_HALF,
+                 max_video_tokens: int = 768, fps: float | None = 2, **settings: Any):
+        super().__init__(size=dict(size or QWEN3_DEFAULT_SIZE), patch_size=patch_size,
+                         image_mean=image_mean, image_std=image_std,
+                         max_video_tokens=max_video_tokens, fps=fps, **settings)
+
+    def frame_size(self, num_frames, height, width, *, size, patch_size, merge_size,
+                   temporal_patch_size, cap_pixels_per_frame, max_video_tokens):
+        """With ``cap_pixels_per_frame`` each frame gets at most ``max_video_tokens``
+        tokens' pixels or an even share of the budget (at least 1.05 x the minimum)."""
+        factor = patch_size * merge_size
+        max_pixels = size["longest_edge"]
+        if cap_pixels_per_frame:
+            per_frame = max(min(max_video_tokens * factor * factor, max_pixels // num_frames),
+                            int(size["shortest_edge"] * 1.05))
+            max_pixels = per_frame * num_frames
+        return qwen3_frame_size(num_frames, height, width, factor=factor,
+                                temporal_factor=temporal_patch_size,
+                                min_pixels=size["shortest_edge"], max_pixels=max_pixels)

@@ -52,6 +52,15 @@ IMAGE_SEQ_LEN = (TILE // PATCH) ** 2 // SCALE_FACTOR**2
 ROPE_THETA = {"idefics3": 3_000.0, "smolvlm": 5_000.0}  # far from Llama's default 10000
 
 
+# SmolVLM2's video settings (its checkpoints' video_sampling: 1 fps, at most 64 frames).
+VIDEO_SAMPLING = {"fps": 1, "max_frames": 64, "video_size": {"longest_edge": LONGEST_EDGE}}
+VIDEO_PROCESSOR = {
+    "video_processor_type": "SmolVLMVideoProcessor", "video_sampling": VIDEO_SAMPLING,
+    "size": {"longest_edge": LONGEST_EDGE}, "max_image_size": {"longest_edge": TILE},
+    "resample": 1, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_pad": True,
+}
+
+
 def build_tokenizer():
     return build_bpe_tokenizer(
         SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE, eos_token="<end_of_utterance>",
@@ -134,6 +143,10 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
     tiny.model.save_pretrained(directory)
     if layout == "transformers":
         build_processor(tiny.tokenizer, tiny.image_processor).save_pretrained(directory)
+        if tiny.family == "smolvlm":  # as SmolVLMProcessor.save_pretrained nests it
+            config = json.loads((directory / "processor_config.json").read_text())
+            config["video_processor"] = VIDEO_PROCESSOR
+            (directory / "processor_config.json").write_text(json.dumps(config, indent=2))
     elif layout == "hub":
         config = json.loads((directory / "config.json").read_text())
         (directory / "config.json").write_text(json.dumps(hub_config(config), indent=2))
@@ -193,8 +206,7 @@ def _save_hub_processor_files(tiny: TinyModel, directory: Path) -> None:
         "resample": 1, "rescale_factor": 1 / 255, "size": {"longest_edge": LONGEST_EDGE},
     }
     if family == "smolvlm":
-        preprocessor["video_sampling"] = {"fps": 1, "max_frames": 64,
-                                          "video_size": {"longest_edge": LONGEST_EDGE}}
+        preprocessor["video_sampling"] = VIDEO_SAMPLING
     (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     (directory / "processor_config.json").write_text(json.dumps(
         {"image_seq_len": IMAGE_SEQ_LEN, "processor_class": processor_class}, indent=2))

@@ -103,6 +103,27 @@ QWEN3_MIN_PIXELS = 64 * 64
 QWEN3_MAX_PIXELS = 128 * 128
 
 
+# Qwen3-VL's video processor budgets the pixels of a whole video: room for a 3 s clip at
+# 2 fps of 96x64 frames, not for a long one (which is shrunk to fit).
+QWEN3_VIDEO_MAX_PIXELS = 8 * 96 * 64
+
+
+def write_video_processor_config(family: str, directory: Path) -> None:
+    """Qwen3-VL checkpoints ship video_preprocessor_config.json (Qwen3VLVideoProcessor);
+    Qwen2-VL and Qwen2.5-VL ones share preprocessor_config.json with the image processor."""
+    if family not in QWEN3_FAMILIES:
+        return
+    config = {
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "processor_class": PROCESSOR_CLASSES[family],
+        "size": {"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_VIDEO_MAX_PIXELS},
+        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "do_sample_frames": True, "fps": 2, "min_frames": 4, "max_frames": 768,
+    }
+    (directory / "video_preprocessor_config.json").write_text(json.dumps(config, indent=2))
+
+
 def build_image_processor(family: str = "qwen2_vl"):
     from transformers import Qwen2VLImageProcessorPil
 
@@ -275,6 +296,7 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
         _save_hub_processor_files(tiny, directory)
     else:
         raise ValueError(f"unknown layout {layout!r} (choose from {LAYOUTS})")
+    write_video_processor_config(tiny.family, directory)
     write_safetensors(weights, directory)
     return directory
 

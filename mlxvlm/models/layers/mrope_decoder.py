@@ -148,9 +148,11 @@ class DeepstackFeatures:
 class MRopeState:
     """Per-request positions: the prompt's M-RoPE ids and how far text after it is shifted.
 
-    ``rope_delta`` is (largest prompt position + 1) - prompt length: a vision grid of
-    h x w tokens advances the positions by only max(h, w), so every token after the prompt
-    sits ``rope_delta`` away from its cache offset.
+    ``rope_delta`` is (the last prompt token's position + 1) - prompt length: a vision
+    grid of h x w tokens advances the positions by only max(h, w), so every token after
+    the prompt sits ``rope_delta`` away from its cache offset. (The last token's, not the
+    largest: transformers' generation continues from the last token, and a long video's
+    temporal positions can pass the text's after it.)
     """
 
     position_ids: mx.array  # (3, prompt_length) int32
@@ -171,12 +173,12 @@ class MRopeState:
 
     def prefix(self, length: int) -> "MRopeState":
         """The state of a prompt that shares this one's first ``length`` tokens and goes on
-        with text only (prompt-cache reuse): its text continues after the largest position
-        among those tokens."""
+        with text only (prompt-cache reuse): its text continues after the position of the
+        last of those tokens."""
         if length >= self.position_ids.shape[1]:
             return MRopeState(self.position_ids, self.rope_delta)
         ids = self.position_ids[:, :length]
-        return MRopeState(ids, int(ids.max()) + 1 - length if length else 0)
+        return MRopeState(ids, continuation_delta(ids))
 
     @staticmethod
     def batch(states: Sequence["MRopeState | None"]) -> "MRopeBatchState":
@@ -357,9 +359,18 @@ def mrope_position_ids(
             f"features were given for more images/videos than the prompt has placeholders "
             f"for (left over per placeholder token: {leftover})"
         )
-    if not input_ids.shape[0]:
-        return positions.astype(np.int32), 0
-    return positions.astype(np.int32), int(positions.max()) + 1 - input_ids.shape[0]
+    return positions.astype(np.int32), continuation_delta(positions)
+
+
+def continuation_delta(positions) -> int:
+    """How far text after a prompt with these (3, L) position ids sits from its cache
+    offsets: it continues after the last token's position, as transformers' generation
+    does (``position_ids[..., -1:] + 1``; a prompt ends with text, so its last position
+    is the same on all three axes)."""
+    length = positions.shape[1]
+    if not length:
+        return 0
+    return int(np.asarray(positions[:, -1]).max()) + 1 - length
 
 
 def frequency_axes(mrope_section: Sequence[int], interleaved: bool) -> list[int]:
