@@ -231,7 +231,8 @@ def run_decoder(text: gemma4_text.Gemma4TextModel, h: mx.array, ple_ids: mx.arra
 
 
 class Model(VisionLanguageModel):
-    feature_names = ("pixel_values", "image_position_ids", "input_features", "input_features_mask")
+    feature_names = ("pixel_values", "image_position_ids", "pixel_values_videos",
+                     "video_position_ids", "input_features", "input_features_mask")
     args_class = ModelArgs
     hf_prefixes = HF_PREFIXES
 
@@ -255,18 +256,20 @@ class Model(VisionLanguageModel):
     @classmethod
     def load_processor(cls, model_path, config: dict):
         """transformers' Gemma 4 processor (tokenizer, PIL image processor, audio feature
-        extractor, chat template), without its torchvision video processor."""
+        extractor, chat template) with mlxvlm's numpy video processor."""
         from transformers import (
             Gemma4AudioFeatureExtractor,
             Gemma4ImageProcessorPil,
             Gemma4Processor,
         )
 
+        from mlxvlm.models.gemma4_video import Gemma4VideoProcessor
+
         tokenizer, chat_template = tokenizer_and_chat_template(model_path)
         return image_only(Gemma4Processor)(
             image_processor=Gemma4ImageProcessorPil.from_pretrained(model_path),
             feature_extractor=Gemma4AudioFeatureExtractor.from_pretrained(model_path),
-            video_processor=None,
+            video_processor=Gemma4VideoProcessor.from_pretrained(model_path),
             tokenizer=tokenizer,
             chat_template=chat_template,
         )
@@ -324,7 +327,8 @@ class Model(VisionLanguageModel):
         return mx.array(np.where(self._multimodal_mask(ids), self.args.text.pad_token_id, ids))
 
     def embed(self, input_ids: mx.array, pixel_values: Any = None,
-              image_position_ids: Any = None, input_features: Any = None,
+              image_position_ids: Any = None, pixel_values_videos: Any = None,
+              video_position_ids: Any = None, input_features: Any = None,
               input_features_mask: Any = None) -> tuple[mx.array, PromptState]:
         ids = np.asarray(input_ids).reshape(-1)
         h = self._embed_tokens(self._text_ids(input_ids))
@@ -332,6 +336,11 @@ class Model(VisionLanguageModel):
         if pixel_values is not None:
             features = self.image_features(pixel_values, image_position_ids)
         h = merge_features(h, placeholder_positions(ids, self.args.image_token_id), features)
+        frames = None
+        if pixel_values_videos is not None:  # every frame a picture of its own
+            frames = self.image_features(pixel_values_videos, video_position_ids)
+        h = merge_features(h, placeholder_positions(ids, self.args.video_token_id), frames,
+                           "video tokens")
         sound = None
         if input_features is not None:
             sound = self.audio_features(input_features, input_features_mask)

@@ -77,6 +77,10 @@ PATCH_SIZE = 8
 POOLING = 2
 MAX_SOFT_TOKENS = 70  # the smallest budget Gemma 4's image processor takes
 SLIDING_WINDOW = 16
+# transformers' Gemma4VideoProcessor settings: four frames by count, the image budget
+VIDEO_PROCESSOR = {"video_processor_type": "Gemma4VideoProcessor", "num_frames": 4,
+                   "patch_size": PATCH_SIZE, "max_soft_tokens": MAX_SOFT_TOKENS,
+                   "pooling_kernel_size": POOLING}
 
 
 def build_tokenizer():
@@ -102,12 +106,14 @@ def build_feature_extractor():
 def build_processor(tokenizer, image_processor=None, feature_extractor=None):
     from transformers import Gemma4Processor
 
+    from mlxvlm.models.gemma4_video import Gemma4VideoProcessor
     from mlxvlm.models.processor_utils import image_only
 
     return image_only(Gemma4Processor)(
         image_processor=image_processor or build_image_processor(),
         feature_extractor=feature_extractor or build_feature_extractor(),
-        video_processor=None, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+        video_processor=Gemma4VideoProcessor(**VIDEO_PROCESSOR), tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -248,7 +254,7 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
     feature_extractor = json.loads(build_feature_extractor().to_json_string())
     if layout == "transformers":
         processor = {"image_processor": image_processor, "feature_extractor": feature_extractor,
-                     "processor_class": "Gemma4Processor"}
+                     "video_processor": VIDEO_PROCESSOR, "processor_class": "Gemma4Processor"}
         (directory / "processor_config.json").write_text(json.dumps(processor, indent=2))
         return directory
     if layout != "hub":
@@ -257,6 +263,8 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
     (directory / "config.json").write_text(json.dumps(hub_config(config), indent=2))
     preprocessor = {**image_processor, **feature_extractor, "processor_class": "Gemma4Processor"}
     (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    (directory / "video_preprocessor_config.json").write_text(json.dumps(
+        {**VIDEO_PROCESSOR, "processor_class": "Gemma4Processor"}, indent=2))
     return directory
 
 
