@@ -331,6 +331,17 @@ def test_prefix_cache_gives_the_tokens_of_a_fresh_prefill(family, loaded):
     assert reused == fresh
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_cache_runs_to_the_end(family, loaded, reference):
+    """An 8-bit cache for the global layers (the sliding ones keep rotating); the layers
+    that share another layer's KV read it dequantized."""
+    model, processor = loaded(family, "transformers")
+    tokens = tokens_of(model, processor, "two_images", kv_bits=8, kv_group_size=32,
+                       quantized_kv_start=0)
+    assert len(tokens) == NEW_TOKENS
+    assert tokens[:4] == reference(family, "two_images").tokens[:4]
+
+
 # ---------------------------------------------------------------- the tests can fail
 
 

@@ -217,7 +217,14 @@ def run_decoder(text: gemma4_text.Gemma4TextModel, h: mx.array, ple_ids: mx.arra
             )
     shared = [(None, None)] * len(text.layers)
     for i, (layer, c) in enumerate(zip(text.layers, cache)):
-        kvs, offset = shared[text.previous_kvs[i]]
+        source = text.previous_kvs[i]
+        kvs, offset = shared[source]
+        if source != i and kvs is not None and isinstance(kvs[0], (tuple, list)):
+            # a quantized cache (--kv-bits) hands out its packed keys and values; the
+            # layers that borrow them attend without a cache, over plain arrays
+            q = cache[source]
+            kvs = tuple(mx.dequantize(*t, group_size=q.group_size, bits=q.bits) for t in kvs)
+            shared[source] = (kvs, offset)
         h, kvs, offset = layer(
             h, masks[layer.layer_type], c,
             per_layer_input=None if per_layer is None else per_layer[:, :, i, :],
