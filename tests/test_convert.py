@@ -292,7 +292,7 @@ def test_converted_checkpoint_loads_without_sanitize(family, tiny_checkpoints, c
     def refuse(self, weights):
         raise AssertionError("sanitize ran on a converted checkpoint")
 
-    monkeypatch.setattr(get_family(family).Model, "sanitize", refuse)
+    monkeypatch.setattr(get_family(config["model_type"]).Model, "sanitize", refuse)
     for path in paths:
         assert config_of(path)[CONVERTED_MARKER]
         load_as_stored(path)

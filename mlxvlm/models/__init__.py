@@ -38,6 +38,7 @@ FAMILIES: dict[str, str] = {
     "lfm2-vl": "lfm2_vl",  # LiquidAI's first configs
     "qwen3_omni_moe": "qwen3_omni_moe",
     "qwen3_omni_moe_thinker": "qwen3_omni_moe",
+    "gemma4": "gemma4",
 }
 
 

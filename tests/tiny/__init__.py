@@ -34,6 +34,8 @@ BUILDERS = {
     "paddleocr_vl": "tiny.paddleocr",
     "lfm2_vl": "tiny.lfm2_vl",
     "qwen3_omni_moe": "tiny.qwen3_omni",
+    "gemma4": "tiny.gemma4",
+    "gemma4_moe": "tiny.gemma4",
 }
 
 
