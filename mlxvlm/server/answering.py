@@ -23,6 +23,7 @@ from mlxvlm.errors import MlxvlmError, PromptTooLongError
 from mlxvlm.media import MediaError, PixelBudgetError
 from mlxvlm.sampling import SamplingOptions
 from mlxvlm.sampling_defaults import checkpoint_defaults
+from mlxvlm.server.answer_parts import AnswerSplitter, Part
 from mlxvlm.server.chat import sampling_options, to_messages, warn_unknown_fields
 from mlxvlm.server.errors import APIError
 from mlxvlm.server.lifetime import RequestLifetime
@@ -66,11 +67,11 @@ def accept(body: Any, service: GenerationService) -> None:
     warn_unknown_fields(body)
 
 
-def plan_answer(chat: ChatCompletionRequest, service: GenerationService,
-                vocab_size: int) -> tuple[SamplingOptions, AnswerPlan]:
+def plan_answer(chat: ChatCompletionRequest,
+                service: GenerationService) -> tuple[SamplingOptions, AnswerPlan]:
     """The request's sampling options (those left out: the checkpoint's, else OpenAI's
     defaults) and its plan (tools, thinking)."""
-    options = sampling_options(chat, service.config.max_tokens, vocab_size,
+    options = sampling_options(chat, service.config.max_tokens, service.vocab_size,
                                checkpoint_defaults(service.processor))
     return options, AnswerPlan(chat, service.processor)
 
@@ -124,6 +125,17 @@ async def answer(request: Request, chat: ChatCompletionRequest, options: Samplin
         except (MlxvlmError, ValueError, TemplateError) as error:
             raise as_api_error(error, param) from error
         return life.event_stream(events(first, stream))
+
+
+async def whole_answer(first: BatchStep, stream: TokenStream, plan: AnswerPlan
+                       ) -> tuple[list[Part], AnswerSplitter, BatchStep]:
+    """A request's whole answer split by its plan: the parts, the splitter (its calls)
+    and the last step."""
+    texts = []
+    async for step in steps(first, stream):
+        texts.append(step.text)
+    splitter = plan.splitter()
+    return splitter.feed("".join(texts)) + splitter.finish(), splitter, step
 
 
 async def steps(first: BatchStep, stream: TokenStream) -> AsyncIterator[BatchStep]:

@@ -42,7 +42,6 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
     app.state.service = service
     app.state.body_budget = BodyBudget(config.max_buffered_body_bytes)
     app.state.token_bytes = TokenBytes(service.engine.tokenizer)
-    app.state.vocab_size = len(processor.tokenizer)
     app.state.response_store = ResponseStore(config.max_stored_responses)
     install_error_handlers(app)
     # Added last = outermost: the Host is checked first (DNS rebinding), then CORS

@@ -27,10 +27,6 @@ def get_token_bytes(request: Request) -> TokenBytes:
     return request.app.state.token_bytes
 
 
-def get_vocab_size(request: Request) -> int:
-    return request.app.state.vocab_size
-
-
 async def json_body(request: Request, schema: type[BaseModel]) -> BaseModel:
     """The body, read within the server's one body limit (size, deadline, shared budget:
     ``security.read_body``) and validated as ``schema``. Read by hand rather than as a

@@ -10,7 +10,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from mlxvlm.batching import BatchStep
-from mlxvlm.server.answering import steps, stream_failure
+from mlxvlm.server.answering import steps, stream_failure, whole_answer
 from mlxvlm.server.answer_parts import Part, ToolCall
 from mlxvlm.server.errors import ANTHROPIC_PATH, APIError, error_body
 from mlxvlm.server.messages_schemas import MessagesRequest
@@ -168,11 +168,7 @@ class MessageWriter:
         }
 
     async def body(self, first: BatchStep, stream: TokenStream) -> dict[str, Any]:
-        texts = []
-        async for step in steps(first, stream):
-            texts.append(step.text)
-        splitter = self.plan.splitter()
-        parts = splitter.feed("".join(texts)) + splitter.finish()
+        parts, splitter, step = await whole_answer(first, stream, self.plan)
         return self._message(_blocks(parts), step, bool(splitter.calls), _usage(step))
 
     async def events(self, first: BatchStep, stream: TokenStream) -> AsyncIterator[str]:

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 from mlxvlm.batching import BatchStep
 from mlxvlm.server.answer_parts import Part, ToolCall
-from mlxvlm.server.answering import steps, stream_failure
+from mlxvlm.server.answering import steps, stream_failure, whole_answer
 from mlxvlm.server.errors import APIError, error_body
 from mlxvlm.server.responses_schemas import ResponsesRequest
 from mlxvlm.server.schemas import ChatCompletionRequest
@@ -223,11 +223,7 @@ class ResponseWriter:
         self.store.put(self.namespace, self.id, self.conversation + [answer])
 
     async def body(self, first: BatchStep, stream: TokenStream) -> dict[str, Any]:
-        texts = []
-        async for step in steps(first, stream):
-            texts.append(step.text)
-        splitter = self.plan.splitter()
-        parts = splitter.feed("".join(texts)) + splitter.finish()
+        parts, _, step = await whole_answer(first, stream, self.plan)
         status = "incomplete" if step.finish_reason == "length" else "completed"
         items: list[dict] = []
         for part in parts:

@@ -67,6 +67,7 @@ class GenerationService:
         # and video headers before decoding (see media.PixelBudget).
         self.pixels = PixelBudget(config.max_request_pixels, config.max_total_pixels)
         self.capacity = config.max_concurrency + config.max_queue
+        self.vocab_size = len(getattr(processor, "tokenizer", processor))
         self.in_flight = 0  # only touched on the event loop
         self.counters = RequestCounters()
         self.started_at = time.time()

@@ -17,7 +17,7 @@ from mlxvlm.server.chat import (
     CompletionWriter,
     sse,
 )
-from mlxvlm.server.deps import chat_request, get_service, get_token_bytes, get_vocab_size
+from mlxvlm.server.deps import chat_request, get_service, get_token_bytes
 from mlxvlm.server.errors import error_body
 from mlxvlm.server.logprobs import TokenBytes, logprob_content
 from mlxvlm.server.schemas import ChatCompletionRequest
@@ -35,10 +35,9 @@ async def chat_completions(
     chat: ChatCompletionRequest = Depends(chat_request),
     service: GenerationService = Depends(get_service),
     token_bytes: TokenBytes = Depends(get_token_bytes),
-    vocab_size: int = Depends(get_vocab_size),
 ) -> Response:
     accept(chat, service)
-    options, plan = plan_answer(chat, service, vocab_size)
+    options, plan = plan_answer(chat, service)
     writer = CompletionWriter(service.config.model_id)
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
 

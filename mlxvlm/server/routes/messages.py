@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from mlxvlm.server.answering import accept, answer, plan_answer
-from mlxvlm.server.deps import get_service, get_vocab_size, json_body
+from mlxvlm.server.deps import get_service, json_body
 from mlxvlm.server.messages import MessageWriter, to_chat_request
 from mlxvlm.server.messages_schemas import MessagesRequest
 from mlxvlm.server.service import GenerationService
@@ -24,11 +24,10 @@ async def messages(
     request: Request,
     body: MessagesRequest = Depends(messages_request),
     service: GenerationService = Depends(get_service),
-    vocab_size: int = Depends(get_vocab_size),
 ) -> Response:
     accept(body, service)
     chat = to_chat_request(body)
-    options, plan = plan_answer(chat, service, vocab_size)
+    options, plan = plan_answer(chat, service)
     writer = MessageWriter(service.config.model_id, plan)
     return await answer(request, chat, options, service, body=writer.body,
                         events=writer.events, plan=plan)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from mlxvlm.server.answering import accept, answer, plan_answer
-from mlxvlm.server.deps import get_service, get_vocab_size, json_body
+from mlxvlm.server.deps import get_service, json_body
 from mlxvlm.server.errors import APIError
 from mlxvlm.server.responses import (
     ResponseStore,
@@ -37,7 +37,6 @@ async def responses(
     body: ResponsesRequest = Depends(responses_request),
     service: GenerationService = Depends(get_service),
     store: ResponseStore = Depends(get_store),
-    vocab_size: int = Depends(get_vocab_size),
 ) -> Response:
     accept(body, service)
     namespace = request.scope.get("state", {}).get(KEY_ID)
@@ -50,7 +49,7 @@ async def responses(
                            "--max-stored-responses)", param="previous_response_id",
                            code="previous_response_not_found")
     chat = to_chat_request(body, earlier)
-    options, plan = plan_answer(chat, service, vocab_size)
+    options, plan = plan_answer(chat, service)
     writer = ResponseWriter(service.config.model_id, body, earlier + input_messages(body), store,
                             namespace, plan)
     return await answer(request, chat, options, service, body=writer.body,
