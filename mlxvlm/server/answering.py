@@ -138,6 +138,17 @@ async def whole_answer(first: BatchStep, stream: TokenStream, plan: AnswerPlan
     return splitter.feed("".join(texts)) + splitter.finish(), splitter, step
 
 
+async def split_steps(first: BatchStep, stream: TokenStream, splitter: AnswerSplitter
+                      ) -> AsyncIterator[tuple[BatchStep, list[Part]]]:
+    """Each step with the parts of the answer it completes (the last one: all that was
+    still held back)."""
+    async for step in steps(first, stream):
+        parts = splitter.feed(step.text)
+        if step.finish_reason is not None:
+            parts += splitter.finish()
+        yield step, parts
+
+
 async def steps(first: BatchStep, stream: TokenStream) -> AsyncIterator[BatchStep]:
     """The request's steps from its first to its last (the one with a finish reason)."""
     step = first

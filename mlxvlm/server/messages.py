@@ -10,7 +10,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from mlxvlm.batching import BatchStep
-from mlxvlm.server.answering import steps, stream_failure, whole_answer
+from mlxvlm.server.answering import split_steps, stream_failure, whole_answer
 from mlxvlm.server.answer_parts import Part, ToolCall
 from mlxvlm.server.errors import ANTHROPIC_PATH, APIError, error_body
 from mlxvlm.server.messages_schemas import MessagesRequest
@@ -191,10 +191,7 @@ class MessageWriter:
             return events
 
         try:
-            async for step in steps(first, stream):
-                parts = splitter.feed(step.text)
-                if step.finish_reason is not None:
-                    parts += splitter.finish()
+            async for step, parts in split_steps(first, stream, splitter):
                 for part in parts:
                     if part.kind == "tool_call":
                         use = _tool_use(part.call)

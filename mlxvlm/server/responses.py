@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 from mlxvlm.batching import BatchStep
 from mlxvlm.server.answer_parts import Part, ToolCall
-from mlxvlm.server.answering import steps, stream_failure, whole_answer
+from mlxvlm.server.answering import split_steps, stream_failure, whole_answer
 from mlxvlm.server.errors import APIError, error_body
 from mlxvlm.server.responses_schemas import ResponsesRequest
 from mlxvlm.server.schemas import ChatCompletionRequest
@@ -248,10 +248,7 @@ class ResponseWriter:
         items = _StreamedItems(self._event)
         splitter = self.plan.splitter()
         try:
-            async for step in steps(first, stream):
-                parts = splitter.feed(step.text)
-                if step.finish_reason is not None:
-                    parts += splitter.finish()
+            async for step, parts in split_steps(first, stream, splitter):
                 for part in parts:
                     for event in items.add(part):
                         yield event

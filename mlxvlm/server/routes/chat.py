@@ -11,7 +11,14 @@ from fastapi.responses import Response
 
 from mlxvlm.batching import BatchStep
 from mlxvlm.server.answer_parts import AnswerSplitter, Part
-from mlxvlm.server.answering import accept, answer, plan_answer, steps, stream_failure
+from mlxvlm.server.answering import (
+    accept,
+    answer,
+    plan_answer,
+    split_steps,
+    steps,
+    stream_failure,
+)
 from mlxvlm.server.chat import (
     SSE_DONE,
     CompletionWriter,
@@ -95,11 +102,8 @@ async def _stream_events(token_bytes: TokenBytes, writer: CompletionWriter, plan
     yield writer.chunk({"role": "assistant", "content": ""}, include_usage=include_usage)
     splitter = plan.splitter()
     try:
-        async for step in steps(first, stream):
+        async for step, parts in split_steps(first, stream, splitter):
             logprobs = [logprob_content(token_bytes, step)] if want_logprobs else None
-            parts = splitter.feed(step.text)
-            if step.finish_reason is not None:
-                parts += splitter.finish()
             deltas = _deltas(parts, splitter)
             if logprobs and not deltas:
                 deltas = [{"content": ""}]
