@@ -1,0 +1,257 @@
+"""Gemma 3n against transformers (float32), on tiny random checkpoints.
+
+The model is loaded from both config layouts (transformers 5's and google/gemma-3n-*-it's,
+see tests/tiny/gemma3n.py) through ``mlxvlm.load`` and compared with the in-memory
+transformers model (its vision tower timm's MobileNetV5): logits of the first forward pass
+and greedy tokens through ``mlxvlm.stream_generate``, for text only, one image, two images
+of different sizes and an image in a later turn. Every prompt is longer than the 16-token
+sliding window, and generation runs past it. Guards check that the tests can fail: another
+image changes the output, and dropping the sliding window, the local rope θ, the activation
+sparsity or the KV sharing changes the logits.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from parity import (
+    CAUGHT,
+    LOGITS_ATOL,
+    assert_another_image_changes_the_output,
+    assert_batched_tokens_match,
+    assert_decode_steps_match,
+    assert_rotating_cache_keeps_the_prompt,
+    assert_wrong_model_is_caught,
+    embedded,
+    first_pass,
+    load_transformers_model,
+    loaded,  # noqa: F401 (fixture)
+    model_args_in_both_layouts,
+    our_logits,
+    parameter_list,
+    read_config,
+    reference,  # noqa: F401 (fixture)
+    standard_cases,
+    standard_parity_tests,
+    transformers_logits,
+)
+from tiny import make_image
+from tiny.gemma3n import LAYOUTS, SLIDING_WINDOW
+from mlxvlm import load
+from mlxvlm.models import gemma3n
+
+torch = pytest.importorskip("torch")
+
+FAMILY = "gemma3n"
+IMAGE_A = make_image(112, 84, seed=1)
+IMAGE_B = make_image(84, 56, seed=2)
+IMAGE_A2 = make_image(112, 84, seed=3)  # A's size, other content
+
+CASES, ALL_CASES = standard_cases(
+    IMAGE_A, IMAGE_B, IMAGE_A2,
+    text="Tell me a story about a red cat on a blue mat.",
+    two_images=(None, "and", None, "Compare the two images."),
+)
+
+
+def logits_of(model, processor, case):
+    return our_logits(model, processor, *ALL_CASES[case])
+
+
+# ----------------------------------------------------------------------------------- parity
+
+
+test_first_pass_logits_match_transformers, test_greedy_tokens_match_transformers = (
+    standard_parity_tests([(FAMILY, layout) for layout in LAYOUTS], CASES)
+)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_prompt_outgrows_the_sliding_window(case, reference):
+    """(Our prompt ids are the reference's: see the first-pass test.)"""
+    assert len(reference(FAMILY, case).input_ids) > SLIDING_WINDOW
+
+
+def test_decode_steps_match_transformers(tiny_checkpoints, loaded, reference):
+    """Teacher-forced on the reference's answer, every decode step (through the rotating
+    sliding-window caches and the layers sharing them, well past the window) gives
+    transformers' logits. (The other answers hold the image token itself, which
+    transformers' one-pass forward would take for an image.)"""
+    model, processor = loaded(FAMILY, "hub")
+    assert_decode_steps_match(tiny_checkpoints.model(FAMILY).model, model, processor,
+                              CASES["one_image"], reference(FAMILY, "one_image"))
+
+
+def test_chunked_prefill_gives_the_same_tokens(loaded, reference):
+    """Prefill in chunks of 5: the KV-sharing layers read what their owner layer cached
+    in earlier chunks."""
+    model, processor = loaded(FAMILY, "hub")
+    tokens = [r.token for r in _stream(model, processor, "two_images", prefill_step_size=5)]
+    assert tokens == reference(FAMILY, "two_images").tokens
+
+
+def _stream(model, processor, case, **options):
+    from mlxvlm import stream_generate
+
+    messages, images = ALL_CASES[case]
+    return stream_generate(model, processor, messages, image=images, max_tokens=24,
+                           temperature=0.0, **options)
+
+
+def test_batched_generation_gives_each_prompt_its_tokens(loaded, reference):
+    model, processor = loaded(FAMILY, "hub")
+    assert_batched_tokens_match(model, processor, CASES, [reference(FAMILY, c) for c in CASES])
+
+
+def test_rotating_cache_keeps_the_prompt(loaded, reference):
+    """With --max-kv-size the global layers' caches rotate too; until anything is evicted
+    the tokens are the reference's."""
+    model, processor = loaded(FAMILY, "transformers")
+    assert_rotating_cache_keeps_the_prompt(model, processor, CASES["one_image"],
+                                           reference(FAMILY, "one_image"))
+
+
+# ---------------------------------------------------------------- the tests can fail
+
+
+def test_another_image_changes_the_output(loaded, reference):
+    model, processor = loaded(FAMILY, "transformers")
+    assert_another_image_changes_the_output(model, processor, ALL_CASES, FAMILY, reference)
+
+
+@pytest.mark.parametrize("change", ["no_sliding_window", "default_local_theta", "dense_activations"])
+def test_config_errors_would_be_caught(change, tiny_checkpoints, loaded, reference):
+    """A loader that ignored the window, read the wrong rope key or the sparsity pattern
+    would fail parity."""
+    config = read_config(tiny_checkpoints, FAMILY, "hub")
+    text = config["text_config"]
+    if change == "no_sliding_window":
+        text["sliding_window"] = 4096
+    elif change == "default_local_theta":
+        del text["rope_local_base_freq"]
+    else:
+        text["activation_sparsity_pattern"] = [0.0] * text["num_hidden_layers"]
+    model, processor = loaded(FAMILY, "hub")
+    assert_wrong_model_is_caught(gemma3n.Model.from_config(config), model, processor,
+                                 CASES["image_in_second_turn"], reference(FAMILY, "image_in_second_turn"))
+
+
+def test_kv_sharing_matters(loaded, reference):
+    """The shared layers reading their own (fresh) keys instead of the owner's: the last
+    two layers given a cache of their own would be far off."""
+    model, processor = loaded(FAMILY, "hub")
+    text_model = model.language_model.model
+    saved = list(text_model.layer_idx_to_cache_idx)
+    try:
+        # Point the shared layers at the first layers' caches of their type instead.
+        types = text_model.config.layer_types
+        text_model.layer_idx_to_cache_idx = [
+            i if i < model.first_shared_layer else types.index(types[i]) for i in range(len(saved))
+        ]
+        input_ids, embeddings, state = embedded(model, processor, *CASES["text"])
+        logits = first_pass(model, input_ids, embeddings, state)
+    finally:
+        text_model.layer_idx_to_cache_idx = saved
+    assert np.abs(logits - reference(FAMILY, "text").logits).max() > CAUGHT
+
+
+# -------------------------------------------------------------- checkpoints and names
+
+
+def test_hub_layout_reads_the_same_in_transformers(tiny_checkpoints, reference):
+    """The Hub-layout fixture is faithful: transformers reads it into the same model."""
+    ref = reference(FAMILY, "one_image")
+    for layout in LAYOUTS:
+        path = tiny_checkpoints.path(FAMILY, layout)
+        logits = transformers_logits(load_transformers_model(path),
+                                     gemma3n.load_processor(path, {}), *CASES["one_image"])
+        np.testing.assert_allclose(logits, ref.logits, rtol=0, atol=1e-6)
+
+
+def test_both_config_layouts_build_the_same_model(tiny_checkpoints):
+    hub, new = model_args_in_both_layouts(tiny_checkpoints, FAMILY)
+    assert hub == new
+
+
+def test_the_vision_layout_comes_from_the_config(tiny_checkpoints, loaded):
+    """The tiny tower's blocks are the ones model_args lays out, not the 300M layout."""
+    model, _ = loaded(FAMILY, "transformers")
+    stages = model.vision_tower.timm_model.blocks
+    assert [len(s) for s in stages] == [1, 2, 3, 3]
+    assert type(stages[2][1]).__name__ == "MobileAttention"
+    assert "down_conv" in stages[2][1].attn.key  # the keys' stride of 2 ("v2")
+    assert gemma3n.mobilenet_v5.MOBILENETV5_300M == timm_300m_layout()
+    full = gemma3n.mobilenet_v5.MobileNetV5Config.from_hf({"architecture": "mobilenetv5_300m_enc"})
+    assert [len(s) for s in full.stages] == [3, 5, 37, 39]
+
+
+def timm_300m_layout() -> list[list[str]]:
+    """timm's block strings of mobilenetv5_300m (the ``else`` branch of its generator)."""
+    import ast
+    import inspect
+
+    from timm.models import mobilenetv5
+
+    tree = ast.parse(inspect.getsource(mobilenetv5._gen_mobilenet_v5))
+    branch = next(n for n in ast.walk(tree) if isinstance(n, ast.If))
+    return ast.literal_eval(branch.orelse[0].value)
+
+
+def mlx_community_weights(model) -> dict[str, mx.array]:
+    """Our parameters under mlx-community's names, with the unused KV projections of the
+    shared layers that mlx-vlm's conversions store (random here)."""
+    weights = dict(parameter_list(model))
+    args = model.args.text
+    rng = np.random.default_rng(0)
+    for i in range(model.first_shared_layer, args.num_hidden_layers):
+        prefix = f"language_model.model.layers.{i}.self_attn."
+        kv = args.num_key_value_heads * args.head_dim
+        weights[prefix + "k_proj.weight"] = mx.array(rng.normal(size=(kv, args.hidden_size)), dtype=mx.float32)
+        weights[prefix + "v_proj.weight"] = mx.array(rng.normal(size=(kv, args.hidden_size)), dtype=mx.float32)
+        weights[prefix + "k_norm.weight"] = mx.ones((args.head_dim,))
+    return weights
+
+
+def test_mlx_community_names_load_unchanged(tmp_path, tiny_checkpoints, loaded, reference):
+    """A checkpoint in mlx-community's names and layout (as mlx-vlm converts Gemma 3n: MLX
+    convolution layout, unused shared-layer projections included) loads without
+    sanitizing and gives the reference's logits."""
+    import shutil
+
+    model, _ = loaded(FAMILY, "hub")
+    weights = mlx_community_weights(model)
+    for name in ("language_model.model.embed_tokens_per_layer.weight",
+                 "language_model.model.layers.0.altup.prediction_coefs.weight",
+                 "vision_tower.timm_model.conv_stem.conv.weight",
+                 "vision_tower.timm_model.blocks.2.1.attn.key.down_conv.weight",
+                 "vision_tower.timm_model.msfa.ffn.pw_proj.conv.weight",
+                 "embed_vision.embedding_projection.weight", "embed_audio.embedding.weight"):
+        assert name in weights, name
+    assert not gemma3n.is_hf_checkpoint(weights)
+    source = tiny_checkpoints.path(FAMILY, "hub")
+    for item in source.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copyfile(item, tmp_path / item.name)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    mlx_model, processor = load(tmp_path)
+    _, logits = logits_of(mlx_model, processor, "two_images")
+    np.testing.assert_allclose(logits, reference(FAMILY, "two_images").logits, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_sanitized_names_are_ours(tiny_checkpoints, loaded):
+    """transformers 5's saved names and the module tree map onto our (mlx-community's)
+    names, convolutions moved to MLX's layout."""
+    model, _ = loaded(FAMILY, "transformers")
+    expected = {name for name, _ in parameter_list(model)}
+    reference_model = tiny_checkpoints.model(FAMILY).model
+    saved = mx.load(str(tiny_checkpoints.path(FAMILY, "transformers") / "model.safetensors"))
+    tree = {k: mx.array(v.numpy()) for k, v in reference_model.state_dict().items()}
+    for naming, weights in {"transformers 5": saved, "module tree": tree}.items():
+        assert gemma3n.is_hf_checkpoint(weights.keys()), naming
+        sanitized = {k: v for k, v in model.sanitize(weights).items()
+                     if not gemma3n.is_unused_weight(k, model.first_shared_layer)}
+        assert set(sanitized) == expected, naming
+    stem = sanitized["vision_tower.timm_model.conv_stem.conv.weight"]
+    assert stem.shape == (16, 3, 3, 3) and stem.shape == model.vision_tower.timm_model.conv_stem.conv.weight.shape
