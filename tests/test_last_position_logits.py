@@ -17,7 +17,7 @@ from mlxvlm.models.layers import mlx_lm_backbone
 FAMILIES = [
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni", "gemma3",
     "idefics3", "smolvlm", "llava", "llava_next", "llava_onevision", "pixtral", "mistral3",
-    "paligemma",
+    "paligemma", "gemma3n",
 ]
 MESSAGES = user(None, "Describe this image.")
 IMAGES = [make_image(112, 84, seed=1)]
