@@ -65,6 +65,7 @@ def reference_model(tiny_checkpoints, family):
     ("pixtral", "lora", True, 0, None),
     ("qwen2_5_omni", "lora", True, 0, ["qkv"]),
     ("qwen2_5_omni", "dora", True, 0, ["qkv"]),
+    ("gemma3n", "lora", False, -1, None),
 ])
 def test_adapter_trained_here_loads_in_peft(tiny_checkpoints, tmp_path, family, method,
                                             train_vision, num_layers, targets):
@@ -92,6 +93,8 @@ LLAVA_TOWER = r"model\.vision_tower\..*\.(q_proj|v_proj|out_proj|fc1|fc2)"
 PIXTRAL_TOWER = r"model\.vision_tower\..*\.(q_proj|o_proj|gate_proj|down_proj)"
 OMNI_QKV = r"model\.visual\.blocks\.\d+\.attn\.(q|k|v)"
 OMNI_QV = r"model\.visual\.blocks\.\d+\.attn\.(q|v)"
+# Gemma 3n's text model only (its audio tower, not ported, has q_proj and v_proj too).
+GEMMA3N_DECODER = r"model\.language_model\..*\.(q_proj|v_proj|o_proj|gate_proj|down_proj)"
 
 
 @pytest.mark.parametrize("family,options", [
@@ -104,8 +107,9 @@ OMNI_QV = r"model\.visual\.blocks\.\d+\.attn\.(q|v)"
     ("qwen2_5_omni", {"target_modules": OMNI_QKV, "alpha_pattern": {"k": 3.0}}),
     # k left out: its rows of the fused layer keep the base weights (and norms, with DoRA)
     ("qwen2_5_omni", {"target_modules": OMNI_QV, "use_dora": True}),
+    ("gemma3n", {"target_modules": GEMMA3N_DECODER}),
 ], ids=["lora", "dora", "rslora-alpha-pattern", "llava-tower", "pixtral-tower-dora",
-        "omni-qkv-alpha-pattern", "omni-qv-dora"])
+        "omni-qkv-alpha-pattern", "omni-qv-dora", "gemma3n-decoder"])
 def test_adapter_made_with_peft_loads_here(tiny_checkpoints, tmp_path, family, options):
     torch.manual_seed(0)
     base = reference_model(tiny_checkpoints, family)

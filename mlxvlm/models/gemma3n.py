@@ -210,6 +210,8 @@ class Model(VisionLanguageModel):
     mlx_prefixes = MLX_PREFIXES
     processor_class = "Gemma3nProcessor"
     image_processor_class = "SiglipImageProcessorPil"
+    # mlx-lm's AltUp reads and rewrites these layers' weights itself: LoRA cannot wrap them.
+    untunable_linears = ("altup.prediction_coefs", "altup.correction_coefs")
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
