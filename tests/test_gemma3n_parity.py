@@ -255,3 +255,40 @@ def test_sanitized_names_are_ours(tiny_checkpoints, loaded):
         assert set(sanitized) == expected, naming
     stem = sanitized["vision_tower.timm_model.conv_stem.conv.weight"]
     assert stem.shape == (16, 3, 3, 3) and stem.shape == model.vision_tower.timm_model.conv_stem.conv.weight.shape
+
+
+def test_prefix_cache_gives_the_tokens_of_a_fresh_prefill(tmp_path, tiny_checkpoints):
+    """A conversation's second request reuses the first's cache (trimmed to the shared
+    prompt; within the sliding window, here widened to 64, mlx-lm's rotating caches can be
+    trimmed): the KV-sharing layers then read a reused cache, and the tokens are those of
+    a prefill from scratch. (Past the window the rotating caches cannot be trimmed and
+    reuse is off.)"""
+    import json
+    import shutil
+
+    from mlxvlm.batching import BatchEngine, SamplingOptions
+    from mlxvlm.prefix_cache import PrefixCache
+    from mlxvlm.prompt import prepare_inputs
+
+    shutil.copytree(tiny_checkpoints.path(FAMILY, "transformers"), tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"]["sliding_window"] = window = 64
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model, processor = load(tmp_path)
+    first = [{"role": "user", "content": "Hello!"}]
+    second = first + [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "A cat?"}]
+
+    def run(engine, messages):
+        inputs = prepare_inputs(processor, messages, [], feature_names=model.feature_names)
+        steps: list = []
+        engine.submit(inputs, SamplingOptions(max_tokens=3, temperature=0.0), steps.append)
+        while engine.has_work:
+            engine.step()
+        return [s.token for s in steps], steps[0].cached_tokens, inputs.input_ids.shape[1]
+
+    reusing = BatchEngine(model, processor, prefix_cache=PrefixCache(max_entries=2))
+    _, _, first_length = run(reusing, first)
+    assert first_length + 3 < window
+    tokens, cached, _ = run(reusing, second)
+    assert cached > 0
+    assert tokens == run(BatchEngine(model, processor), second)[0]
