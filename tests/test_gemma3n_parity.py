@@ -292,3 +292,20 @@ def test_prefix_cache_gives_the_tokens_of_a_fresh_prefill(tmp_path, tiny_checkpo
     tokens, cached, _ = run(reusing, second)
     assert cached > 0
     assert tokens == run(BatchEngine(model, processor), second)[0]
+
+
+def test_server_answers_an_image_as_transformers_does(loaded, reference):
+    """The OpenAI-compatible server takes Gemma 3n's image as a data URL and answers with
+    the reference's greedy tokens' text."""
+    from server_harness import MODEL_ID, LiveServer, png_data_url, user as url_user
+
+    model, processor = loaded(FAMILY, "transformers")
+    expected = processor.tokenizer.decode(reference(FAMILY, "one_image").tokens,
+                                          skip_special_tokens=True)
+    with LiveServer(model, processor) as live:
+        response = live.client().chat.completions.create(
+            model=MODEL_ID, messages=[url_user("Describe this image.", png_data_url(IMAGE_A))],
+            temperature=0, max_tokens=24,
+        )
+    assert response.choices[0].message.content == expected
+    assert response.usage.prompt_tokens == len(reference(FAMILY, "one_image").input_ids)

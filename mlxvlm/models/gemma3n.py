@@ -187,6 +187,11 @@ class LanguageModel(nn.Module):
             if layer.self_attn.is_kv_shared_layer:
                 for name in SHARED_KV_MODULES:
                     delattr(layer.self_attn, name)
+        # mlx-lm keeps the sparse layers' cut-off multiplier as a lazy array outside the
+        # parameters; MLX evaluates a graph only on the thread that built it, so it is
+        # made concrete here, before a server's engine thread first runs the model.
+        mx.eval([layer.mlp._std_multiplier for layer in self.model.layers
+                 if hasattr(layer.mlp, "_std_multiplier")])
 
 
 def is_unused_weight(name: str, first_shared_layer: int) -> bool:
