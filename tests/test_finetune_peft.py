@@ -93,7 +93,7 @@ LLAVA_TOWER = r"model\.vision_tower\..*\.(q_proj|v_proj|out_proj|fc1|fc2)"
 PIXTRAL_TOWER = r"model\.vision_tower\..*\.(q_proj|o_proj|gate_proj|down_proj)"
 OMNI_QKV = r"model\.visual\.blocks\.\d+\.attn\.(q|k|v)"
 OMNI_QV = r"model\.visual\.blocks\.\d+\.attn\.(q|v)"
-# Gemma 3n's text model only (its audio tower, not ported, has q_proj and v_proj too).
+# Gemma 3n's text model only (its audio tower has q_proj and v_proj too).
 GEMMA3N_DECODER = r"model\.language_model\..*\.(q_proj|v_proj|o_proj|gate_proj|down_proj)"
 
 

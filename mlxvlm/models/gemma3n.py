@@ -12,8 +12,9 @@ causally, like text.
 
 Checkpoint names (as mlx-community publishes them): ``language_model.model.*``,
 ``vision_tower.timm_model.*``, ``embed_vision.*``, ``audio_tower.*``, ``embed_audio.*``;
-the head is tied to the token embeddings. The audio tower is not ported yet: its tensors
-are read past and a prompt with audio is refused.
+the head is tied to the token embeddings. The audio tower (``layers/gemma3n_audio.py``)
+gives each clip at most ``audio_soft_tokens_per_image`` soft tokens, padded to that many
+with the embedding of the last audio token, as transformers pads them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from mlx_lm.models import gemma3n as mlx_gemma3n
 from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.feature_cache import cached_rows
-from mlxvlm.models.layers import mobilenet_v5
+from mlxvlm.models.layers import gemma3n_audio, mobilenet_v5
 from mlxvlm.models.weights import map_hf_weights
 
 HF_PREFIXES = (
@@ -42,6 +43,7 @@ HF_PREFIXES = (
 )
 MLX_PREFIXES = ("language_model.", "vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.")
 VISION_TOWER = "vision_tower.timm_model."
+AUDIO_TOWER = "audio_tower."
 # The projections KV-sharing layers do not have (older checkpoints store them unused).
 SHARED_KV_MODULES = ("k_proj", "v_proj", "k_norm", "v_norm")
 
@@ -116,9 +118,11 @@ class EmbedderArgs:
 class ModelArgs:
     text: mlx_gemma3n.TextConfig
     vision: mobilenet_v5.MobileNetV5Config
+    audio: gemma3n_audio.AudioConfig
     vision_embedder: EmbedderArgs
     audio_embedder: EmbedderArgs
     vision_soft_tokens_per_image: int
+    audio_soft_tokens_per_image: int
     image_token_id: int
     audio_token_id: int
 
@@ -132,9 +136,11 @@ class ModelArgs:
         return cls(
             text=text_args(config),
             vision=mobilenet_v5.MobileNetV5Config.from_hf(vision),
+            audio=gemma3n_audio.AudioConfig.from_hf(audio),
             vision_embedder=EmbedderArgs.from_hf(vision, (2048, 262_144, 128)),
             audio_embedder=EmbedderArgs.from_hf(audio, (1536, 262_272, 128)),
             vision_soft_tokens_per_image=config.get("vision_soft_tokens_per_image", 256),
+            audio_soft_tokens_per_image=config.get("audio_soft_tokens_per_image", 188),
             image_token_id=config.get("image_token_id", 262_145),
             audio_token_id=config.get("audio_token_id", 262_273),
         )
@@ -195,10 +201,7 @@ class LanguageModel(nn.Module):
 
 
 def is_unused_weight(name: str, first_shared_layer: int) -> bool:
-    """Tensors our tree does not hold: the shared layers' unused KV projections, and the
-    audio tower (not ported yet)."""
-    if name.startswith("audio_tower."):
-        return True
+    """Tensors our tree does not hold: the shared layers' unused KV projections."""
     parts = name.split(".")
     if name.startswith("language_model.model.layers.") and parts[5:6] and parts[4] == "self_attn":
         return int(parts[3]) >= first_shared_layer and parts[5] in SHARED_KV_MODULES
@@ -224,6 +227,7 @@ class Model(VisionLanguageModel):
         self.language_model = LanguageModel(text)
         self.vision_tower = VisionTower(args.vision)
         self.embed_vision = MultimodalEmbedder(args.vision_embedder, text.hidden_size)
+        self.audio_tower = gemma3n_audio.AudioEncoder(args.audio)
         self.embed_audio = MultimodalEmbedder(args.audio_embedder, text.hidden_size)
 
     @property
@@ -232,7 +236,9 @@ class Model(VisionLanguageModel):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         sanitized = map_hf_weights(
-            weights, self.hf_to_mlx_name, towers={VISION_TOWER: mobilenet_v5.convert_hf_weight}
+            weights, self.hf_to_mlx_name,
+            towers={VISION_TOWER: mobilenet_v5.convert_hf_weight,
+                    AUDIO_TOWER: gemma3n_audio.convert_hf_weight},
         )
         # The head is the token embeddings (tied), as mlx-lm's model computes it.
         sanitized.pop("language_model.lm_head.weight", None)
@@ -269,12 +275,37 @@ class Model(VisionLanguageModel):
 
     def embed(self, input_ids: mx.array, pixel_values: Any = None, input_features: Any = None,
               input_features_mask: Any = None) -> tuple[mx.array, None]:
-        if input_features is not None:
-            raise NotImplementedError("Gemma 3n's audio tower is not supported yet")
         features = None if pixel_values is None else self.image_features(pixel_values)
-        h, _ = merge.embed_with_features(self.embed_tokens, input_ids, self.args.image_token_id,
-                                         features)
+        h, ids = merge.embed_with_features(self.embed_tokens, input_ids, self.args.image_token_id,
+                                           features)
+        if input_features is not None:
+            audio = self.audio_features(input_features, input_features_mask)
+            h = merge.merge_features(h, merge.placeholder_positions(ids, self.args.audio_token_id),
+                                     audio.reshape(-1, h.shape[-1]).astype(h.dtype), "audio tokens")
         return h, None
+
+    def audio_features(self, input_features: Any, input_features_mask: Any) -> mx.array:
+        """(clips, audio_soft_tokens_per_image, text width) from the feature extractor's
+        log-mel frames and their mask (True: a frame of the clip)."""
+        mel = mx.array(input_features) if not isinstance(input_features, mx.array) else input_features
+        valid = mx.array(input_features_mask).astype(mx.bool_)
+        dtype = self.embed_audio.embedding_projection.weight.dtype
+
+        def encode(mel: mx.array, valid: mx.array) -> mx.array:
+            encodings, kept = self.audio_tower(mel.astype(dtype), valid)
+            soft = self.embed_audio.soft(encodings)
+            # Padding frames and the tokens past the clip's: the last audio token's embedding.
+            last = self.args.text.vocab_size - 1
+            padding = self.embed_audio.hard(mx.array([last])).astype(soft.dtype)
+            soft = mx.where(kept[..., None], soft, padding)
+            missing = self.args.audio_soft_tokens_per_image - soft.shape[1]
+            if missing < 0:
+                raise ValueError(f"the audio tower gave {soft.shape[1]} tokens per clip, more "
+                                 f"than the {self.args.audio_soft_tokens_per_image} the config allows")
+            fill = mx.broadcast_to(padding, (soft.shape[0], missing, soft.shape[-1]))
+            return mx.concatenate([soft, fill], axis=1)
+
+        return cached_rows(self, "audio", encode, mel, valid)
 
     def image_features(self, pixel_values: Any) -> mx.array:
         """(images, soft tokens, text width) from the processor's (images, C, H, W)."""
