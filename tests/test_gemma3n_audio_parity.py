@@ -116,3 +116,57 @@ def test_another_sound_changes_the_output(loaded, reference):
     other = our_tokens(model, processor, *CASES["other_audio"])
     assert other != reference("audio_image")[2]
     assert other == reference("other_audio")[2]
+
+
+def test_batch_generate_gives_each_prompt_its_reference_tokens(loaded, reference):
+    """Audio alone, audio with an image and an image alone, decoded together."""
+    from mlxvlm import batch_generate
+
+    model, processor = loaded(FAMILY, "hub")
+    cases = [CASES["audio"], CASES["audio_image"], CASES["other_audio"]]
+    outputs = batch_generate(model, processor, [m for m, _ in cases],
+                             [media.get("image") for _, media in cases],
+                             audios=[media.get("audio") for _, media in cases],
+                             max_tokens=NEW_TOKENS, temperature=0.0)
+    assert [o.tokens for o in outputs] == [reference(c)[2] for c in ("audio", "audio_image", "other_audio")]
+
+
+def test_server_answers_audio_as_transformers_does(loaded, reference):
+    """The OpenAI-compatible server takes the clip as an ``input_audio`` part (base64 WAV)
+    beside an image and answers as ``generate`` does for the clip it decodes (16-bit
+    samples; ``generate``'s tokens are compared with transformers' above)."""
+    import base64
+    import io
+    import wave
+
+    from server_harness import MODEL_ID, LiveServer, png_data_url
+
+    model, processor = loaded(FAMILY, "transformers")
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes((SOUND_A * 32767).astype("<i2").tobytes())
+    # The reference for the clip as the server decodes it (16-bit samples).
+    samples = np.frombuffer(buffer.getvalue()[44:], "<i2").astype(np.float32) / 32768
+    messages, media = CASES["audio_image"]
+    inputs = prepare_inputs(processor, messages, media["image"], audio=[samples],
+                            feature_names=model.feature_names)
+    expected = [r.token for r in stream_generate(model, processor, messages, image=media["image"],
+                                                 audio=[samples], max_tokens=NEW_TOKENS,
+                                                 temperature=0.0)]
+    content = [
+        {"type": "image_url", "image_url": {"url": png_data_url(IMAGE)}},
+        {"type": "input_audio", "input_audio": {
+            "data": base64.b64encode(buffer.getvalue()).decode(), "format": "wav"}},
+        {"type": "text", "text": messages[0]["content"][-1]["text"]},
+    ]
+    with LiveServer(model, processor) as live:
+        response = live.client().chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": content}], temperature=0,
+            max_tokens=NEW_TOKENS,
+        )
+    assert response.choices[0].message.content == processor.tokenizer.decode(
+        expected, skip_special_tokens=True)
+    assert response.usage.prompt_tokens == inputs.input_ids.shape[1]
