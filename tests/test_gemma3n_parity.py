@@ -309,3 +309,28 @@ def test_server_answers_an_image_as_transformers_does(loaded, reference):
         )
     assert response.choices[0].message.content == expected
     assert response.usage.prompt_tokens == len(reference(FAMILY, "one_image").input_ids)
+
+
+def test_a_later_turn_encodes_only_its_new_image(tiny_checkpoints, monkeypatch):
+    """The feature cache: the image of an earlier turn is not encoded again, and the
+    features it gives back are the tower's (to float32 rounding: an image encoded alone
+    or beside another rounds differently; this tiny text model amplifies that past the
+    logits tolerance, so the embeddings are compared)."""
+    from mlxvlm.models import feature_cache
+    from mlxvlm.models.feature_cache import no_feature_cache
+
+    monkeypatch.delenv(feature_cache.ENV_VAR, raising=False)
+    model, processor = load(tiny_checkpoints.path(FAMILY, "transformers"))
+    calls = []
+    original = gemma3n.VisionTower.__call__
+    monkeypatch.setattr(gemma3n.VisionTower, "__call__",
+                        lambda self, pixels: calls.append(pixels.shape[0]) or original(self, pixels))
+    first = CASES["one_image"]
+    second = ([*first[0], {"role": "assistant", "content": "A cat."},
+               *CASES["image_in_second_turn"][0][-1:]], [IMAGE_A, IMAGE_B])
+    embedded(model, processor, *first)
+    _, ours, _ = embedded(model, processor, *second)
+    assert calls == [1, 1]  # the second turn encoded IMAGE_B alone
+    with no_feature_cache():
+        _, fresh, _ = embedded(model, processor, *second)
+    np.testing.assert_allclose(np.array(ours), np.array(fresh), rtol=0, atol=1e-5)
