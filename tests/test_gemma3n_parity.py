@@ -334,3 +334,27 @@ def test_a_later_turn_encodes_only_its_new_image(tiny_checkpoints, monkeypatch):
     with no_feature_cache():
         _, fresh, _ = embedded(model, processor, *second)
     np.testing.assert_allclose(np.array(ours), np.array(fresh), rtol=0, atol=1e-5)
+
+
+def test_qlora_on_a_4_bit_conversion(tmp_path, tiny_checkpoints):
+    """``mlxvlm.convert`` quantizes the checkpoint to 4 bits; LoRA trains on the quantized
+    decoder (QLoRA) and its adapter loads back onto the quantized model, changing it."""
+    from finetune_helpers import small_dataset
+
+    from mlxvlm.convert import convert
+    from mlxvlm.finetune import FinetuneConfig, finetune
+
+    quantized = tmp_path / "q4"
+    convert(str(tiny_checkpoints.path(FAMILY, "hub")), quantized, quantize=True, q_bits=4,
+            q_group_size=32)
+    base, processor = load(quantized)
+    assert "scales" in base.layers[0].self_attn.q_proj  # a quantized layer
+    finetune(FinetuneConfig(
+        model=str(quantized), data=str(small_dataset(tmp_path / "data", count=4)),
+        output=str(tmp_path / "adapter"), method="lora", rank=4, alpha=8, batch_size=2,
+        iters=3, learning_rate=1e-2,
+    ))
+    adapted, _ = load(quantized, adapter_path=tmp_path / "adapter")
+    _, before = our_logits(base, processor, *CASES["one_image"])
+    _, after = our_logits(adapted, processor, *CASES["one_image"])
+    assert np.isfinite(after).all() and np.abs(after - before).max() > 1e-2
