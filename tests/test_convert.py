@@ -129,7 +129,14 @@ def config_of(path: Path) -> dict:
 
 
 def weight_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    """The tensors' bytes in the safetensors files, their headers (names, shapes) left out:
+    the header grows with each quantized module's two extra tensors, by its name's length."""
+    total = 0
+    for f in path.glob("*.safetensors"):
+        with open(f, "rb") as handle:
+            header = int.from_bytes(handle.read(8), "little")
+        total += f.stat().st_size - 8 - header
+    return total
 
 
 def tensors(path: Path) -> dict[str, mx.array]:

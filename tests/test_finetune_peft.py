@@ -79,6 +79,7 @@ HYBRID_TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj", "o
     ("qwen3_omni_moe", "lora", True, -1, ["q_proj", "k_proj", "v_proj", "o_proj", "qkv"]),
     ("gemma4", "lora", False, -1, None),
     ("gemma4_moe", "lora", False, -1, None),
+    ("gemma3n", "lora", False, -1, None),
 ])
 def test_adapter_trained_here_loads_in_peft(tiny_checkpoints, tmp_path, family, method,
                                             train_vision, num_layers, targets):
@@ -109,8 +110,9 @@ OMNI_QV = r"model\.visual\.blocks\.\d+\.attn\.(q|v)"
 PADDLE_TOWER_QV = r"model\.visual\.vision_model\.encoder\.layers\.\d+\.self_attn\.(q_proj|v_proj)"
 # LFM2's convolution and attention blocks and its MLP, and the NaFlex tower.
 LFM2_VL_MODULES = r"model\.(language_model|vision_tower)\..*\.(in_proj|out_proj|q_proj|w1|w2|fc1)"
-# Gemma 4's towers name their (clippable) linear layers as the decoder does: the decoder only.
-GEMMA4_DECODER = r"model\.language_model\..*\.(q_proj|v_proj|o_proj|gate_proj|down_proj)"
+# Gemma 4's and Gemma 3n's text model only (their towers have linear layers of the same
+# names: Gemma 4's clippable ones, Gemma 3n's audio attention).
+GEMMA_DECODER = r"model\.language_model\..*\.(q_proj|v_proj|o_proj|gate_proj|down_proj)"
 
 
 @pytest.mark.parametrize("family,options", [
@@ -130,12 +132,13 @@ GEMMA4_DECODER = r"model\.language_model\..*\.(q_proj|v_proj|o_proj|gate_proj|do
     ("lfm2_vl", {"target_modules": LFM2_VL_MODULES}),
     # the thinker's decoder attention, audio tower and vision tower
     ("qwen3_omni_moe", {"target_modules": ["q_proj", "v_proj", "o_proj", "qkv", "fc1"]}),
-    ("gemma4", {"target_modules": GEMMA4_DECODER}),
+    ("gemma4", {"target_modules": GEMMA_DECODER}),
+    ("gemma3n", {"target_modules": GEMMA_DECODER}),
 ], ids=["lora", "dora", "rslora-alpha-pattern", "llava-tower", "pixtral-tower-dora",
         "omni-qkv-alpha-pattern", "omni-qv-dora",
         "paddleocr-decoder-and-tower", "paddleocr-tower-qv-dora",
         "qwen3_5-both-layer-kinds", "lfm2-vl-conv-attention-tower", "qwen3-omni-thinker",
-        "gemma4-decoder"])
+        "gemma4-decoder", "gemma3n-decoder"])
 def test_adapter_made_with_peft_loads_here(tiny_checkpoints, tmp_path, family, options):
     torch.manual_seed(0)
     base = reference_model(tiny_checkpoints, family)

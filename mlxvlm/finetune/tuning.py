@@ -86,10 +86,14 @@ def candidate_linears(model: nn.Module, num_layers: int, train_vision: bool) -> 
     vision side with ``train_vision``; mixture-of-experts routers excepted."""
     roots = _block_paths(model, num_layers) + (vision_paths(model) if train_vision else [])
     modules = dict(model.named_modules())
+    # Layers a family's blocks use as bare weights, not as layers (``untunable_linears``:
+    # path suffixes), cannot be wrapped.
+    untunable = tuple(getattr(model, "untunable_linears", ()))
     return sorted(
         path
         for path, module in modules.items()
         if isinstance(module, _LINEAR) and _under(path, roots) and not _is_router(path, modules)
+        and not (untunable and path.endswith(untunable))
     )
 
 

@@ -17,6 +17,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_vl": "qwen2_vl",
     "qwen2_5_vl": "qwen2_5_vl",
     "gemma3": "gemma3",
+    "gemma3n": "gemma3n",
     "idefics3": "idefics3",
     # SmolVLM is Idefics3 under another name (see models/idefics3.py)
     "smolvlm": "idefics3",

@@ -18,6 +18,7 @@ BUILDERS = {
     "qwen2_vl": "tiny.qwen",
     "qwen2_5_vl": "tiny.qwen",
     "gemma3": "tiny.gemma3",
+    "gemma3n": "tiny.gemma3n",
     "idefics3": "tiny.idefics3",
     "smolvlm": "tiny.idefics3",
     "llava": "tiny.llava",
