@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from mlxvlm.errors import CheckpointError, ModelNotFoundError
 from mlxvlm.models import get_family
+from mlxvlm.models.base import materialize
 from mlxvlm.quantization import apply_quantization
 
 # Files a checkpoint needs; code files only with trust_remote_code.
@@ -214,7 +215,7 @@ def load_model(
     elif dtype is not None:
         model.set_dtype(dtype)
     model.eval()
-    mx.eval(model.parameters())
+    materialize(model)
     # A read-only view: a plain dict attribute would join the module's parameter tree.
     model.config = MappingProxyType(config)
     return model
@@ -268,4 +269,7 @@ def load(
         from mlxvlm.adapters import load_adapter
 
         load_adapter(model, adapter_path)
+    # Again, after the fast paths and the adapter: what they built is concrete too, so
+    # that the model runs on any thread.
+    materialize(model)
     return model, processor

@@ -32,6 +32,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.batching.decode import DecodeBatch
+from mlxvlm.models.base import materialize
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.cache import DEFAULT_QUANTIZED_KV_START, CacheOptions
 from mlxvlm.generate.loop import embed_prompt, fit_to_context, generation_stream, prefill_chunks
@@ -132,39 +133,6 @@ class EngineStats:
 _RUNNING, _FINISHED, _CANCELLED = "running", "finished", "cancelled"
 
 
-def _materialize(model: nn.Module) -> None:
-    """Evaluate every array the model holds, parameters or not (e.g. rotary tables kept
-    on plain helper objects), in the calling thread.
-
-    MLX streams are per thread, and a lazy array can only be evaluated on the thread
-    that built it; the engine's thread would fail on a table the loading thread left
-    unevaluated. ``load`` evaluates the parameters, not such helpers.
-    """
-    arrays: list[mx.array] = []
-    seen: set[int] = set()
-
-    def collect(value: Any, depth: int) -> None:
-        if id(value) in seen or depth > 4:
-            return
-        seen.add(id(value))
-        if isinstance(value, mx.array):
-            arrays.append(value)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                collect(item, depth + 1)
-        elif isinstance(value, dict):
-            for item in value.values():
-                collect(item, depth + 1)
-        elif hasattr(value, "__dict__") and not isinstance(value, (type, nn.Module)):
-            for item in vars(value).values():
-                collect(item, depth + 1)
-
-    for module in model.modules():
-        for value in vars(module).values():
-            collect(value, 0)
-    mx.eval(model.parameters(), arrays)
-
-
 class BatchEngine:
     """Runs submitted requests through one model with continuous batching.
 
@@ -213,7 +181,7 @@ class BatchEngine:
         self.prefix_cache = prefix_cache
         self.placeholders = np.fromiter(model.placeholder_token_ids, dtype=np.int64)
         self.stats = EngineStats()
-        _materialize(model)
+        materialize(model)
 
         self._waiting: deque[_Sequence] = deque()
         self._prefilling: _Sequence | None = None

@@ -242,3 +242,40 @@ class VisionLanguageModel(nn.Module):
                 f"{type(state).__name__} has no prefix(length) for prompt-cache reuse"
             )
         return prefix(length)
+
+
+def materialize(model: nn.Module) -> None:
+    """Evaluate every array the model holds, parameters or not (e.g. rotary tables kept
+    on plain helper objects), in the calling thread.
+
+    MLX streams are per thread, and a lazy array can only be evaluated on the thread
+    that built it: a model loaded on one thread and run on another (the server's engine,
+    the UI's workers, a user's thread pool) would fail on a table left unevaluated.
+    ``load`` calls it; the batching engine calls it again for models built by hand.
+    """
+    arrays: list[mx.array] = []
+    seen: set[int] = set()
+
+    def collect(value: Any, depth: int) -> None:
+        if id(value) in seen or depth > 4:
+            return
+        seen.add(id(value))
+        if isinstance(value, mx.array):
+            arrays.append(value)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                collect(item, depth + 1)
+        elif isinstance(value, nn.Module):  # (a dict too)
+            # Its children and parameters, and what it keeps outside them (e.g. the
+            # original layer a CPU fast path replaced, kept as a plain attribute).
+            for item in list(value.values()) + list(vars(value).values()):
+                collect(item, 0)
+        elif isinstance(value, dict):
+            for item in value.values():
+                collect(item, depth + 1)
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            for item in vars(value).values():
+                collect(item, depth + 1)
+
+    collect(model, 0)
+    mx.eval(model.parameters(), arrays)
