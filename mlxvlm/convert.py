@@ -264,6 +264,22 @@ def copy_side_files(source: Path, directory: Path) -> None:
                 shutil.copy2(file, directory / file.name)
 
 
+@contextlib.contextmanager
+def staged_checkpoint(model, config: dict, source: Path, staging: Path):
+    """``staging``, a scratch directory, holding ``model`` as an MLX checkpoint (its
+    weights, ``config`` and the side files of ``source``) for the with-block, which moves
+    or converts it; removed afterwards, whatever happened."""
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        write_weights(model, staging)
+        write_config(config, staging)
+        copy_side_files(source, staging)
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def write_model_card(directory: Path, *, name: str, base_model: str | None,
                      source: Path, precision: str) -> None:
     """README.md with the Hub metadata and a usage snippet."""

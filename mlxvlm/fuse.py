@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -93,7 +92,7 @@ def fuse(
     from mlx_lm.utils import dequantize_model
 
     from mlxvlm.adapters import load_adapter
-    from mlxvlm.convert import convert, copy_side_files, write_config, write_weights
+    from mlxvlm.convert import convert, staged_checkpoint
     from mlxvlm.loading import load_model, read_config, resolve_model_path
     from mlxvlm.quantization import read_quantization
 
@@ -115,18 +114,11 @@ def fuse(
         config.pop("quantization_config", None)
 
     staging = mlx_path.parent / f".{mlx_path.name}.fusing-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        write_weights(base, staging)
-        write_config(config, staging)
-        copy_side_files(source, staging)
+    with staged_checkpoint(base, config, source, staging):
         result = convert(
             str(staging), mlx_path, quantize=quantize,
             dequantize=dequantize and quantized_base, **convert_options,
         )
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return FuseResult(result, count)
 
 

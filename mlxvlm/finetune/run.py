@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,7 +140,7 @@ def _keep_quantized_for_training(model) -> None:
 def _write_full_model(model, model_path: Path, output: Path) -> None:
     """The fine-tuned model as an MLX checkpoint in ``output`` (its own files replaced one by
     one, each atomically; ``checkpoints/`` stays)."""
-    from mlxvlm.convert import copy_side_files, write_config, write_weights
+    from mlxvlm.convert import staged_checkpoint
     from mlxvlm.loading import read_config
 
     config = read_config(model_path)
@@ -149,18 +148,11 @@ def _write_full_model(model, model_path: Path, output: Path) -> None:
     if source_dtype in ("float16", "bfloat16"):
         model.set_dtype(getattr(mx, source_dtype))
     staging = output / f".model.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        write_weights(model, staging)
-        write_config(config, staging)
-        copy_side_files(model_path, staging)
+    with staged_checkpoint(model, config, model_path, staging):
         for old in list(output.glob("*.safetensors")) + list(output.glob("*.safetensors.index.json")):
             old.unlink()
         for file in staging.iterdir():
             os.replace(file, output / file.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def finetune(config: FinetuneConfig, *, callback: Any = None) -> FinetuneResult:

@@ -23,6 +23,18 @@ from typing import Any
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config")
 
 
+# The decoder sizes that transformers' text configs and mlx-lm's ModelArgs name alike.
+DECODER_SIZES = (
+    "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size",
+)
+
+
+def decoder_sizes(text: dict) -> dict:
+    """``text``'s ``DECODER_SIZES``, as keyword arguments of an mlx-lm ``ModelArgs``."""
+    return {name: text[name] for name in DECODER_SIZES}
+
+
 def text_config(config: dict, default_rope_theta: float) -> dict:
     """The text model's parameters as one flat dict, in either layout.
 

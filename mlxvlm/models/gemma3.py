@@ -27,8 +27,9 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
-from mlxvlm.models.config_utils import as_transformers_reads_it
+from mlxvlm.models.config_utils import as_transformers_reads_it, decoder_sizes
 from mlxvlm.models.layers import siglip
+from mlxvlm.models.layers.blocks import ScaledEmbeddingDecoder
 from mlxvlm.models.weights import (
     LM_HEAD_NAMES,
     NESTED_TOWER_NAMES,
@@ -83,14 +84,7 @@ def text_args(text: dict) -> gemma3_text.ModelArgs:
     scaling = {k: v for k, v in global_rope.items() if k != "rope_theta"}
     return gemma3_text.ModelArgs(
         model_type="gemma3_text",
-        hidden_size=text["hidden_size"],
-        num_hidden_layers=n,
-        intermediate_size=text["intermediate_size"],
-        num_attention_heads=text["num_attention_heads"],
-        head_dim=text["head_dim"],
-        rms_norm_eps=text["rms_norm_eps"],
-        vocab_size=text["vocab_size"],
-        num_key_value_heads=text["num_key_value_heads"],
+        **decoder_sizes(text),
         rope_theta=float(global_rope["rope_theta"]),
         rope_local_base_freq=float(local_rope["rope_theta"]),
         query_pre_attn_scalar=text["query_pre_attn_scalar"],
@@ -216,21 +210,16 @@ def attention_mask(h: mx.array, cache: Any, window: int | None, blocks: np.ndarr
     return mx.concatenate([causal[:, :-n], causal[:, -n:] | same_image], axis=1)
 
 
-class TextModel(nn.Module):
-    """Embeddings, mlx-lm's Gemma 3 blocks and the final norm."""
+class TextModel(ScaledEmbeddingDecoder):
+    """mlx-lm's Gemma 3 blocks under Gemma's scaled embeddings."""
 
     def __init__(self, args: gemma3_text.ModelArgs):
-        super().__init__()
+        super().__init__(
+            args.vocab_size, args.hidden_size,
+            [gemma3_text.TransformerBlock(args, i) for i in range(args.num_hidden_layers)],
+            gemma3_text.RMSNorm(args.hidden_size, eps=args.rms_norm_eps),
+        )
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [gemma3_text.TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = gemma3_text.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def embed(self, input_ids: mx.array) -> mx.array:
-        """Token embeddings times sqrt(hidden_size), the scale held in the compute dtype
-        as transformers holds it."""
-        h = self.embed_tokens(input_ids)
-        return h * mx.array(self.args.hidden_size**0.5, dtype=h.dtype)
 
     def __call__(self, h: mx.array, cache: list[Any], blocks: np.ndarray | None) -> mx.array:
         is_sliding = [layer.self_attn.is_sliding for layer in self.layers]
@@ -296,11 +285,7 @@ class Model(VisionLanguageModel):
         return state.spans if state is not None else []
 
     def embed(self, input_ids: mx.array, pixel_values: Any = None) -> tuple[mx.array, ImageBlocks]:
-        features = None if pixel_values is None else self.image_features(pixel_values)
-        h, ids = merge.embed_with_features(
-            self.language_model.model.embed, input_ids, self.args.image_token_id, features,
-            vocab_size=self.args.text.vocab_size,
-        )
+        h, ids = merge.embed_image_tokens(self, input_ids, pixel_values)
         return h, ImageBlocks.from_input_ids(ids, self.args.image_token_id)
 
     def image_features(self, pixel_values: Any) -> mx.array:
@@ -311,9 +296,7 @@ class Model(VisionLanguageModel):
     def __call__(
         self, input_ids, cache=None, *, embeddings=None, state=None, last_only=False
     ) -> mx.array:
-        h = embeddings if embeddings is not None else self.language_model.model.embed(input_ids)
-        if cache is None:
-            cache = [None] * len(self.layers)
+        h, cache = self.language_model.model.start(input_ids, cache, embeddings)
         offset = cache[0].offset if cache[0] is not None else 0
         blocks = state.chunk(offset, h.shape[1]) if state is not None else None
         h = self.language_model.model(h, cache, blocks)

@@ -30,7 +30,7 @@ import numpy as np
 from mlx_lm.models import gemma4_text
 
 from mlxvlm.models.base import VisionLanguageModel
-from mlxvlm.models.config_utils import as_transformers_reads_it
+from mlxvlm.models.config_utils import as_transformers_reads_it, decoder_sizes
 from mlxvlm.models.gemma3 import ImageBlocks, attention_mask
 from mlxvlm.models.layers import gemma4_audio, gemma4_vision
 from mlxvlm.models.merge import merge_features, placeholder_positions
@@ -88,16 +88,9 @@ def text_args(text: dict) -> gemma4_text.ModelArgs:
         if present:
             raise NotImplementedError(f"Gemma 4 with {what} is not supported")
     return gemma4_text.ModelArgs(
-        hidden_size=text["hidden_size"],
-        num_hidden_layers=text["num_hidden_layers"],
-        intermediate_size=text["intermediate_size"],
-        num_attention_heads=text["num_attention_heads"],
-        head_dim=text["head_dim"],
+        **decoder_sizes(text),
         global_head_dim=global_head_dim,
-        rms_norm_eps=text["rms_norm_eps"],
-        vocab_size=text["vocab_size"],
         vocab_size_per_layer_input=text["vocab_size_per_layer_input"],
-        num_key_value_heads=text["num_key_value_heads"],
         num_global_key_value_heads=global_kv_heads,
         num_kv_shared_layers=text["num_kv_shared_layers"],
         pad_token_id=text["pad_token_id"],

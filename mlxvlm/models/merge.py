@@ -68,3 +68,14 @@ def embed_with_features(
     if features is not None:
         features = features.reshape(-1, h.shape[-1])
     return merge_features(h, placeholder_positions(ids, token_id), features, placeholders), ids
+
+
+def embed_image_tokens(model, input_ids, pixel_values) -> tuple[mx.array, np.ndarray]:
+    """``embed_with_features`` for a family whose placeholder is ``args.image_token_id``:
+    ``input_ids`` through ``model.language_model.model.embed``, the image tokens replaced
+    by ``model.image_features(pixel_values)`` (none without pixels)."""
+    features = None if pixel_values is None else model.image_features(pixel_values)
+    return embed_with_features(
+        model.language_model.model.embed, input_ids, model.args.image_token_id, features,
+        vocab_size=model.args.text.vocab_size,
+    )

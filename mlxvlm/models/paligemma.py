@@ -32,8 +32,9 @@ from mlx_lm.models.base import create_attention_mask
 
 from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
-from mlxvlm.models.config_utils import as_transformers_reads_it
+from mlxvlm.models.config_utils import as_transformers_reads_it, decoder_sizes
 from mlxvlm.models.layers import siglip
+from mlxvlm.models.layers.blocks import ScaledEmbeddingDecoder
 from mlxvlm.models.processor_utils import tokenizer_and_chat_template
 from mlxvlm.models.weights import (
     NESTED_TOWER_NAMES, PROJECTOR_NAMES, TEXT_MODEL_NAMES, map_hf_weights,
@@ -99,14 +100,7 @@ class ModelArgs:
         return cls(
             text=gemma2.ModelArgs(
                 model_type="gemma2",
-                hidden_size=text["hidden_size"],
-                num_hidden_layers=text["num_hidden_layers"],
-                intermediate_size=text["intermediate_size"],
-                num_attention_heads=text["num_attention_heads"],
-                head_dim=text["head_dim"],
-                rms_norm_eps=text["rms_norm_eps"],
-                vocab_size=text["vocab_size"],
-                num_key_value_heads=text["num_key_value_heads"],
+                **decoder_sizes(text),
                 rope_theta=float(rope["rope_theta"]),
                 attn_logit_softcapping=text["attn_logit_softcapping"],
                 final_logit_softcapping=text["final_logit_softcapping"],
@@ -157,21 +151,17 @@ def prefix_lm_mask(offset: int, n: int, prefix: int, window: int | None) -> mx.a
     return allowed | ((queries < prefix) & (keys < prefix))
 
 
-class TextModel(nn.Module):
-    """Embeddings, mlx-lm's Gemma 2 blocks and the final norm (``language_model.model``)."""
+class TextModel(ScaledEmbeddingDecoder):
+    """mlx-lm's Gemma 2 blocks under Gemma's scaled embeddings (``language_model.model``)."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
         text = args.text
-        self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size)
-        self.layers = [gemma2.TransformerBlock(text) for _ in range(text.num_hidden_layers)]
-        self.norm = gemma2.RMSNorm(text.hidden_size, eps=text.rms_norm_eps)
-
-    def embed(self, input_ids: mx.array) -> mx.array:
-        """Token embeddings times sqrt(hidden_size) (image features are not scaled)."""
-        h = self.embed_tokens(input_ids)
-        return h * mx.array(self.args.text.hidden_size**0.5, dtype=h.dtype)
+        super().__init__(
+            text.vocab_size, text.hidden_size,
+            [gemma2.TransformerBlock(text) for _ in range(text.num_hidden_layers)],
+            gemma2.RMSNorm(text.hidden_size, eps=text.rms_norm_eps),
+        )
+        self.args = args
 
     def masks(self, h: mx.array, cache: Any, prefix: int) -> dict[bool, Any]:
         """The mask of the full and of the sliding-window layers for this call."""
@@ -284,11 +274,7 @@ class Model(VisionLanguageModel):
     def embed(
         self, input_ids: mx.array, pixel_values: Any = None, token_type_ids: Any = None
     ) -> tuple[mx.array, Prefix]:
-        features = None if pixel_values is None else self.image_features(pixel_values)
-        h, ids = merge.embed_with_features(
-            self.language_model.model.embed, input_ids, self.args.image_token_id, features,
-            vocab_size=self.args.text.vocab_size,
-        )
+        h, ids = merge.embed_image_tokens(self, input_ids, pixel_values)
         return h, Prefix(prefix_length(ids, token_type_ids))
 
     def image_features(self, pixel_values: Any) -> mx.array:
@@ -301,9 +287,7 @@ class Model(VisionLanguageModel):
     def __call__(
         self, input_ids, cache=None, *, embeddings=None, state=None, last_only=False
     ) -> mx.array:
-        h = embeddings if embeddings is not None else self.language_model.model.embed(input_ids)
-        if cache is None:
-            cache = [None] * len(self.layers)
+        h, cache = self.language_model.model.start(input_ids, cache, embeddings)
         prefix = state.length if isinstance(state, Prefix) else 0
         return self.language_model(h, cache, prefix, last_only)
 

@@ -14,6 +14,8 @@ import functools
 import json
 from pathlib import Path
 
+import numpy as np
+
 
 class NumpyVideoProcessor:
     """Base of mlxvlm's numpy stand-ins for transformers' torchvision video processors.
@@ -37,6 +39,24 @@ class NumpyVideoProcessor:
             if not settings and (model_path / name).exists():
                 settings = json.loads((model_path / name).read_text())
         return cls(**settings)
+
+    @staticmethod
+    def check_rgb_frames(frames: np.ndarray) -> None:
+        if frames.ndim != 4 or frames.shape[-1] != 3:
+            raise ValueError(f"expected RGB frames of shape (T, H, W, 3), got {frames.shape}")
+
+    def rescale_and_normalize(self, frames: np.ndarray) -> np.ndarray:
+        """(T, H, W, 3) uint8 -> (T, 3, H, W) float32, rescaled and normalized as the
+        subclass's ``do_rescale``/``do_normalize`` say. Both at once scale the mean and
+        std instead of the pixels, as transformers fuses them."""
+        pixels = frames.astype(np.float32)
+        if self.do_normalize:
+            scale = np.float32(1.0 / self.rescale_factor) if self.do_rescale else np.float32(1)
+            pixels = (pixels - np.asarray(self.image_mean, np.float32) * scale) / (
+                np.asarray(self.image_std, np.float32) * scale)
+        elif self.do_rescale:
+            pixels = pixels * np.float32(self.rescale_factor)
+        return np.ascontiguousarray(pixels.transpose(0, 3, 1, 2))
 
     @staticmethod
     def batch_feature(data: dict, videos: list, video_metadata, return_metadata: bool,

@@ -15,16 +15,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxvlm.models import qwen3_5
-from mlxvlm.models.qwen3_vl_moe import require_experts, split_experts
+from mlxvlm.models.qwen3_vl_moe import RequiresExperts, split_experts
 
 
-class Model(qwen3_5.Model):
-    @classmethod
-    def from_config(cls, config: dict) -> "Model":
-        model = super().from_config(config)
-        require_experts(model, config)
-        return model
-
+class Model(RequiresExperts, qwen3_5.Model):
     def _experts_out_in(self, weights: dict[str, mx.array]) -> bool:
         text = self.args.text
         for name, value in weights.items():

@@ -24,21 +24,21 @@ def experts_stored_out_in(config: dict) -> bool:
     return int(version.split(".")[0]) >= 5
 
 
-def require_experts(model, config: dict) -> None:
-    """Refuse a MoE family's config without experts; note how the writer stores them."""
-    if model.args.text.num_experts == 0:
-        raise ValueError(f"a {config.get('model_type')} config must set num_experts "
-                         "(or num_local_experts)")
-    model._writer_out_in = experts_stored_out_in(config)
+class RequiresExperts:
+    """Mixed in before a MoE family's dense parent: ``from_config`` refuses a config
+    without experts and notes how the writer stores them."""
 
-
-class Model(qwen3_vl.Model):
     @classmethod
-    def from_config(cls, config: dict) -> "Model":
+    def from_config(cls, config: dict):
         model = super().from_config(config)
-        require_experts(model, config)
+        if model.args.text.num_experts == 0:
+            raise ValueError(f"a {config.get('model_type')} config must set num_experts "
+                             "(or num_local_experts)")
+        model._writer_out_in = experts_stored_out_in(config)
         return model
 
+
+class Model(RequiresExperts, qwen3_vl.Model):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return super().sanitize(split_experts(weights, self.args.text, self._writer_out_in))
 

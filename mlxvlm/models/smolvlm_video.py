@@ -87,19 +87,11 @@ class SmolVLMVideoProcessor(NumpyVideoProcessor):
 
     def preprocess_video(self, frames: np.ndarray) -> np.ndarray:
         """(T, H, W, 3) uint8 -> (T, 3, side, side) float32."""
-        if frames.ndim != 4 or frames.shape[-1] != 3:
-            raise ValueError(f"expected RGB frames of shape (T, H, W, 3), got {frames.shape}")
+        self.check_rgb_frames(frames)
         if self.do_resize:
             height, width = longest_edge_size(frames.shape[1], frames.shape[2],
                                               self.size["longest_edge"])
             frames = resize_uint8(frames, height, width, self.filter)
             side = self.max_image_size["longest_edge"]
             frames = resize_uint8(frames, side, side, self.filter)
-        pixels = frames.astype(np.float32)
-        if self.do_normalize:
-            scale = np.float32(1.0 / self.rescale_factor) if self.do_rescale else np.float32(1)
-            pixels = (pixels - np.asarray(self.image_mean, np.float32) * scale) / (
-                np.asarray(self.image_std, np.float32) * scale)
-        elif self.do_rescale:
-            pixels = pixels * np.float32(self.rescale_factor)
-        return np.ascontiguousarray(pixels.transpose(0, 3, 1, 2))
+        return self.rescale_and_normalize(frames)

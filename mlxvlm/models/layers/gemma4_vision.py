@@ -22,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.cpu.ops import gated, gelu_tanh, scaled_dot_product_attention
+from mlxvlm.models.layers.blocks import LayerStack
 
 gelu_glu = gated(gelu_tanh)
 
@@ -171,12 +172,6 @@ class EncoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(h)
 
 
-class Encoder(nn.Module):
-    def __init__(self, config: VisionConfig):
-        super().__init__()
-        self.layers = [EncoderLayer(config) for _ in range(config.num_hidden_layers)]
-
-
 class PatchEmbedder(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
@@ -213,7 +208,7 @@ class VisionModel(nn.Module):
         super().__init__()
         self.config = config
         self.patch_embedder = PatchEmbedder(config)
-        self.encoder = Encoder(config)
+        self.encoder = LayerStack(lambda: EncoderLayer(config), config.num_hidden_layers)
         if config.standardize:
             self.std_bias = mx.zeros((config.hidden_size,))
             self.std_scale = mx.ones((config.hidden_size,))

@@ -35,9 +35,8 @@ from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from mlxvlm.cpu.ops import cached_attention
 from mlxvlm.models.layers.mrope_decoder import (
     LanguageModel,
+    MRopeDecoder,
     MRopeState,
-    MultimodalRotaryEmbedding,
-    text_positions,
 )
 from mlxvlm.models.layers.rotary import apply_rotary
 
@@ -149,17 +148,11 @@ def _first(layer_types, kind: str) -> int | None:
     return next((i for i, t in enumerate(layer_types) if t == kind), None)
 
 
-class HybridMRopeModel(nn.Module):
-    """Embeddings, decoder blocks and final norm (``language_model.model`` in checkpoints)."""
+class HybridMRopeModel(MRopeDecoder):
+    layer_class = HybridDecoderLayer
 
     def __init__(self, config: HybridTextConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = [HybridDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary = MultimodalRotaryEmbedding(
-            config.rotary_dim, config.rope_theta, config.mrope_section, interleaved=True
-        )
+        super().__init__(config, config.rotary_dim, interleaved=True)
         self.first_attention = _first(config.layer_types, FULL)
         self.first_linear = _first(config.layer_types, LINEAR)
         if self.first_attention is None:
@@ -169,15 +162,10 @@ class HybridMRopeModel(nn.Module):
         return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
 
     def __call__(self, inputs, cache=None, embeddings=None, state: MRopeState | None = None):
-        h = self.embed_tokens(inputs) if embeddings is None else embeddings
-        if cache is None:
-            cache = [None] * len(self.layers)
+        h, cache = self.start(inputs, cache, embeddings)
         attention_cache = cache[self.first_attention]
         offset = attention_cache.offset if attention_cache is not None else 0
-        n = h.shape[1]
-        positions = state.positions(offset, n) if state is not None else text_positions(offset, n)
-        cos, sin = self.rotary(positions)
-        rotary = (cos.astype(h.dtype), sin.astype(h.dtype))
+        rotary = self.rotary.for_tokens(state, offset, h.shape[1], h.dtype)
         linear_cache = cache[self.first_linear] if self.first_linear is not None else None
         masks = (create_ssm_mask(h, linear_cache), create_attention_mask(h, attention_cache))
         for layer, layer_cache in zip(self.layers, cache):

@@ -38,6 +38,7 @@ from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from mlxvlm.models.config_utils import text_config
 from mlxvlm.cpu.ops import cached_attention, gated, silu
+from mlxvlm.models.layers.blocks import TextDecoder
 from mlxvlm.models.layers.rotary import apply_rotary
 
 
@@ -445,6 +446,13 @@ class MultimodalRotaryEmbedding:
         angles = mx.concatenate([angles, angles], axis=-1)[..., None, :]
         return mx.cos(angles), mx.sin(angles)
 
+    def for_tokens(self, state, offset: int, n: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """The tables of the ``n`` tokens from ``offset``, in ``dtype``: at the prompt's
+        multimodal positions (``state``, an ``MRopeState``), else at text positions."""
+        positions = state.positions(offset, n) if state is not None else text_positions(offset, n)
+        cos, sin = self(positions)
+        return cos.astype(dtype), sin.astype(dtype)
+
 
 class Attention(nn.Module):
     def __init__(self, config: TextConfig):
@@ -508,17 +516,28 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen2MRopeModel(nn.Module):
-    """Embeddings, decoder blocks and final norm (``language_model.model`` in checkpoints)."""
+class MRopeDecoder(TextDecoder):
+    """A Qwen decoder: ``layer_class(config, index)`` blocks, an RMSNorm after them and
+    the M-RoPE tables over ``rotary_dim`` of each head."""
+
+    layer_class: type
+
+    def __init__(self, config: Any, rotary_dim: int, interleaved: bool):
+        super().__init__(
+            config.vocab_size, config.hidden_size,
+            [self.layer_class(config, i) for i in range(config.num_hidden_layers)],
+            nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+        )
+        self.rotary = MultimodalRotaryEmbedding(
+            rotary_dim, config.rope_theta, config.mrope_section, interleaved
+        )
+
+
+class Qwen2MRopeModel(MRopeDecoder):
+    layer_class = DecoderLayer
 
     def __init__(self, config: TextConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary = MultimodalRotaryEmbedding(
-            config.head_dim, config.rope_theta, config.mrope_section, config.mrope_interleaved
-        )
+        super().__init__(config, config.head_dim, config.mrope_interleaved)
 
     def __call__(
         self,
@@ -527,14 +546,10 @@ class Qwen2MRopeModel(nn.Module):
         embeddings: mx.array | None = None,
         state: MRopeState | None = None,
     ) -> mx.array:
-        h = self.embed_tokens(inputs) if embeddings is None else embeddings
-        if cache is None:
-            cache = [None] * len(self.layers)
+        h, cache = self.start(inputs, cache, embeddings)
         offset = cache[0].offset if cache[0] is not None else 0
         n = h.shape[1]
-        positions = state.positions(offset, n) if state is not None else text_positions(offset, n)
-        cos, sin = self.rotary(positions)
-        rotary = (cos.astype(h.dtype), sin.astype(h.dtype))
+        rotary = self.rotary.for_tokens(state, offset, n, h.dtype)
         mask = create_attention_mask(h, cache[0])
         deepstack = None
         if state is not None and state.deepstack is not None:

@@ -28,7 +28,7 @@ import numpy as np
 
 from mlxvlm.models import run_ahead
 from mlxvlm.models.config_utils import rope_parameters
-from mlxvlm.models.layers.activations import activation
+from mlxvlm.models.layers.blocks import GatedMLP, LayerStack
 from mlxvlm.cpu.ops import scaled_dot_product_attention
 from mlxvlm.models.layers.qwen_vision import apply_rotary
 from mlxvlm.models.weights import rename_prefix
@@ -109,16 +109,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, config: PixtralVisionConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = activation(config.hidden_act)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TransformerLayer(nn.Module):
@@ -127,17 +117,13 @@ class TransformerLayer(nn.Module):
         self.attention_norm = nn.RMSNorm(config.hidden_size, eps=1e-5)
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.hidden_size, eps=1e-5)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = GatedMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, bias=False
+        )
 
     def __call__(self, x: mx.array, rotary) -> mx.array:
         x = x + self.attention(self.attention_norm(x), rotary)
         return x + self.feed_forward(self.ffn_norm(x))
-
-
-class Transformer(nn.Module):
-    def __init__(self, config: PixtralVisionConfig):
-        super().__init__()
-        self.layers = [TransformerLayer(config) for _ in range(config.num_hidden_layers)]
 
 
 class PixtralVisionModel(nn.Module):
@@ -152,7 +138,7 @@ class PixtralVisionModel(nn.Module):
             bias=False,
         )
         self.ln_pre = nn.RMSNorm(config.hidden_size, eps=1e-5)
-        self.transformer = Transformer(config)
+        self.transformer = LayerStack(lambda: TransformerLayer(config), config.num_hidden_layers)
         self.rotary = PixtralRotaryEmbedding(config.head_dim, config.rope_theta)
 
     def hidden_states(self, image: mx.array, last_layer: int) -> list[mx.array]:

@@ -41,6 +41,7 @@ from mlxvlm.models import run_ahead
 from mlxvlm.models.config_utils import rope_parameters
 from mlxvlm.models.layers import rotary as rotary_embedding
 from mlxvlm.models.layers.activations import activation
+from mlxvlm.models.layers.blocks import GatedMLP
 from mlxvlm.cpu.ops import scaled_dot_product_attention
 
 
@@ -220,31 +221,22 @@ class VisionMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class VisionGatedMLP(nn.Module):
+def VisionGatedMLP(config: VisionConfig) -> GatedMLP:
     """Qwen2.5-VL: down(act(gate(x)) * up(x)), all with biases."""
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=True)
+
+
+class VisionLinearFcMLP(VisionMLP):
+    """Qwen3-VL: Qwen2-VL's MLP, its layers named ``linear_fc1`` and ``linear_fc2`` (the
+    checkpoint names); ``fc1``/``fc2`` reach them for the inherited forward pass."""
 
     def __init__(self, config: VisionConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.act = activation(config.hidden_act)
+        super().__init__(config)
+        self.linear_fc1 = self.pop("fc1")
+        self.linear_fc2 = self.pop("fc2")
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-class VisionLinearFcMLP(nn.Module):
-    """Qwen3-VL: linear_fc1 -> activation -> linear_fc2 (Qwen2-VL's MLP, renamed)."""
-
-    def __init__(self, config: VisionConfig):
-        super().__init__()
-        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.act = activation(config.hidden_act)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
+    fc1 = property(lambda self: self.linear_fc1)
+    fc2 = property(lambda self: self.linear_fc2)
 
 
 MLPS = {"fc": VisionMLP, "gated": VisionGatedMLP, "linear_fc": VisionLinearFcMLP}

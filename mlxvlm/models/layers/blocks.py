@@ -1,0 +1,67 @@
+"""Building blocks that several towers share under the same checkpoint names."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxvlm.models.layers.activations import activation
+
+
+class GatedMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``, the gated feed-forward of
+    Qwen2.5-VL's and Pixtral's vision towers (with biases in Qwen's, without in Pixtral's)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = activation(hidden_act)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LayerStack(nn.Module):
+    """A module that only holds ``layers`` (``<name>.layers.N`` in checkpoints); its owner
+    runs them."""
+
+    def __init__(self, make_layer: Callable[[], nn.Module], count: int):
+        super().__init__()
+        self.layers = [make_layer() for _ in range(count)]
+
+
+class TextDecoder(nn.Module):
+    """Token embeddings, decoder blocks and the final norm (``language_model.model`` in
+    checkpoints); a subclass builds its blocks and runs them."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list, norm: nn.Module):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = layers
+        self.norm = norm
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        return self.embed_tokens(inputs)
+
+    def start(self, inputs, cache, embeddings) -> tuple[mx.array, list]:
+        """Where a forward pass starts: the hidden states (``embeddings``, else ``inputs``
+        embedded) and the per-layer caches (one None per layer without a cache)."""
+        h = self.embed(inputs) if embeddings is None else embeddings
+        return h, cache if cache is not None else [None] * len(self.layers)
+
+
+class ScaledEmbeddingDecoder(TextDecoder):
+    """Gemma's decoder shell: token embeddings times sqrt(hidden_size), the scale held in
+    the compute dtype as transformers holds it (image features enter unscaled)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list, norm: nn.Module):
+        super().__init__(vocab_size, hidden_size, layers, norm)
+        self.embed_scale = hidden_size**0.5
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        h = self.embed_tokens(inputs)
+        return h * mx.array(self.embed_scale, dtype=h.dtype)
