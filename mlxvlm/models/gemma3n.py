@@ -24,7 +24,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models import gemma3n as mlx_gemma3n
 
 from mlxvlm.models import merge
@@ -33,6 +32,8 @@ from mlxvlm.models.feature_cache import cached_rows
 from mlxvlm.models.layers import gemma3n_audio, mobilenet_v5
 from mlxvlm.models.weights import map_hf_weights
 
+# Hugging Face name prefix -> ours: transformers' module tree (``model.*``, ``lm_head``),
+# also what transformers 5 saves; Gemma 4 keeps the same tree.
 HF_PREFIXES = (
     ("model.language_model.", "language_model.model."),
     ("model.vision_tower.", "vision_tower."),
@@ -70,31 +71,20 @@ def text_args(config: dict) -> mlx_gemma3n.TextConfig:
     for what, present in unsupported.items():
         if present:
             raise NotImplementedError(f"Gemma 3n with {what} is not supported")
+    # Fields mlx-lm names as transformers does, taken as they are.
+    same = ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+            "rms_norm_eps", "vocab_size", "num_key_value_heads", "num_kv_shared_layers",
+            "vocab_size_per_layer_input", "sliding_window", "max_position_embeddings",
+            "final_logit_softcapping", "hidden_size_per_layer_input", "altup_num_inputs",
+            "altup_coef_clip", "altup_correct_scale", "altup_active_idx", "laurel_rank")
     return mlx_gemma3n.TextConfig(
         model_type="gemma3n_text",
-        hidden_size=text["hidden_size"],
-        num_hidden_layers=text["num_hidden_layers"],
         intermediate_size=list(text["intermediate_size"]),
-        num_attention_heads=text["num_attention_heads"],
-        head_dim=text["head_dim"],
-        rms_norm_eps=text["rms_norm_eps"],
-        vocab_size=text["vocab_size"],
-        num_key_value_heads=text["num_key_value_heads"],
-        num_kv_shared_layers=text["num_kv_shared_layers"],
-        vocab_size_per_layer_input=text["vocab_size_per_layer_input"],
-        sliding_window=text["sliding_window"],
-        max_position_embeddings=text["max_position_embeddings"],
         rope_local_base_freq=float(rope["sliding_attention"]["rope_theta"]),
         rope_theta=float(rope["full_attention"]["rope_theta"]),
-        final_logit_softcapping=text["final_logit_softcapping"],
         layer_types=list(text["layer_types"]),
         activation_sparsity_pattern=list(text["activation_sparsity_pattern"]),
-        hidden_size_per_layer_input=text["hidden_size_per_layer_input"],
-        altup_num_inputs=text["altup_num_inputs"],
-        altup_coef_clip=text["altup_coef_clip"],
-        altup_correct_scale=text["altup_correct_scale"],
-        altup_active_idx=text["altup_active_idx"],
-        laurel_rank=text["laurel_rank"],
+        **{name: text[name] for name in same},
     )
 
 

@@ -33,20 +33,13 @@ from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it, decoder_sizes
 from mlxvlm.models.gemma3 import ImageBlocks, attention_mask
 from mlxvlm.models.layers import gemma4_audio, gemma4_vision
+from mlxvlm.models import gemma3n
 from mlxvlm.models.merge import merge_features, placeholder_positions
 from mlxvlm.models.processor_utils import image_only, tokenizer_and_chat_template
 from mlxvlm.models.weights import map_hf_weights
 
-# Hugging Face name prefix -> ours: transformers' module tree (``model.*``, ``lm_head``),
-# which is also what transformers 5 saves.
-HF_PREFIXES = (
-    ("model.language_model.", "language_model.model."),
-    ("model.vision_tower.", "vision_tower."),
-    ("model.embed_vision.", "embed_vision."),
-    ("model.audio_tower.", "audio_tower."),
-    ("model.embed_audio.", "embed_audio."),
-    ("lm_head.", "language_model.lm_head."),
-)
+# Hugging Face name prefix -> ours: Gemma 3n's module tree, which Gemma 4 keeps.
+HF_PREFIXES = gemma3n.HF_PREFIXES
 LM_HEAD = "language_model.lm_head.weight"
 # Buffers transformers keeps that are recomputed here.
 SKIPPED_SUFFIXES = ("inv_freq", "embed_scale")

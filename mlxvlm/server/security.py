@@ -60,17 +60,31 @@ def host_name(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
-class HostCheckMiddleware:
-    """Answers 421 to a request whose ``Host`` is not one of ``allowed``."""
+class HTTPMiddleware:
+    """An ASGI middleware that acts on HTTP requests (``handle``); other connections pass
+    through untouched."""
 
-    def __init__(self, app: ASGIApp, allowed: frozenset[str]):
+    def __init__(self, app: ASGIApp):
         self.app = app
-        self.allowed = allowed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.handle(scope, receive, send)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class HostCheckMiddleware(HTTPMiddleware):
+    """Answers 421 to a request whose ``Host`` is not one of ``allowed``."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]):
+        super().__init__(app)
+        self.allowed = allowed
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
         if host_name(given) in self.allowed:
             await self.app(scope, receive, send)
@@ -88,14 +102,14 @@ def key_id(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-class APIKeyMiddleware:
+class APIKeyMiddleware(HTTPMiddleware):
     """Requires one of ``api_keys`` on every path but ``PUBLIC_PATHS`` (and CORS
     preflights, which browsers send without credentials): as ``Authorization: Bearer
     <key>`` (OpenAI's clients) or ``x-api-key: <key>`` (Anthropic's). The matching key's
     ``key_id`` goes into the request's state as ``KEY_ID``."""
 
     def __init__(self, app: ASGIApp, api_keys: Iterable[str]):
-        self.app = app
+        super().__init__(app)
         self.expected = [(key.encode(), key_id(key)) for key in api_keys]
 
     def _match(self, given: bytes) -> str | None:
@@ -105,8 +119,8 @@ class APIKeyMiddleware:
                 found = name
         return found
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mlxvlm.server.security import HTTPMiddleware
 from mlxvlm.server.service import RequestCounters
 
 
-class StatusCounting:
+class StatusCounting(HTTPMiddleware):
     def __init__(self, app: ASGIApp, counters: RequestCounters):
-        self.app = app
+        super().__init__(app)
         self.counters = counters
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         status: int | None = None
 
         async def send_counted(message: Message) -> None:
