@@ -91,6 +91,29 @@ def build_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2,
     return config
 
 
+def redraw_by_name(model, seed: int) -> None:
+    """Give every randomly initialised parameter a fresh draw keyed by ``seed`` and its
+    own name, uniform with the spread MLX's initialiser gave it; constant ones (norm
+    scales, zero biases) stay. The weights then depend on the seed and the parameter
+    names only, not on the order in which the model's code creates its layers, so a
+    refactor of a family leaves the demo's and the tests' random models as they were."""
+    import zlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    redrawn = []
+    for name, value in tree_flatten(model.parameters()):
+        spread = mx.std(value.astype(mx.float32)).item()
+        if spread > 0:
+            key = mx.random.key(zlib.crc32(f"{seed}:{name}".encode()))
+            half_width = spread * 3**0.5  # a uniform on [-a, a] has std a / sqrt(3)
+            value = mx.random.uniform(-half_width, half_width, value.shape, key=key).astype(value.dtype)
+        redrawn.append((name, value))
+    model.update(tree_unflatten(redrawn))
+    mx.eval(model.parameters())
+
+
 def build_checkpoint(directory: str | Path, corpus: Iterable[str], *, seed: int = 0,
                      image_size: int = 56, pixels: int | None = None, **sizes) -> Path:
     """Write a random tiny Qwen2-VL into ``directory``. Its image processor resizes every
@@ -110,7 +133,7 @@ def build_checkpoint(directory: str | Path, corpus: Iterable[str], *, seed: int 
     config = build_config(tokenizer, **sizes)
     mx.random.seed(seed)
     model = get_family("qwen2_vl").Model.from_config(config)
-    mx.eval(model.parameters())
+    redraw_by_name(model, seed)
     write_weights(model, directory)
     write_config(config, directory)
     tokenizer.save_pretrained(directory)

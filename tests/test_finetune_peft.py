@@ -61,6 +61,12 @@ def reference_model(tiny_checkpoints, family):
 HYBRID_TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj", "o_proj"]
 
 
+# Gemma 3n's image rows already differ by up to 7e-5 without an adapter (MobileNetV5's
+# float32 rounding in its features); an adapter trained at lr 1e-2 amplifies that at a
+# few image positions (2.4e-4 measured at one, every text row under 5e-5).
+ADAPTED_ATOL = {"gemma3n": 5e-4}
+
+
 @pytest.mark.parametrize("family,method,train_vision,num_layers,targets", [
     ("qwen2_vl", "lora", False, -1, None),
     ("qwen2_5_vl", "lora", True, -1, None),
@@ -98,7 +104,7 @@ def test_adapter_trained_here_loads_in_peft(tiny_checkpoints, tmp_path, family, 
     adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     theirs = torch_logits(adapted, processor)
     assert np.abs(theirs - before).max() > 1e-2  # the trained adapter changes the model
-    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(ours, theirs, atol=ADAPTED_ATOL.get(family, 1e-4), rtol=1e-4)
 
 
 DECODER_TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
