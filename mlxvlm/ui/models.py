@@ -12,15 +12,17 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.ui.session import ChatSession
+
+if TYPE_CHECKING:  # not at run time: the command line loads a model before Gradio
+    from mlxvlm.ui.session import ChatSession
 
 # name -> a started ChatSession for it (loads the model)
-OpenSession = Callable[[str], ChatSession]
+OpenSession = Callable[[str], "ChatSession"]
 
 
 def checkpoints_in(directory: str | Path) -> list[str]:
