@@ -281,3 +281,15 @@ def test_an_upload_is_answered_in_its_own_conversation_only(live, tmp_path):
     assert_refused(result, "an upload taken by another conversation")
     # The uploader's copy is what the page shows, and stays downloadable by them.
     assert live.download(mine).content == picture.read_bytes()
+
+
+def test_a_conversation_that_chose_a_model_still_refuses_named_files(live, named_paths):
+    """Choosing a model updates the attachment box and the sliders: Gradio then gives the
+    conversation new instances of them, which must refuse named files as the page's do."""
+    choose, chat = event_named(live, "choose_model"), event_named(live, "chat")
+    before = folder_listing()
+    for what, path in named_paths.items():
+        session = f"chooser-{secrets.token_hex(4)}"
+        assert live.call(choose, ["tiny-qwen2-vl"], session)["success"]
+        assert_refused(live.call(chat, [message(path), None, *SETTINGS], session), what)
+    assert folder_listing() == before
