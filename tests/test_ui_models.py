@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import expect, sync_playwright
 
 import mlxvlm
 from mlxvlm.ui import session as session_module
@@ -18,7 +19,8 @@ from mlxvlm.ui.session import ChatSession
 from av_media import coloured_frames, sine, write_audio, write_video
 
 pytest.importorskip("gradio_client")
-from test_ui import LiveApp, answer, ask, free_port  # noqa: E402
+from test_ui import (  # noqa: E402
+    CHROMIUM_ARGS, WAIT_S, LiveApp, answer, ask, chromium_path, free_port)
 
 FAMILIES = ("qwen2_vl", "qwen2_5_omni")  # images and videos; and sound too
 
@@ -155,3 +157,64 @@ def test_an_upload_reaches_the_omni_models_audio_or_video_path(live, kind, tmp_p
                                   [{"role": "user", "content": "What is it?"}], max_tokens=24)
     assert reply == expected.text
     assert reply != without.text  # the model heard (or saw) it
+
+
+def test_browser_picks_the_omni_model_and_its_microphone_recording_is_answered(
+    live, tmp_path, monkeypatch
+):
+    """In headless Chromium with a fake microphone playing a sine: the microphone shows
+    once the omni model is picked; the recording (a WAV upload) is answered as
+    ``mlxvlm.generate`` answers that file."""
+    app, models = live
+    omni = models.name("qwen2_5_omni")
+    choose(app, new_client(app), models.name("qwen2_vl"))
+    fake_microphone = write_audio(tmp_path / "microphone.wav", sine(2.0, 16000, 440.0), 16000)
+    seen = seen_inputs(monkeypatch)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "profile"),
+            executable_path=chromium_path(),
+            args=CHROMIUM_ARGS + ["--use-fake-device-for-media-stream",
+                                  "--use-fake-ui-for-media-stream",
+                                  f"--use-file-for-fake-audio-capture={fake_microphone}"],
+        )
+        try:
+            origin = app.local_url.rstrip("/")
+            browser.grant_permissions(["microphone", "clipboard-read", "clipboard-write"],
+                                      origin=origin)
+            page = browser.new_page()
+            page.set_default_timeout(WAIT_S * 1000)
+            page.goto(app.local_url)
+            microphone = page.locator('#message button[aria-label="Record audio"]')
+            expect(microphone).to_have_count(0)  # Qwen2-VL does not hear
+
+            page.locator("#model-picker input").click()
+            page.get_by_role("option", name="qwen2_5_omni-hub").click()
+            expect(page.locator("#model-panel")).to_contain_text("qwen2_5_omni")
+            max_tokens = page.locator("#max-tokens input[type=number]")
+            max_tokens.fill("24")
+            max_tokens.press("Enter")
+            microphone.click()
+            page.locator('#message button[aria-label="Start recording"]').click()
+            expect(page.locator("#message .timestamp")).not_to_have_text("0:00")
+            page.locator('#message button[aria-label="Stop recording"]').click()
+            page.locator('#message button[aria-label="Attach audio"]').click()
+            textbox = page.locator("#message textarea")
+            textbox.fill("What do you hear?")
+            textbox.press("Enter")
+            page.locator("#answer-stats").get_by_text("prompt tokens").wait_for()
+            page.locator('#chat button[aria-label="Copy message"]').last.click()
+            shown = page.evaluate("navigator.clipboard.readText()")
+        finally:
+            browser.close()
+
+    assert models.registry.loaded == [omni]
+    (inputs,) = seen
+    assert "input_features" in inputs.features and inputs.num_audios == 1
+    with models.registry.use(omni) as session:
+        (recording,) = [p for paths in session.uploads._owners.values() for p in paths
+                        if p.endswith(".wav")]
+        expected = mlxvlm.generate(session.model, session.processor,
+                                   [message("audio", Path(recording), "What do you hear?")],
+                                   max_tokens=24)
+    assert shown == expected.text

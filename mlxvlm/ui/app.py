@@ -3,6 +3,7 @@ the model's figures at its side."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterator
 
 import gradio as gr
@@ -22,6 +23,13 @@ def upload_media_options() -> MediaPolicy:
     """Limits for reading attachments: only files in this process's upload folder (the
     chat accepts only uploads, see ``uploads``; this is the media reader's own check)."""
     return MediaPolicy(allow_remote=False, allowed_dir=str(process_uploads().directory))
+
+
+def model_labels(names: list[str]) -> list[tuple[str, str]]:
+    """The picker's (label, name) pairs: a local checkpoint by its folder's name (unless
+    two share one), a Hub model by its repo id."""
+    short = [Path(n).name if Path(n).is_dir() else n for n in names]
+    return [(s if short.count(s) == 1 else n, n) for s, n in zip(short, names)]
 
 
 def model_markdown(session: ChatSession) -> str:
@@ -81,7 +89,7 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
             # controls already rendered, or it puts them in an accordion under the chat.
             chat_column = gr.Column(scale=3)
             with gr.Column(scale=1, min_width=280):
-                picker = gr.Dropdown(registry.names, value=first, label="Model",
+                picker = gr.Dropdown(model_labels(registry.names), value=first, label="Model",
                                      visible=len(registry.names) > 1, elem_id="model-picker")
                 model_panel = gr.Markdown(panel, elem_id="model-panel")
                 stats = gr.Markdown(stats_text, elem_id="answer-stats")
