@@ -16,6 +16,7 @@ from mlxvlm.ui import session as session_module
 from mlxvlm.ui.app import build_app, upload_media_options
 from mlxvlm.ui.models import ModelRegistry
 from mlxvlm.ui.session import ChatSession
+from mlxvlm.ui.uploads import process_uploads
 from av_media import coloured_frames, sine, write_audio, write_video
 
 pytest.importorskip("gradio_client")
@@ -78,13 +79,13 @@ def new_client(app):
 
 
 def seen_inputs(monkeypatch) -> list:
-    """The prepared inputs of every turn from now on."""
+    """The (messages, prepared inputs) of every turn from now on."""
     seen = []
     prepare = session_module.prepare_inputs
 
-    def spy(*args, **kwargs):
-        seen.append(prepare(*args, **kwargs))
-        return seen[-1]
+    def spy(processor, messages, **kwargs):
+        seen.append((messages, prepare(processor, messages, **kwargs)))
+        return seen[-1][1]
 
     monkeypatch.setattr(session_module, "prepare_inputs", spy)
     return seen
@@ -147,7 +148,7 @@ def test_an_upload_reaches_the_omni_models_audio_or_video_path(live, kind, tmp_p
     reply, _ = answer(ask(client, "What is it?", media, model_name=omni))
 
     features = {"audio": "input_features", "video": "pixel_values_videos"}[kind]
-    (inputs,) = seen
+    ((_, inputs),) = seen
     assert features in inputs.features
     assert (inputs.num_audios, inputs.num_videos) == ((1, 0) if kind == "audio" else (0, 1))
     with models.registry.use(omni) as session:
@@ -209,12 +210,12 @@ def test_browser_picks_the_omni_model_and_its_microphone_recording_is_answered(
             browser.close()
 
     assert models.registry.loaded == [omni]
-    (inputs,) = seen
+    ((messages, inputs),) = seen
     assert "input_features" in inputs.features and inputs.num_audios == 1
+    recording = Path(messages[0]["content"][0]["audio"])
+    assert recording.suffix == ".wav" and recording.is_relative_to(process_uploads().directory)
     with models.registry.use(omni) as session:
-        (recording,) = [p for paths in session.uploads._owners.values() for p in paths
-                        if p.endswith(".wav")]
         expected = mlxvlm.generate(session.model, session.processor,
-                                   [message("audio", Path(recording), "What do you hear?")],
+                                   [message("audio", recording, "What do you hear?")],
                                    max_tokens=24)
     assert shown == expected.text
