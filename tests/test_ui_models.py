@@ -6,6 +6,7 @@ answered as ``mlxvlm.generate`` answers it."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import pytest
@@ -104,9 +105,13 @@ def test_choosing_a_model_loads_it_unloads_the_other_and_offers_its_media(live):
     box = next(b for b in app.blocks.values() if getattr(b, "elem_id", None) == "message")
     assert (box.sources, box.file_types) == (["upload"], ["image", "video"])
     first, _ = answer(ask(client, "Hello?"))
+    with models.registry.use(qwen) as session:
+        unloaded = weakref.ref(session.model)
+    del session
 
     box = choose(app, client, omni)
     assert models.registry.loaded == [omni] and models.closed == ["qwen2_vl"]
+    assert unloaded() is None, "the unloaded model is still referenced"
     assert box.sources == ["upload", "microphone"]
     assert box.file_types == ["image", "video", "audio"]
     # A new conversation: the omni model answers as if nothing came before.

@@ -69,15 +69,14 @@ class ModelRegistry:
 
     def _unload_one(self) -> bool:
         """Unload the least recently used model no answer is using (False: none is free)."""
-        for name, session in self._loaded.items():
-            if not self._users.get(name):
-                del self._loaded[name]
-                session.close()
-                del session
-                gc.collect()  # the model's arrays go with the last reference to them
-                mx.clear_cache()
-                return True
-        return False
+        free = next((name for name in self._loaded if not self._users.get(name)), None)
+        if free is None:
+            return False
+        self._loaded.pop(free).close()
+        # The model's arrays go with the last reference to it, which may sit in a cycle.
+        gc.collect()
+        mx.clear_cache()
+        return True
 
     def _session(self, name: str) -> ChatSession:
         if name not in self.names:
