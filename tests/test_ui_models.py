@@ -224,3 +224,25 @@ def test_browser_picks_the_omni_model_and_its_microphone_recording_is_answered(
                                    [message("audio", recording, "What do you hear?")],
                                    max_tokens=24)
     assert shown == expected.text
+
+
+@pytest.mark.parametrize("family", ["gemma3n", "gemma4", "qwen3_omni_moe"])
+def test_the_other_hearing_families_take_a_sound_through_the_chat(tiny_checkpoints, family,
+                                                                 tmp_path, monkeypatch):
+    """Through the chat's own function (no page): each family that hears gets the sound
+    into its audio features, answered as ``mlxvlm.generate`` answers it."""
+    model, processor = mlxvlm.load(tiny_checkpoints.path(family, "hub"))
+    session = ChatSession(model, processor, family).start()
+    try:
+        assert "audio" in [kind.name for kind in session.kinds]
+        sound = write_audio(tmp_path / "sound.wav", sine(1.0, 16000, 500.0), 16000)
+        seen = seen_inputs(monkeypatch)
+        turn = {"text": "What is it?", "files": [{"path": str(sound), "mime_type": "audio/wav"}]}
+        *_, (reply, _) = session.respond(turn, [], max_tokens=16)
+        ((_, inputs),) = seen
+        assert "input_features" in inputs.features and inputs.num_audios == 1
+        expected = mlxvlm.generate(model, processor, [message("audio", sound, "What is it?")],
+                                   max_tokens=16)
+        assert reply == expected.text
+    finally:
+        session.close()
