@@ -31,7 +31,8 @@ from test_ui import WAIT_S, free_port
 from tiny import make_image
 
 FILE_META = {"_type": "gradio.FileData"}
-SETTINGS = ["", 0.0, 1.0, 8, 1.0, -1, None]  # system, temperature, ..., seed, model (None: the first)
+# system, temperature, top_p, max_tokens, repetition_penalty, seed, model (None: the first)
+SETTINGS = ["", 0.0, 1.0, 8, 1.0, -1, None]
 BARE_ERROR = {"error": None}  # what Gradio tells a client about a hidden exception
 
 

@@ -114,7 +114,8 @@ class ChatSession:
         self.placeholders = _placeholder_texts(model, processor)
         self.thinks = template_thinks(processor)
         self.media_options = media_options
-        # Set by ``app.build_app``: then only files uploaded in the conversation are read.
+        # Set by the page (``app.build_app``): then only files uploaded in the conversation
+        # are read.
         self.uploads = uploads
         self.engine = BatchEngine(
             model,
