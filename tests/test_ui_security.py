@@ -31,7 +31,8 @@ from test_ui import WAIT_S, free_port
 from tiny import make_image
 
 FILE_META = {"_type": "gradio.FileData"}
-SETTINGS = ["", 0.0, 1.0, 8, 1.0, -1]  # system, temperature, top_p, max_tokens, ...
+# system, temperature, top_p, max_tokens, repetition_penalty, seed, model (None: the first)
+SETTINGS = ["", 0.0, 1.0, 8, 1.0, -1, None]
 BARE_ERROR = {"error": None}  # what Gradio tells a client about a hidden exception
 
 
@@ -281,3 +282,15 @@ def test_an_upload_is_answered_in_its_own_conversation_only(live, tmp_path):
     assert_refused(result, "an upload taken by another conversation")
     # The uploader's copy is what the page shows, and stays downloadable by them.
     assert live.download(mine).content == picture.read_bytes()
+
+
+def test_a_conversation_that_chose_a_model_still_refuses_named_files(live, named_paths):
+    """Choosing a model updates the attachment box and the sliders: Gradio then gives the
+    conversation new instances of them, which must refuse named files as the page's do."""
+    choose, chat = event_named(live, "choose_model"), event_named(live, "chat")
+    before = folder_listing()
+    for what, path in named_paths.items():
+        session = f"chooser-{secrets.token_hex(4)}"
+        assert live.call(choose, ["tiny-qwen2-vl"], session)["success"]
+        assert_refused(live.call(chat, [message(path), None, *SETTINGS], session), what)
+    assert folder_listing() == before

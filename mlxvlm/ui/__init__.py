@@ -1,8 +1,10 @@
-"""The Gradio chat UI: ``python -m mlxvlm.ui --model M``.
+"""The Gradio chat UI: ``python -m mlxvlm.ui --model M [--model M2 ...]``.
 
-``media_kinds``  which attachments a model takes (images now; one row per kind)
+``media_kinds``  which attachments a model takes (images, videos, audio; one row per kind)
 ``conversation`` Gradio's chat history -> mlxvlm chat messages
 ``session``      the model behind the chat: one answer at a time, streaming, stop, stats
+``thoughts``     a thinking model's thoughts in a folded box, apart from its answer
+``models``       the models the chat offers, loaded when chosen (at most N at a time)
 ``uploads``      which files the chat may read: uploads only, each by its conversation
 ``fields``       Gradio's file handling on the page, held to those uploads
 ``app``          the Gradio page

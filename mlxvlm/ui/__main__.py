@@ -1,4 +1,5 @@
-"""``python -m mlxvlm.ui --model M [--host 127.0.0.1] [--port 7860]``: the chat UI."""
+"""``python -m mlxvlm.ui --model M [--model M2 ...] [--models-dir D] [--host 127.0.0.1]
+[--port 7860]``: the chat UI."""
 
 from __future__ import annotations
 
@@ -6,15 +7,31 @@ import argparse
 from typing import Sequence
 
 from mlxvlm.cli import OneLineParser, add_model_arguments, ranged, require_extra, run_cli
-from mlxvlm.option_ranges import PORT
+from mlxvlm.errors import MlxvlmError
+from mlxvlm.option_ranges import PORT, at_least
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="python -m mlxvlm.ui",
         description="Chat with a vision-language model in the browser (Gradio).",
+        conflict_handler="resolve",  # this --model replaces the shared one-model flag
     )
     add_model_arguments(parser)
+    parser.add_argument(
+        "--model", action="append", default=None,
+        help="Local checkpoint directory or Hugging Face repo id; repeat it to offer "
+        "several models in a picker (the first is loaded at start, the others when chosen)",
+    )
+    parser.add_argument(
+        "--models-dir", default=None,
+        help="Also offer every checkpoint folder (with a config.json) in this directory "
+        "(default: none)",
+    )
+    parser.add_argument(
+        "--max-loaded-models", type=ranged(at_least(1)), default=1,
+        help="Models kept loaded at once; choosing another unloads the least recently used",
+    )
     parser.add_argument(
         "--host", default="127.0.0.1",
         help="Address to listen on (default: 127.0.0.1, this machine only)",
@@ -23,31 +40,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def model_names(args: argparse.Namespace) -> list[str]:
+    from mlxvlm.ui.models import checkpoints_in
+
+    names = list(args.model or [])
+    if args.models_dir:
+        names += checkpoints_in(args.models_dir)
+    if not names:
+        raise MlxvlmError("give --model (repeatable) or --models-dir")
+    if args.adapter_path and len(names) > 1:
+        raise MlxvlmError("--adapter-path applies to one model; give a single --model")
+    return names
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
+        names = model_names(args)
         # Before the slow model load: without the extra, say how to install it.
         require_extra("ui", "the chat UI", ("gradio",))
         from mlxvlm.loading import load
 
-        model, processor = load(
-            args.model,
-            revision=args.revision,
-            adapter_path=args.adapter_path,
-            trust_remote_code=args.trust_remote_code,
-        )
-        # After the model: a wrong --model fails before the slow Gradio import.
-        from mlxvlm.ui.app import build_app, upload_media_options
-        from mlxvlm.ui.session import ChatSession
+        def open_session(name: str):
+            model, processor = load(
+                name,
+                revision=args.revision,
+                adapter_path=args.adapter_path,
+                trust_remote_code=args.trust_remote_code,
+            )
+            # After the model: a wrong --model fails before the slow Gradio import.
+            from mlxvlm.ui.app import upload_media_options
+            from mlxvlm.ui.session import ChatSession
 
-        session = ChatSession(
-            model, processor, args.model, media_options=upload_media_options()
-        ).start()
+            return ChatSession(
+                model, processor, name, media_options=upload_media_options()
+            ).start()
+
+        from mlxvlm.ui.models import ModelRegistry
+
+        registry = ModelRegistry(names, open_session, args.max_loaded_models)
+        with registry.use(names[0]):
+            pass
+        from mlxvlm.ui.app import build_app
+
         try:
-            build_app(session).queue().launch(server_name=args.host, server_port=args.port)
+            build_app(registry).queue().launch(server_name=args.host, server_port=args.port)
         finally:
-            session.close()
+            registry.close()
         return 0
 
     return run_cli(body)

@@ -1,13 +1,17 @@
-"""The Gradio page: a multimodal chat with the sampling controls and the model's figures
-at its side."""
+"""The Gradio page: a multimodal chat with the model picker, the sampling controls and
+the model's figures at its side."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
 
 import gradio as gr
 
 from mlxvlm.media import MediaPolicy
 from mlxvlm.sampling_defaults import checkpoint_defaults, resolve
 from mlxvlm.ui.fields import guard_file_handling
+from mlxvlm.ui.models import ModelRegistry
 from mlxvlm.ui.session import ChatSession
 from mlxvlm.ui.uploads import process_uploads, watch_upload_route
 
@@ -21,73 +25,125 @@ def upload_media_options() -> MediaPolicy:
     return MediaPolicy(allow_remote=False, allowed_dir=str(process_uploads().directory))
 
 
-def build_app(session: ChatSession) -> gr.Blocks:
-    """The page for ``session``; launch it with ``.queue().launch(...)``. The session
-    then answers only with files uploaded through the page, each in its own conversation."""
-    # Before any component: Gradio reads its upload folder when a component is made.
-    uploads = process_uploads()
-    session.uploads = uploads
+def model_labels(names: list[str]) -> list[tuple[str, str]]:
+    """The picker's (label, name) pairs: a local checkpoint by its folder's name (unless
+    two share one), a Hub model by its repo id."""
+    short = [Path(n).name if Path(n).is_dir() else n for n in names]
+    return [(s if short.count(s) == 1 else n, n) for s, n in zip(short, names)]
+
+
+def model_markdown(session: ChatSession) -> str:
+    return (f"**Model** `{session.model_name}`  \nfamily `{session.model_type}` · context "
+            f"{session.max_context or 'unknown'} tokens")
+
+
+def attachment_box(session: ChatSession) -> dict[str, Any]:
+    """The message box's attachment settings for the model: the kinds it takes, and the
+    microphone where it hears (a recording is uploaded as a WAV file like any upload)."""
     kinds = [kind.name for kind in session.kinds]
     attach = f"attach {' / '.join(kinds)}" if kinds else "this model reads text only"
-    max_tokens_cap = min(session.max_context or MAX_TOKENS_CAP, MAX_TOKENS_CAP)
+    sources = (["upload"] + (["microphone"] if "audio" in kinds else [])) if kinds else []
+    return dict(file_types=kinds or None, sources=sources,
+                placeholder=f"Ask a question ({attach})")
 
-    # The controls start where the checkpoint's generation_config.json puts them (greedy
-    # where it sets nothing), as the CLI and the server do for values left out.
+
+def control_values(session: ChatSession) -> dict[str, Any]:
+    """Where the sampling controls start: the checkpoint's generation_config.json (greedy
+    where it sets nothing), as the CLI and the server do for values left out."""
     initial = resolve({}, checkpoint_defaults(session.processor)).values
+    return {
+        "temperature": initial["temperature"],
+        "top_p": max(0.05, initial["top_p"]),
+        "repetition_penalty": min(2.0, max(1.0, initial["repetition_penalty"] or 1.0)),
+        "max_tokens_cap": min(session.max_context or MAX_TOKENS_CAP, MAX_TOKENS_CAP),
+    }
 
-    with gr.Blocks(title=f"mlxvlm · {session.model_name}", analytics_enabled=False) as app:
+
+def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
+    """The page for ``models`` (or one loaded session); launch it with
+    ``.queue().launch(...)``. It answers only with files uploaded through the page, each
+    in its own conversation. Choosing another model loads it and starts a new
+    conversation: the earlier turns may hold attachments the new model cannot take, and
+    their answers were another model's."""
+    registry = models if isinstance(models, ModelRegistry) else ModelRegistry.of_session(models)
+    # Before any component: Gradio reads its upload folder when a component is made.
+    uploads = process_uploads()
+    first = registry.names[0]
+    with registry.use(first) as session:
+        session.uploads = uploads
+        box, initial, panel = attachment_box(session), control_values(session), \
+            model_markdown(session)
+        title, stats_text = f"mlxvlm · {session.model_name}", session.stats_markdown()
+
+    def respond(message, history, system, temperature, top_p, max_tokens,
+                repetition_penalty, seed, model_name=None,
+                request: gr.Request = None) -> Iterator[tuple[Any, str]]:
+        with registry.use(model_name or first) as chosen:
+            chosen.uploads = uploads  # every session reads only this page's uploads
+            yield from chosen.respond(message, history, system, temperature, top_p,
+                                      max_tokens, repetition_penalty, seed, request=request)
+
+    with gr.Blocks(title=title, analytics_enabled=False) as app:
         with gr.Row(equal_height=False):
             # The chat sits first (left) but is built last: ChatInterface must find its
             # controls already rendered, or it puts them in an accordion under the chat.
             chat_column = gr.Column(scale=3)
             with gr.Column(scale=1, min_width=280):
-                gr.Markdown(
-                    f"**Model** `{session.model_name}`  \n"
-                    f"family `{session.model_type}` · context "
-                    f"{session.max_context or 'unknown'} tokens",
-                    elem_id="model-panel",
-                )
-                stats = gr.Markdown(session.stats_markdown(), elem_id="answer-stats")
+                picker = gr.Dropdown(model_labels(registry.names), value=first, label="Model",
+                                     visible=len(registry.names) > 1, elem_id="model-picker")
+                model_panel = gr.Markdown(panel, elem_id="model-panel")
+                stats = gr.Markdown(stats_text, elem_id="answer-stats")
                 system = gr.Textbox(
                     label="System prompt", lines=3, placeholder="(the model's default)"
                 )
-                temperature = gr.Slider(
-                    0.0, 2.0, value=initial["temperature"], step=0.05,
-                    label="Temperature (0: greedy)",
-                )
-                top_p = gr.Slider(0.05, 1.0, value=max(0.05, initial["top_p"]), step=0.05,
-                                  label="Top-p")
-                max_tokens = gr.Slider(
-                    1, max_tokens_cap, value=min(256, max_tokens_cap), step=1,
-                    label="Max new tokens", elem_id="max-tokens",
-                )
-                repetition_penalty = gr.Slider(
-                    1.0, 2.0, value=min(2.0, max(1.0, initial["repetition_penalty"] or 1.0)),
-                    step=0.05, label="Repetition penalty (1: off)",
-                )
+                temperature = gr.Slider(0.0, 2.0, value=initial["temperature"], step=0.05,
+                                        label="Temperature (0: greedy)")
+                top_p = gr.Slider(0.05, 1.0, value=initial["top_p"], step=0.05, label="Top-p")
+                cap = initial["max_tokens_cap"]
+                max_tokens = gr.Slider(1, cap, value=min(256, cap), step=1,
+                                       label="Max new tokens", elem_id="max-tokens")
+                repetition_penalty = gr.Slider(1.0, 2.0, value=initial["repetition_penalty"],
+                                               step=0.05, label="Repetition penalty (1: off)")
                 seed = gr.Number(value=-1, precision=0, label="Seed (-1: random)")
 
         with chat_column:
-            gr.ChatInterface(
-                session.respond,
+            textbox = gr.MultimodalTextbox(
+                file_count="multiple",
+                stop_btn=True,  # a given textbox brings its own buttons
+                elem_id="message",
+                **box,
+            )
+            chat = gr.ChatInterface(
+                respond,
                 multimodal=True,
                 chatbot=gr.Chatbot(label="Chat", height=560, elem_id="chat"),
-                textbox=gr.MultimodalTextbox(
-                    file_types=kinds or None,
-                    file_count="multiple",
-                    sources=["upload"] if kinds else [],
-                    placeholder=f"Ask a question ({attach})",
-                    stop_btn=True,  # a given textbox brings its own buttons
-                    elem_id="message",
-                ),
+                textbox=textbox,
                 additional_inputs=[
-                    system, temperature, top_p, max_tokens, repetition_penalty, seed
+                    system, temperature, top_p, max_tokens, repetition_penalty, seed, picker
                 ],
                 additional_outputs=[stats],
                 api_name="chat",
                 fill_height=True,
                 analytics_enabled=False,
             )
+
+        def choose(name: str):
+            with registry.use(name) as chosen:
+                values = control_values(chosen)
+                return (model_markdown(chosen), chosen.stats_markdown(),
+                        gr.MultimodalTextbox(**attachment_box(chosen)),
+                        gr.Slider(value=values["temperature"]),
+                        gr.Slider(value=values["top_p"]),
+                        gr.Slider(maximum=values["max_tokens_cap"],
+                                  value=min(256, values["max_tokens_cap"])),
+                        gr.Slider(value=values["repetition_penalty"]), [], [], [])
+
+        picker.change(
+            choose, [picker],
+            [model_panel, stats, textbox, temperature, top_p, max_tokens, repetition_penalty,
+             chat.chatbot, chat.chatbot_state, chat.chatbot_value],
+            api_name="choose_model",
+        )
     guard_file_handling(app, uploads)
     watch_upload_route(app, uploads)
     return app

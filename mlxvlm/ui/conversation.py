@@ -17,8 +17,9 @@ from mlxvlm.errors import MlxvlmError
 from mlxvlm.media import MediaPolicy
 from mlxvlm.ui.media_kinds import MediaKind, kind_of
 
-# The metadata title of the app's notices in the chat; any message with a metadata title
-# is display-only (Gradio shows it as a titled box), never model output.
+# The metadata title of the app's notices in the chat. Any message with a metadata title
+# is display-only (Gradio shows it as a titled box): a notice is left out with the turn it
+# answered, any other (a thinking model's thoughts) alone.
 NOTICE_TITLE = "⚠️ Could not answer"
 
 
@@ -30,9 +31,8 @@ class Conversation:
     image_hashes: list[str] | None = field(default_factory=list)
 
 
-def _is_notice(message: dict) -> bool:
-    metadata = message.get("metadata") or {}
-    return bool(metadata.get("title"))
+def _title(message: dict) -> str | None:
+    return (message.get("metadata") or {}).get("title") or None
 
 
 def _parts(content: Any) -> list[dict]:
@@ -73,12 +73,17 @@ def _turns(history: Sequence[dict]) -> list[tuple[str, list[dict]]]:
         role = message.get("role")
         if role not in ("user", "assistant"):
             continue
-        if _is_notice(message):
+        title = _title(message)
+        if title == NOTICE_TITLE:
             # Drop the failed turn: the user's request and any partial answer to it.
             while turns and turns[-1][0] == "assistant":
                 turns.pop()
             if turns:
                 turns.pop()
+            continue
+        if title:  # thoughts: the turn is the model's, its text is not for the prompt
+            if not turns or turns[-1][0] != "assistant":
+                turns.append(("assistant", []))
             continue
         parts = _parts(message.get("content"))
         if turns and turns[-1][0] == role:

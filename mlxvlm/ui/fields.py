@@ -12,7 +12,10 @@ and runs its ``preprocess`` on the client's value unchecked (``gr.Image`` opens 
 path on the host and re-encodes it into the cache). The app never shows one.
 
 Both are set on the instances, not in subclasses: Gradio writes a ``.pyi`` file next to
-the module of every component subclass when it is defined.
+the module of every component subclass when it is defined. An event that updates a
+component's properties (the model picker sets the attachment box's file types) gives the
+conversation a new instance of it, built from the constructor's arguments: each is
+guarded too, before a request's inputs are read.
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from gradio.blocks import Block, Blocks
 from mlxvlm.ui.uploads import AttachmentRefused, Uploads
 
 
+GUARDED = "_mlxvlm_guarded"
+
+
 def _guard(block: Block, uploads: Uploads) -> None:
+    if getattr(block, GUARDED, False):
+        return
+    setattr(block, GUARDED, True)
     move, async_move = block.move_resource_to_block_cache, block.async_move_resource_to_block_cache
 
     def checked_move(url_or_file_path):
@@ -53,3 +62,13 @@ def guard_file_handling(app: Blocks, uploads: Uploads) -> None:
     """Every component of ``app`` accepts only uploaded files (call once it is built)."""
     for block in app.blocks.values():
         _guard(block, uploads)
+    preprocess_data = app.preprocess_data
+
+    async def guarded_preprocess_data(block_fn, inputs, state, *args, **kwargs):
+        # The conversation's own instances of updated components (see the top).
+        for block in block_fn.inputs:
+            if state is not None and not block.stateful and block._id in state:
+                _guard(state[block._id], uploads)
+        return await preprocess_data(block_fn, inputs, state, *args, **kwargs)
+
+    app.preprocess_data = guarded_preprocess_data

@@ -29,6 +29,7 @@ from mlxvlm.prompt import prepare_inputs
 from mlxvlm.ui.conversation import NOTICE_TITLE, attachment_paths, build_conversation
 from mlxvlm.ui.media_kinds import supported_kinds
 from mlxvlm.ui.stats import NO_ANSWER_YET, AnswerStats, stale_markdown
+from mlxvlm.ui.thoughts import ThoughtsAndAnswer, template_thinks
 from mlxvlm.ui.uploads import AttachmentRefused, Uploads
 
 log = logging.getLogger(__name__)
@@ -111,8 +112,10 @@ class ChatSession:
         self.model_name = model_name
         self.kinds = supported_kinds(model, processor)
         self.placeholders = _placeholder_texts(model, processor)
+        self.thinks = template_thinks(processor)
         self.media_options = media_options
-        # Set by ``app.build_app``: then only files uploaded in the conversation are read.
+        # Set by the page (``app.build_app``): then only files uploaded in the conversation
+        # are read.
         self.uploads = uploads
         self.engine = BatchEngine(
             model,
@@ -206,11 +209,14 @@ class ChatSession:
         while not self._turn.acquire(timeout=YIELD_EVERY_S):
             yield [], self.stats_markdown()
         try:
-            yield from self._answer(inputs, settings, conversation.image_hashes)
+            reply = ThoughtsAndAnswer(self.thinks, inputs.prompt_text)
+            yield from self._answer(inputs, settings, conversation.image_hashes, reply)
         finally:
             self._turn.release()
 
-    def _answer(self, inputs, settings: Settings, image_hashes) -> Iterator[tuple[Any, str]]:
+    def _answer(
+        self, inputs, settings: Settings, image_hashes, reply: ThoughtsAndAnswer
+    ) -> Iterator[tuple[Any, str]]:
         steps: queue.SimpleQueue[BatchStep | BaseException] = queue.SimpleQueue()
         mx.reset_peak_memory()
         submitted = time.perf_counter()
@@ -222,29 +228,32 @@ class ChatSession:
             yield notice(_readable(e)), self.failed_stats_markdown()
             return
 
-        text, first_at, finished = "", None, False
+        first_at, finished = None, False
         try:
             while True:
                 try:
                     step = steps.get(timeout=YIELD_EVERY_S)
                 except queue.Empty:
-                    yield (text or []), self.stats_markdown()
+                    yield reply.reply(), self.stats_markdown()
                     continue
                 if isinstance(step, BaseException):
                     finished = True
-                    reply = notice(_readable(step))
-                    if text:  # keep what was said before the failure
-                        reply = [{"role": "assistant", "content": text}, reply]
-                    yield reply, self.failed_stats_markdown()
+                    reply.finish()
+                    said = reply.reply()  # keep what was said before the failure
+                    said = [{"role": "assistant", "content": said}] if isinstance(said, str) \
+                        else said
+                    yield [*said, notice(_readable(step))], self.failed_stats_markdown()
                     return
                 now = time.perf_counter()
                 first_at = first_at or now
-                text += step.text
                 if step.finish_reason is None:
                     if step.text:
-                        yield text, self.stats_markdown()
+                        reply.feed(step.text)
+                        yield reply.reply(), self.stats_markdown()
                     continue
                 finished = True
+                reply.feed(step.text)
+                reply.finish()
                 self.last_stats = AnswerStats(
                     prompt_tokens=step.prompt_tokens,
                     reused_tokens=step.cached_tokens,
@@ -254,7 +263,7 @@ class ChatSession:
                     peak_memory_gb=mx.get_peak_memory() / 1e9,
                     finish_reason=step.finish_reason,
                 )
-                yield text, self.stats_markdown()
+                yield reply.reply(), self.stats_markdown()
                 return
         finally:
             if not finished:
