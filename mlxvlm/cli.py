@@ -220,18 +220,18 @@ def sample_cli_videos(media: list[tuple[str, object]], args: argparse.Namespace,
     return sampled
 
 
-def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
+def add_speculation_arguments(parser: argparse.ArgumentParser, note: str = "") -> None:
     """Speculative decoding's flags (mlx-lm's and transformers' names), shared with the
-    server."""
+    server (``note``: what it adds to the draft flags' help)."""
     parser.add_argument("--draft-model", default=None,
                         help="Speculative decoding with this smaller model (same tokenizer; an "
                         "mlxvlm checkpoint, e.g. a quantized copy of the model, or an mlx-lm "
-                        "text model; default: none)")
+                        f"text model){note} (default: none)")
     parser.add_argument("--num-draft-tokens", type=ranged(at_least(1, 64)), default=3,
                         help="Tokens the draft model proposes per pass of the model")
     parser.add_argument("--prompt-lookup-num-tokens", type=ranged(at_least(1, 64)), default=None,
                         help="Speculative decoding by prompt lookup: draft up to this many "
-                        "tokens from n-grams of the prompt and the answer (default: off)")
+                        f"tokens from n-grams of the prompt and the answer{note} (default: off)")
 
 
 def build_generate_parser() -> argparse.ArgumentParser:

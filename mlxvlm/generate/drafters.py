@@ -40,7 +40,7 @@ LOOKUP_MAX_NGRAM = 3
 class PromptLookupDrafter:
     """Drafts by prompt lookup (transformers' ``prompt_lookup_num_tokens``): the tokens
     that followed the latest earlier occurrence of the sequence's last n tokens (n from
-    ``max_ngram`` down to 1), in the prompt or the answer so far. Costs no model pass;
+    ``max_ngram`` down to 1) that ``k`` tokens follow, in the prompt or the answer so far. Costs no model pass;
     suits answers that copy the prompt (documents, OCR, code edits)."""
 
     def __init__(self, max_ngram: int = LOOKUP_MAX_NGRAM):
@@ -55,7 +55,10 @@ class PromptLookupDrafter:
             windows = np.lib.stride_tricks.sliding_window_view(ids[: total - 1], n)
             matches = np.flatnonzero((windows == tail).all(axis=1))
             if matches.size:
-                start = int(matches[-1]) + n
+                # The latest match that is followed by k tokens (a match overlapping the
+                # tail, as in a repeated token, has fewer), else the earliest.
+                full = matches[matches + n + k <= total]
+                start = int(full[-1] if full.size else matches[0]) + n
                 return ids[start : start + k].tolist(), None
         return [], None
 

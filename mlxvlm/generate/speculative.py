@@ -40,6 +40,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.acceptance import accept_greedy, accept_sampled, is_greedy, sampling_distribution
+from mlxvlm.generate.drafters import make_drafter
 from mlxvlm.generate.loop import embed_prompt, generation_stream, prefill_chunks
 from mlxvlm.generate.rewind import CacheCheckpoint
 from mlxvlm.prompt import PreparedInputs
@@ -130,10 +131,37 @@ def speculative_tokens(
         first, logprobs = sampling_step(logits[:, -1, :], [row], None)
         first = first.item()
     progress(total, total)
-    emitted = [first]
     yield first, logprobs.squeeze(0)
-    drafter.update(0, first)
+    yield from speculative_decode(
+        model, cache, state, prompt, first, max_tokens=max_tokens, row=row, options=options,
+        drafter=drafter, num_draft_tokens=num_draft_tokens, stats=stats, quantize=quantize)
 
+
+def speculative_decode(
+    model: nn.Module,
+    cache: list[Any],
+    state: Any,
+    prompt: list[int],
+    first: int,
+    *,
+    max_tokens: int,
+    row: RowSampler,
+    options: SamplingOptions,
+    drafter: Drafter,
+    num_draft_tokens: int,
+    stats: SpeculationStats,
+    quantize: Callable[[list[Any]], None] | None = None,
+    held: list[int] | None = None,
+) -> Generator[tuple[int, mx.array], None, None]:
+    """The tokens after ``first`` (the prompt's pass gave it; ``cache`` holds the prompt),
+    up to ``max_tokens`` in all, as ``(token, logprobs)``. ``held``, if given, is extended
+    with every token the target's cache takes in, in order (what a prefix cache keys the
+    cache by: at times fewer than were emitted, and drafts accepted after a stop the
+    caller acts on)."""
+    quantize = quantize or (lambda _: None)
+    held = [] if held is None else held
+    emitted = [first]
+    drafter.update(0, first)
     greedy = is_greedy(options)
     rng_seed = None if options.seed is None else step_seed(options.seed, 0)
     rng = np.random.default_rng(rng_seed)
@@ -150,6 +178,7 @@ def speculative_tokens(
                 for token in pending[:-1]:
                     model(mx.array([[token]]), cache, state=state, last_only=True)
                     quantize(cache)
+            held.extend(pending[:-1])
             pending = pending[-1:]
         feed = pending + drafts
         checkpoint = CacheCheckpoint(cache) if drafts else None
@@ -169,6 +198,7 @@ def speculative_tokens(
         stats.decoded += accepted + 1
         kept = len(pending) + accepted
         if checkpoint is None or checkpoint.rewind(cache, kept):
+            held.extend(feed[:kept])
             pending = [next_token]
         else:
             pending = feed[:kept] + [next_token]
@@ -213,3 +243,31 @@ def _fit(q: np.ndarray | None, vocab: int) -> np.ndarray | None:
     if q.shape[-1] > vocab:
         return q[:, :vocab]
     return np.pad(q, ((0, 0), (0, vocab - q.shape[-1])))
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How the batching engine speculates (the server's ``--draft-model`` or
+    ``--prompt-lookup-num-tokens``): ``draft_model`` is a loaded model that takes the
+    target's prompt as it is (a quantized copy, a same-family model with the same
+    processor) or an mlx-lm text model."""
+
+    draft_model: Any = None
+    num_draft_tokens: int = 3
+    prompt_lookup_num_tokens: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        if self.prompt_lookup_num_tokens is not None:
+            return self.prompt_lookup_num_tokens
+        return self.num_draft_tokens
+
+    def usable(self, options: SamplingOptions) -> bool:
+        """Whether a request can speculate (a grammar cannot)."""
+        return options.constraint is None
+
+    def drafter(self, model: nn.Module, inputs: PreparedInputs, options: SamplingOptions,
+                prefill_step_size: int) -> Drafter:
+        return make_drafter(model, inputs, options, draft_model=self.draft_model,
+                            prompt_lookup=self.prompt_lookup_num_tokens is not None,
+                            prepare_draft_inputs=None, prefill_step_size=prefill_step_size)
