@@ -47,6 +47,38 @@ def one_run(model, processor, prompt, image, max_tokens, **options):
     return tokens, last
 
 
+def pass_cost(model, processor, image, lengths=(1, 2, 3, 4, 5, 8), repeats=9) -> dict[int, float]:
+    """Median seconds of one target pass of each length after the image prompt, the cache
+    trimmed back after each: what a verification pass of K + 1 tokens costs against a
+    one-token step."""
+    import time
+
+    import mlx.core as mx
+
+    from mlxvlm.generate import CacheOptions
+    from mlxvlm.generate.loop import embed_prompt
+    from mlxvlm.prompt import prepare_inputs
+
+    inputs = prepare_inputs(processor, "Describe this image.", image,
+                            feature_names=model.feature_names)
+    cache = CacheOptions().make(model, inputs)
+    embeddings, state = embed_prompt(model, inputs.input_ids, **inputs.features)
+    model(inputs.input_ids, cache, embeddings=embeddings, state=state, last_only=True)
+    mx.eval([c.state for c in cache])
+    costs = {}
+    for length in lengths:
+        ids = mx.array([[17] * length])
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            mx.eval(model(ids, cache, state=state))
+            times.append(time.perf_counter() - started)
+            for c in cache:
+                c.trim(length)
+        costs[length] = statistics.median(times)
+    return costs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="smolvlm-256m-bf16")
@@ -68,6 +100,12 @@ def main() -> int:
         f"prompt lookup, K={args.prompt_lookup_num_tokens}": dict(
             prompt_lookup_num_tokens=args.prompt_lookup_num_tokens),
     }
+    costs = pass_cost(*target, benchmark_image())
+    print("| tokens in one target pass | " + " | ".join(map(str, costs)) + " |")
+    print("| --- |" + " --- |" * len(costs))
+    print("| ms (÷ one-token pass) | " + " | ".join(
+        f"{1000 * t:.1f} ({t / costs[1]:.2f}×)" for t in costs.values()) + " |")
+    print()
     print(f"target {args.target}, {args.max_tokens} new tokens, {args.runs} alternating runs")
     print("| prompt | decoding | decode tokens/s | speed-up | accepted | tokens/pass | same tokens |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

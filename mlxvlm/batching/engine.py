@@ -348,6 +348,8 @@ class BatchEngine:
         except Exception as e:
             if self._prefilling is seq:
                 self._prefilling = None
+            if self._speculating is seq:
+                self._speculating = None
             self._fail(seq, e)
 
     def _fail(self, seq: _Sequence, error: BaseException) -> None:
