@@ -111,8 +111,7 @@ class DraftModelDrafter:
                 self.model(ids[:, start : start + step], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
 
-    def _last_logits(self, tokens: list[int]) -> mx.array:
-        ids = mx.array([tokens])
+    def _last_logits(self, ids: mx.array) -> mx.array:
         with mx.stream(generation_stream):
             if self.is_vlm:
                 logits = self.model(ids, self.cache, state=self.state, last_only=True)
@@ -120,9 +119,7 @@ class DraftModelDrafter:
                 logits = self.model(ids, cache=self.cache)
             return logits[:, -1, :].astype(mx.float32)
 
-    def _draw(self, logits: mx.array) -> tuple[int, np.ndarray | None]:
-        if self.greedy:
-            return int(mx.argmax(logits, axis=-1).item()), None
+    def _draw(self, logits: mx.array) -> tuple[int, np.ndarray]:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         q = sampling_distribution(logprobs, self.options)[0]
         return int(self.rng.choice(q.shape[-1], p=q)), q
@@ -131,17 +128,26 @@ class DraftModelDrafter:
         self.drafts, self.checkpoint = [], None
         if k == 0:
             return [], None
-        token, q = self._draw(self._last_logits(self.pending))
+        logits = self._last_logits(mx.array([self.pending]))
         self.pending = []
         # The checkpoint follows the accepted tokens' step: only drafts come after it.
         self.checkpoint = CacheCheckpoint(self.cache)
+        if self.greedy:
+            # The whole chain as one graph, read once: each argmax feeds the next step
+            # without a round trip to Python.
+            tokens = [mx.argmax(logits, axis=-1)]
+            for _ in range(k - 1):
+                tokens.append(mx.argmax(self._last_logits(tokens[-1][None]), axis=-1))
+            self.drafts = mx.concatenate(tokens).tolist()
+            return self.drafts, None
+        token, q = self._draw(logits)
         drafts, dists = [token], [q]
         for _ in range(k - 1):
-            token, q = self._draw(self._last_logits([token]))
+            token, q = self._draw(self._last_logits(mx.array([[token]])))
             drafts.append(token)
             dists.append(q)
         self.drafts = drafts
-        return drafts, None if self.greedy else np.stack(dists)
+        return drafts, np.stack(dists)
 
     def update(self, accepted: int, next_token: int) -> None:
         if self.checkpoint is None:  # nothing drafted: the token waits for the next step
