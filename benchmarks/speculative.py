@@ -82,11 +82,12 @@ def pass_cost(model, processor, image, lengths=(1, 2, 3, 4, 5, 8), repeats=9) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="smolvlm-256m-bf16")
-    parser.add_argument("--draft", nargs="+", default=["smolvlm-256m-4bit", "smolvlm-256m-8bit"])
+    parser.add_argument("--draft", nargs="*", default=["smolvlm-256m-4bit", "smolvlm-256m-8bit"])
     parser.add_argument("--num-draft-tokens", type=int, default=3)
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--output", default=None, help="also write the raw runs as JSON here")
     args = parser.parse_args()
 
     from mlxvlm import load
@@ -101,6 +102,8 @@ def main() -> int:
             prompt_lookup_num_tokens=args.prompt_lookup_num_tokens),
     }
     costs = pass_cost(*target, benchmark_image())
+    raw = {"target": args.target, "max_tokens": args.max_tokens, "pass_seconds": costs,
+           "prompts": {}}
     print("| tokens in one target pass | " + " | ".join(map(str, costs)) + " |")
     print("| --- |" + " --- |" * len(costs))
     print("| ms (÷ one-token pass) | " + " | ".join(
@@ -122,6 +125,13 @@ def main() -> int:
                 speeds[label].append(last.generation_tps)
                 stats[label] = last.speculation
                 same.setdefault(label, []).append(tokens)
+        raw["prompts"][name] = {label: {
+            "decode_tps": speeds[label],
+            "drafted": stats[label].drafted if stats[label] else 0,
+            "accepted": stats[label].accepted if stats[label] else 0,
+            "target_passes": stats[label].target_passes if stats[label] else None,
+            "same_tokens": all(t == reference for t in same[label]),
+        } for label in configs}
         base = statistics.median(speeds["plain"])
         for label, values in speeds.items():
             median = statistics.median(values)
@@ -132,6 +142,10 @@ def main() -> int:
             print(f"| {name} | {label} | {median:.1f} ({min(values):.1f}–{max(values):.1f}) | "
                   f"{median / base:.2f}× | {accepted} | {per_pass} | {'yes' if identical else 'NO'} |",
                   flush=True)
+    if args.output:
+        import json
+
+        Path(args.output).write_text(json.dumps(raw, indent=1))
     return 0
 
 
