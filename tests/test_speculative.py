@@ -93,21 +93,44 @@ def test_max_kv_size_rotation_is_the_same(models, family):
         assert last.speculation.drafted > 0
 
 
-def test_a_text_only_draft_sees_the_prompt_without_media(models):
-    """An mlx-lm text model with the target's vocabulary as the draft (random: its drafts
-    are rejected, the output stays the target's)."""
+TEXT_DRAFT = dict(model_type="llama", hidden_size=32, num_hidden_layers=2,
+                  intermediate_size=64, num_attention_heads=4, rms_norm_eps=1e-6,
+                  num_key_value_heads=2)
+
+
+def text_draft(vocab_size: int):
+    """A random mlx-lm Llama over the target's ids (5 fewer: a draft's vocabulary may
+    lack the target's last ids)."""
     from mlx_lm.models import llama
+
+    draft = llama.Model(llama.ModelArgs(**TEXT_DRAFT, vocab_size=vocab_size - 5))
+    mx.eval(draft.parameters())
+    return draft
+
+
+def test_a_text_only_draft_sees_the_prompt_without_media(models, tmp_path):
+    """An mlx-lm text model with the target's vocabulary as the draft (random: its drafts
+    are rejected, the output stays the target's), given as a model and as a checkpoint
+    that ``load_draft`` loads through mlx-lm."""
+    from mlx_lm.utils import save_config, save_model
+
+    from mlxvlm.generate.drafters import load_draft
 
     (model, processor), _ = models("qwen2_vl")
     plain, last = run(model, processor, max_tokens=NEW)
-    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2,
-                           intermediate_size=64, num_attention_heads=4, rms_norm_eps=1e-6,
-                           vocab_size=last.logprobs.shape[-1] - 5, num_key_value_heads=2)
-    draft = llama.Model(args)
-    mx.eval(draft.parameters())
+    vocab = last.logprobs.shape[-1]
+    draft = text_draft(vocab)
     tokens, last = run(model, processor, max_tokens=NEW, draft_model=draft)
     assert tokens == plain
     assert last.speculation.drafted > 0
+
+    save_model(tmp_path, draft)
+    save_config({**TEXT_DRAFT, "vocab_size": vocab - 5}, tmp_path / "config.json")
+    processor.tokenizer.save_pretrained(tmp_path)
+    loaded, draft_processor = load_draft(str(tmp_path))
+    assert draft_processor is None and type(loaded).__module__ == "mlx_lm.models.llama"
+    tokens, last = run(model, processor, max_tokens=NEW, draft_model=str(tmp_path))
+    assert tokens == plain
 
 
 def test_stop_strings_eos_and_processors_inside_drafted_runs(models):
@@ -177,13 +200,17 @@ def test_rejected_tokens_leave_no_trace_in_the_cache(models):
 
 
 def test_sampling_with_a_self_draft_accepts_everything(models):
-    """p = q: the rule accepts every draft, and a seed makes the run reproducible."""
-    (model, processor), _ = models("qwen2_vl")
-    options = dict(max_tokens=NEW, temperature=1.0, top_p=0.9, seed=5,
-                   draft_model=(model, processor), num_draft_tokens=4)
-    first, last = run(model, processor, **options)
+    """p = q: the rule accepts every draft, and a seed makes the run reproducible; another
+    model's samples are mostly rejected (the residual draws the token instead)."""
+    (model, processor), other = models("qwen2_vl")
+    options = dict(max_tokens=NEW, temperature=1.0, top_p=0.9, top_k=50, seed=5,
+                   num_draft_tokens=4)
+    first, last = run(model, processor, draft_model=(model, processor), **options)
     assert last.speculation.accepted == last.speculation.drafted > 0
-    assert run(model, processor, **options)[0] == first
+    assert run(model, processor, draft_model=(model, processor), **options)[0] == first
+    tokens, last = run(model, processor, draft_model=other, **options)
+    assert len(tokens) == NEW and tokens == run(model, processor, draft_model=other, **options)[0]
+    assert 0 < last.speculation.drafted and last.speculation.accepted < last.speculation.drafted
 
 
 def test_the_acceptance_rule_keeps_the_target_distribution():
