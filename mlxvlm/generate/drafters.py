@@ -26,7 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.generate.acceptance import is_greedy, sampling_distribution
-from mlxvlm.generate.loop import embed_prompt, generation_stream, prefill_chunks
+from mlxvlm.generate.loop import generation_stream, prefill_prompt
 from mlxvlm.generate.rewind import CacheCheckpoint
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.prompt import PreparedInputs
@@ -95,11 +95,8 @@ class DraftModelDrafter:
 
     def _prefill_vlm(self, inputs: PreparedInputs, step: int) -> None:
         ids = inputs.input_ids
-        embeddings, self.state = embed_prompt(self.model, ids, **inputs.features)
-        done = 0
-        for done in prefill_chunks(self.model, ids, embeddings, self.state, self.cache,
-                                   prefill_step_size=step):
-            pass
+        embeddings, self.state, done = prefill_prompt(self.model, inputs, self.cache, step,
+                                                      lambda _: None, lambda *_: None)
         with mx.stream(generation_stream):
             self.model(ids[:, done:], self.cache, embeddings=embeddings[:, done:],
                        state=self.state, last_only=True)

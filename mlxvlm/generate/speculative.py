@@ -41,7 +41,7 @@ from mlx_lm.models.cache import RotatingKVCache
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.acceptance import accept_greedy, accept_sampled, is_greedy, sampling_distribution
 from mlxvlm.generate.drafters import make_drafter
-from mlxvlm.generate.loop import embed_prompt, generation_stream, prefill_chunks
+from mlxvlm.generate.loop import generation_stream, prefill_prompt
 from mlxvlm.generate.rewind import CacheCheckpoint
 from mlxvlm.prompt import PreparedInputs
 from mlxvlm.sampling import RowSampler, SamplingOptions, sampling_step, step_seed
@@ -117,13 +117,9 @@ def speculative_tokens(
     quantize = quantize or (lambda _: None)
     input_ids = inputs.input_ids
     prompt = input_ids[0].tolist()
-    embeddings, state = embed_prompt(model, input_ids, **inputs.features)
     total = input_ids.shape[1]
-    progress(0, total)
-    done = 0
-    for done in prefill_chunks(model, input_ids, embeddings, state, cache,
-                               prefill_step_size=prefill_step_size, quantize=quantize):
-        progress(done, total)
+    embeddings, state, done = prefill_prompt(model, inputs, cache, prefill_step_size,
+                                             quantize, progress)
     with mx.stream(generation_stream):
         logits = model(input_ids[:, done:], cache, embeddings=embeddings[:, done:], state=state,
                        last_only=True)
