@@ -220,6 +220,20 @@ def sample_cli_videos(media: list[tuple[str, object]], args: argparse.Namespace,
     return sampled
 
 
+def add_speculation_arguments(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """Speculative decoding's flags (mlx-lm's and transformers' names), shared with the
+    server (``note``: what it adds to the draft flags' help)."""
+    parser.add_argument("--draft-model", default=None,
+                        help="Speculative decoding with this smaller model (same tokenizer; an "
+                        "mlxvlm checkpoint, e.g. a quantized copy of the model, or an mlx-lm "
+                        f"text model){note} (default: none)")
+    parser.add_argument("--num-draft-tokens", type=ranged(at_least(1, 64)), default=3,
+                        help="Tokens the draft model proposes per pass of the model")
+    parser.add_argument("--prompt-lookup-num-tokens", type=ranged(at_least(1, 64)), default=None,
+                        help="Speculative decoding by prompt lookup: draft up to this many "
+                        f"tokens from n-grams of the prompt and the answer{note} (default: off)")
+
+
 def build_generate_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="python -m mlxvlm.generate",
@@ -258,6 +272,7 @@ def build_generate_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--prefill-step-size", type=ranged(at_least(1)), default=2048,
                         help="Prompt tokens per prefill chunk")
+    add_speculation_arguments(parser)
     parser.add_argument(
         "--verbose", action="store_true",
         help="Print statistics, backend details and where the sampling values came from to "
@@ -304,6 +319,11 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
             trust_remote_code=args.trust_remote_code,
         )
         media = sample_cli_videos(media, args, processor, verbose=args.verbose)
+        draft = None
+        if args.draft_model is not None:
+            from mlxvlm.generate.drafters import load_draft
+
+            draft = load_draft(args.draft_model)
         if args.verbose:
             report = getattr(model, "cpu_fast_paths", None)
             if report is not None:
@@ -341,6 +361,9 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
             kv_group_size=args.kv_group_size,
             quantized_kv_start=args.quantized_kv_start,
             prefill_step_size=args.prefill_step_size,
+            draft_model=draft,
+            num_draft_tokens=args.num_draft_tokens,
+            prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         ):
             print(last.text, end="", flush=True)
         print()
@@ -352,6 +375,8 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
                 f"[mlxvlm] peak memory: {last.peak_memory:.3f} GB",
                 file=sys.stderr,
             )
+            if last.speculation is not None:
+                print(f"[mlxvlm] speculation: {last.speculation.describe()}", file=sys.stderr)
         return 0
 
     return run_cli(body)

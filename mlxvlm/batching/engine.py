@@ -36,6 +36,7 @@ from mlxvlm.models.base import materialize
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.cache import DEFAULT_QUANTIZED_KV_START, CacheOptions
 from mlxvlm.generate.loop import embed_prompt, fit_to_context, generation_stream, prefill_chunks
+from mlxvlm.generate.speculative import Speculation, SpeculationStats, speculative_decode
 from mlxvlm.generate.state_cache import StateSnapshots, is_state_cache, turn_boundaries
 from mlxvlm.generate.text import SequenceText, eos_token_ids
 from mlxvlm.prefix_cache import PrefixCache, prompt_key
@@ -105,6 +106,8 @@ class _Sequence:
     generated: list[int] = field(default_factory=list)  # delivered tokens
     # Its state layers' states where a later prompt may resume (see generate.state_cache).
     snapshots: StateSnapshots = field(default_factory=StateSnapshots)
+    speculative: Any = None  # the speculative_decode generator, while it speculates
+    held: list[int] | None = None  # the tokens its cache took in after the prompt
 
     @property
     def cancelled(self) -> bool:
@@ -154,12 +157,16 @@ class BatchEngine:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+        speculation: Speculation | None = None,
     ):
         """``max_kv_size`` and ``kv_bits`` mean what they mean for ``generate``. mlx-lm
         has no batched quantized cache, so ``kv_bits`` needs ``max_batch_size`` 1; its
         batched rotating cache keeps no tokens at its start (the prompt's media, the
         attention sinks ``generate`` keeps), so with ``max_batch_size`` above 1 a request
-        that would outgrow ``max_kv_size`` is refused at ``submit``."""
+        that would outgrow ``max_kv_size`` is refused at ``submit``. ``speculation``
+        (speculative decoding, ``generate.speculative``) needs ``max_batch_size`` 1: a
+        batched step already shares each weight read among its rows, which is what
+        speculation buys one sequence."""
         if max_batch_size < 1:
             raise MlxvlmError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if prefill_step_size < 1:
@@ -172,6 +179,11 @@ class BatchEngine:
                 "kv_bits needs max_batch_size 1: mlx-lm has no batched quantized KV cache "
                 f"(got max_batch_size {max_batch_size})"
             )
+        if speculation is not None and max_batch_size > 1:
+            raise MlxvlmError("speculative decoding needs max_batch_size 1 (the server's "
+                              f"--max-concurrency 1), got {max_batch_size}")
+        self.speculation = speculation
+        self._speculating: _Sequence | None = None
         self.model = model
         self.processor = processor
         self.tokenizer = generation_tokenizer(processor)
@@ -263,7 +275,7 @@ class BatchEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._prefilling or self._batch.rows)
+        return bool(self._waiting or self._prefilling or self._batch.rows or self._speculating)
 
     def _wake(self) -> None:
         with self._cond:
@@ -294,6 +306,9 @@ class BatchEngine:
             self._prefilling = None
         pending.extend(self._batch.rows)
         self._batch.clear()
+        if self._speculating is not None:
+            pending.append(self._speculating)
+            self._speculating = None
         self._update_gauges()
         return pending
 
@@ -306,13 +321,15 @@ class BatchEngine:
         if (
             self._prefilling is None
             and self._waiting
-            and len(self._batch) < self.max_batch_size
+            and len(self._batch) + (self._speculating is not None) < self.max_batch_size
         ):
             with self._cond:
                 seq = self._waiting.popleft()
             self._guard(seq, self._start_prefill)
         if self._prefilling is not None:
             self._guard(self._prefilling, self._advance_prefill)
+        if self._speculating is not None:
+            self._guard(self._speculating, self._speculative_step)
         if self._batch.rows:
             try:
                 self._decode_step()
@@ -331,6 +348,8 @@ class BatchEngine:
         except Exception as e:
             if self._prefilling is seq:
                 self._prefilling = None
+            if self._speculating is seq:
+                self._speculating = None
             self._fail(seq, e)
 
     def _fail(self, seq: _Sequence, error: BaseException) -> None:
@@ -360,7 +379,8 @@ class BatchEngine:
 
     def _update_gauges(self) -> None:
         self.stats.waiting = len(self._waiting)
-        self.stats.active = len(self._batch) + (self._prefilling is not None)
+        self.stats.active = (len(self._batch) + (self._prefilling is not None)
+                             + (self._speculating is not None))
 
     # -- prefill --------------------------------------------------------------------
 
@@ -441,11 +461,45 @@ class BatchEngine:
         wants = seq.options.top_logprobs is not None
         values = np.asarray(logprobs[0].astype(mx.float32)) if wants else None
         outcome = self._emit(seq, tokens.item(), values)
-        if outcome is _RUNNING:
+        if outcome is _RUNNING and self.speculation and self.speculation.usable(seq.options):
+            self._start_speculating(seq, tokens.item())
+        elif outcome is _RUNNING:
             cache, seq.cache = seq.cache, None
             self._batch.join(seq, cache, seq.state, tokens, logprobs)
         elif outcome is _FINISHED:
             self._finished(seq, cache=seq.cache)
+        else:
+            self.stats.requests_cancelled += 1
+
+    # -- speculative decoding (max_batch_size 1) --------------------------------------
+
+    def _start_speculating(self, seq: _Sequence, first: int) -> None:
+        seq.held = []
+        drafter = self.speculation.drafter(self.model, seq.inputs, seq.options,
+                                           self.prefill_step_size)
+        seq.speculative = speculative_decode(
+            self.model, seq.cache, seq.state, seq.inputs.input_ids[0].tolist(), first,
+            max_tokens=seq.text.max_tokens, row=seq.row, options=seq.options, drafter=drafter,
+            num_draft_tokens=self.speculation.num_tokens, stats=SpeculationStats(),
+            quantize=self.cache_options.quantize, held=seq.held)
+        self._speculating = seq
+
+    def _speculative_step(self, seq: _Sequence) -> None:
+        """One token of the speculating request (a target pass when its last one's
+        tokens are all delivered)."""
+        started = time.perf_counter()
+        outcome = _CANCELLED
+        if not seq.cancelled:
+            token, logprobs = next(seq.speculative)
+            wants = seq.options.top_logprobs is not None
+            outcome = self._emit(seq, token, np.asarray(logprobs) if wants else None)
+            self._update_throughput(1, time.perf_counter() - started)
+        if outcome is _RUNNING:
+            return
+        self._speculating = None
+        seq.speculative.close()
+        if outcome is _FINISHED:
+            self._finished(seq, seq.cache if self._keeps_cache(seq) else None, fed=seq.held)
         else:
             self.stats.requests_cancelled += 1
 
@@ -518,12 +572,13 @@ class BatchEngine:
             return _FINISHED
         return _CANCELLED if seq.cancelled else _RUNNING
 
-    def _finished(self, seq: _Sequence, cache: list[Any] | None) -> None:
+    def _finished(self, seq: _Sequence, cache: list[Any] | None,
+                  fed: list[int] | None = None) -> None:
         self.stats.requests_finished += 1
         if cache is not None and self.prefix_cache is not None and seq.key is not None:
             # The cache holds the prompt and every generated token fed back: all but the
-            # last sampled one.
-            fed = seq.generated[: seq.row.sampled - 1]
+            # last sampled one (a speculating request's: the tokens it took in).
+            fed = seq.generated[: seq.row.sampled - 1] if fed is None else fed
             key = np.concatenate([seq.key, np.asarray(fed, dtype=np.int64)])
             self.prefix_cache.insert(key, cache, seq.state, seq.snapshots)
 

@@ -106,6 +106,29 @@ def embed_prompt(model: nn.Module, input_ids: mx.array, **features: Any) -> tupl
     return embeddings, state
 
 
+def prefill_prompt(
+    model: nn.Module,
+    inputs: PreparedInputs,
+    cache: list[Any],
+    prefill_step_size: int,
+    quantize: Callable[[list[Any]], None],
+    progress: Callable[[int, int], None],
+) -> tuple[mx.array, Any, int]:
+    """The prompt embedded and all but its final chunk prefilled into ``cache``, with
+    progress reported: ``(embeddings, state, done)``, the final chunk being
+    ``embeddings[:, done:]`` (for the first sampling step). Shared by ``generate_tokens``
+    and speculative decoding."""
+    input_ids = inputs.input_ids
+    embeddings, state = embed_prompt(model, input_ids, **inputs.features)
+    total = input_ids.shape[1]
+    progress(0, total)
+    done = 0
+    for done in prefill_chunks(model, input_ids, embeddings, state, cache,
+                               prefill_step_size=prefill_step_size, quantize=quantize):
+        progress(done, total)
+    return embeddings, state, done
+
+
 def generate_tokens(
     model: nn.Module,
     inputs: PreparedInputs,
@@ -123,8 +146,9 @@ def generate_tokens(
     progress = prompt_progress_callback or (lambda *_: None)
     quantize = quantize or (lambda _: None)
     input_ids = inputs.input_ids
-
-    embeddings, state = embed_prompt(model, input_ids, **inputs.features)
+    total = input_ids.shape[1]
+    embeddings, state, done = prefill_prompt(model, inputs, cache, prefill_step_size,
+                                             quantize, progress)
 
     def step(tokens: mx.array, chunk_embeddings: mx.array | None = None):
         with mx.stream(generation_stream):
@@ -133,15 +157,6 @@ def generate_tokens(
             fed = tokens[0] if chunk_embeddings is None else None
             sampled, logprobs = sampling_step(logits[:, -1, :], [row], fed)
             return sampled, logprobs.squeeze(0)
-
-    total = input_ids.shape[1]
-    progress(0, total)
-    done = 0
-    for done in prefill_chunks(
-        model, input_ids, embeddings, state, cache,
-        prefill_step_size=prefill_step_size, quantize=quantize,
-    ):
-        progress(done, total)
 
     def schedule(tokens: mx.array, chunk_embeddings: mx.array | None = None):
         result = step(tokens, chunk_embeddings)

@@ -13,7 +13,9 @@ import numpy as np
 
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.cache import DEFAULT_QUANTIZED_KV_START, CacheOptions
+from mlxvlm.generate.drafters import make_drafter
 from mlxvlm.generate.loop import fit_to_context, generate_tokens
+from mlxvlm.generate.speculative import SpeculationStats, check_speculation, speculative_tokens
 from mlxvlm.generate.text import GenerationOutput, OutputFolder, SequenceText, eos_token_ids
 from mlxvlm.media import MediaPolicy
 from mlxvlm.prompt import prepare_inputs
@@ -41,6 +43,8 @@ class GenerationResult:
     # and its top_logprobs most likely alternatives (None for 0).
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    # With a draft model or prompt lookup: how speculation has gone so far.
+    speculation: SpeculationStats | None = None
 
 
 def sampling_options(processor: Any, **given: Any) -> SamplingOptions:
@@ -88,6 +92,9 @@ def stream_generate(
     prompt_progress_callback: Callable[[int, int], None] | None = None,
     media_policy: MediaPolicy | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    draft_model: Any = None,
+    num_draft_tokens: int = 3,
+    prompt_lookup_num_tokens: int | None = None,
 ) -> Generator[GenerationResult, None, None]:
     """Generate text for a prompt (a string or chat messages) and images, videos or audio,
     step by step (``video``/``audio`` as ``prepare_inputs`` takes them; ``fps`` and
@@ -148,16 +155,32 @@ def stream_generate(
     cache = cache_options.make(model, inputs)
     row = RowSampler(options, inputs.input_ids[0], sampler=sampler, processors=logits_processors)
     text = SequenceText(tokenizer, eos_ids, options.stop, max_tokens)
-    tokens = generate_tokens(
-        model,
-        inputs,
-        cache=cache,
-        max_tokens=max_tokens,
-        row=row,
-        prefill_step_size=prefill_step_size,
-        quantize=cache_options.quantize,
-        prompt_progress_callback=prompt_progress_callback,
+    loop_options = dict(
+        cache=cache, max_tokens=max_tokens, row=row, prefill_step_size=prefill_step_size,
+        quantize=cache_options.quantize, prompt_progress_callback=prompt_progress_callback,
     )
+    speculation = None
+    if draft_model is not None or prompt_lookup_num_tokens is not None:
+        if draft_model is not None and prompt_lookup_num_tokens is not None:
+            raise MlxvlmError("choose a draft model or prompt lookup, not both")
+        drafted = (num_draft_tokens if prompt_lookup_num_tokens is None
+                   else prompt_lookup_num_tokens)
+        check_speculation(options, sampler, drafted)
+        drafter = make_drafter(
+            model, inputs, options, draft_model=draft_model,
+            prompt_lookup=prompt_lookup_num_tokens is not None,
+            prepare_draft_inputs=lambda draft_processor, draft: prepare_inputs(
+                draft_processor, prompt, image, video=video, audio=audio, system=system,
+                raw_prompt=raw_prompt, feature_names=getattr(draft, "feature_names", None),
+                media_policy=media_policy, video_options=video_options,
+                chat_template_kwargs=chat_template_kwargs),
+            prefill_step_size=prefill_step_size,
+        )
+        speculation = SpeculationStats()
+        tokens = speculative_tokens(model, inputs, options=options, drafter=drafter,
+                                    num_draft_tokens=drafted, stats=speculation, **loop_options)
+    else:
+        tokens = generate_tokens(model, inputs, **loop_options)
 
     prompt_tps = 0.0
     decode_start = start
@@ -177,6 +200,7 @@ def stream_generate(
             generation_tps=(n + 1) / elapsed if elapsed > 0 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish_reason,
+            speculation=speculation,
         )
         if options.top_logprobs is not None:
             values = np.asarray(logprobs.astype(mx.float32))

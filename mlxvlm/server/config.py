@@ -7,7 +7,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from mlxvlm.cli import OneLineParser, add_model_arguments, ranged
+from mlxvlm.cli import OneLineParser, add_model_arguments, add_speculation_arguments, ranged
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.option_ranges import PORT, POSITIVE, SAMPLING, at_least
 
@@ -49,6 +49,10 @@ class ServerConfig:
     max_stored_responses: int = 256
     prepare_workers: int = 2
     retry_after_seconds: int = 1
+    # Speculative decoding (needs max_concurrency 1; see BatchEngine's speculation).
+    draft_model: str | None = None
+    num_draft_tokens: int = 3
+    prompt_lookup_num_tokens: int | None = None
 
     def __post_init__(self) -> None:
         from mlxvlm.media import default_pixel_budget
@@ -81,6 +85,14 @@ class ServerConfig:
         for name in ("max_queue", "prompt_cache_size", "max_stored_responses"):
             if getattr(self, name) < 0:
                 raise MlxvlmError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.draft_model is not None and self.prompt_lookup_num_tokens is not None:
+            raise MlxvlmError("choose --draft-model or --prompt-lookup-num-tokens, not both")
+        speculates = self.draft_model is not None or self.prompt_lookup_num_tokens is not None
+        if speculates and self.max_concurrency > 1:
+            raise MlxvlmError(
+                "speculative decoding needs --max-concurrency 1: a batched decode step already "
+                "shares each weight read among the requests, which is what speculation buys "
+                f"one sequence (got --max-concurrency {self.max_concurrency})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="New tokens for requests that do not say")
     parser.add_argument("--prefill-step-size", type=ranged(at_least(1)), default=2048,
                         help="Prompt tokens per prefill chunk")
+    add_speculation_arguments(parser, " (needs --max-concurrency 1)")
     parser.add_argument("--prompt-cache-size", type=ranged(at_least(0)), default=8,
                         help="Finished conversations kept for prefix reuse (0: off)")
     parser.add_argument("--max-stored-responses", type=ranged(at_least(0)), default=256,
@@ -193,4 +206,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefill_step_size=args.prefill_step_size,
         prompt_cache_size=args.prompt_cache_size,
         max_stored_responses=args.max_stored_responses,
+        draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
+        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
     )

@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
+from mlxvlm.generate.speculative import Speculation
 from mlxvlm.media import MediaPolicy, PixelBudget, load_image
 from mlxvlm.prefix_cache import PrefixCache, image_hash
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
@@ -46,6 +47,19 @@ class RequestCounters:
         self.by_status[status] = self.by_status.get(status, 0) + 1
 
 
+def speculation_of(config: ServerConfig) -> Speculation | None:
+    """The engine's speculative decoding from ``--draft-model`` (loaded here; it takes
+    the model's prompts as they are) or ``--prompt-lookup-num-tokens``."""
+    if config.prompt_lookup_num_tokens is not None:
+        return Speculation(prompt_lookup_num_tokens=config.prompt_lookup_num_tokens)
+    if config.draft_model is None:
+        return None
+    from mlxvlm.generate.drafters import load_draft
+
+    return Speculation(draft_model=load_draft(config.draft_model)[0],
+                       num_draft_tokens=config.num_draft_tokens)
+
+
 class GenerationService:
     def __init__(self, model: Any, processor: Any, config: ServerConfig):
         self.model = model
@@ -62,6 +76,7 @@ class GenerationService:
             max_batch_size=config.max_concurrency,
             prefill_step_size=config.prefill_step_size,
             prefix_cache=prefix_cache,
+            speculation=speculation_of(config),
         )
         # Decoded pixels of each request and of all being prepared, charged from image
         # and video headers before decoding (see media.PixelBudget).
