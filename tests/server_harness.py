@@ -37,7 +37,8 @@ class LiveServer:
         config.setdefault("model_id", MODEL_ID)
         self.config = ServerConfig(**config)
         self.app = create_app(model, processor, self.config)
-        self.service = self.app.state.service
+        self.models = self.app.state.models
+        self.service = self.models.service(self.config.model_id)
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
