@@ -30,6 +30,7 @@ from mlxvlm.server.lifetime import RequestLifetime
 from mlxvlm.server.schemas import ChatCompletionRequest
 from mlxvlm.server.security import KEY_ID
 from mlxvlm.server.service import GenerationService, TokenStream
+from mlxvlm.server.thinking_budget import ThinkingBudget
 from mlxvlm.server.tools import AnswerPlan
 
 BodyWriter = Callable[[BatchStep, TokenStream], Awaitable[dict]]
@@ -59,10 +60,15 @@ def accept(body: Any, service: GenerationService) -> None:
 def plan_answer(chat: ChatCompletionRequest,
                 service: GenerationService) -> tuple[SamplingOptions, AnswerPlan]:
     """The request's sampling options (those left out: the checkpoint's, else OpenAI's
-    defaults) and its plan (tools, thinking)."""
+    defaults, and the thinking budget where the template thinks) and its plan (tools,
+    thinking)."""
     options = sampling_options(chat, service.config.max_tokens, service.vocab_size,
                                checkpoint_defaults(service.processor))
-    return options, AnswerPlan(chat, service.processor)
+    plan = AnswerPlan(chat, service.processor)
+    if chat.thinking_budget is not None and plan.thinking:
+        tokenizer = getattr(service.processor, "tokenizer", service.processor)
+        options.extra_processors = (ThinkingBudget(tokenizer, chat.thinking_budget),)
+    return options, plan
 
 
 def response_constraint(chat: ChatCompletionRequest, processor: Any,
