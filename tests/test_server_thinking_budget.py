@@ -102,7 +102,7 @@ def test_the_budget_counts_from_where_thinking_opens_and_stops_at_the_close():
         [None, None, None, None, 8, 9, None, None]
     # Opened by the prompt and closed by the model in time: never forced (the tag
     # finished at the budget is the one the model began).
-    assert run(budget.processor(20), [1, 7], [3, 8, 9, 4, 4, 4]) == [None, None, 9, None, None, None]
+    assert run(budget.processor(20), [1, 7], [3, 8, 9, 4, 4]) == [None, None, 9, None, None]
     assert run(budget.processor(20), [1, 7], [8, 9, 4, 4, 4]) == [None] * 5
     # A tag the model began is finished, not begun again.
     assert run(budget.processor(20), [1, 7], [3, 8, 4, 4]) == [None, None, 9, None]

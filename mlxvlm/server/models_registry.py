@@ -120,7 +120,8 @@ class ModelRegistry:
 
     def unknown_model(self, name: str) -> APIError:
         served = ", ".join(repr(m) for m in self.ids()[:8])
-        more = f" and {len(self.sources) - 8} more (GET /v1/models)" if len(self.sources) > 8 else ""
+        extra = len(self.sources) - 8
+        more = f" and {extra} more (GET /v1/models)" if extra > 0 else ""
         return APIError(404, f"the model {name!r} does not exist; this server serves "
                         f"{served}{more}", param="model", code="model_not_found")
 

@@ -3,8 +3,8 @@ closing its thoughts, the end-of-thinking tag is forced (token by token, where t
 tokenizer spells it with several), and the model goes on to its answer.
 
 Thinking starts where the prompt opened the thinking block (a template's generation
-prompt ending in ``<think>``, as ``AnswerPlan`` reads it) or where the model opens it; it ends at the model's
-own closing tag, after which the budget does nothing more. Each sequence gets its own
+prompt ending in ``<think>``, as ``AnswerPlan`` reads it) or where the model opens it;
+it ends at the model's own closing tag, after which the budget does nothing more. Each sequence gets its own
 ``ThinkingBudgetProcessor`` (``SamplingOptions.extra_processors``), which sees the
 tokens fed back, as every logits processor does.
 """
