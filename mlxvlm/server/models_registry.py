@@ -96,9 +96,10 @@ class ModelRegistry:
 
     @classmethod
     def serving(cls, model: Any, processor: Any, config: ServerConfig) -> "ModelRegistry":
-        """A registry of one model, already loaded (``create_app``'s)."""
-        registry = cls(replace(config, model_sources={config.model_id: config.model_id}),
-                       _no_loader)
+        """A registry of one model, already loaded (``create_app``'s); it has no loader,
+        so it is never unloaded for being idle."""
+        registry = cls(replace(config, model_sources={config.model_id: config.model_id},
+                               idle_unload_seconds=0.0), _no_loader)
         registry._add(config.model_id, model, processor, load_seconds=0.0)
         return registry
 
