@@ -222,3 +222,20 @@ def test_command_line_models(tmp_path, paths):
     ):
         with pytest.raises(MlxvlmError, match=message):
             config_from_args(build_parser().parse_args(argv))
+
+
+def test_a_model_that_fails_to_load_is_a_500_and_the_others_still_answer(paths, tmp_path,
+                                                                           one_model_answers):
+    (tmp_path / "config.json").write_text("{}")  # a folder that is no checkpoint
+    config = ServerConfig(model_id=A, model_sources={**paths, "broken": str(tmp_path)},
+                          max_loaded_models=2)
+    models = ModelRegistry(config, RecordingLoader())
+    with LiveServer(None, None, registry=models) as server:
+        client = server.client()
+        assert ask(client, A) == one_model_answers[A]
+        with pytest.raises(openai.InternalServerError) as error:
+            ask(client, "broken")
+        assert error.value.body["code"] == "model_load_failed"
+        assert "'broken' could not be loaded" in error.value.body["message"]
+        assert ask(client, A) == one_model_answers[A]
+        assert models.loaded_ids() == [A]
