@@ -35,15 +35,19 @@ DEFAULT_MODEL = HERE / "checkpoints" / "smolvlm-256m-bf16"
 
 
 def start_server(model_path: str, streams: int):
-    import uvicorn
-
     import mlxvlm
     from mlxvlm.server import ServerConfig, create_app
 
     model, processor = mlxvlm.load(model_path)
     config = ServerConfig(model_id="bench", max_concurrency=streams, max_queue=streams,
                           prompt_cache_size=0, max_tokens=4096)
-    app = create_app(model, processor, config)
+    return serve(create_app(model, processor, config))
+
+
+def serve(app):
+    """uvicorn on 127.0.0.1 and a free port, in a thread: (server, thread, base URL)."""
+    import uvicorn
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -80,10 +80,16 @@ def run_cli(body: Callable[[], int | None]) -> int:
         return 130
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", required=True, help="Local checkpoint directory or Hugging Face repo id"
-    )
+def add_model_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """``several``: ``--model`` may be repeated (a list, None when not given)."""
+    if several:
+        parser.add_argument("--model", action="append", default=None,
+                            help="Local checkpoint directory or Hugging Face repo id; "
+                            "repeat to serve several (the first is loaded at start)")
+    else:
+        parser.add_argument(
+            "--model", required=True, help="Local checkpoint directory or Hugging Face repo id"
+        )
     parser.add_argument("--revision", default=None,
                         help="Hub revision: branch, tag or commit (default: main)")
     parser.add_argument("--adapter-path", default=None,

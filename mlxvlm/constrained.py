@@ -12,6 +12,7 @@ the answer (the checkpoint's end-of-sequence ids) is allowed.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import mlx.core as mx
@@ -57,28 +58,65 @@ def grammar_tokenizer(tokenizer: Any, eos_token_ids: Iterable[int]) -> Any:
     return built
 
 
+# How much longer one freely chosen token can make the closing path: a UTF-8 lead byte
+# needs up to 3 more bytes, a "\u" escape 4 hex digits, before the answer can close.
+_FREE_TOKEN_SLACK = 6
 # The token budget from which a sequence starts to check that it can still close its
 # answer in time (a check per token costs one simulated closing).
 CLOSING_HORIZON = 256
-# The quote that ends a string, and the bytes that end a structure: the closing path
-# prefers tokens with them, the quote first (inside a string a bracket is just text).
-_CLOSERS = {ord('"'): 1000.0, ord("}"): 900.0, ord("]"): 900.0}
+# The bytes that end a structure, which the closing path prefers, and the quote, which
+# outside a string opens one (so it is avoided there) and inside ends it (preferred,
+# see ClosingPreference).
+_QUOTE = -1e5  # outweighs any run of brackets a token can hold
+_CLOSERS = {ord('"'): _QUOTE, ord("}"): 900.0, ord("]"): 900.0}
 
 
 # Each grammar tokenizer's closing preference, computed once (keyed by the tokenizer's id,
 # the tokenizer kept beside it so that the id stays its own).
-_PREFERENCES: dict[int, tuple[Any, np.ndarray]] = {}
+_PREFERENCES: dict[int, tuple[Any, "ClosingPreference"]] = {}
 
 
-def _closing_preference(lltokenizer: Any) -> np.ndarray:
-    """A score per token for the closing path: tokens with more closing bytes first, then
-    shorter ones; tokens without text (special tokens) last."""
+@dataclass
+class ClosingPreference:
+    """A score per token for the closing path: tokens with more closing brackets and no
+    quotes first, then shorter ones; whitespace, then tokens without text (special
+    tokens) last. Where
+    both a lone ``}`` and a lone ``]`` are allowed they are text (the answer is inside a
+    string), and a token that begins with the quote that ends it comes first (a
+    byte-level BPE has tokens like ``]]]]`` and ``","``, which would otherwise keep the
+    string going, or open the next one)."""
+
+    scores: np.ndarray
+    quoted: np.ndarray  # tokens that begin with a quote
+    brackets: list[int]  # the lone "}" and "]" tokens
+
+    def choose(self, allowed: np.ndarray) -> int:
+        scores = self.scores
+        if len(self.brackets) == 2 and allowed[self.brackets].all():
+            scores = np.where(self.quoted, scores + _INSIDE_STRING_QUOTE, scores)
+        return int(np.argmax(np.where(allowed, scores, -np.inf)))
+
+
+_WHITESPACE = -1e6
+# Inside a string: a token that begins with the closing quote before any other, and its
+# quote counted as closing, not opening.
+_INSIDE_STRING_QUOTE = 1e7 - _QUOTE
+
+
+def _closing_preference(lltokenizer: Any) -> ClosingPreference:
     scores = np.full(lltokenizer.vocab_size, -np.inf)
+    quoted = np.zeros(lltokenizer.vocab_size, dtype=bool)
+    brackets = []
     for token in range(lltokenizer.vocab_size):
         text = lltokenizer.decode_bytes([token])
         if text and not lltokenizer.is_special_token(token):
             scores[token] = sum(_CLOSERS.get(byte, 0.0) for byte in text) - len(text)
-    return scores
+            if not text.strip():  # whitespace never closes anything (a grammar may
+                scores[token] = _WHITESPACE  # allow it forever between tokens)
+            quoted[token] = text.startswith(b'"')  # (a quote later may be escaped)
+            if text in (b"}", b"]"):
+                brackets.append(token)
+    return ClosingPreference(scores, quoted, brackets[:2] if len(brackets) == 2 else [])
 
 
 class GrammarConstraint:
@@ -93,10 +131,10 @@ class GrammarConstraint:
         problem = llguidance.LLMatcher.validate_grammar(grammar, lltokenizer)
         if problem and not problem.startswith("WARNING"):
             raise ConstraintError(f"{description} cannot be used: {problem}")
-        self._preference: np.ndarray | None = None
+        self._preference: ClosingPreference | None = None
 
     @property
-    def preference(self) -> np.ndarray:
+    def preference(self) -> ClosingPreference:
         if self._preference is None:
             kept = _PREFERENCES.get(id(self.lltokenizer))
             if kept is None or kept[0] is not self.lltokenizer:
@@ -137,7 +175,7 @@ class GrammarProcessor:
         self.whole_answer: int | None = None
 
     def _closing_token(self, allowed: np.ndarray) -> int:
-        return int(np.argmax(np.where(allowed, self.constraint.preference, -np.inf)))
+        return self.constraint.preference.choose(allowed)
 
     def _closing_distance(self, limit: int) -> int | None:
         """Tokens the closing path needs to complete the answer; None: more than limit."""
@@ -183,7 +221,7 @@ class GrammarProcessor:
         left = self.max_tokens - self.consumed  # including the token sampled now
         if not self.closing and left <= CLOSING_HORIZON and not self.matcher.is_accepting():
             distance = self._closing_distance(limit=left)
-            self.closing = distance is None or distance >= left - 1
+            self.closing = distance is None or distance >= left - _FREE_TOKEN_SLACK
         if self.matcher.is_accepting():
             # Complete, but the grammar lets it go on: too little budget is left for
             # another whole part, so it ends here.

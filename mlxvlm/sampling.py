@@ -77,6 +77,9 @@ class SamplingOptions:
     top_logprobs: int | None = None
     # A grammar the answer must follow (mlxvlm.constrained.GrammarConstraint).
     constraint: Any = None
+    # More per-sequence logits processors, each made by ``.processor(max_tokens)`` as
+    # the grammar's is (e.g. the server's thinking budget); they run before the grammar.
+    extra_processors: tuple = ()
 
     def validate(self) -> None:
         """Every value within the ranges all entry points share (``mlxvlm.option_ranges``)."""
@@ -108,6 +111,7 @@ class SamplingOptions:
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
         )
+        processors += [extra.processor(self.max_tokens) for extra in self.extra_processors]
         if self.constraint is not None:
             processors.append(self.constraint.processor(self.max_tokens))
         return processors
@@ -133,6 +137,8 @@ class RowSampler:
             self.processors = options.logits_processors()
         else:  # the caller's own, and the grammar still last
             self.processors = list(processors)
+            self.processors += [extra.processor(options.max_tokens)
+                                for extra in options.extra_processors]
             if options.constraint is not None:
                 self.processors.append(options.constraint.processor(options.max_tokens))
         self.history = prompt_ids if self.processors else None

@@ -15,6 +15,7 @@ import openai
 import uvicorn
 
 from mlxvlm.server import ServerConfig, create_app
+from mlxvlm.server.app import create_registry_app
 from mlxvlm.server.protocol import uvicorn_config
 
 MODEL_ID = "tiny-qwen2-vl"
@@ -33,11 +34,18 @@ def wait_until(condition, timeout: float = 20.0, interval: float = 0.01) -> bool
 
 
 class LiveServer:
-    def __init__(self, model, processor, **config):
-        config.setdefault("model_id", MODEL_ID)
-        self.config = ServerConfig(**config)
-        self.app = create_app(model, processor, self.config)
-        self.service = self.app.state.service
+    def __init__(self, model, processor, *, registry=None, **config):
+        """One loaded model, or (``registry``) the models of a ``ModelRegistry``."""
+        if registry is not None:
+            self.config = registry.config
+            self.app = create_registry_app(registry)
+        else:
+            config.setdefault("model_id", MODEL_ID)
+            self.config = ServerConfig(**config)
+            self.app = create_app(model, processor, self.config)
+        self.models = self.app.state.models
+        self.service = self.models.service(self.config.model_id) \
+            if self.config.model_id in self.models.loaded_ids() else None
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]

@@ -1,4 +1,5 @@
-"""``python -m mlxvlm.server --model M``: load the model and serve it with uvicorn."""
+"""``python -m mlxvlm.server --model M [--model N ...]``: load the first model and serve
+them with uvicorn."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         require_extra("server", "the server", ("fastapi", "uvicorn"))
         import uvicorn
 
-        from mlxvlm.loading import load
         from mlxvlm.sampling_defaults import checkpoint_defaults
-        from mlxvlm.server.app import create_app
+        from mlxvlm.server.app import create_registry_app
         from mlxvlm.server.chat import describe_sampling_defaults
+        from mlxvlm.server.models_registry import ModelRegistry, checkpoint_loader
 
         config = config_from_args(args)
         if config.host not in _LOOPBACK and not config.api_key:
@@ -34,15 +35,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "listening on %s without --api-key: anyone who can reach this address can "
                 "use the model", config.host,
             )
-        model, processor = load(
-            args.model,
-            revision=args.revision,
-            adapter_path=args.adapter_path,
-            trust_remote_code=args.trust_remote_code,
-        )
-        logger.info("requests that leave sampling fields out get: %s",
-                    describe_sampling_defaults(checkpoint_defaults(processor)))
-        app = create_app(model, processor, config)
+        registry = ModelRegistry(config, checkpoint_loader(
+            config, revision=args.revision, adapter_path=args.adapter_path,
+            trust_remote_code=args.trust_remote_code))
+        # The first model now (a bad path fails here, not at the first request); any
+        # others on first use.
+        service = registry.preload(config.model_id)
+        logger.info("requests to %r that leave sampling fields out get: %s", config.model_id,
+                    describe_sampling_defaults(checkpoint_defaults(service.processor)))
+        app = create_registry_app(registry)
         uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
                     timeout_graceful_shutdown=5)
 

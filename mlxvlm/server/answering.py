@@ -30,6 +30,7 @@ from mlxvlm.server.lifetime import RequestLifetime
 from mlxvlm.server.schemas import ChatCompletionRequest
 from mlxvlm.server.security import KEY_ID
 from mlxvlm.server.service import GenerationService, TokenStream
+from mlxvlm.server.thinking_budget import ThinkingBudget
 from mlxvlm.server.tools import AnswerPlan
 
 BodyWriter = Callable[[BatchStep, TokenStream], Awaitable[dict]]
@@ -50,30 +51,24 @@ def as_api_error(error: Exception, param: str = "messages") -> APIError:
     return APIError(400, str(error), param=param)
 
 
-def unknown_model(config: Any, name: str) -> APIError:
-    return APIError(
-        404,
-        f"the model {name!r} does not exist; this server serves {config.model_id!r}",
-        param="model",
-        code="model_not_found",
-    )
-
-
 def accept(body: Any, service: GenerationService) -> None:
-    """A generating request names the model served (else 404); the fields it sends that
-    this server does not know are named in the log."""
-    if body.model != service.config.model_id:
-        raise unknown_model(service.config, body.model)
+    """The fields a generating request sends that this server does not know are named in
+    the log (the model it names chose ``service``: ``deps.service_of``)."""
     warn_unknown_fields(body)
 
 
 def plan_answer(chat: ChatCompletionRequest,
                 service: GenerationService) -> tuple[SamplingOptions, AnswerPlan]:
     """The request's sampling options (those left out: the checkpoint's, else OpenAI's
-    defaults) and its plan (tools, thinking)."""
+    defaults, and the thinking budget where the template thinks) and its plan (tools,
+    thinking)."""
     options = sampling_options(chat, service.config.max_tokens, service.vocab_size,
                                checkpoint_defaults(service.processor))
-    return options, AnswerPlan(chat, service.processor)
+    plan = AnswerPlan(chat, service.processor)
+    if chat.thinking_budget is not None and plan.thinking:
+        tokenizer = getattr(service.processor, "tokenizer", service.processor)
+        options.extra_processors = (ThinkingBudget(tokenizer, chat.thinking_budget),)
+    return options, plan
 
 
 def response_constraint(chat: ChatCompletionRequest, processor: Any,

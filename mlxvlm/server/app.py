@@ -1,5 +1,6 @@
-"""The FastAPI application, assembled: the service and what the routes depend on, the
-error handlers, the middleware and the routers."""
+"""The FastAPI application, assembled: the models (a registry of services, one engine per
+loaded model) and what the routes depend on, the error handlers, the middleware and the
+routers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from mlxvlm.server.config import ServerConfig
 from mlxvlm.server.errors import install_error_handlers
-from mlxvlm.server.logprobs import TokenBytes
 from mlxvlm.server.responses import ResponseStore
 from mlxvlm.server.routes import chat, messages, models, responses
 from mlxvlm.server.security import (
@@ -20,28 +20,34 @@ from mlxvlm.server.security import (
     HostCheckMiddleware,
     allowed_host_names,
 )
-from mlxvlm.server.service import GenerationService
+from mlxvlm.server.models_registry import ModelLeases, ModelRegistry
 from mlxvlm.server.status import StatusCounting
 
 
 def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
-    service = GenerationService(model, processor, config)
+    """A server of one model, already loaded."""
+    return create_registry_app(ModelRegistry.serving(model, processor, config))
+
+
+def create_registry_app(registry: ModelRegistry) -> FastAPI:
+    """A server of the registry's models, each loaded on first use."""
+    config = registry.config
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        service.start()
+        registry.start()
         try:
             yield
         finally:
-            service.close()
+            registry.close()
 
     # No interactive docs or schema endpoints: nothing is served that was not asked for.
     app = FastAPI(title="mlxvlm", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     # What the routes' dependencies (``deps``) hand them.
-    app.state.service = service
+    app.state.models = registry
+    app.state.config = config
     app.state.body_budget = BodyBudget(config.max_buffered_body_bytes)
-    app.state.token_bytes = TokenBytes(service.engine.tokenizer)
     app.state.response_store = ResponseStore(config.max_stored_responses)
     install_error_handlers(app)
     # Added last = outermost: the Host is checked first (DNS rebinding), then CORS
@@ -59,8 +65,10 @@ def create_app(model: Any, processor: Any, config: ServerConfig) -> FastAPI:
     hosts = allowed_host_names(config.host, config.allowed_hosts)
     if hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed=hosts)
+    # Requests give back the models they used once their answer is sent.
+    app.add_middleware(ModelLeases)
     # Outside all the others, so that their refusals are counted too.
-    app.add_middleware(StatusCounting, counters=service.counters)
+    app.add_middleware(StatusCounting, counters=registry.counters)
     app.include_router(models.router)
     app.include_router(chat.router)
     app.include_router(messages.router)

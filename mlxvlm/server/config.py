@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mlxvlm.cli import OneLineParser, add_model_arguments, add_speculation_arguments, ranged
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.option_ranges import PORT, POSITIVE, SAMPLING, at_least
+from mlxvlm.option_ranges import NON_NEGATIVE, PORT, POSITIVE, SAMPLING, at_least
 
 MiB = 2**20
 # Byte and pixel limits: any bound a machine could hold.
@@ -53,10 +54,19 @@ class ServerConfig:
     draft_model: str | None = None
     num_draft_tokens: int = 3
     prompt_lookup_num_tokens: int | None = None
+    # Several models (models_registry): how many may be loaded at once (the least
+    # recently used is unloaded to make room) and after how many unused seconds one is
+    # unloaded (0: never).
+    max_loaded_models: int = 1
+    idle_unload_seconds: float = 0.0
+    # The models served: id -> local path or Hub repo (model_sources); None: model_id alone.
+    model_sources: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         from mlxvlm.media import default_pixel_budget
 
+        if self.model_sources is None:
+            self.model_sources = {self.model_id: self.model_id}
         if self.api_key and self.api_key not in self.api_keys:
             self.api_keys = [self.api_key, *self.api_keys]
         self.api_key = self.api_key or (self.api_keys[0] if self.api_keys else None)
@@ -79,10 +89,12 @@ class ServerConfig:
             if not getattr(self, name) > 0:
                 raise MlxvlmError(f"{name} must be above 0 seconds, got {getattr(self, name)}")
         for name in ("max_concurrency", "max_body_bytes", "max_image_bytes",
-                     "max_image_pixels", "max_tokens", "prefill_step_size", "prepare_workers"):
+                     "max_image_pixels", "max_tokens", "prefill_step_size", "prepare_workers",
+                     "max_loaded_models"):
             if getattr(self, name) < 1:
                 raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_queue", "prompt_cache_size", "max_stored_responses"):
+        for name in ("max_queue", "prompt_cache_size", "max_stored_responses",
+                     "idle_unload_seconds"):
             if getattr(self, name) < 0:
                 raise MlxvlmError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.draft_model is not None and self.prompt_lookup_num_tokens is not None:
@@ -100,9 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m mlxvlm.server",
         description="OpenAI-compatible chat completions server with continuous batching.",
     )
-    add_model_arguments(parser)
+    add_model_arguments(parser, several=True)
+    parser.add_argument("--models-dir", default=None,
+                        help="Also serve every checkpoint folder (with a config.json) in "
+                        "this folder, named by the folder's name (default: none)")
+    parser.add_argument("--max-loaded-models", type=ranged(at_least(1)), default=1,
+                        help="Models loaded at once; a request for another unloads the "
+                        "least recently used, after its requests in flight (default 1)")
+    parser.add_argument("--idle-unload-seconds", type=ranged(NON_NEGATIVE), default=0.0,
+                        help="Unload a model unused for this many seconds (default 0: "
+                        "never)")
     parser.add_argument("--served-model-name", default=None,
-                        help="Model name clients use (default: the --model value)")
+                        help="Model name clients use, for a single --model (default: the "
+                        "--model value)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="Address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=ranged(PORT), default=8080, help="Port to listen on")
@@ -163,6 +185,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def model_sources(models: list[str], models_dir: str | None = None,
+                  served_model_name: str | None = None) -> dict[str, str]:
+    """The models a server answers with, by the id clients name them: each ``--model``
+    value as given (``served_model_name`` renames a single one), then each folder of
+    ``models_dir`` that holds a config.json, by the folder's name."""
+    if served_model_name is not None and len(models) != 1:
+        raise MlxvlmError("--served-model-name names one model; it cannot be used with "
+                          f"{len(models)} --model values")
+    sources: dict[str, str] = {}
+
+    def add(model_id: str, path: str) -> None:
+        if model_id in sources:
+            raise MlxvlmError(f"two models are named {model_id!r}; each needs its own name")
+        sources[model_id] = path
+
+    for path in models:
+        add(served_model_name or path, path)
+    if models_dir is not None:
+        folder = Path(models_dir)
+        if not folder.is_dir():
+            raise MlxvlmError(f"--models-dir {models_dir!r} is not a folder")
+        found = sorted(p for p in folder.iterdir() if (p / "config.json").is_file())
+        if not found:
+            raise MlxvlmError(f"--models-dir {models_dir!r} has no checkpoint folders "
+                              "(subfolders with a config.json)")
+        for path in found:
+            add(path.name, str(path))
+    if not sources:
+        raise MlxvlmError("no model to serve: give --model (one or more) or --models-dir")
+    return sources
+
+
 def read_key_file(path: str) -> list[str]:
     try:
         with open(path, encoding="utf-8") as file:
@@ -181,8 +235,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         keys = [os.environ["MLXVLM_API_KEY"]]
     if args.api_key_file:
         keys += read_key_file(args.api_key_file)
+    sources = model_sources(args.model or [], args.models_dir, args.served_model_name)
     return ServerConfig(
-        model_id=args.served_model_name or args.model,
+        model_id=next(iter(sources)),
+        model_sources=sources,
         host=args.host,
         port=args.port,
         api_keys=[key for key in keys if key],
@@ -209,4 +265,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+        max_loaded_models=args.max_loaded_models,
+        idle_unload_seconds=args.idle_unload_seconds,
     )

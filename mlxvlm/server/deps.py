@@ -1,8 +1,10 @@
-"""The routes' dependencies: what ``create_app`` put on the application (the service, the
-body budget, the tokenizer's bytes) and a request body read and validated, so that a
-route only says what it needs."""
+"""The routes' dependencies: what ``create_app`` put on the application (the models, the
+config, the body budget), a request body read and validated, and the service of the model
+it names, so that a route only says what it needs."""
 
 from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
 
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
@@ -10,28 +12,25 @@ from pydantic import BaseModel, ValidationError
 from mlxvlm.server.config import ServerConfig
 from mlxvlm.server.errors import validation_error
 from mlxvlm.server.logprobs import TokenBytes
+from mlxvlm.server.models_registry import ModelRegistry
 from mlxvlm.server.schemas import ChatCompletionRequest
 from mlxvlm.server.security import read_body, require_json
 from mlxvlm.server.service import GenerationService
 
 
-def get_service(request: Request) -> GenerationService:
-    return request.app.state.service
+def get_models(request: Request) -> ModelRegistry:
+    return request.app.state.models
 
 
-def get_config(service: GenerationService = Depends(get_service)) -> ServerConfig:
-    return service.config
-
-
-def get_token_bytes(request: Request) -> TokenBytes:
-    return request.app.state.token_bytes
+def get_config(request: Request) -> ServerConfig:
+    return request.app.state.config
 
 
 async def json_body(request: Request, schema: type[BaseModel]) -> BaseModel:
     """The body, read within the server's one body limit (size, deadline, shared budget:
     ``security.read_body``) and validated as ``schema``. Read by hand rather than as a
     FastAPI body parameter, which would read any size before validating."""
-    config: ServerConfig = get_service(request).config
+    config = get_config(request)
     require_json(request)
     body = await read_body(request, config.max_body_bytes, timeout=config.body_timeout,
                            budget=request.app.state.body_budget)
@@ -41,5 +40,23 @@ async def json_body(request: Request, schema: type[BaseModel]) -> BaseModel:
         raise validation_error(error.errors()) from None
 
 
+def service_of(body: Callable[[Request], Awaitable[Any]]) -> Callable:
+    """A dependency: the service of the model that the request read by ``body`` names
+    (loaded first if need be; 404 for a model not served), held until the exchange
+    ends."""
+
+    async def model_service(request: Request, parsed: Any = Depends(body)) -> GenerationService:
+        return await get_models(request).lease_for(request.scope, parsed.model)
+
+    return model_service
+
+
 async def chat_request(request: Request) -> ChatCompletionRequest:
     return await json_body(request, ChatCompletionRequest)
+
+
+chat_service = service_of(chat_request)
+
+
+def get_token_bytes(service: GenerationService = Depends(chat_service)) -> TokenBytes:
+    return service.token_bytes

@@ -98,6 +98,8 @@ def to_chat_request(request: MessagesRequest) -> ChatCompletionRequest:
             for t in request.tools] if request.tools else None,
         "tool_choice": _tool_choice(request),
         "chat_template_kwargs": template_kwargs,
+        "thinking_budget": request.thinking.budget_tokens
+        if request.thinking is not None and request.thinking.type != "disabled" else None,
     })
 
 

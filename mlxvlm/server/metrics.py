@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxvlm.server.service import GenerationService
+from mlxvlm.server.models_registry import ModelRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -15,42 +15,59 @@ def _metric(lines: list[str], name: str, kind: str, help_text: str, samples) -> 
         lines.append(f"{name}{{{label_text}}} {value}" if label_text else f"{name} {value}")
 
 
-def render_metrics(service: GenerationService) -> str:
-    stats = service.engine.stats
-    counters = service.counters
+def render_metrics(models: ModelRegistry) -> str:
+    """The server's counts, then each loaded model's engine (labelled by model where the
+    server serves several)."""
+    counters = models.counters
+    services = models.services()
+    labelled = len(models.ids()) > 1
     lines: list[str] = []
     m = lambda *args: _metric(lines, *args)  # noqa: E731
+
+    def per_model(value_of) -> list:
+        return [({"model": model_id} if labelled else {}, value_of(service))
+                for model_id, service in services]
+
+    def engine(name: str, kind: str, help_text: str, stat: str) -> None:
+        m(name, kind, help_text, per_model(lambda s: getattr(s.engine.stats, stat)))
+
     m("mlxvlm_requests_total", "counter", "HTTP requests answered, by status",
       [({"status": str(code)}, n) for code, n in sorted((counters.by_status or {}).items())])
     m("mlxvlm_requests_rejected_busy_total", "counter",
       "Requests refused with 429 because the queue was full", [({}, counters.rejected_busy)])
+    m("mlxvlm_models_loaded", "gauge", "Models loaded now", [({}, len(services))])
+    m("mlxvlm_model_loads_total", "counter", "Models loaded (at start or on first use)",
+      [({}, models.loads)])
+    m("mlxvlm_model_unloads_total", "counter",
+      "Models unloaded (to make room, or unused for --idle-unload-seconds)",
+      [({}, models.unloads)])
     m("mlxvlm_requests_in_flight", "gauge",
       "Requests admitted and not finished (preparing, queued or generating)",
-      [({}, service.in_flight)])
-    m("mlxvlm_queue_depth", "gauge", "Requests waiting for a batch slot", [({}, stats.waiting)])
-    m("mlxvlm_active_sequences", "gauge", "Requests being prefilled or decoded",
-      [({}, stats.active)])
-    m("mlxvlm_peak_batch_size", "gauge", "The most requests decoded together so far",
-      [({}, stats.peak_batch_size)])
-    m("mlxvlm_sequences_finished_total", "counter", "Requests that generated to the end",
-      [({}, stats.requests_finished)])
-    m("mlxvlm_sequences_cancelled_total", "counter",
-      "Requests stopped because their client went away", [({}, stats.requests_cancelled)])
-    m("mlxvlm_sequences_failed_total", "counter", "Requests that failed in the engine",
-      [({}, stats.requests_failed)])
-    m("mlxvlm_prompt_tokens_total", "counter", "Prompt tokens of started requests",
-      [({}, stats.prompt_tokens)])
-    m("mlxvlm_prompt_tokens_cached_total", "counter",
-      "Prompt tokens reused from an earlier request's cache instead of prefilled",
-      [({}, stats.cached_prompt_tokens)])
-    m("mlxvlm_generation_tokens_total", "counter", "Generated tokens",
-      [({}, stats.generated_tokens)])
+      per_model(lambda s: s.in_flight))
+    engine("mlxvlm_queue_depth", "gauge", "Requests waiting for a batch slot", "waiting")
+    engine("mlxvlm_active_sequences", "gauge", "Requests being prefilled or decoded", "active")
+    engine("mlxvlm_peak_batch_size", "gauge", "The most requests decoded together so far",
+           "peak_batch_size")
+    engine("mlxvlm_sequences_finished_total", "counter", "Requests that generated to the end",
+           "requests_finished")
+    engine("mlxvlm_sequences_cancelled_total", "counter",
+           "Requests stopped because their client went away", "requests_cancelled")
+    engine("mlxvlm_sequences_failed_total", "counter", "Requests that failed in the engine",
+           "requests_failed")
+    engine("mlxvlm_prompt_tokens_total", "counter", "Prompt tokens of started requests",
+           "prompt_tokens")
+    engine("mlxvlm_prompt_tokens_cached_total", "counter",
+           "Prompt tokens reused from an earlier request's cache instead of prefilled",
+           "cached_prompt_tokens")
+    engine("mlxvlm_generation_tokens_total", "counter", "Generated tokens", "generated_tokens")
     m("mlxvlm_decode_tokens_per_second", "gauge",
       "Decode throughput of the whole batch, smoothed over recent steps",
-      [({}, round(stats.decode_tokens_per_second, 3))])
-    m("mlxvlm_time_to_first_token_seconds", "summary",
-      "Time from submission to the first generated token",
-      [])
-    lines.append(f"mlxvlm_time_to_first_token_seconds_sum {stats.time_to_first_token_sum:.6f}")
-    lines.append(f"mlxvlm_time_to_first_token_seconds_count {stats.time_to_first_token_count}")
+      per_model(lambda s: round(s.engine.stats.decode_tokens_per_second, 3)))
+    name = "mlxvlm_time_to_first_token_seconds"
+    m(name, "summary", "Time from submission to the first generated token", [])
+    for model_id, service in services:
+        label = f'{{model="{model_id}"}}' if labelled else ""
+        stats = service.engine.stats
+        lines.append(f"{name}_sum{label} {stats.time_to_first_token_sum:.6f}")
+        lines.append(f"{name}_count{label} {stats.time_to_first_token_count}")
     return "\n".join(lines) + "\n"

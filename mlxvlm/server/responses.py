@@ -120,6 +120,7 @@ def to_chat_request(request: ResponsesRequest, earlier: Conversation) -> ChatCom
             for t in request.tools] if request.tools else None,
         "tool_choice": _chat_tool_choice(request.tool_choice),
         "chat_template_kwargs": _template_kwargs(request),
+        "thinking_budget": request.reasoning.max_tokens if request.reasoning else None,
     })
 
 

@@ -72,6 +72,8 @@ class NamedFunctionChoice(StrictModel):
 class Reasoning(StrictModel):
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     summary: str | None = None
+    # The most thinking tokens (OpenRouter's name), then the thoughts are closed.
+    max_tokens: int | None = Field(default=None, ge=1)
 
 
 class TextFormat(StrictModel):

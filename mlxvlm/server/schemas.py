@@ -158,6 +158,10 @@ class ChatCompletionRequest(StrictModel):
     parallel_tool_calls: bool | None = None
     # What the chat template itself takes, e.g. {"enable_thinking": false} (vLLM's name).
     chat_template_kwargs: dict | None = None
+    # At most this many thinking tokens, then the end-of-thinking tag is forced (the
+    # name of Qwen's API; Anthropic's thinking.budget_tokens and Responses'
+    # reasoning.max_tokens come here too).
+    thinking_budget: int | None = Field(default=None, ge=1)
     # OpenAI's limit; only 1 is served (see chat.sampling_options).
     n: int | None = Field(default=None, ge=1, le=128)
     user: str | None = None

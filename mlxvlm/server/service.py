@@ -24,6 +24,7 @@ from mlxvlm.media import MediaPolicy, PixelBudget, load_image
 from mlxvlm.prefix_cache import PrefixCache, image_hash
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
 from mlxvlm.server.config import ServerConfig
+from mlxvlm.server.logprobs import TokenBytes
 
 
 @dataclass
@@ -61,7 +62,10 @@ def speculation_of(config: ServerConfig) -> Speculation | None:
 
 
 class GenerationService:
-    def __init__(self, model: Any, processor: Any, config: ServerConfig):
+    def __init__(self, model: Any, processor: Any, config: ServerConfig, *,
+                 counters: RequestCounters | None = None, pixels: PixelBudget | None = None):
+        """``counters`` and ``pixels``: the server's, where several models' services
+        share them (``models_registry``)."""
         self.model = model
         self.processor = processor
         self.config = config
@@ -80,11 +84,12 @@ class GenerationService:
         )
         # Decoded pixels of each request and of all being prepared, charged from image
         # and video headers before decoding (see media.PixelBudget).
-        self.pixels = PixelBudget(config.max_request_pixels, config.max_total_pixels)
+        self.pixels = pixels or PixelBudget(config.max_request_pixels, config.max_total_pixels)
         self.capacity = config.max_concurrency + config.max_queue
         self.vocab_size = len(getattr(processor, "tokenizer", processor))
         self.in_flight = 0  # only touched on the event loop
-        self.counters = RequestCounters()
+        self.counters = counters or RequestCounters()
+        self.token_bytes = TokenBytes(self.engine.tokenizer)
         self.started_at = time.time()
         # Image decoding and the processor (tokenizer, image preprocessing) run here, so
         # that they neither block the event loop nor touch the engine's thread.

@@ -24,7 +24,7 @@ from mlxvlm.server.chat import (
     CompletionWriter,
     sse,
 )
-from mlxvlm.server.deps import chat_request, get_service, get_token_bytes
+from mlxvlm.server.deps import chat_request, chat_service, get_token_bytes
 from mlxvlm.server.errors import error_body
 from mlxvlm.server.logprobs import TokenBytes, logprob_content
 from mlxvlm.server.schemas import ChatCompletionRequest
@@ -40,7 +40,7 @@ router = APIRouter()
 async def chat_completions(
     request: Request,
     chat: ChatCompletionRequest = Depends(chat_request),
-    service: GenerationService = Depends(get_service),
+    service: GenerationService = Depends(chat_service),
     token_bytes: TokenBytes = Depends(get_token_bytes),
 ) -> Response:
     accept(chat, service)

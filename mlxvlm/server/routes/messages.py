@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from mlxvlm.server.answering import accept, answer, plan_answer
-from mlxvlm.server.deps import get_service, json_body
+from mlxvlm.server.deps import json_body, service_of
 from mlxvlm.server.messages import MessageWriter, to_chat_request
 from mlxvlm.server.messages_schemas import MessagesRequest
 from mlxvlm.server.service import GenerationService
@@ -19,11 +19,14 @@ async def messages_request(request: Request) -> MessagesRequest:
     return await json_body(request, MessagesRequest)
 
 
+messages_service = service_of(messages_request)
+
+
 @router.post("/v1/messages")
 async def messages(
     request: Request,
     body: MessagesRequest = Depends(messages_request),
-    service: GenerationService = Depends(get_service),
+    service: GenerationService = Depends(messages_service),
 ) -> Response:
     accept(body, service)
     chat = to_chat_request(body)

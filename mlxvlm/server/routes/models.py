@@ -1,5 +1,5 @@
 """``/health``, ``/metrics`` and the model list: what a client or a monitor asks about
-the server rather than of the model."""
+the server rather than of a model."""
 
 from __future__ import annotations
 
@@ -7,22 +7,19 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
 from mlxvlm.server import metrics
-from mlxvlm.server.config import ServerConfig
-from mlxvlm.server.answering import unknown_model
-from mlxvlm.server.deps import get_config, get_service
-from mlxvlm.server.service import GenerationService
+from mlxvlm.server.deps import get_models
+from mlxvlm.server.models_registry import ModelRegistry
 
 router = APIRouter()
 
 
-def model_card(service: GenerationService = Depends(get_service)) -> dict:
+def model_card(models: ModelRegistry, model_id: str) -> dict:
     return {
-        "id": service.config.model_id,
+        "id": model_id,
         "object": "model",
-        "created": int(service.started_at),
+        "created": int(models.started_at),
         "owned_by": "mlxvlm",
     }
-
 
 
 @router.get("/health")
@@ -31,18 +28,18 @@ async def health() -> dict:
 
 
 @router.get("/v1/models")
-async def list_models(card: dict = Depends(model_card)) -> dict:
-    return {"object": "list", "data": [card]}
+async def list_models(models: ModelRegistry = Depends(get_models)) -> dict:
+    """Every model served, loaded or not (a request naming one loads it)."""
+    return {"object": "list", "data": [model_card(models, m) for m in models.ids()]}
 
 
 @router.get("/v1/models/{model_id:path}")
-async def get_model(model_id: str, card: dict = Depends(model_card),
-                    config: ServerConfig = Depends(get_config)) -> dict:
-    if model_id != config.model_id:
-        raise unknown_model(config, model_id)
-    return card
+async def get_model(model_id: str, models: ModelRegistry = Depends(get_models)) -> dict:
+    if model_id not in models.sources:
+        raise models.unknown_model(model_id)
+    return model_card(models, model_id)
 
 
 @router.get("/metrics")
-async def get_metrics(service: GenerationService = Depends(get_service)) -> PlainTextResponse:
-    return PlainTextResponse(metrics.render_metrics(service), media_type=metrics.CONTENT_TYPE)
+async def get_metrics(models: ModelRegistry = Depends(get_models)) -> PlainTextResponse:
+    return PlainTextResponse(metrics.render_metrics(models), media_type=metrics.CONTENT_TYPE)

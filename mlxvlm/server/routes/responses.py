@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from mlxvlm.server.answering import accept, answer, plan_answer
-from mlxvlm.server.deps import get_service, json_body
+from mlxvlm.server.deps import json_body, service_of
 from mlxvlm.server.errors import APIError
 from mlxvlm.server.responses import (
     ResponseStore,
@@ -31,11 +31,14 @@ def get_store(request: Request) -> ResponseStore:
     return request.app.state.response_store
 
 
+responses_service = service_of(responses_request)
+
+
 @router.post("/v1/responses")
 async def responses(
     request: Request,
     body: ResponsesRequest = Depends(responses_request),
-    service: GenerationService = Depends(get_service),
+    service: GenerationService = Depends(responses_service),
     store: ResponseStore = Depends(get_store),
 ) -> Response:
     accept(body, service)

@@ -1,0 +1,54 @@
+"""The closing path of constrained decoding under a byte-level BPE whose merges hold runs
+of brackets and quotes (``]]]]``, ``","``, as a real vocabulary does): a model that wants
+such a token inside a string still closes the answer within ``max_tokens``. Before, the
+path preferred ``]]]]`` (more closing bytes) inside a string, where it is just text, and
+``","`` (two quotes) which closes a string only to open the next, and every one of these
+answers was cut unterminated."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxvlm.constrained import json_schema_constraint
+
+CORPUS = ['{"a":"b","c":"d"}', '[[[[1]]]]', '"]]]]"', '{"k":["x","y"]}', "]]]] ]]]]",
+          '","', '":"', "hello world"] * 50
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    bpe.add_special_tokens([AddedToken("</s>", special=True)])
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>")
+
+
+@pytest.mark.parametrize("wanted", ["]]]]", '","'])
+@pytest.mark.parametrize("max_tokens", [8, 12, 20, 40])
+def test_the_answer_closes_in_time_whatever_the_model_wants(tokenizer, wanted, max_tokens):
+    (wanted_id,) = tokenizer.encode(wanted, add_special_tokens=False)
+    eos = tokenizer.convert_tokens_to_ids("</s>")
+    processor = json_schema_constraint(tokenizer, [eos], None).processor(max_tokens)
+    vocab = len(tokenizer)
+    logits = np.zeros((1, vocab), dtype=np.float32)
+    logits[0, wanted_id] = 10.0  # what this "model" always wants most
+    history = [0]
+    for _ in range(max_tokens):
+        masked = processor(mx.array([history]), mx.array(logits))
+        token = int(mx.argmax(masked, axis=-1).item())
+        if token == eos:
+            break
+        history.append(token)
+    text = tokenizer.decode(history[1:])
+    assert isinstance(json.loads(text), dict), text
