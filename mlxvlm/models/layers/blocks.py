@@ -6,6 +6,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.pipeline import PipelineMixin
 
 from mlxvlm.models.layers.activations import activation
 
@@ -34,9 +35,15 @@ class LayerStack(nn.Module):
         self.layers = [make_layer() for _ in range(count)]
 
 
-class TextDecoder(nn.Module):
+class TextDecoder(PipelineMixin, nn.Module):
     """Token embeddings, decoder blocks and the final norm (``language_model.model`` in
-    checkpoints); a subclass builds its blocks and runs them."""
+    checkpoints); a subclass builds its blocks and runs them.
+
+    mlx-lm's ``PipelineMixin`` gives ``pipeline(group)`` (this rank's run of layers,
+    ``pipeline_layers``); a subclass whose pass hands its states between the ranks says
+    so with ``runs_pipelined``."""
+
+    runs_pipelined = False
 
     def __init__(self, vocab_size: int, hidden_size: int, layers: list, norm: nn.Module):
         super().__init__()
@@ -51,7 +58,7 @@ class TextDecoder(nn.Module):
         """Where a forward pass starts: the hidden states (``embeddings``, else ``inputs``
         embedded) and the per-layer caches (one None per layer without a cache)."""
         h = self.embed(inputs) if embeddings is None else embeddings
-        return h, cache if cache is not None else [None] * len(self.layers)
+        return h, cache if cache is not None else [None] * len(self.pipeline_layers)
 
 
 class ScaledEmbeddingDecoder(TextDecoder):
