@@ -33,13 +33,13 @@ from typing import Any, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.nn.layers.distributed import shard_linear
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from mlxvlm.models.config_utils import text_config
 from mlxvlm.cpu.ops import cached_attention, gated, silu
 from mlxvlm.models.layers.blocks import TextDecoder
+from mlxvlm.models.layers.mrope_shard import shard_layers
 from mlxvlm.models.layers.rotary import apply_rotary
 
 
@@ -489,15 +489,6 @@ class Attention(nn.Module):
         output = cached_attention(queries, keys, values, cache, scale=self.scale, mask=mask)
         return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def shard(self, group: mx.distributed.Group) -> None:
-        """Tensor parallelism: this rank's 1/size of the heads (q/k/v split by output,
-        o_proj by input and all-reduced). Per-head norms are per head: unchanged."""
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(self, name, shard_linear(self[name], "all-to-sharded", group=group))
-        self.o_proj = shard_linear(self.o_proj, "sharded-to-all", group=group)
-        self.n_heads //= group.size()
-        self.n_kv_heads //= group.size()
-
 
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, bias: bool = False):
@@ -508,11 +499,6 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
-
-    def shard(self, group: mx.distributed.Group) -> None:
-        self.gate_proj = shard_linear(self.gate_proj, "all-to-sharded", group=group)
-        self.up_proj = shard_linear(self.up_proj, "all-to-sharded", group=group)
-        self.down_proj = shard_linear(self.down_proj, "sharded-to-all", group=group)
 
 
 class DecoderLayer(nn.Module):
@@ -529,13 +515,6 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, rotary, mask, cache=None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), rotary, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-    def shard(self, group: mx.distributed.Group) -> None:
-        if not isinstance(self.mlp, MLP):
-            raise NotImplementedError(
-                "tensor parallelism of the sparse-MoE layers is not supported; use --pipeline")
-        self.self_attn.shard(group)
-        self.mlp.shard(group)
 
 
 class MRopeDecoder(TextDecoder):
@@ -556,9 +535,7 @@ class MRopeDecoder(TextDecoder):
 
 
 class Qwen2MRopeModel(MRopeDecoder):
-    """Pipelined (``TextDecoder.pipeline``, mlx-lm's ``PipelineMixin``), the pass hands
-    the hidden states from rank to rank as mlx-lm's pipelined models do: receive, own
-    layers, send, all-gather."""
+    """Pipelined, it runs its own layers between ``receive`` and ``hand_on``."""
 
     layer_class = DecoderLayer
     runs_pipelined = True
@@ -581,22 +558,14 @@ class Qwen2MRopeModel(MRopeDecoder):
         deepstack = None
         if state is not None and state.deepstack is not None:
             deepstack = state.deepstack.window(offset, n)
-        rank, size = self.pipeline_rank, self.pipeline_size
-        if rank < size - 1:
-            h = mx.distributed.recv_like(h, rank + 1)
+        h = self.receive(h)
         layers = zip(self.pipeline_layers, cache)
         for index, (layer, layer_cache) in enumerate(layers, start=self.start_idx):
             h = layer(h, rotary, mask, layer_cache)
             if deepstack is not None and index < len(deepstack[1]):
                 local, features = deepstack
                 h = h.at[:, local].add(features[index][None].astype(h.dtype))
-        if rank != 0:
-            h = mx.distributed.send(h, rank - 1)
-            if cache[-1] is not None:  # the send runs whenever the cache is evaluated
-                cache[-1].keys = mx.depends(cache[-1].keys, h)
-        if size > 1:  # every rank gets the last stage's states (and computes the head)
-            h = mx.distributed.all_gather(h)[: h.shape[0]]
-        return self.norm(h)
+        return self.norm(self.hand_on(h, cache))
 
 
 class LanguageModel(nn.Module):
@@ -623,5 +592,4 @@ class LanguageModel(nn.Module):
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Tensor parallelism over ``group``, as mlx-lm's models' ``shard``."""
-        for layer in self.model.layers:
-            layer.shard(group)
+        shard_layers(self.model.layers, group)
