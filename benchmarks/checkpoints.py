@@ -162,6 +162,7 @@ def qwen2vl_mid():
     model_class, config, parts, eos_ids = qwen2vl_2b()
     text = config.text_config
     text.hidden_size, text.intermediate_size, text.num_hidden_layers = 896, 4864, 24
+    text.layer_types = text.layer_types[:24]
     text.num_attention_heads, text.num_key_value_heads = 14, 2
     text.rope_parameters = dict(text.rope_parameters, mrope_section=[8, 12, 12])  # head 64
     config.vision_config.hidden_size = 896  # the merger's output: the text width

@@ -157,7 +157,7 @@ def test_cli_under_mlx_launch_prints_once_what_one_process_prints(checkpoints):
     assert "rank 0: layer 1 of 2 (pipeline over 2 ranks); the vision/audio towers" in run.stderr
 
 
-def test_server_under_mlx_launch_answers_as_one_process(checkpoints):
+def test_server_under_mlx_launch_answers_as_one_process(checkpoints, tmp_path):
     """Rank 0 serves HTTP, rank 1 follows its requests: the greedy answer is the one
     process's."""
     import signal
@@ -167,43 +167,51 @@ def test_server_under_mlx_launch_answers_as_one_process(checkpoints):
     messages = [{"role": "user", "content": "Hello"}]
     expected = generate(model, processor, messages, max_tokens=12).text
     port = free_port()
+    log = (tmp_path / "server.log").open("w")  # a pipe nobody reads could fill and block
     server = subprocess.Popen(
         [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
          "--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}",
          "--python", sys.executable, "--", "-m", "mlxvlm.server", "--model",
          str(paths["qwen2_vl"]), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-        start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
     )
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    body = json.dumps({"model": "qwen2_vl", "messages": messages, "temperature": 0,
-                       "max_tokens": 12}).encode()
+    base = f"http://127.0.0.1:{port}/v1"
     try:
-        answers = []
-        for _ in range(2):  # a second request: rank 1 follows more than one
-            answers.append(_post_when_up(url, body, server))
+        served = _get_when_up(f"{base}/models", server, tmp_path / "server.log")["data"][0]["id"]
+        body = json.dumps({"model": served, "messages": messages, "temperature": 0,
+                           "max_tokens": 12}).encode()
+        answers = [_post(f"{base}/chat/completions", body) for _ in range(2)]  # rank 1
+        # follows more than one request
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
+        log.close()
     assert [a["choices"][0]["message"]["content"] for a in answers] == [expected, expected]
 
 
-def _post_when_up(url: str, body: bytes, server: subprocess.Popen) -> dict:
-    """POST ``body`` once the server listens (it loads first); fails if it exited."""
+def _get_when_up(url: str, server: subprocess.Popen, log: Path) -> dict:
+    """GET ``url`` once the server listens (it loads first); fails if it exited."""
     import time
     import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + 300
     while True:
-        request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=120) as response:
+            with urllib.request.urlopen(url, timeout=60) as response:
                 return json.loads(response.read())
         except (urllib.error.URLError, ConnectionError):
-            assert server.poll() is None, server.stdout.read()
+            assert server.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.5)
+
+
+def _post(url: str, body: bytes) -> dict:
+    import urllib.request
+
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
 
 
 def test_a_rank_that_exits_ends_the_run(checkpoints, tmp_path):
