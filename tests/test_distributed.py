@@ -17,6 +17,7 @@ import mlx.core as mx
 import pytest
 
 import mlxvlm
+from mlxvlm.convert import convert
 from mlxvlm.distributed.broadcast import broadcast_object
 from mlxvlm.distributed.group import ShardPlan
 from mlxvlm.generate import generate, stream_generate
@@ -27,6 +28,7 @@ REPO = Path(mlxvlm.__file__).resolve().parent.parent
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 RUNNER = Path(__file__).parent / "sharded_run.py"
 FAMILIES = ("qwen2_vl", "llava_onevision")
+QUANTIZED = "qwen2_vl-8bit"
 PROMPT = "Describe this image."
 
 
@@ -86,20 +88,25 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
     image = root / "image.png"
     make_image(64, 48).save(image)
-    return {family: build_two_kv_heads(family, root / family) for family in FAMILIES}, image
+    paths = {family: build_two_kv_heads(family, root / family) for family in FAMILIES}
+    # 8-bit (groups of 32: a rank's half of a 64-wide input is one group), as most
+    # checkpoints that need several Macs are quantized.
+    paths[QUANTIZED] = convert(str(paths["qwen2_vl"]), root / QUANTIZED, quantize=True,
+                               q_bits=8, q_group_size=32).path
+    return paths, image
 
 
 @pytest.fixture(scope="module")
 def sharded_runs(checkpoints) -> list[dict]:
     """One launch: both families, each in both modes (a launch costs two start-ups)."""
     paths, image = checkpoints
-    listed = ",".join(str(paths[family]) for family in FAMILIES)
+    listed = ",".join(str(paths[name]) for name in (*FAMILIES, QUANTIZED))
     run = launch(str(RUNNER), listed, str(image), "tensor,pipeline")
     assert run.returncode == 0, run.stdout + run.stderr
     return json_lines(run.stdout)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", (*FAMILIES, QUANTIZED))
 def test_two_ranks_give_one_process_tokens(checkpoints, sharded_runs, family):
     paths, image = checkpoints
     model, processor = load(paths[family])
@@ -126,7 +133,7 @@ def _flat_shapes(model) -> list[tuple[str, list[int]]]:
     return [(k, list(v.shape)) for k, v in tree_flatten(model.parameters())]
 
 
-def assert_holds_shard(mode: str, held: dict, whole: set[str]) -> None:
+def assert_holds_shard(mode: str, held: dict, whole: dict) -> None:
     rank1 = held[1]["parameters"]
     if mode == "pipeline":
         # mlx-lm's order: rank 1 the first layer, rank 0 the last; both the head's parts.
@@ -139,7 +146,9 @@ def assert_holds_shard(mode: str, held: dict, whole: set[str]) -> None:
     assert held[1]["describe"].startswith("rank 1: half of every attention and MLP")
     q = "language_model.model.layers.0.self_attn.q_proj.weight"
     down = "language_model.model.layers.0.mlp.down_proj.weight"
-    assert rank1[q] == [32, 64] and rank1[down] == [64, 64]  # of [64, 64] and [64, 128]
+    # Half the outputs of q, half the inputs of down (packed words too, when quantized).
+    assert rank1[q] == [whole[q][0] // 2, whole[q][1]]
+    assert rank1[down] == [whole[down][0], whole[down][1] // 2]
     assert set(rank1) == {k for k in whole if k.startswith("language_model.")}
 
 
