@@ -8,6 +8,7 @@ Writes under benchmarks/checkpoints/ (git-ignored):
   512 px, pixel shuffle 4, a 30-layer 576-wide Llama), bfloat16;
 - ``qwen2vl-2b-bf16``: Qwen2-VL-2B-Instruct's shapes (32-layer 1280-wide ViT, 28-layer
   1536-wide Qwen2 with M-RoPE), bfloat16;
+- ``qwen2vl-mid-bf16``: that tower over Qwen2-0.5B's text shapes (``distributed.py``'s);
 - ``*-4bit`` and ``*-8bit`` of each, made with ``python -m mlxvlm.convert``.
 
 Each is a Hugging Face checkpoint (config.json in the Hub's layout, safetensors,
@@ -155,7 +156,20 @@ def qwen2vl_2b():
     return Qwen2VLForConditionalGeneration, config, parts, [151645, 151643]
 
 
-BUILDERS = {"smolvlm-256m": smolvlm_256m, "qwen2vl-2b": qwen2vl_2b}
+def qwen2vl_mid():
+    """Qwen2-VL-2B's tower and vocabulary over Qwen2-0.5B's text shapes (24 layers of 896,
+    14 heads, 2 key/value heads: they split over 2 ranks), for the sharding benchmark."""
+    model_class, config, parts, eos_ids = qwen2vl_2b()
+    text = config.text_config
+    text.hidden_size, text.intermediate_size, text.num_hidden_layers = 896, 4864, 24
+    text.layer_types = text.layer_types[:24]
+    text.num_attention_heads, text.num_key_value_heads = 14, 2
+    text.rope_parameters = dict(text.rope_parameters, mrope_section=[8, 12, 12])  # head 64
+    config.vision_config.hidden_size = 896  # the merger's output: the text width
+    return model_class, config, parts, eos_ids
+
+
+BUILDERS = {"smolvlm-256m": smolvlm_256m, "qwen2vl-2b": qwen2vl_2b, "qwen2vl-mid": qwen2vl_mid}
 
 
 def benchmark_image(size: int = 448) -> Image.Image:

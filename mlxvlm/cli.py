@@ -279,12 +279,45 @@ def build_generate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-step-size", type=ranged(at_least(1)), default=2048,
                         help="Prompt tokens per prefill chunk")
     add_speculation_arguments(parser)
+    add_sharding_arguments(parser)
     parser.add_argument(
         "--verbose", action="store_true",
         help="Print statistics, backend details and where the sampling values came from to "
-        "stderr",
+        "stderr (under mlx.launch: what each rank holds)",
     )
     return parser
+
+
+def add_sharding_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pipeline", action="store_true",
+        help="Under mlx.launch: split the language model's layers over the ranks "
+        "(pipeline parallelism; default: tensor parallelism, a slice of every layer)",
+    )
+
+
+def sharded_load(args: argparse.Namespace, **kwargs):
+    """``load`` for an entry point: under mlx.launch (a group of more than one), this
+    rank's shard of the model, in the mode ``--pipeline`` chose; with ``--verbose`` each
+    rank says what it holds."""
+    from mlxvlm.loading import load
+
+    model, processor = load(args.model, revision=args.revision,
+                            adapter_path=args.adapter_path,
+                            trust_remote_code=args.trust_remote_code,
+                            shard="pipeline" if args.pipeline else "tensor", **kwargs)
+    plan = getattr(model, "sharding", None)
+    if args.verbose and plan is not None:
+        print(f"[mlxvlm] {plan.describe()}", file=sys.stderr, flush=True)
+    return model, processor
+
+
+def launched_rank() -> int:
+    """This process's rank under mlx.launch (0 when it runs alone)."""
+    from mlxvlm.distributed.group import launched_group
+
+    group = launched_group()
+    return 0 if group is None else group.rank()
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -307,82 +340,100 @@ def run_generate_cli(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def body() -> int:
-        import mlx.core as mx
+        if launched_rank() != 0:  # rank 0 prints the answer; this rank follows it
+            from mlxvlm.distributed.follower import follow
 
-        from mlxvlm.cpu import ops
-        from mlxvlm.generate import stream_generate
-        from mlxvlm.loading import load
-        # Read the media first: a bad path should fail before a slow model load.
-        media = load_cli_media(args, verbose=args.verbose)
-        if args.verbose:
-            print(f"[mlxvlm] device: {mx.default_device()}", file=sys.stderr)
-            for what, status in ops.process_status():
-                print(f"[mlxvlm] {what}: {status}", file=sys.stderr)
-        model, processor = load(
-            args.model,
-            revision=args.revision,
-            adapter_path=args.adapter_path,
-            trust_remote_code=args.trust_remote_code,
-        )
-        media = sample_cli_videos(media, args, processor, verbose=args.verbose)
-        draft = None
-        if args.draft_model is not None:
-            from mlxvlm.generate.drafters import load_draft
-
-            draft = load_draft(args.draft_model)
-        if args.verbose:
-            report = getattr(model, "cpu_fast_paths", None)
-            if report is not None:
-                print(f"[mlxvlm] CPU fast paths: {report.describe()}", file=sys.stderr)
-            if mx.default_device() == mx.cpu:
-                print(f"[mlxvlm] CPU kernels: {ops.kernels_status()}", file=sys.stderr)
-                print("[mlxvlm] compute dtype: float32 (fastest on the CPU backend)", file=sys.stderr)
-        if args.verbose:
-            from mlxvlm.sampling_defaults import checkpoint_defaults, resolve
-
-            given = {name: getattr(args, name) for name in
-                     ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
-            chosen = resolve(given, checkpoint_defaults(processor))
-            print(f"[mlxvlm] sampling: {chosen.describe()}", file=sys.stderr)
-        last = None
-        for last in stream_generate(
-            model,
-            processor,
-            _user_turn(_prompt_text(args), media),
-            system=args.system,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            repetition_context_size=args.repetition_context_size,
-            presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty,
-            logit_bias=dict(args.logit_bias) if args.logit_bias else None,
-            seed=args.seed,
-            stop=args.stop,
-            max_kv_size=args.max_kv_size,
-            kv_bits=args.kv_bits,
-            kv_group_size=args.kv_group_size,
-            quantized_kv_start=args.quantized_kv_start,
-            prefill_step_size=args.prefill_step_size,
-            draft_model=draft,
-            num_draft_tokens=args.num_draft_tokens,
-            prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
-        ):
-            print(last.text, end="", flush=True)
-        print()
-        if args.verbose and last is not None:
-            print(
-                f"[mlxvlm] prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s\n"
-                f"[mlxvlm] generation: {last.generation_tokens} tokens, "
-                f"{last.generation_tps:.1f} tokens/s ({last.finish_reason})\n"
-                f"[mlxvlm] peak memory: {last.peak_memory:.3f} GB",
-                file=sys.stderr,
-            )
-            if last.speculation is not None:
-                print(f"[mlxvlm] speculation: {last.speculation.describe()}", file=sys.stderr)
+            follow(*sharded_load(args))
+            return 0
+        _generate_on_rank0(args)
         return 0
 
     return run_cli(body)
+
+
+def _generate_on_rank0(args: argparse.Namespace) -> None:
+    """The CLI's work alone or on rank 0: media, model, the answer printed."""
+    import mlx.core as mx
+
+    from mlxvlm.cpu import ops
+
+    # Read the media first: a bad path should fail before a slow model load.
+    media = load_cli_media(args, verbose=args.verbose)
+    if args.verbose:
+        print(f"[mlxvlm] device: {mx.default_device()}", file=sys.stderr)
+        for what, status in ops.process_status():
+            print(f"[mlxvlm] {what}: {status}", file=sys.stderr)
+    model, processor = sharded_load(args)
+    try:
+        _answer(args, model, processor, media)
+    finally:  # the other ranks return, whether the answer came or not
+        from mlxvlm.distributed.jobs import release
+
+        release(model)
+
+
+def _answer(args: argparse.Namespace, model, processor, media) -> None:
+    import mlx.core as mx
+
+    from mlxvlm.cpu import ops
+    from mlxvlm.generate import stream_generate
+
+    media = sample_cli_videos(media, args, processor, verbose=args.verbose)
+    draft = None
+    if args.draft_model is not None:
+        from mlxvlm.generate.drafters import load_draft
+
+        draft = load_draft(args.draft_model)
+    if args.verbose:
+        report = getattr(model, "cpu_fast_paths", None)
+        if report is not None:
+            print(f"[mlxvlm] CPU fast paths: {report.describe()}", file=sys.stderr)
+        if mx.default_device() == mx.cpu:
+            print(f"[mlxvlm] CPU kernels: {ops.kernels_status()}", file=sys.stderr)
+            print("[mlxvlm] compute dtype: float32 (fastest on the CPU backend)", file=sys.stderr)
+    if args.verbose:
+        from mlxvlm.sampling_defaults import checkpoint_defaults, resolve
+
+        given = {name: getattr(args, name) for name in
+                 ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        chosen = resolve(given, checkpoint_defaults(processor))
+        print(f"[mlxvlm] sampling: {chosen.describe()}", file=sys.stderr)
+    last = None
+    for last in stream_generate(
+        model,
+        processor,
+        _user_turn(_prompt_text(args), media),
+        system=args.system,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        repetition_context_size=args.repetition_context_size,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=dict(args.logit_bias) if args.logit_bias else None,
+        seed=args.seed,
+        stop=args.stop,
+        max_kv_size=args.max_kv_size,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        quantized_kv_start=args.quantized_kv_start,
+        prefill_step_size=args.prefill_step_size,
+        draft_model=draft,
+        num_draft_tokens=args.num_draft_tokens,
+        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+    ):
+        print(last.text, end="", flush=True)
+    print()
+    if args.verbose and last is not None:
+        print(
+            f"[mlxvlm] prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s\n"
+            f"[mlxvlm] generation: {last.generation_tokens} tokens, "
+            f"{last.generation_tps:.1f} tokens/s ({last.finish_reason})\n"
+            f"[mlxvlm] peak memory: {last.peak_memory:.3f} GB",
+            file=sys.stderr,
+        )
+        if last.speculation is not None:
+            print(f"[mlxvlm] speculation: {last.speculation.describe()}", file=sys.stderr)

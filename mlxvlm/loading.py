@@ -172,17 +172,28 @@ def compute_dtype_for_device(requested: mx.Dtype | None) -> mx.Dtype | None:
     return mx.float32 if mx.default_device() == mx.cpu else None
 
 
-def build_model(model_path: Path, config: dict, family, weights: dict[str, mx.array]) -> nn.Module:
+def build_model(model_path: Path, config: dict, family, weights: dict[str, mx.array],
+                sharding: tuple[mx.distributed.Group, str] | None = None) -> nn.Module:
     """``family``'s module tree for ``config`` holding ``weights`` (the checkpoint's at
     ``model_path``): mapped onto our names only if they are a Hugging Face checkpoint's
     (see ``is_converted``), quantized as the config says. Weights that do not fit the
-    tree raise CheckpointError. Shared by ``load`` and ``mlxvlm.convert``."""
+    tree raise CheckpointError. Shared by ``load`` and ``mlxvlm.convert``.
+
+    ``sharding`` (group, "tensor" or "pipeline"): this rank's shard of the language
+    model only (``mlxvlm.distributed.sharding``), its weights still lazy; the plan is
+    ``model.sharding``."""
     model = family.Model.from_config(config)
     unused = family.Model.unused_weight_prefixes
     if unused:
         weights = {name: value for name, value in weights.items() if not name.startswith(unused)}
     if not is_converted(model_path, config) and family.Model.is_hf_checkpoint(weights.keys()):
         weights = model.sanitize(weights)
+    plan = None
+    if sharding is not None:  # after sanitize, which may ask the towers how to map theirs
+        from mlxvlm.distributed import sharding as shards
+
+        plan, dropped = shards.prepare(model, *sharding)
+        weights = {name: value for name, value in weights.items() if shards.keeps(name, dropped)}
     apply_quantization(model, config, weights)
     try:
         model.load_weights(list(weights.items()), strict=True)
@@ -191,6 +202,9 @@ def build_model(model_path: Path, config: dict, family, weights: dict[str, mx.ar
             f"the weights in {model_path} do not match the {config.get('model_type')} "
             f"model built from its config.json: {exc}"
         ) from None
+    if plan is not None:
+        shards.shard(model, plan)
+    model.sharding = plan
     return model
 
 
@@ -199,13 +213,16 @@ def load_model(
     config: dict | None = None,
     dtype: mx.Dtype | None = None,
     keep_half_weights: bool = False,
+    sharding: tuple[mx.distributed.Group, str] | None = None,
 ) -> nn.Module:
     """The model of the checkpoint at ``model_path``. ``keep_half_weights``: with the
     default compute dtype on the CPU, leave the 16-bit weights of linear and embedding
-    layers as they are (for ``mlxvlm.cpu.half_weights``) instead of converting them."""
+    layers as they are (for ``mlxvlm.cpu.half_weights``) instead of converting them.
+    ``sharding``: see ``build_model`` (the sharded layers compute in the compute dtype:
+    the CPU's half-weight layers are plain layers, which they are not)."""
     config = config if config is not None else read_config(model_path)
     family = get_family(config.get("model_type"))
-    model = build_model(model_path, config, family, load_weights_files(model_path))
+    model = build_model(model_path, config, family, load_weights_files(model_path), sharding)
     keep_half_weights = keep_half_weights and dtype is None
     dtype = compute_dtype_for_device(dtype)
     if dtype == mx.float32 and keep_half_weights:
@@ -228,6 +245,7 @@ def load(
     trust_remote_code: bool = False,
     dtype: mx.Dtype | None = None,
     cpu_fast_paths: bool = True,
+    shard: str | None = None,
 ):
     """Load a model and its processor from a local directory or a Hugging Face repo.
 
@@ -243,20 +261,32 @@ def load(
     float32 with mlxvlm's kernels, and run quantized layers through BLAS (see
     ``mlxvlm.cpu.fast_paths``; ``model.cpu_fast_paths`` reports what was done). Pass False
     to keep MLX's own layers and kernels, e.g. for QLoRA training on the quantized weights.
+
+    ``shard``: "tensor" or "pipeline" to split the language model over the group this
+    process was launched in (``mlx.launch``; see ``mlxvlm.distributed``), each rank
+    reading only its shard's weights; ``model.sharding`` is then the rank's plan. Without
+    a launched group (one process) it loads the whole model.
     """
     from mlxvlm.tokenization import attach_generation_tokenizer
 
     model_path = resolve_model_path(path_or_repo, revision, trust_remote_code)
     config = read_config(model_path)
     family = get_family(config.get("model_type"))
+    sharding = None
+    if shard is not None:
+        from mlxvlm.distributed.group import launched_group
+
+        group = launched_group()
+        sharding = (group, shard) if group is not None else None
     if cpu_fast_paths:
         from mlxvlm.cpu import ops
 
         keep = ops.keeps_half_weights()
-        model = load_model(model_path, config, dtype=dtype, keep_half_weights=keep)
+        model = load_model(model_path, config, dtype=dtype, keep_half_weights=keep,
+                           sharding=sharding)
         model.cpu_fast_paths = ops.apply_cpu_fast_paths(model)
     else:
-        model = load_model(model_path, config, dtype=dtype)
+        model = load_model(model_path, config, dtype=dtype, sharding=sharding)
     processor = family.Model.load_processor(model_path, config)
     attach_generation_tokenizer(
         processor, model_path, collect_eos_token_ids(model_path, config, processor.tokenizer)
@@ -272,4 +302,8 @@ def load(
     # Again, after the fast paths and the adapter: what they built is concrete too, so
     # that the model runs on any thread.
     materialize(model)
+    if model.sharding is not None:
+        from mlxvlm.distributed.broadcast import barrier
+
+        barrier(model.sharding.group)  # every rank loaded: no collective times out
     return model, processor

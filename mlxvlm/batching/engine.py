@@ -169,6 +169,10 @@ class BatchEngine:
         speculation buys one sequence."""
         if max_batch_size < 1:
             raise MlxvlmError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if getattr(model, "sharding", None) is not None:
+            raise MlxvlmError(
+                "a sharded model's ranks decode one sequence in step (stream_generate; the "
+                "server's sharded engine), not batches")
         if prefill_step_size < 1:
             raise MlxvlmError(f"prefill_step_size must be at least 1, got {prefill_step_size}")
         self.cache_options = CacheOptions(max_kv_size, kv_bits, kv_group_size,

@@ -14,6 +14,7 @@ from typing import Any, Callable, Generator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxvlm.distributed.broadcast import rank0_token
 from mlxvlm.errors import PromptTooLongError
 from mlxvlm.generate.state_cache import StateSnapshots, cache_offset
 from mlxvlm.models.run_ahead import bounded_run_ahead
@@ -113,13 +114,17 @@ def prefill_prompt(
     prefill_step_size: int,
     quantize: Callable[[list[Any]], None],
     progress: Callable[[int, int], None],
+    embedded: tuple[mx.array, Any] | None = None,
 ) -> tuple[mx.array, Any, int]:
     """The prompt embedded and all but its final chunk prefilled into ``cache``, with
     progress reported: ``(embeddings, state, done)``, the final chunk being
     ``embeddings[:, done:]`` (for the first sampling step). Shared by ``generate_tokens``
-    and speculative decoding."""
+    and speculative decoding. ``embedded``: the prompt's ``(embeddings, state)`` made
+    already (a sharded model's ranks get rank 0's)."""
     input_ids = inputs.input_ids
-    embeddings, state = embed_prompt(model, input_ids, **inputs.features)
+    if embedded is None:
+        embedded = embed_prompt(model, input_ids, **inputs.features)
+    embeddings, state = embedded
     total = input_ids.shape[1]
     progress(0, total)
     done = 0
@@ -139,16 +144,19 @@ def generate_tokens(
     prefill_step_size: int = 2048,
     quantize: Callable[[list[Any]], None] | None = None,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
+    embedded: tuple[mx.array, Any] | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Yield ``(token, logprobs)``; prefill the prompt's embeddings in chunks first.
     ``row`` samples each token; ``quantize`` (``CacheOptions.quantize``) runs after each
-    pass."""
+    pass. ``embedded``: the prompt's ``(embeddings, state)`` made already (a sharded
+    model's ranks get rank 0's); on a sharded model every rank feeds rank 0's token."""
     progress = prompt_progress_callback or (lambda *_: None)
     quantize = quantize or (lambda _: None)
     input_ids = inputs.input_ids
     total = input_ids.shape[1]
+    sharding = getattr(model, "sharding", None)
     embeddings, state, done = prefill_prompt(model, inputs, cache, prefill_step_size,
-                                             quantize, progress)
+                                             quantize, progress, embedded=embedded)
 
     def step(tokens: mx.array, chunk_embeddings: mx.array | None = None):
         with mx.stream(generation_stream):
@@ -156,6 +164,8 @@ def generate_tokens(
             quantize(cache)
             fed = tokens[0] if chunk_embeddings is None else None
             sampled, logprobs = sampling_step(logits[:, -1, :], [row], fed)
+            if sharding is not None:
+                sampled = rank0_token(sampled, sharding.group)
             return sampled, logprobs.squeeze(0)
 
     def schedule(tokens: mx.array, chunk_embeddings: mx.array | None = None):

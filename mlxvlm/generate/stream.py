@@ -11,14 +11,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlxvlm.distributed.jobs import GenerationJob, announce, leads, peer_checked
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.cache import DEFAULT_QUANTIZED_KV_START, CacheOptions
 from mlxvlm.generate.drafters import make_drafter
-from mlxvlm.generate.loop import fit_to_context, generate_tokens
+from mlxvlm.generate.loop import embed_prompt, fit_to_context, generate_tokens
 from mlxvlm.generate.speculative import SpeculationStats, check_speculation, speculative_tokens
 from mlxvlm.generate.text import GenerationOutput, OutputFolder, SequenceText, eos_token_ids
 from mlxvlm.media import MediaPolicy
-from mlxvlm.prompt import prepare_inputs
+from mlxvlm.prompt import PreparedInputs, prepare_inputs
 from mlxvlm.constrained import json_schema_constraint
 from mlxvlm.sampling import RowSampler, SamplingOptions, token_logprobs
 from mlxvlm.sampling_defaults import checkpoint_defaults
@@ -45,6 +46,7 @@ class GenerationResult:
     top_logprobs: list[tuple[int, float]] | None = None
     # With a draft model or prompt lookup: how speculation has gone so far.
     speculation: SpeculationStats | None = None
+    stop_string: str | None = None  # on the last result: the stop string that ended it
 
 
 def sampling_options(processor: Any, **given: Any) -> SamplingOptions:
@@ -128,8 +130,6 @@ def stream_generate(
         raise MlxvlmError(f"prefill_step_size must be at least 1, got {prefill_step_size}")
     cache_options = CacheOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
     cache_options.validate()
-    tokenizer = generation_tokenizer(processor)
-    eos_ids = eos_token_ids(processor)
 
     start = time.perf_counter()
     mx.reset_peak_memory()
@@ -147,10 +147,59 @@ def stream_generate(
         video_options=video_options,
         chat_template_kwargs=chat_template_kwargs,
     )
+    yield from generate_prepared(
+        model, processor, inputs, options, cache_options, prefill_step_size=prefill_step_size,
+        sampler=sampler, logits_processors=logits_processors,
+        prompt_progress_callback=prompt_progress_callback, start=start,
+        fit_context=max_kv_size is None, draft_model=draft_model,
+        num_draft_tokens=num_draft_tokens, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+        prepare_draft_inputs=lambda draft_processor, draft: prepare_inputs(
+            draft_processor, prompt, image, video=video, audio=audio, system=system,
+            raw_prompt=raw_prompt, feature_names=getattr(draft, "feature_names", None),
+            media_policy=media_policy, video_options=video_options,
+            chat_template_kwargs=chat_template_kwargs),
+    )
+
+
+def generate_prepared(
+    model: nn.Module,
+    processor: Any,
+    inputs: PreparedInputs,
+    options: SamplingOptions,
+    cache_options: CacheOptions,
+    *,
+    prefill_step_size: int = 2048,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    logits_processors: Sequence[Callable] | None = None,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+    start: float | None = None,
+    fit_context: bool = True,
+    job: GenerationJob | None = None,
+    draft_model: Any = None,
+    num_draft_tokens: int = 3,
+    prompt_lookup_num_tokens: int | None = None,
+    prepare_draft_inputs: Callable | None = None,
+) -> Generator[GenerationResult, None, None]:
+    """``stream_generate`` from its prepared inputs and resolved options on. On rank 0 of
+    a sharded model it runs the towers and sends the other ranks the job first; they come
+    here with that ``job`` (``mlxvlm.distributed.follower``). ``prepare_draft_inputs(
+    processor, draft)``: the prompt as a draft model's own processor prepares it."""
+    speculates = draft_model is not None or prompt_lookup_num_tokens is not None
+    if speculates and getattr(model, "sharding", None) is not None:
+        raise MlxvlmError("speculative decoding does not run on a sharded model yet: "
+                          "leave out --draft-model and --prompt-lookup-num-tokens")
+    start = time.perf_counter() if start is None else start
+    tokenizer = generation_tokenizer(processor)
+    eos_ids = eos_token_ids(processor)
     prompt_tokens = inputs.num_tokens
-    max_tokens = options.max_tokens
-    if max_kv_size is None:
+    max_tokens = job.max_tokens if job is not None else options.max_tokens
+    if fit_context and job is None:
         max_tokens = fit_to_context(model, prompt_tokens, max_tokens)
+    embedded = None if job is None else (job.embeddings, job.state)
+    if job is None and leads(model):
+        embedded = embed_prompt(model, inputs.input_ids, **inputs.features)
+        announce(model, GenerationJob(inputs.input_ids, *embedded, options, cache_options,
+                                      max_tokens, prefill_step_size))
 
     cache = cache_options.make(model, inputs)
     row = RowSampler(options, inputs.input_ids[0], sampler=sampler, processors=logits_processors)
@@ -160,7 +209,7 @@ def stream_generate(
         quantize=cache_options.quantize, prompt_progress_callback=prompt_progress_callback,
     )
     speculation = None
-    if draft_model is not None or prompt_lookup_num_tokens is not None:
+    if speculates:
         if draft_model is not None and prompt_lookup_num_tokens is not None:
             raise MlxvlmError("choose a draft model or prompt lookup, not both")
         drafted = (num_draft_tokens if prompt_lookup_num_tokens is None
@@ -169,22 +218,18 @@ def stream_generate(
         drafter = make_drafter(
             model, inputs, options, draft_model=draft_model,
             prompt_lookup=prompt_lookup_num_tokens is not None,
-            prepare_draft_inputs=lambda draft_processor, draft: prepare_inputs(
-                draft_processor, prompt, image, video=video, audio=audio, system=system,
-                raw_prompt=raw_prompt, feature_names=getattr(draft, "feature_names", None),
-                media_policy=media_policy, video_options=video_options,
-                chat_template_kwargs=chat_template_kwargs),
+            prepare_draft_inputs=prepare_draft_inputs,
             prefill_step_size=prefill_step_size,
         )
         speculation = SpeculationStats()
         tokens = speculative_tokens(model, inputs, options=options, drafter=drafter,
                                     num_draft_tokens=drafted, stats=speculation, **loop_options)
     else:
-        tokens = generate_tokens(model, inputs, **loop_options)
+        tokens = generate_tokens(model, inputs, embedded=embedded, **loop_options)
 
     prompt_tps = 0.0
     decode_start = start
-    for n, (token, logprobs) in enumerate(tokens):
+    for n, (token, logprobs) in enumerate(peer_checked(model, tokens)):
         if n == 0:
             decode_start = time.perf_counter()
             prompt_tps = prompt_tokens / (decode_start - start)
@@ -201,6 +246,7 @@ def stream_generate(
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish_reason,
             speculation=speculation,
+            stop_string=text.stop_string,
         )
         if options.top_logprobs is not None:
             values = np.asarray(logprobs.astype(mx.float32))

@@ -173,10 +173,12 @@ class VisionLanguageModel(nn.Module):
     def layers(self) -> list[nn.Module]:
         # mlx-lm's models and a bare decoder have ``layers``; mlx-community's
         # ``language_model.model.*`` naming puts the blocks one level down otherwise.
+        # A pipelined decoder (mlx-lm's PipelineMixin) names its own run of layers.
         language_model = self.language_model
         if hasattr(language_model, "layers"):
             return language_model.layers
-        return language_model.model.layers
+        decoder = language_model.model
+        return getattr(decoder, "pipeline_layers", decoder.layers)
 
     @property
     def max_context(self) -> int | None:

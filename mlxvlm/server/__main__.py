@@ -1,14 +1,17 @@
 """``python -m mlxvlm.server --model M [--model N ...]``: load the first model and serve
-them with uvicorn."""
+them with uvicorn; under mlx.launch, one model sharded over the ranks (rank 0 serves)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from typing import Sequence
 
-from mlxvlm.cli import require_extra, run_cli
-from mlxvlm.server.config import build_parser, config_from_args
+from mlxvlm.cli import (add_sharding_arguments, launched_rank, require_extra, run_cli,
+                        sharded_load)
+from mlxvlm.errors import MlxvlmError
+from mlxvlm.server.config import ServerConfig, build_parser, config_from_args
 
 logger = logging.getLogger("mlxvlm.server")
 
@@ -16,38 +19,70 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    add_sharding_arguments(parser)
+    parser.add_argument("--verbose", action="store_true",
+                        help="Under mlx.launch: each rank says what it holds")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
 
     def serve() -> None:
+        from mlxvlm.distributed.group import launched_group
+
+        config = config_from_args(args)
+        sharded = launched_group() is not None
+        if sharded:
+            single_model(args, config)
+        if launched_rank() != 0:  # rank 0 serves HTTP; this rank follows its requests
+            from mlxvlm.distributed.follower import follow
+
+            follow(*sharded_load(args))
+            return
         # Before the slow model load: without the extra, say how to install it.
         require_extra("server", "the server", ("fastapi", "uvicorn"))
         import uvicorn
 
         from mlxvlm.sampling_defaults import checkpoint_defaults
-        from mlxvlm.server.app import create_registry_app
+        from mlxvlm.server.app import create_app, create_registry_app
         from mlxvlm.server.chat import describe_sampling_defaults
         from mlxvlm.server.models_registry import ModelRegistry, checkpoint_loader
 
-        config = config_from_args(args)
         if config.host not in _LOOPBACK and not config.api_key:
             logger.warning(
                 "listening on %s without --api-key: anyone who can reach this address can "
                 "use the model", config.host,
             )
-        registry = ModelRegistry(config, checkpoint_loader(
-            config, revision=args.revision, adapter_path=args.adapter_path,
-            trust_remote_code=args.trust_remote_code))
-        # The first model now (a bad path fails here, not at the first request); any
-        # others on first use.
-        service = registry.preload(config.model_id)
-        logger.info("requests to %r that leave sampling fields out get: %s", config.model_id,
-                    describe_sampling_defaults(checkpoint_defaults(service.processor)))
-        app = create_registry_app(registry)
+        if sharded:
+            model, processor = sharded_load(args)
+            logger.info("requests that leave sampling fields out get: %s",
+                        describe_sampling_defaults(checkpoint_defaults(processor)))
+            app = create_app(model, processor, config)
+        else:
+            registry = ModelRegistry(config, checkpoint_loader(
+                config, revision=args.revision, adapter_path=args.adapter_path,
+                trust_remote_code=args.trust_remote_code))
+            # The first model now (a bad path fails here, not at the first request); any
+            # others on first use.
+            service = registry.preload(config.model_id)
+            logger.info("requests to %r that leave sampling fields out get: %s",
+                        config.model_id,
+                        describe_sampling_defaults(checkpoint_defaults(service.processor)))
+            app = create_registry_app(registry)
         uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
                     timeout_graceful_shutdown=5)
 
     return run_cli(serve)
+
+
+def single_model(args: argparse.Namespace, config: ServerConfig) -> None:
+    """Under mlx.launch the ranks shard one model: ``args.model`` becomes its path."""
+    if len(config.model_sources) != 1:
+        raise MlxvlmError("under mlx.launch the server shards one model: give --model once "
+                          "(and no --models-dir)")
+    if config.draft_model is not None or config.prompt_lookup_num_tokens is not None:
+        raise MlxvlmError("speculative decoding does not run on a sharded model yet: "
+                          "leave out --draft-model and --prompt-lookup-num-tokens")
+    args.model = next(iter(config.model_sources.values()))
 
 
 if __name__ == "__main__":

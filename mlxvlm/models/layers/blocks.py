@@ -6,6 +6,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.pipeline import PipelineMixin
 
 from mlxvlm.models.layers.activations import activation
 
@@ -34,9 +35,15 @@ class LayerStack(nn.Module):
         self.layers = [make_layer() for _ in range(count)]
 
 
-class TextDecoder(nn.Module):
+class TextDecoder(PipelineMixin, nn.Module):
     """Token embeddings, decoder blocks and the final norm (``language_model.model`` in
-    checkpoints); a subclass builds its blocks and runs them."""
+    checkpoints); a subclass builds its blocks and runs them.
+
+    mlx-lm's ``PipelineMixin`` gives ``pipeline(group)`` (this rank's run of layers,
+    ``pipeline_layers``); a subclass whose pass hands its states between the ranks says
+    so with ``runs_pipelined``."""
+
+    runs_pipelined = False
 
     def __init__(self, vocab_size: int, hidden_size: int, layers: list, norm: nn.Module):
         super().__init__()
@@ -47,11 +54,30 @@ class TextDecoder(nn.Module):
     def embed(self, inputs: mx.array) -> mx.array:
         return self.embed_tokens(inputs)
 
+    # A pipelined pass, as mlx-lm's pipelined models run it: the last rank starts from
+    # the embeddings, each rank receives from the next one up, runs its layers and
+    # sends down; rank 0's states reach every rank (each computes the head).
+    def receive(self, h: mx.array) -> mx.array:
+        """The previous stage's states (``h`` itself on the first stage)."""
+        if self.pipeline_rank < self.pipeline_size - 1:
+            return mx.distributed.recv_like(h, self.pipeline_rank + 1)
+        return h
+
+    def hand_on(self, h: mx.array, cache: list) -> mx.array:
+        """Send ``h`` to the next stage; the last stage's states, on every rank."""
+        if self.pipeline_rank != 0:
+            h = mx.distributed.send(h, self.pipeline_rank - 1)
+            if cache[-1] is not None:  # the send runs whenever the cache is evaluated
+                cache[-1].keys = mx.depends(cache[-1].keys, h)
+        if self.pipeline_size > 1:
+            h = mx.distributed.all_gather(h)[: h.shape[0]]
+        return h
+
     def start(self, inputs, cache, embeddings) -> tuple[mx.array, list]:
         """Where a forward pass starts: the hidden states (``embeddings``, else ``inputs``
         embedded) and the per-layer caches (one None per layer without a cache)."""
         h = self.embed(inputs) if embeddings is None else embeddings
-        return h, cache if cache is not None else [None] * len(self.layers)
+        return h, cache if cache is not None else [None] * len(self.pipeline_layers)
 
 
 class ScaledEmbeddingDecoder(TextDecoder):

@@ -39,6 +39,7 @@ from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 from mlxvlm.models.config_utils import text_config
 from mlxvlm.cpu.ops import cached_attention, gated, silu
 from mlxvlm.models.layers.blocks import TextDecoder
+from mlxvlm.models.layers.mrope_shard import shard_layers
 from mlxvlm.models.layers.rotary import apply_rotary
 
 
@@ -534,7 +535,10 @@ class MRopeDecoder(TextDecoder):
 
 
 class Qwen2MRopeModel(MRopeDecoder):
+    """Pipelined, it runs its own layers between ``receive`` and ``hand_on``."""
+
     layer_class = DecoderLayer
+    runs_pipelined = True
 
     def __init__(self, config: TextConfig):
         super().__init__(config, config.head_dim, config.mrope_interleaved)
@@ -554,12 +558,14 @@ class Qwen2MRopeModel(MRopeDecoder):
         deepstack = None
         if state is not None and state.deepstack is not None:
             deepstack = state.deepstack.window(offset, n)
-        for index, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+        h = self.receive(h)
+        layers = zip(self.pipeline_layers, cache)
+        for index, (layer, layer_cache) in enumerate(layers, start=self.start_idx):
             h = layer(h, rotary, mask, layer_cache)
             if deepstack is not None and index < len(deepstack[1]):
                 local, features = deepstack
                 h = h.at[:, local].add(features[index][None].astype(h.dtype))
-        return self.norm(h)
+        return self.norm(self.hand_on(h, cache))
 
 
 class LanguageModel(nn.Module):
@@ -583,3 +589,7 @@ class LanguageModel(nn.Module):
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
+
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Tensor parallelism over ``group``, as mlx-lm's models' ``shard``."""
+        shard_layers(self.model.layers, group)

@@ -1,0 +1,66 @@
+"""What rank 0 tells the other ranks: the next generation to run with it, or the end.
+
+A ``GenerationJob`` is everything the shared loop needs besides the model: the prompt's
+ids, the embeddings rank 0's towers made (and the decoder's state, such as M-RoPE
+positions), the sampling and cache options. Every rank then runs the same loop; the
+tokens are rank 0's (``broadcast.rank0_token``), so the ranks stop together (end of
+sequence, stop strings, the token budget are all decided on those tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mlxvlm.distributed.broadcast import broadcast_object
+from mlxvlm.distributed.group import peer_lost
+
+
+@dataclass
+class GenerationJob:
+    input_ids: mx.array
+    embeddings: mx.array
+    state: Any
+    options: Any  # SamplingOptions, without a grammar (rank 0's tokens already obey it)
+    cache_options: Any  # CacheOptions
+    max_tokens: int
+    prefill_step_size: int
+
+
+def leads(model) -> bool:
+    """Whether this process is rank 0 of a sharded model."""
+    plan = getattr(model, "sharding", None)
+    return plan is not None and plan.rank == 0
+
+
+def announce(model, job: GenerationJob) -> None:
+    """Rank 0: send ``job`` to the other ranks (they run it in ``follower.follow``)."""
+    options = dataclasses.replace(job.options, constraint=None)
+    broadcast_object(dataclasses.replace(job, options=options), model.sharding.group)
+
+
+def release(model) -> None:
+    """Rank 0: tell the other ranks there is nothing more to run (they return)."""
+    if leads(model):
+        broadcast_object(None, model.sharding.group)
+
+
+def next_job(model) -> GenerationJob | None:
+    """The other ranks: rank 0's next job, None at the end."""
+    return broadcast_object(None, model.sharding.group)
+
+
+def peer_checked(model, tokens):
+    """``tokens`` (the loop's), with a collective that fails because another rank left
+    reported as ``RankLostError`` rather than MLX's bare RuntimeError."""
+    plan = getattr(model, "sharding", None)
+    if plan is None:
+        yield from tokens
+        return
+    try:
+        yield from tokens
+    except RuntimeError as exc:
+        raise peer_lost(exc, plan.group) from None

@@ -1,0 +1,122 @@
+"""The server's engine on rank 0 of a sharded model: one request at a time, through the
+single-sequence loop the other ranks follow.
+
+The batching engine's steps (joins, leaves, prefix reuse) are decided on rank 0 alone,
+and the other ranks could not take part in them; ``generate_prepared`` is what every
+rank runs in step (``follower``). Requests wait in order; a cancelled request that has
+started runs on to its end undelivered, since the other ranks are in its loop too.
+``submit``, ``start``, ``close``, ``tokenizer`` and ``stats`` are the batching engine's,
+so the server takes this engine in its place.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from mlxvlm.batching.engine import BatchStep, EngineFault, EngineStats, SequenceHandle
+from mlxvlm.distributed.jobs import release
+from mlxvlm.errors import MlxvlmError
+from mlxvlm.generate.cache import CacheOptions
+from mlxvlm.generate.loop import fit_to_context
+from mlxvlm.generate.stream import generate_prepared
+from mlxvlm.tokenization import generation_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class ShardedEngine:
+    def __init__(self, model, processor: Any, *, prefill_step_size: int = 2048):
+        self.model = model
+        self.processor = processor
+        self.tokenizer = generation_tokenizer(processor)
+        self.prefill_step_size = prefill_step_size
+        self.stats = EngineStats()
+        self._waiting: deque = deque()
+        self._next_id = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, inputs, options, deliver, *, image_hashes=(), cache_namespace=None):
+        options.validate()
+        fit_to_context(self.model, inputs.num_tokens, options.max_tokens)
+        with self._cond:
+            if self._closed:
+                raise MlxvlmError("the engine is shut down")
+            handle = SequenceHandle(self, self._next_id)
+            self._next_id += 1
+            self._waiting.append((handle, inputs, options, deliver, time.perf_counter()))
+            self.stats.waiting = len(self._waiting)
+            self._cond.notify()
+        return handle
+
+    def _wake(self) -> None:  # SequenceHandle.cancel's
+        with self._cond:
+            self._cond.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="mlxvlm-sharded", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Stop taking requests, finish the running one, then release the other ranks."""
+        with self._cond:
+            self._closed = True
+            pending, self._waiting = list(self._waiting), deque()
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for _, _, _, deliver, _ in pending:
+            deliver(MlxvlmError("the engine is shutting down"))
+        release(self.model)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._waiting:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                request = self._waiting.popleft()
+                self.stats.waiting, self.stats.active = len(self._waiting), 1
+            try:
+                self._generate(*request)
+            except MlxvlmError as exc:
+                self.stats.requests_failed += 1
+                request[3](exc)
+            except Exception as exc:  # never leave a caller waiting on a dead thread
+                logger.exception("the sharded engine failed a request")
+                self.stats.requests_failed += 1
+                fault = EngineFault(f"the engine failed ({type(exc).__name__}: {exc})")
+                fault.__cause__ = exc
+                request[3](fault)
+            finally:
+                self.stats.active = 0
+
+    def _generate(self, handle, inputs, options, deliver, submitted_at) -> None:
+        if handle.cancelled:  # not started: the other ranks never hear of it
+            self.stats.requests_cancelled += 1
+            return
+        results = generate_prepared(self.model, self.processor, inputs, options, CacheOptions(),
+                                    prefill_step_size=self.prefill_step_size)
+        for result in results:  # to its end, even cancelled: every rank is in this loop
+            if result.generation_tokens == 1:
+                self.stats.time_to_first_token_sum += time.perf_counter() - submitted_at
+                self.stats.time_to_first_token_count += 1
+                self.stats.prompt_tokens += result.prompt_tokens
+            self.stats.generated_tokens += 1
+            if handle.cancelled:
+                continue
+            deliver(BatchStep(
+                text=result.text, token=result.token, finish_reason=result.finish_reason,
+                prompt_tokens=result.prompt_tokens, cached_tokens=0,
+                generation_tokens=result.generation_tokens, logprob=result.logprob,
+                top_logprobs=result.top_logprobs, stop_string=result.stop_string))
+        if handle.cancelled:
+            self.stats.requests_cancelled += 1
+        else:
+            self.stats.requests_finished += 1

@@ -1,0 +1,49 @@
+"""Run under mlx.launch by tests/test_distributed.py: greedy tokens of one prompt on a
+sharded model, in each mode asked for. Every rank prints what it holds (its parameters'
+shapes) and rank 0 the tokens, as JSON lines."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import mlxvlm  # noqa: F401  (before mlx.core, as a user's program)
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+# The ring connects here: both ranks before their slow imports, so that neither waits
+# out the other's connection back-off.
+mx.distributed.init()
+
+from mlxvlm.distributed.follower import follow
+from mlxvlm.distributed.jobs import release
+from mlxvlm.generate import stream_generate
+from mlxvlm.loading import load
+
+
+def main(checkpoints: list[str], image: str, modes: list[str]) -> None:
+    for checkpoint in checkpoints:
+        for mode in modes:
+            run(checkpoint, image, mode)
+
+
+def run(checkpoint: str, image: str, mode: str) -> None:
+    model, processor = load(checkpoint, shard=mode)
+    plan = model.sharding
+    held = {"rank": plan.rank, "checkpoint": checkpoint, "mode": mode,
+            "describe": plan.describe(),
+            "parameters": {k: list(v.shape) for k, v in tree_flatten(model.parameters())}}
+    print(json.dumps(held), flush=True)
+    if plan.rank != 0:
+        follow(model, processor)
+        return
+    try:
+        tokens = [r.token for r in stream_generate(
+            model, processor, "Describe this image.", image, max_tokens=12)]
+    finally:
+        release(model)
+    print(json.dumps({"checkpoint": checkpoint, "mode": mode, "tokens": tokens}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1].split(","), sys.argv[2], sys.argv[3].split(","))

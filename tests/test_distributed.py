@@ -1,0 +1,267 @@
+"""Sharded inference over MLX's distributed engine: two ranks on this machine, launched
+as a user launches them (``mlx.launch --backend ring --hosts 127.0.0.1 -n 2``), against
+the same checkpoint in one process. Greedy tokens must be identical in tensor and
+pipeline mode, for a family on an mlx-lm backbone (LLaVA-OneVision's qwen2) and one on
+mlxvlm's own decoder (Qwen2-VL's M-RoPE); each rank must hold only its shard."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import mlxvlm
+from mlxvlm.convert import convert
+from mlxvlm.distributed.broadcast import broadcast_object
+from mlxvlm.distributed.group import ShardPlan
+from mlxvlm.generate import generate, stream_generate
+from mlxvlm.loading import load
+from mlxvlm.models.layers.mrope_decoder import MRopeState
+
+REPO = Path(mlxvlm.__file__).resolve().parent.parent
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+RUNNER = Path(__file__).parent / "sharded_run.py"
+FAMILIES = ("qwen2_vl", "llava_onevision")
+QUANTIZED = "qwen2_vl-8bit"
+PROMPT = "Describe this image."
+
+
+def free_port() -> int:
+    """A port the ring backend can listen on (it takes this one and the next)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+def launch(*command: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """``command`` (after the interpreter) on two ranks over loopback."""
+    return subprocess.run(
+        [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
+         "--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}",
+         "--python", sys.executable, "--", *command],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO,
+    )
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def build_two_kv_heads(family: str, directory: Path) -> Path:
+    """The family's tiny checkpoint with 2 key/value heads, so that two ranks can split
+    them (the suite's tiny models have one)."""
+    import tiny
+
+    module = tiny.builder(family)
+    original = module._config
+
+    def config(*args, **kwargs):
+        made = original(*args, **kwargs)
+        made.text_config.num_key_value_heads = 2
+        return made
+
+    module._config = config
+    try:
+        model = module.build_tiny_model(family, 2)
+    finally:
+        module._config = original
+    return module.save_checkpoint(model, directory, "transformers")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from tiny import make_image
+
+    root = tmp_path_factory.mktemp("sharded")
+    image = root / "image.png"
+    make_image(64, 48).save(image)
+    paths = {family: build_two_kv_heads(family, root / family) for family in FAMILIES}
+    # 8-bit (groups of 32: a rank's half of a 64-wide input is one group), as most
+    # checkpoints that need several Macs are quantized.
+    paths[QUANTIZED] = convert(str(paths["qwen2_vl"]), root / QUANTIZED, quantize=True,
+                               q_bits=8, q_group_size=32).path
+    return paths, image
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(checkpoints) -> list[dict]:
+    """One launch: both families, each in both modes (a launch costs two start-ups)."""
+    paths, image = checkpoints
+    listed = ",".join(str(paths[name]) for name in (*FAMILIES, QUANTIZED))
+    run = launch(str(RUNNER), listed, str(image), "tensor,pipeline")
+    assert run.returncode == 0, run.stdout + run.stderr
+    return json_lines(run.stdout)
+
+
+@pytest.mark.parametrize("family", (*FAMILIES, QUANTIZED))
+def test_two_ranks_give_one_process_tokens(checkpoints, sharded_runs, family):
+    paths, image = checkpoints
+    model, processor = load(paths[family])
+    assert model.sharding is None  # no launcher: the whole model
+    reference = [r.token for r in stream_generate(model, processor, PROMPT, str(image),
+                                                  max_tokens=12)]
+    whole = dict(_flat_shapes(model))
+    lines = [line for line in sharded_runs if line["checkpoint"] == str(paths[family])]
+    for mode in ("tensor", "pipeline"):
+        tokens = [line["tokens"] for line in lines if line["mode"] == mode and "tokens" in line]
+        assert tokens == [reference], mode
+        held = {line["rank"]: line for line in lines if line["mode"] == mode and "rank" in line}
+        assert set(held) == {0, 1}
+        # Rank 0 alone holds the towers; rank 1 only the text model.
+        towers = {k for k in whole if not k.startswith("language_model.")}
+        assert towers and towers <= set(held[0]["parameters"])
+        assert all(k.startswith("language_model.") for k in held[1]["parameters"])
+        assert_holds_shard(mode, held, whole)
+
+
+def _flat_shapes(model) -> list[tuple[str, list[int]]]:
+    from mlx.utils import tree_flatten
+
+    return [(k, list(v.shape)) for k, v in tree_flatten(model.parameters())]
+
+
+def assert_holds_shard(mode: str, held: dict, whole: dict) -> None:
+    rank1 = held[1]["parameters"]
+    if mode == "pipeline":
+        # mlx-lm's order: rank 1 the first layer, rank 0 the last; both the head's parts.
+        assert held[1]["describe"].startswith("rank 1: layer 0 of 2")
+        assert held[0]["describe"].startswith("rank 0: layer 1 of 2")
+        assert not any(".layers.1." in k for k in rank1)
+        assert not any(".layers.0." in k for k in held[0]["parameters"]
+                       if k.startswith("language_model."))
+        return
+    assert held[1]["describe"].startswith("rank 1: half of every attention and MLP")
+    q = "language_model.model.layers.0.self_attn.q_proj.weight"
+    down = "language_model.model.layers.0.mlp.down_proj.weight"
+    # Half the outputs of q, half the inputs of down (packed words too, when quantized).
+    assert rank1[q] == [whole[q][0] // 2, whole[q][1]]
+    assert rank1[down] == [whole[down][0], whole[down][1] // 2]
+    assert set(rank1) == {k for k in whole if k.startswith("language_model.")}
+
+
+def test_cli_under_mlx_launch_prints_once_what_one_process_prints(checkpoints):
+    paths, image = checkpoints
+    args = ["-m", "mlxvlm.generate", "--model", str(paths["qwen2_vl"]), "--image", str(image),
+            "--max-tokens", "12"]
+    alone = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                           timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert alone.returncode == 0, alone.stderr
+    run = launch(*args, "--pipeline", "--verbose")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout == alone.stdout  # rank 0 alone prints the answer
+    assert "rank 1: layer 0 of 2 (pipeline over 2 ranks)" in run.stderr
+    assert "rank 0: layer 1 of 2 (pipeline over 2 ranks); the vision/audio towers" in run.stderr
+
+
+def test_server_under_mlx_launch_answers_as_one_process(checkpoints, tmp_path):
+    """Rank 0 serves HTTP, rank 1 follows its requests: the greedy answer is the one
+    process's."""
+    import signal
+
+    paths, _ = checkpoints
+    model, processor = load(paths["qwen2_vl"])
+    messages = [{"role": "user", "content": "Hello"}]
+    expected = generate(model, processor, messages, max_tokens=12).text
+    port = free_port()
+    log = (tmp_path / "server.log").open("w")  # a pipe nobody reads could fill and block
+    server = subprocess.Popen(
+        [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
+         "--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}",
+         "--python", sys.executable, "--", "-m", "mlxvlm.server", "--model",
+         str(paths["qwen2_vl"]), "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        served = _get_when_up(f"{base}/models", server, tmp_path / "server.log")["data"][0]["id"]
+        body = json.dumps({"model": served, "messages": messages, "temperature": 0,
+                           "max_tokens": 12}).encode()
+        answers = [_post(f"{base}/chat/completions", body) for _ in range(2)]  # rank 1
+        # follows more than one request
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+        log.close()
+    assert [a["choices"][0]["message"]["content"] for a in answers] == [expected, expected]
+
+
+def _get_when_up(url: str, server: subprocess.Popen, log: Path) -> dict:
+    """GET ``url`` once the server listens (it loads first); fails if it exited."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=60) as response:
+                return json.loads(response.read())
+        except (urllib.error.URLError, ConnectionError):
+            assert server.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.5)
+
+
+def _post(url: str, body: bytes) -> dict:
+    import urllib.request
+
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def test_a_rank_that_exits_ends_the_run(checkpoints, tmp_path):
+    """Rank 1 exits after loading: the run ends (no hang) and says which rank left."""
+    paths, image = checkpoints
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import os, sys\n"
+        "import mlxvlm\n"
+        "from mlxvlm.loading import load\n"
+        "from mlxvlm.generate import generate\n"
+        "model, processor = load(sys.argv[1], shard='tensor')\n"
+        "if model.sharding.rank == 1:\n"
+        "    os._exit(3)\n"
+        "try:\n"
+        "    generate(model, processor, 'Hello', max_tokens=4)\n"
+        "except Exception as exc:\n"
+        "    print(f'rank 0: {type(exc).__name__}: {exc}', flush=True)\n"
+        "    raise SystemExit(1)\n"
+    )
+    run = launch(str(script), str(paths["llava_onevision"]), timeout=120)
+    output = run.stdout + run.stderr
+    assert "rank 1 exited with code 3" in output
+    # Rank 0 reports it unless the launcher, seeing rank 1 gone, stopped it first.
+    reported = "RankLostError: rank 0 of 2: another rank left the run" in output
+    assert reported or "rank 0 exited with code -15" in output, output
+
+
+def test_broadcast_carries_arrays_and_objects():
+    """A group of one (no launcher): the request's parts come back as they went."""
+    group = mx.distributed.init()
+    state = MRopeState(mx.array([[0, 1, 2], [0, 1, 1], [0, 1, 2]], dtype=mx.int32), -1)
+    sent = {"ids": mx.array([[5, 6, 7]]), "embeddings": mx.ones((1, 3, 4), dtype=mx.bfloat16),
+            "state": state, "mask": mx.array([True, False])}
+    got = broadcast_object(sent, group)
+    assert got["state"].rope_delta == -1
+    assert mx.array_equal(got["state"].position_ids, state.position_ids).item()
+    assert got["embeddings"].dtype == mx.bfloat16
+
+
+def test_plan_says_what_a_rank_holds():
+    group = mx.distributed.init()
+    assert ShardPlan(group, "pipeline", (14, 28), 28).describe().startswith(
+        "rank 0: layers 14-27 of 28 (pipeline over 1 ranks)")
