@@ -6,6 +6,8 @@ the attention layers are quantized), on the tiny checkpoint of tests/tiny/qwen3_
 
 from __future__ import annotations
 
+from engine_helpers import run_to_end
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -33,13 +35,6 @@ def prepared(loaded, messages, images=()):
     model, processor = loaded
     return prepare_inputs(processor, messages, list(images), feature_names=model.feature_names)
 
-
-def run_to_end(engine: BatchEngine, limit: int = 10_000) -> None:
-    for _ in range(limit):
-        if not engine.has_work:
-            return
-        engine.step()
-    raise AssertionError("the engine did not finish")
 
 
 def submit(engine, inputs, images=(), max_tokens=NEW_TOKENS) -> list:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from engine_helpers import run_to_end
+
 import numpy as np
 import pytest
 from tiny import make_image
@@ -40,13 +42,6 @@ def prepared(loaded, text, images=()):
     return prepare_inputs(processor, [{"role": "user", "content": content}], list(images),
                           feature_names=model.feature_names)
 
-
-def run_to_end(engine: BatchEngine, limit: int = 10_000) -> None:
-    for _ in range(limit):
-        if not engine.has_work:
-            return
-        engine.step()
-    raise AssertionError("the engine did not finish")
 
 
 def test_greedy_batch_equals_generate_alone(loaded):

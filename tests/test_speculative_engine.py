@@ -5,6 +5,8 @@ cache from the prefix cache, cancellation, and the server's rule for its flags."
 
 from __future__ import annotations
 
+from engine_helpers import run_to_end
+
 import pytest
 
 import mlxvlm
@@ -20,13 +22,6 @@ from tiny import make_image
 IMAGE = make_image(112, 84, seed=1)
 NEW = 24
 
-
-def run_to_end(engine: BatchEngine, limit: int = 10_000) -> None:
-    for _ in range(limit):
-        if not engine.has_work:
-            return
-        engine.step()
-    raise AssertionError("the engine did not finish")
 
 
 def answer(engine, loaded, messages, max_tokens=NEW):
