@@ -13,7 +13,9 @@ The pieces of a Hugging Face ``tokenizers`` decoder are replayed token by token:
 
 Special tokens and ids the tokenizer does not know (a padded output head can emit them)
 are dropped before the decoder, as ``decode`` drops them: they are invisible, even in the
-middle of a character split over several tokens. Other decoders (WordPiece, CTC, slow
+middle of a character split over several tokens; ``keep_tokens`` names special tokens
+whose text a sequence keeps instead (e.g. Gemma 4's thinking markers, which the server
+splits on): such a token ends any pending character and adds its own text. Other decoders (WordPiece, CTC, slow
 tokenizers) fall back to decoding a short window of recent tokens with the tokenizer.
 
 The interface is mlx-lm's streaming detokenizer's (``reset``, ``add_token``,
@@ -127,6 +129,7 @@ class StreamingDetokenizer:
         self._plan = plan
         self._backend = backend
         self._skipped: frozenset[int] = frozenset()
+        self._kept: dict[int, str] = {}  # special token id -> its text, kept in the text
         if backend is not None:
             added = backend.get_added_tokens_decoder()
             self._skipped = frozenset(i for i, token in added.items() if token.special)
@@ -150,8 +153,18 @@ class StreamingDetokenizer:
     def __copy__(self):
         clone = object.__new__(type(self))
         clone.__dict__.update(self.__dict__)
+        clone._kept = {}
         clone.reset()
         return clone
+
+    def keep_tokens(self, ids) -> None:
+        """Keep these special tokens' text in this sequence's text (``decode`` drops them)."""
+        backend = self._backend
+        for token in ids:
+            text = backend.id_to_token(token) if backend is not None else None
+            if text is None:
+                text = self._tokenizer.convert_ids_to_tokens(int(token))
+            self._kept[int(token)] = text
 
     @property
     def text(self) -> str:
@@ -168,6 +181,10 @@ class StreamingDetokenizer:
 
     def add_token(self, token: int):
         self.tokens.append(token)
+        if token in self._kept:
+            self.finalize()  # what is pending ends before the kept token's text
+            self._out.append(self._kept[token])
+            return
         kind = self._plan.kind
         if kind == "window":
             self._add_window(token)

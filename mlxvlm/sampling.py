@@ -80,6 +80,9 @@ class SamplingOptions:
     # More per-sequence logits processors, each made by ``.processor(max_tokens)`` as
     # the grammar's is (e.g. the server's thinking budget); they run before the grammar.
     extra_processors: tuple = ()
+    # Special tokens whose text the answer keeps (decode drops the others), e.g. Gemma 4's
+    # thinking markers, for the server to split the thoughts from the answer.
+    kept_token_ids: frozenset = frozenset()
 
     def validate(self) -> None:
         """Every value within the ranges all entry points share (``mlxvlm.option_ranges``)."""

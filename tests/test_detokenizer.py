@@ -399,3 +399,23 @@ def test_generate_text_equals_decode_of_its_tokens(qwen):
         )
     )
     assert streamed == out.text
+
+
+def test_kept_special_tokens_show_where_they_come(tokenizer):
+    # A sequence may keep some special tokens' text (Gemma 4's thinking markers); the
+    # others stay invisible, and the next sequence's copy keeps none.
+    words = tokenizer.encode("red circle blue", add_special_tokens=False)
+    plain = expected(tokenizer, words)
+    kept, *dropped = special_ids(tokenizer)
+    content = tokenizer.convert_ids_to_tokens(kept)
+    wrapper = generation_tokenizer(SimpleNamespace(tokenizer=tokenizer))
+    for at in range(len(words) + 1):
+        detokenizer = wrapper.detokenizer
+        detokenizer.keep_tokens([kept])
+        for token in words[:at] + [kept] + dropped[:1] + words[at:]:
+            detokenizer.add_token(token)
+        detokenizer.finalize()
+        before = detokenizer.text.index(content)
+        assert detokenizer.text.replace(content, "", 1) == plain
+        assert before == len(expected(tokenizer, words[:at]))
+    assert stream(tokenizer, words[:1] + [kept] + words[1:])[0] == plain  # a fresh copy

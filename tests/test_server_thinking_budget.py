@@ -82,11 +82,11 @@ class FakeTokenizer:
         return "".join({7: "<think>", 8: "</th", 9: "ink>"}.get(i, "x") for i in ids)
 
 
-def run(processor, prompt: list[int], answer: list[int]) -> list[int | None]:
+def run(processor, prompt: list[int], answer: list[int], vocab: int = 12) -> list[int | None]:
     """The token each step is forced to (None: free), feeding ``answer`` back except
     where a token is forced."""
     history, forced = list(prompt), []
-    logits = mx.zeros((1, 12))
+    logits = mx.zeros((1, vocab))
     for token in answer:
         out = processor(mx.array([history]), logits)
         kept = [i for i, v in enumerate(out[0].tolist()) if v > float("-inf")]

@@ -7,10 +7,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+from scripted_tokens import script_tokens
 
 import mlxvlm
 from mlxvlm.batching import BatchStep
-from mlxvlm.server.answer_parts import AnswerSplitter
+from mlxvlm.server.answer_parts import GEMMA4_THINK, AnswerSplitter
 from mlxvlm.ui import session as session_module
 from mlxvlm.ui.session import ChatSession
 from mlxvlm.ui.thoughts import THOUGHTS_TITLE
@@ -114,3 +115,20 @@ def test_a_model_without_thinking_answers_in_plain_text(tiny_checkpoints):
         assert final == expected.text
     finally:
         session.close()
+
+
+def test_gemma4s_thoughts_fold_into_the_box(tiny_checkpoints, monkeypatch):
+    # Gemma 4's markers are special tokens: the chat's answer text keeps them to split on.
+    model, processor = mlxvlm.load(tiny_checkpoints.path("gemma4", "hub"))
+    tokenizer = processor.tokenizer
+    script_tokens(monkeypatch, tokenizer.encode(
+        "<|channel>thought\nI think so.<channel|>It is blue.", add_special_tokens=False)
+        + [tokenizer.eos_token_id])
+    session = ChatSession(model, processor, "tiny-gemma4").start()
+    try:
+        assert session.thinks is GEMMA4_THINK
+        thoughts, answer = replies(session, "What colour?", max_tokens=64)[-1]
+    finally:
+        session.close()
+    assert thoughts["content"] == "I think so." and thoughts["metadata"]["status"] == "done"
+    assert answer == {"role": "assistant", "content": "It is blue."}

@@ -253,7 +253,8 @@ class BatchEngine:
                     options=options,
                     deliver=deliver,
                     key=key,
-                    text=SequenceText(self.tokenizer, self.eos_token_ids, options.stop, max_tokens),
+                    text=SequenceText(self.tokenizer, self.eos_token_ids, options.stop, max_tokens,
+                                      options.kept_token_ids),
                     row=RowSampler(options, inputs.input_ids[0]),
                     submitted_at=time.perf_counter(),
                 )

@@ -203,7 +203,7 @@ def generate_prepared(
 
     cache = cache_options.make(model, inputs)
     row = RowSampler(options, inputs.input_ids[0], sampler=sampler, processors=logits_processors)
-    text = SequenceText(tokenizer, eos_ids, options.stop, max_tokens)
+    text = SequenceText(tokenizer, eos_ids, options.stop, max_tokens, options.kept_token_ids)
     loop_options = dict(
         cache=cache, max_tokens=max_tokens, row=row, prefill_step_size=prefill_step_size,
         quantize=cache_options.quantize, prompt_progress_callback=prompt_progress_callback,

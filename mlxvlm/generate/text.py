@@ -50,7 +50,8 @@ class SequenceText:
 
     ``add(token)`` returns the new text segment (empty while a multi-byte character or a
     possible stop string is pending) and ``"stop"`` (an end-of-sequence id or a stop
-    string), ``"length"`` (``max_tokens`` reached) or None.
+    string), ``"length"`` (``max_tokens`` reached) or None. ``kept_token_ids``: special
+    tokens whose text stays in (the detokenizer drops special tokens otherwise).
     """
 
     def __init__(
@@ -59,9 +60,12 @@ class SequenceText:
         eos_token_ids: set[int],
         stop: str | Sequence[str] | None,
         max_tokens: int,
+        kept_token_ids: Iterable[int] = (),
     ):
         self.detokenizer = tokenizer.detokenizer  # a fresh copy per sequence
         self.detokenizer.reset()
+        if kept_token_ids:
+            self.detokenizer.keep_tokens(kept_token_ids)
         self.eos_token_ids = eos_token_ids
         self.stops = StopStrings(_as_stop_list(stop))
         self.max_tokens = max_tokens

@@ -1,5 +1,5 @@
 """A generated answer split into its parts: the model's reasoning (a thinking model's
-``<think>`` ... ``</think>``), the text for the user, and tool calls in the format the
+``<think>`` ... ``</think>``, or Gemma 4's ``<|channel>thought`` ... ``<channel|>``), the text for the user, and tool calls in the format the
 checkpoint's chat template teaches (Hermes/Qwen's ``<tool_call>{json}</tool_call>``,
 Mistral's ``[TOOL_CALLS]``). ``AnswerSplitter`` takes the text as it streams and holds
 back only what may still begin a marker."""
@@ -12,6 +12,33 @@ from dataclasses import dataclass, field
 from typing import Any
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ThinkFormat:
+    """How a family marks its thoughts: ``open`` ... ``close``; ``label`` names the
+    channel right after ``open`` and is not part of the thoughts; ``special``: the
+    markers are special tokens, which the answer's text keeps only when asked
+    (``marker_ids``)."""
+
+    name: str
+    open: str
+    close: str
+    label: str = ""
+    special: bool = False
+
+    def opened_by(self, prompt_text: str) -> bool:
+        """Whether a generation prompt ends inside an opened thinking block."""
+        text = prompt_text.rstrip()
+        return text.endswith(self.open) or bool(self.label) and text.endswith(
+            (self.open + self.label).rstrip())
+
+
+THINK = ThinkFormat("think", THINK_OPEN, THINK_CLOSE)
+# Gemma 4: <|think|> in the system turn switches thinking on; the model then writes
+# <|channel>thought\n, its thoughts, <channel|> and the answer.
+GEMMA4_THINK = ThinkFormat("gemma4", "<|channel>", "<channel|>", label="thought\n",
+                           special=True)
 
 
 @dataclass(frozen=True)
@@ -38,8 +65,38 @@ def tool_format(chat_template: str | None) -> ToolFormat | None:
     return None
 
 
+def think_format(chat_template: str | None) -> ThinkFormat | None:
+    """The thinking format the chat template teaches (None: it does not think)."""
+    template = chat_template or ""
+    if "<|think|>" in template or GEMMA4_THINK.open in template:
+        return GEMMA4_THINK
+    if THINK_OPEN in template:
+        return THINK
+    return None
+
+
+def as_think_format(thinking: ThinkFormat | bool | None) -> ThinkFormat | None:
+    """A thinking format from a format or a flag (True: ``<think>``)."""
+    return THINK if thinking is True else thinking or None
+
+
 def thinks(chat_template: str | None) -> bool:
-    return THINK_OPEN in (chat_template or "")
+    return think_format(chat_template) is not None
+
+
+def marker_ids(tokenizer: Any, fmt: ThinkFormat | None) -> frozenset[int]:
+    """The ids of a format's special-token markers, for the answer's text to keep (the
+    detokenizer drops special tokens otherwise); empty when the markers are plain text
+    or the tokenizer does not have them as single tokens."""
+    if fmt is None or not fmt.special:
+        return frozenset()
+    ids = []
+    for marker in (fmt.open, fmt.close):
+        encoded = tokenizer.encode(marker, add_special_tokens=False)
+        if len(encoded) != 1:
+            return frozenset()
+        ids.append(int(encoded[0]))
+    return frozenset(ids)
 
 
 @dataclass
@@ -98,21 +155,25 @@ class Part:
 
 class AnswerSplitter:
     """Feed the answer's text as it comes (``feed``), then ``finish``; each returns the
-    parts now known. ``reasoning_first``: the prompt already opened the thinking block
-    (a template that ends its generation prompt with ``<think>``)."""
+    parts now known. ``thinking``: the thinking format (True: ``<think>``; False or None:
+    no thinking). ``reasoning_first``: the prompt already opened the thinking block (a
+    template that ends its generation prompt with ``<think>``)."""
 
-    def __init__(self, tools: ToolFormat | None, thinking: bool, reasoning_first: bool = False):
+    def __init__(self, tools: ToolFormat | None, thinking: ThinkFormat | bool | None,
+                 reasoning_first: bool = False):
         self.tools = tools
-        self.thinking = thinking
+        self.think = as_think_format(thinking)
+        self.thinking = self.think is not None
         self.state = "reasoning" if reasoning_first else "content"
+        self.label_pending = reasoning_first  # the label may still begin the thoughts
         self.buffer = ""
         self.calls: list[ToolCall] = []
         self.region_ended = False
 
     def _opening_markers(self) -> list[tuple[str, str]]:
         markers = []
-        if self.thinking:
-            markers.append((THINK_OPEN, "reasoning"))
+        if self.think is not None:
+            markers.append((self.think.open, "reasoning"))
         if self.tools is not None:
             markers.append((self.tools.open, "tool"))
         return markers
@@ -143,14 +204,21 @@ class AnswerSplitter:
         parts: list[Part] = []
         while True:
             if self.state == "reasoning":
-                end = self.buffer.find(THINK_CLOSE)
+                close, label = self.think.close, self.think.label
+                if self.label_pending and label:
+                    if len(self.buffer) < len(label) and label.startswith(self.buffer):
+                        return parts  # may still be the label
+                    if self.buffer.startswith(label):
+                        self.buffer = self.buffer[len(label):]
+                self.label_pending = False
+                end = self.buffer.find(close)
                 if end < 0:
-                    keep = _marker_prefix(self.buffer, [THINK_CLOSE])
+                    keep = _marker_prefix(self.buffer, [close])
                     self._emit("reasoning", self.buffer[: len(self.buffer) - keep], parts)
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     return parts
                 self._emit("reasoning", self.buffer[:end], parts)
-                self.buffer = self.buffer[end + len(THINK_CLOSE):]
+                self.buffer = self.buffer[end + len(close):]
                 self.state, self.region_ended = "content", True
             elif self.state == "tool":
                 close = self.tools.close
@@ -173,10 +241,12 @@ class AnswerSplitter:
                 at, marker, state = min(found)
                 self._emit("content", self.buffer[:at], parts)
                 self.buffer = self.buffer[at + len(marker):]
-                self.state = state
+                self.state, self.label_pending = state, state == "reasoning"
 
     def finish(self) -> list[Part]:
         parts = self.feed("")
+        if self.state == "reasoning" and self.label_pending:  # it ended inside the label
+            self.buffer, self.label_pending = "", False
         rest, self.buffer = self.buffer, ""
         if self.state == "tool":
             self._end_tool_region(rest, self.tools.open + rest, parts)

@@ -65,9 +65,11 @@ def plan_answer(chat: ChatCompletionRequest,
     options = sampling_options(chat, service.config.max_tokens, service.vocab_size,
                                checkpoint_defaults(service.processor))
     plan = AnswerPlan(chat, service.processor)
+    options.kept_token_ids = plan.kept_token_ids()
     if chat.thinking_budget is not None and plan.thinking:
         tokenizer = getattr(service.processor, "tokenizer", service.processor)
-        options.extra_processors = (ThinkingBudget(tokenizer, chat.thinking_budget),)
+        options.extra_processors = (
+            ThinkingBudget(tokenizer, chat.thinking_budget, plan.think),)
     return options, plan
 
 

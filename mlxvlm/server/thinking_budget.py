@@ -1,6 +1,7 @@
 """A thinking budget: once a thinking model has thought for ``budget`` tokens without
-closing its thoughts, the end-of-thinking tag is forced (token by token, where the
-tokenizer spells it with several), and the model goes on to its answer.
+closing its thoughts, the end-of-thinking tag of the template's format is forced
+(``</think>`` token by token, where the tokenizer spells it with several; Gemma 4's
+``<channel|>``), and the model goes on to its answer.
 
 Thinking starts where the prompt opened the thinking block (a template's generation
 prompt ending in ``<think>``, as ``AnswerPlan`` reads it) or where the model opens it;
@@ -16,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxvlm.server.answer_parts import THINK_CLOSE, THINK_OPEN
+from mlxvlm.server.answer_parts import THINK, ThinkFormat
 
 
 def tag_ids(tokenizer: Any, tag: str) -> tuple[int, ...]:
@@ -26,11 +27,12 @@ def tag_ids(tokenizer: Any, tag: str) -> tuple[int, ...]:
 class ThinkingBudget:
     """At most ``budget`` thinking tokens, for the sequences of one tokenizer."""
 
-    def __init__(self, tokenizer: Any, budget: int):
+    def __init__(self, tokenizer: Any, budget: int, fmt: ThinkFormat = THINK):
         self.tokenizer = tokenizer
         self.budget = budget
-        self.open_ids = tag_ids(tokenizer, THINK_OPEN)
-        self.close_ids = tag_ids(tokenizer, THINK_CLOSE)
+        self.format = fmt
+        self.open_ids = tag_ids(tokenizer, fmt.open)
+        self.close_ids = tag_ids(tokenizer, fmt.close)
 
     def processor(self, max_tokens: int) -> "ThinkingBudgetProcessor":
         return ThinkingBudgetProcessor(self)
@@ -54,10 +56,10 @@ class ThinkingBudgetProcessor:
         """The prompt: thinking from its end if it ends by opening the block (the tags
         of earlier turns are not this answer's)."""
         budget = self.budget
-        tail = np.array(history[..., -(len(budget.open_ids) + 4):]).reshape(-1).tolist()
+        tail = np.array(history[..., -(len(budget.open_ids) + 8):]).reshape(-1).tolist()
         text = budget.tokenizer.decode(tail, skip_special_tokens=False)
         self.seen = history.shape[-1]
-        if text.rstrip().endswith(THINK_OPEN):
+        if budget.format.opened_by(text):
             self.thinking_from = self.seen
         self.tokens = [int(t) for t in tail]
 

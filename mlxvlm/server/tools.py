@@ -10,7 +10,8 @@ from typing import Any
 
 from mlxvlm.constrained import ConstraintError, GrammarConstraint, lark_constraint
 from mlxvlm.generate.text import eos_token_ids
-from mlxvlm.server.answer_parts import AnswerSplitter, ToolFormat, THINK_OPEN, thinks, tool_format
+from mlxvlm.server.answer_parts import (AnswerSplitter, ThinkFormat, ToolFormat, marker_ids,
+                                        think_format, tool_format)
 from mlxvlm.server.errors import APIError
 from mlxvlm.server.schemas import ChatCompletionRequest, NamedToolChoice
 
@@ -36,15 +37,21 @@ class AnswerPlan:
                            "request without tools", param="tools")
         self.tools = chat.tools if wants_tools else []
         self.prompt_text = ""  # the rendered prompt, once prepared
-        self.thinking = thinks(template)
+        self.think: ThinkFormat | None = think_format(template)
+        self.thinking = self.think is not None
         self.template_options: dict[str, Any] = dict(chat.chat_template_kwargs or {})
         if self.tools:
             self.template_options["tools"] = [tool.model_dump(exclude_none=True)
                                               for tool in self.tools]
 
     def splitter(self) -> AnswerSplitter:
-        reasoning_first = self.thinking and self.prompt_text.rstrip().endswith(THINK_OPEN)
-        return AnswerSplitter(self.format, self.thinking, reasoning_first)
+        reasoning_first = self.thinking and self.think.opened_by(self.prompt_text)
+        return AnswerSplitter(self.format, self.think, reasoning_first)
+
+    def kept_token_ids(self) -> frozenset[int]:
+        """The special tokens the answer's text keeps: the thinking markers, where they
+        are special tokens (Gemma 4's), so that the splitter sees them."""
+        return marker_ids(getattr(self.processor, "tokenizer", self.processor), self.think)
 
     def constraint(self) -> GrammarConstraint | None:
         """For "required" or a named function: an answer that is one call (or several,

@@ -29,7 +29,7 @@ from mlxvlm.prompt import prepare_inputs
 from mlxvlm.ui.conversation import NOTICE_TITLE, attachment_paths, build_conversation
 from mlxvlm.ui.media_kinds import supported_kinds
 from mlxvlm.ui.stats import NO_ANSWER_YET, AnswerStats, stale_markdown
-from mlxvlm.ui.thoughts import ThoughtsAndAnswer, template_thinks
+from mlxvlm.ui.thoughts import ThoughtsAndAnswer, kept_token_ids, template_thinks
 from mlxvlm.ui.uploads import AttachmentRefused, Uploads
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,7 @@ class ChatSession:
         self.kinds = supported_kinds(model, processor)
         self.placeholders = _placeholder_texts(model, processor)
         self.thinks = template_thinks(processor)
+        self.kept_token_ids = kept_token_ids(processor, self.thinks)
         self.media_options = media_options
         # Set by the page (``app.build_app``): then only files uploaded in the conversation
         # are read.
@@ -221,9 +222,9 @@ class ChatSession:
         mx.reset_peak_memory()
         submitted = time.perf_counter()
         try:
-            handle = self.engine.submit(
-                inputs, settings.sampling_options(), steps.put, image_hashes=image_hashes
-            )
+            options = settings.sampling_options()
+            options.kept_token_ids = self.kept_token_ids  # the thinking markers, to split on
+            handle = self.engine.submit(inputs, options, steps.put, image_hashes=image_hashes)
         except MlxvlmError as e:
             yield notice(_readable(e)), self.failed_stats_markdown()
             return

@@ -2,7 +2,9 @@
 thought box (a message with a metadata title), the answer beside it.
 
 The split is the server's (``mlxvlm.server.answer_parts``: ``<think>`` ... ``</think>``
-for a template that teaches it, held back only where a marker may still begin), so the
+or Gemma 4's ``<|channel>thought`` ... ``<channel|>``, whose special-token markers the
+answer's text keeps, for a template that teaches them, held back only where a marker may
+still begin), so the
 chat and the API agree on what is thought and what is answer. The thoughts are for the
 user to read: the next turn's prompt leaves them out (``conversation``), as the
 checkpoints' chat templates do with earlier turns' reasoning.
@@ -14,7 +16,8 @@ import json
 import time
 from typing import Any
 
-from mlxvlm.server.answer_parts import THINK_OPEN, AnswerSplitter, thinks
+from mlxvlm.server.answer_parts import (AnswerSplitter, ThinkFormat, as_think_format, marker_ids,
+                                        think_format)
 
 # The metadata title of a thought box; conversation.py leaves such messages out of the
 # model's view (the answer beside them stays).
@@ -28,9 +31,14 @@ def chat_template(processor: Any) -> str:
     return template if isinstance(template, str) else json.dumps(template or "")
 
 
-def template_thinks(processor: Any) -> bool:
-    """Whether the checkpoint's chat template teaches ``<think>`` blocks."""
-    return thinks(chat_template(processor))
+def template_thinks(processor: Any) -> ThinkFormat | None:
+    """The thinking format the checkpoint's chat template teaches (None: none)."""
+    return think_format(chat_template(processor))
+
+
+def kept_token_ids(processor: Any, fmt: ThinkFormat | None) -> frozenset[int]:
+    """The special tokens the answer's text keeps for the split (Gemma 4's markers)."""
+    return marker_ids(getattr(processor, "tokenizer", processor), fmt)
 
 
 class ThoughtsAndAnswer:
@@ -38,9 +46,10 @@ class ThoughtsAndAnswer:
     the chat shows now: the plain answer text while there are no thoughts, else the
     thought box (pending until the thoughts end) and the answer."""
 
-    def __init__(self, thinking: bool, prompt_text: str = ""):
+    def __init__(self, thinking: ThinkFormat | bool | None, prompt_text: str = ""):
+        thinking = as_think_format(thinking)
         # A template that ends its generation prompt with <think> already opened the block.
-        reasoning_first = thinking and prompt_text.rstrip().endswith(THINK_OPEN)
+        reasoning_first = thinking is not None and thinking.opened_by(prompt_text)
         self.splitter = AnswerSplitter(None, thinking, reasoning_first)
         self.thoughts = ""
         self.answer = ""
