@@ -9,8 +9,9 @@ import numpy as np
 from mlxvlm import sampling
 
 
-def script_tokens(monkeypatch, script: list[int]) -> None:
-    """Every sequence started from now on answers ``script`` (then is free)."""
+def script_tokens(monkeypatch, script: list[int | None]) -> None:
+    """Every sequence started from now on answers ``script`` (None: a free step; free
+    after the end too)."""
     real = sampling.SamplingOptions.logits_processors
 
     def with_script(options):
@@ -18,7 +19,7 @@ def script_tokens(monkeypatch, script: list[int]) -> None:
 
         def force(history, logits):
             token = next(given, None)
-            if token is None:  # past the end (the engine may run a step ahead)
+            if token is None:  # free, or past the end (the engine may run a step ahead)
                 return logits
             keep = mx.arange(logits.shape[-1]) == token
             return mx.where(keep, logits, mx.array(-np.inf, dtype=logits.dtype))

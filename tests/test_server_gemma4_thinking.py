@@ -104,6 +104,24 @@ def test_a_template_without_thinking_is_unchanged(loaded, scripted):
     assert not (message.model_extra or {}).get("reasoning_content")
 
 
+def test_the_budget_closes_gemma4s_thoughts_through_the_server(server, loaded, monkeypatch):
+    tokenizer = loaded[1].tokenizer
+    opened = tokenizer.encode("<|channel>thought\nI think so.", add_special_tokens=False)
+    answer = tokenizer.encode("It is blue.", add_special_tokens=False)
+    # The script leaves one step free where the budget is spent: the budget forces
+    # <channel|> there; without a budget the model writes on and never closes.
+    script_tokens(monkeypatch, opened + [None] + answer + [tokenizer.eos_token_id])
+    client = server.client()
+    budget = {**THINKING, "thinking_budget": len(opened) - 1}
+    budgeted = client.chat.completions.create(model=MODEL_ID, messages=ASK, max_tokens=64,
+                                              extra_body=budget).choices[0].message
+    assert budgeted.model_extra["reasoning_content"] == THOUGHTS
+    assert budgeted.content == CONTENT
+    free = client.chat.completions.create(model=MODEL_ID, messages=ASK, max_tokens=64,
+                                          extra_body=THINKING).choices[0].message
+    assert free.model_extra["reasoning_content"].startswith(THOUGHTS) and not free.content
+
+
 def test_the_budget_forces_gemma4s_close(loaded):
     tokenizer = loaded[1].tokenizer
     budget = ThinkingBudget(tokenizer, 3, GEMMA4_THINK)
