@@ -1,8 +1,9 @@
 """A generated answer split into its parts: the model's reasoning (a thinking model's
 ``<think>`` ... ``</think>``, or Gemma 4's ``<|channel>thought`` ... ``<channel|>``), the
-text for the user, and tool calls in the format the checkpoint's chat template teaches (Hermes/Qwen's ``<tool_call>{json}</tool_call>``,
-Mistral's ``[TOOL_CALLS]``). ``AnswerSplitter`` takes the text as it streams and holds
-back only what may still begin a marker."""
+text for the user, and tool calls in the format the checkpoint's chat template teaches
+(Hermes/Qwen's ``<tool_call>{json}</tool_call>``, Mistral's ``[TOOL_CALLS]``).
+``AnswerSplitter`` takes the text as it streams and holds back only what may still begin
+a marker."""
 
 from __future__ import annotations
 
