@@ -45,6 +45,10 @@ from mlxvlm.models import gemma3n
 torch = pytest.importorskip("torch")
 
 FAMILY = "gemma3n"
+# MobileNetV5's deep convolution stack carries the BLAS's float32 rounding into the image
+# tokens: with an image in the second turn one logit of 33,000 differs by 1.07e-4 (4.8e-5
+# relative) on an AMD EPYC under Debian's OpenBLAS, and by less than 1e-4 with MLX's own
+# matmuls; the greedy tokens are identical either way.
 IMAGE_A = make_image(112, 84, seed=1)
 IMAGE_B = make_image(84, 56, seed=2)
 IMAGE_A2 = make_image(112, 84, seed=3)  # A's size, other content
@@ -64,7 +68,8 @@ def logits_of(model, processor, case):
 
 
 test_first_pass_logits_match_transformers, test_greedy_tokens_match_transformers = (
-    standard_parity_tests([(FAMILY, layout) for layout in LAYOUTS], CASES)
+    standard_parity_tests([(FAMILY, layout) for layout in LAYOUTS], CASES,
+                          logits_atol={"image_in_second_turn": 2e-4})
 )
 
 
