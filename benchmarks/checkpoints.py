@@ -9,6 +9,9 @@ Writes under benchmarks/checkpoints/ (git-ignored):
 - ``qwen2vl-2b-bf16``: Qwen2-VL-2B-Instruct's shapes (32-layer 1280-wide ViT, 28-layer
   1536-wide Qwen2 with M-RoPE), bfloat16;
 - ``qwen2vl-mid-bf16``: that tower over Qwen2-0.5B's text shapes (``distributed.py``'s);
+- ``gemma4-e2b-bf16``: google/gemma-4-E2B-it's shapes (a 35-layer 1536-wide text model
+  with per-layer inputs, the last 20 layers sharing KV, a 16-layer 768-wide vision tower
+  at 280 soft tokens, E2B's 12-layer audio conformer), bfloat16, in the Hub's layout;
 - ``*-4bit`` and ``*-8bit`` of each, made with ``python -m mlxvlm.convert``.
 
 Each is a Hugging Face checkpoint (config.json in the Hub's layout, safetensors,
@@ -25,7 +28,8 @@ import argparse
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -64,21 +68,32 @@ class Parts:
     chat_template: str
     processor_config: dict
     image_processor_type: str  # the name Hub checkpoints record
+    # More settings merged into preprocessor_config.json (an audio feature extractor's)
+    preprocessor_extra: dict = field(default_factory=dict)
+    files: dict = field(default_factory=dict)  # more JSON files: name -> contents
+    hub_config: Callable[[dict], dict] | None = None  # config.json as the Hub's writes it
 
     def save(self, target: Path) -> None:
         self.tokenizer.save_pretrained(target)
         self.image_processor.save_pretrained(target)
         preprocessor = target / "preprocessor_config.json"
-        settings = json.loads(preprocessor.read_text())
+        settings = {**self.preprocessor_extra, **json.loads(preprocessor.read_text())}
         settings["image_processor_type"] = self.image_processor_type
         settings["processor_class"] = self.processor_config["processor_class"]
         preprocessor.write_text(json.dumps(settings, indent=2))
+        for name, contents in self.files.items():
+            (target / name).write_text(json.dumps(contents, indent=2))
+        if self.hub_config is not None:
+            config = target / "config.json"
+            config.write_text(json.dumps(self.hub_config(json.loads(config.read_text())), indent=2))
         (target / "processor_config.json").write_text(json.dumps(self.processor_config, indent=2))
         (target / "chat_template.jinja").write_text(self.chat_template)
 
 
-def word_level_tokenizer(vocab_size: int, special: dict[str, int], eos: str, pad: str, bos=None):
-    """A word-level tokenizer with ``vocab_size`` entries and the specials at their ids."""
+def word_level_tokenizer(vocab_size: int, special: dict[str, int], eos: str, pad: str, bos=None,
+                         **extra):
+    """A word-level tokenizer with ``vocab_size`` entries and the specials at their ids;
+    ``extra`` goes to transformers' tokenizer (``extra_special_tokens``, for instance)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -96,7 +111,7 @@ def word_level_tokenizer(vocab_size: int, special: dict[str, int], eos: str, pad
     tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, pad_token=pad,
-                                   bos_token=bos, unk_token=unk)
+                                   bos_token=bos, unk_token=unk, **extra)
 
 
 def smolvlm_256m():
@@ -169,7 +184,76 @@ def qwen2vl_mid():
     return model_class, config, parts, eos_ids
 
 
-BUILDERS = {"smolvlm-256m": smolvlm_256m, "qwen2vl-2b": qwen2vl_2b, "qwen2vl-mid": qwen2vl_mid}
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<|image|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}{% endfor %}"
+    "{% endif %}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+
+def gemma4_hub_config(config: dict) -> dict:
+    """transformers 5's config.json -> google/gemma-4-E2B-it's: the global layers' head size
+    as ``global_head_dim`` instead of ``per_layer_config``."""
+    text = config["text_config"]
+    overrides = next(iter((text.pop("per_layer_config", None) or {}).values()), {})
+    text["global_head_dim"] = overrides.get("head_dim", text["head_dim"])
+    return config
+
+
+def gemma4_e2b():
+    from transformers import (Gemma4AudioFeatureExtractor, Gemma4Config,
+                              Gemma4ForConditionalGeneration, Gemma4ImageProcessorPil)
+
+    special = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<|turn>": 105, "<turn|>": 106,
+               "<|image>": 255999, "<|audio>": 256000, "<|image|>": 258880,
+               "<|audio|>": 258881, "<image|>": 258882, "<audio|>": 258883, "<|video|>": 258884}
+    tokenizer = word_level_tokenizer(
+        262144, special, eos="<eos>", pad="<pad>", bos="<bos>",
+        extra_special_tokens={"boi_token": "<|image>", "eoi_token": "<image|>",
+                              "image_token": "<|image|>", "boa_token": "<|audio>",
+                              "eoa_token": "<audio|>", "audio_token": "<|audio|>"})
+    layer_types = (["sliding_attention"] * 4 + ["full_attention"]) * 7
+    config = Gemma4Config(
+        image_token_id=258880, audio_token_id=258881, video_token_id=258884,
+        boi_token_id=255999, eoi_token_id=258882, boa_token_id=256000, eoa_token_index=258883,
+        eos_token_id=[1, 106], tie_word_embeddings=True,
+        text_config=dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=35,
+                         num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+                         global_head_dim=512, sliding_window=512, layer_types=layer_types,
+                         vocab_size=262144, vocab_size_per_layer_input=262144,
+                         hidden_size_per_layer_input=256, num_kv_shared_layers=20,
+                         use_double_wide_mlp=True, final_logit_softcapping=30.0,
+                         max_position_embeddings=131072, rms_norm_eps=1e-6,
+                         pad_token_id=0, bos_token_id=2, eos_token_id=[1, 106]),
+        vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16,
+                           num_attention_heads=12, num_key_value_heads=12, head_dim=64,
+                           patch_size=16, pooling_kernel_size=3, position_embedding_size=10240,
+                           use_clipped_linears=True, standardize=False),
+        audio_config=dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8,
+                          subsampling_conv_channels=[128, 32], conv_kernel_size=5,
+                          attention_chunk_size=12, attention_context_left=13,
+                          attention_context_right=0, output_proj_dims=1536,
+                          residual_weight=0.5, use_clipped_linears=True),
+    )
+    image_processor = Gemma4ImageProcessorPil(patch_size=16, max_soft_tokens=280,
+                                              pooling_kernel_size=3)
+    video = {"video_processor_type": "Gemma4VideoProcessor", "patch_size": 16,
+             "max_soft_tokens": 70, "pooling_kernel_size": 3, "processor_class": "Gemma4Processor"}
+    parts = Parts(tokenizer, image_processor, GEMMA4_TEMPLATE,
+                  {"processor_class": "Gemma4Processor"}, "Gemma4ImageProcessor",
+                  preprocessor_extra=json.loads(Gemma4AudioFeatureExtractor().to_json_string()),
+                  files={"video_preprocessor_config.json": video},
+                  hub_config=gemma4_hub_config)
+    return Gemma4ForConditionalGeneration, config, parts, [1, 106]
+
+
+BUILDERS = {
+    "smolvlm-256m": smolvlm_256m, "qwen2vl-2b": qwen2vl_2b, "qwen2vl-mid": qwen2vl_mid,
+    "gemma4-e2b": gemma4_e2b,
+}
 
 
 def benchmark_image(size: int = 448) -> Image.Image:
@@ -207,8 +291,10 @@ def convert(source: Path, bits: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=sorted(BUILDERS), action="append")
-    parser.add_argument("--no-quantized", action="store_true")
+    parser.add_argument("--only", choices=sorted(BUILDERS), action="append",
+                        help="Build only this one (repeatable; default: all)")
+    parser.add_argument("--no-quantized", action="store_true",
+                        help="Skip the 4-bit and 8-bit conversions (default: make them)")
     args = parser.parse_args()
     for name in args.only or sorted(BUILDERS):
         source = OUT / f"{name}-bf16"

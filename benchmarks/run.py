@@ -36,14 +36,17 @@ METRICS = [
 
 
 def engine_command(engine: str, python: str, checkpoint: Path, image: Path, prompt: str,
-                   max_tokens: int) -> list[str]:
+                   max_tokens: int, transformers_dtype: str = "float32") -> list[str]:
     script = ENGINES / f"{engine.replace('-', '_')}_engine.py"
-    return [python, str(script), "--model", str(checkpoint), "--image", str(image),
-            "--prompt", prompt, "--max-tokens", str(max_tokens)]
+    command = [python, str(script), "--model", str(checkpoint), "--image", str(image),
+               "--prompt", prompt, "--max-tokens", str(max_tokens)]
+    return command + (["--dtype", transformers_dtype] if engine == "transformers" else [])
 
 
 def run_once(command: list[str], timeout: float) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ENGINES), "HF_HUB_OFFLINE": "1"}
+    # The caller's PYTHONPATH stays behind the drivers' folder (a worktree's mlxvlm is measured)
+    path = os.pathsep.join(p for p in (str(ENGINES), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(command[:2])} failed:\n{out.stderr[-3000:]}")
@@ -83,6 +86,12 @@ def table(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def save(path: Path, results: dict[str, list[dict]], failures: dict[str, str]) -> None:
+    """The raw runs per engine, and each failed engine's error under ``failures``."""
+    path.write_text(json.dumps({**results, **({"failures": failures} if failures else {})},
+                               indent=2))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True,
@@ -97,6 +106,10 @@ def main() -> int:
                         help="Interpreter with mlx-vlm installed (skipped when not given)")
     parser.add_argument("--transformers-python", default=sys.executable,
                         help="Interpreter with transformers + torch (default: this one)")
+    parser.add_argument("--transformers-dtype", default="float32",
+                        choices=["float32", "bfloat16"],
+                        help="transformers' weights (default: float32; bfloat16 where float32 "
+                             "copies would not fit in memory)")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--output", type=Path, default=None, help="Write the raw runs as JSON")
     args = parser.parse_args()
@@ -117,22 +130,34 @@ def main() -> int:
         print(f"skipping (no interpreter given): {', '.join(skipped)}", file=sys.stderr)
 
     results: dict[str, list[dict]] = {e: [] for e in engines}
+    failures: dict[str, str] = {}  # an engine that fails is reported and left out of later runs
     for index in range(args.runs):
-        for engine in run_order(engines, index):
+        for engine in run_order([e for e in engines if e not in failures], index):
             command = engine_command(engine, pythons[engine], checkpoint, image, prompt,
-                                     args.max_tokens)
-            run = run_once(command, args.timeout)
+                                     args.max_tokens, args.transformers_dtype)
+            try:
+                run = run_once(command, args.timeout)
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                failures[engine] = f"run {index + 1}: {str(error)[-2000:]}"
+                print(f"run {index + 1}/{args.runs} {engine} FAILED: {error}", file=sys.stderr)
+                continue
             results[engine].append(run)
             print(f"run {index + 1}/{args.runs} {engine}: ttft {run['ttft_s']:.2f} s, "
                   f"decode {run['decode_tps']:.2f} tok/s, rss {run['max_rss_gb']:.2f} GB",
                   file=sys.stderr, flush=True)
+            if args.output:  # after every run, so that an interrupted series keeps its runs
+                save(args.output, results, failures)
 
+    measured = {engine: runs for engine, runs in results.items() if runs}
     print(f"checkpoint: {checkpoint.name}, prompt tokens (mlxvlm): "
-          f"{results['mlxvlm'][0]['prompt_tokens'] if 'mlxvlm' in results else '?'}, "
+          f"{measured['mlxvlm'][0]['prompt_tokens'] if 'mlxvlm' in measured else '?'}, "
           f"new tokens: {args.max_tokens}, runs: {args.runs}\n")
-    print(table(results))
+    if "mlxvlm" in measured:
+        print(table(measured))
+    for engine, error in failures.items():
+        print(f"\n{engine} failed on {error}")
     if args.output:
-        args.output.write_text(json.dumps(results, indent=2))
+        save(args.output, results, failures)
     return 0
 
 

@@ -17,6 +17,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--dtype", default="float32",
+                        help="transformers' weights (the other engines keep the checkpoint's)")
     return parser.parse_args()
 
 

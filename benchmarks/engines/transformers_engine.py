@@ -1,4 +1,4 @@
-"""transformers + PyTorch (CPU, float32) on the benchmark checkpoint."""
+"""transformers + PyTorch (CPU, float32 unless --dtype says otherwise) on the benchmark checkpoint."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ start = time.perf_counter()
 # transformers' own processor class for the family, built from its PIL image processor
 # (AutoProcessor needs torchvision for some families' video processors).
 processor = load_processor(args.model)
-model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=torch.float32).eval()
+model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
 load_s = time.perf_counter() - start
 image = Image.open(args.image).convert("RGB")
 messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": args.prompt}]}]
