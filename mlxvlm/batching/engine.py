@@ -21,7 +21,6 @@ it: the shared prefix is neither prefilled nor are its images encoded again.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.batching.decode import DecodeBatch
+from mlxvlm.batching.engine_thread import EngineThread
 from mlxvlm.models.base import materialize
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.cache import DEFAULT_QUANTIZED_KV_START, CacheOptions
@@ -136,7 +136,7 @@ class EngineStats:
 _RUNNING, _FINISHED, _CANCELLED = "running", "finished", "cancelled"
 
 
-class BatchEngine:
+class BatchEngine(EngineThread):
     """Runs submitted requests through one model with continuous batching.
 
     ``submit`` may be called from any thread; the model is only touched by whoever calls
@@ -204,9 +204,7 @@ class BatchEngine:
         self._batch = DecodeBatch(model, merged=max_batch_size > 1,
                                   quantize=self.cache_options.quantize)
         self._next_id = 0
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread: threading.Thread | None = None
+        self._init_thread()
 
     # -- the caller's side -----------------------------------------------------------
 
@@ -263,17 +261,8 @@ class BatchEngine:
             self._cond.notify()
         return handle
 
-    def start(self) -> None:
-        """Run the engine on its own thread until ``close``."""
-        self._thread = threading.Thread(target=self._run, name="mlxvlm-engine", daemon=True)
-        self._thread.start()
-
     def close(self, timeout: float | None = 10.0) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._stop_thread(timeout)
         error = MlxvlmError("the engine is shutting down")
         for seq in self._drain():
             self._deliver(seq, error)
@@ -282,16 +271,10 @@ class BatchEngine:
     def has_work(self) -> bool:
         return bool(self._waiting or self._prefilling or self._batch.rows or self._speculating)
 
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify()
-
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self.has_work:
-                    self._cond.wait()
-                if self._closed:
+                if not self._wait_for(lambda: self.has_work):
                     return
             try:
                 self.step()

@@ -12,12 +12,12 @@ so the server takes this engine in its place.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from typing import Any
 
 from mlxvlm.batching.engine import BatchStep, EngineFault, EngineStats, SequenceHandle
+from mlxvlm.batching.engine_thread import EngineThread
 from mlxvlm.distributed.jobs import release
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.cache import CacheOptions
@@ -28,7 +28,9 @@ from mlxvlm.tokenization import generation_tokenizer
 logger = logging.getLogger(__name__)
 
 
-class ShardedEngine:
+class ShardedEngine(EngineThread):
+    thread_name = "mlxvlm-sharded"
+
     def __init__(self, model, processor: Any, *, prefill_step_size: int = 2048):
         self.model = model
         self.processor = processor
@@ -37,9 +39,7 @@ class ShardedEngine:
         self.stats = EngineStats()
         self._waiting: deque = deque()
         self._next_id = 0
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread: threading.Thread | None = None
+        self._init_thread()
 
     def submit(self, inputs, options, deliver, *, image_hashes=(), cache_namespace=None):
         options.validate()
@@ -54,32 +54,21 @@ class ShardedEngine:
             self._cond.notify()
         return handle
 
-    def _wake(self) -> None:  # SequenceHandle.cancel's
-        with self._cond:
-            self._cond.notify()
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="mlxvlm-sharded", daemon=True)
-        self._thread.start()
-
     def close(self, timeout: float | None = 10.0) -> None:
         """Stop taking requests, finish the running one, then release the other ranks."""
-        with self._cond:
-            self._closed = True
-            pending, self._waiting = list(self._waiting), deque()
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        pending = self._stop_thread(timeout, self._take_waiting)
         for _, _, _, deliver, _ in pending:
             deliver(MlxvlmError("the engine is shutting down"))
         release(self.model)
 
+    def _take_waiting(self) -> list:
+        pending, self._waiting = list(self._waiting), deque()
+        return pending
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._waiting:
-                    self._cond.wait()
-                if self._closed:
+                if not self._wait_for(lambda: bool(self._waiting)):
                     return
                 request = self._waiting.popleft()
                 self.stats.waiting, self.stats.active = len(self._waiting), 1

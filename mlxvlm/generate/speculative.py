@@ -100,21 +100,15 @@ def speculative_tokens(
     inputs: PreparedInputs,
     *,
     cache: list[Any],
-    max_tokens: int,
-    row: RowSampler,
-    options: SamplingOptions,
-    drafter: Drafter,
-    num_draft_tokens: int,
-    stats: SpeculationStats,
     prefill_step_size: int = 2048,
-    quantize: Callable[[list[Any]], None] | None = None,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
+    **decoding: Any,
 ) -> Generator[tuple[int, mx.array], None, None]:
-    """Yield ``(token, logprobs)`` as ``generate_tokens`` does, drafting with
-    ``drafter`` up to ``num_draft_tokens`` tokens a pass; ``stats`` is filled in as it
-    goes."""
+    """Yield ``(token, logprobs)`` as ``generate_tokens`` does: the prompt prefilled, its
+    first token, then ``speculative_decode`` with ``decoding`` (its keywords: max_tokens,
+    row, options, drafter, num_draft_tokens, stats, quantize)."""
     progress = prompt_progress_callback or (lambda *_: None)
-    quantize = quantize or (lambda _: None)
+    quantize = decoding.get("quantize") or (lambda _: None)
     input_ids = inputs.input_ids
     prompt = input_ids[0].tolist()
     total = input_ids.shape[1]
@@ -124,13 +118,11 @@ def speculative_tokens(
         logits = model(input_ids[:, done:], cache, embeddings=embeddings[:, done:], state=state,
                        last_only=True)
         quantize(cache)
-        first, logprobs = sampling_step(logits[:, -1, :], [row], None)
+        first, logprobs = sampling_step(logits[:, -1, :], [decoding["row"]], None)
         first = first.item()
     progress(total, total)
     yield first, logprobs.squeeze(0)
-    yield from speculative_decode(
-        model, cache, state, prompt, first, max_tokens=max_tokens, row=row, options=options,
-        drafter=drafter, num_draft_tokens=num_draft_tokens, stats=stats, quantize=quantize)
+    yield from speculative_decode(model, cache, state, prompt, first, **decoding)
 
 
 def speculative_decode(

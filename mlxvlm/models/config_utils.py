@@ -30,6 +30,12 @@ DECODER_SIZES = (
 )
 
 
+def with_defaults(config: dict, defaults: dict) -> dict:
+    """``defaults`` (a tower's fields and transformers' default values) overridden by the
+    values ``config`` gives for them; the config's other keys left out."""
+    return {**defaults, **{k: v for k, v in config.items() if k in defaults}}
+
+
 def decoder_sizes(text: dict) -> dict:
     """``text``'s ``DECODER_SIZES``, as keyword arguments of an mlx-lm ``ModelArgs``."""
     return {name: text[name] for name in DECODER_SIZES}

@@ -24,7 +24,7 @@ from mlxvlm.media import MediaError, PixelBudgetError
 from mlxvlm.sampling import SamplingOptions
 from mlxvlm.sampling_defaults import checkpoint_defaults
 from mlxvlm.server.answer_parts import AnswerSplitter, Part
-from mlxvlm.server.chat import sampling_options, to_messages, warn_unknown_fields
+from mlxvlm.server.chat import sampling_options, to_messages
 from mlxvlm.server.errors import APIError
 from mlxvlm.server.lifetime import RequestLifetime
 from mlxvlm.server.schemas import ChatCompletionRequest
@@ -49,12 +49,6 @@ def as_api_error(error: Exception, param: str = "messages") -> APIError:
     if isinstance(error, MediaError):
         return APIError(400, str(error), param=param, code="invalid_media")
     return APIError(400, str(error), param=param)
-
-
-def accept(body: Any, service: GenerationService) -> None:
-    """The fields a generating request sends that this server does not know are named in
-    the log (the model it names chose ``service``: ``deps.service_of``)."""
-    warn_unknown_fields(body)
 
 
 def plan_answer(chat: ChatCompletionRequest,

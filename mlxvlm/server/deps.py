@@ -9,6 +9,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
+from mlxvlm.server.chat import warn_unknown_fields
 from mlxvlm.server.config import ServerConfig
 from mlxvlm.server.errors import validation_error
 from mlxvlm.server.logprobs import TokenBytes
@@ -51,11 +52,20 @@ def service_of(body: Callable[[Request], Awaitable[Any]]) -> Callable:
     return model_service
 
 
-async def chat_request(request: Request) -> ChatCompletionRequest:
-    return await json_body(request, ChatCompletionRequest)
+def body_dependencies(schema: type) -> tuple[Callable, Callable]:
+    """An endpoint's two dependencies for a body of ``schema``: the body read and
+    validated (the fields this server does not know named in the log), and the service
+    of the model it names (``service_of``)."""
+
+    async def read(request: Request) -> Any:
+        body = await json_body(request, schema)
+        warn_unknown_fields(body)
+        return body
+
+    return read, service_of(read)
 
 
-chat_service = service_of(chat_request)
+chat_request, chat_service = body_dependencies(ChatCompletionRequest)
 
 
 def get_token_bytes(service: GenerationService = Depends(chat_service)) -> TokenBytes:

@@ -26,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.models.layers.gemma4_vision import ClippableLinear
+from mlxvlm.models.config_utils import with_defaults
 
 # transformers' Gemma4AudioConfig defaults
 AUDIO_DEFAULTS = dict(
@@ -60,7 +61,7 @@ class AudioConfig:
 
     @classmethod
     def from_hf(cls, audio: dict) -> "AudioConfig":
-        values = {**AUDIO_DEFAULTS, **{k: v for k, v in audio.items() if k in AUDIO_DEFAULTS}}
+        values = with_defaults(audio, AUDIO_DEFAULTS)
         values["subsampling_conv_channels"] = tuple(values["subsampling_conv_channels"])
         if values["hidden_act"] != "silu":
             raise NotImplementedError(

@@ -23,6 +23,7 @@ import numpy as np
 
 from mlxvlm.cpu.ops import gated, gelu_tanh, scaled_dot_product_attention
 from mlxvlm.models.layers.blocks import LayerStack
+from mlxvlm.models.config_utils import with_defaults
 
 gelu_glu = gated(gelu_tanh)
 
@@ -54,7 +55,7 @@ class VisionConfig:
 
     @classmethod
     def from_hf(cls, vision: dict) -> "VisionConfig":
-        values = {**VISION_DEFAULTS, **{k: v for k, v in vision.items() if k in VISION_DEFAULTS}}
+        values = with_defaults(vision, VISION_DEFAULTS)
         rope = vision.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") != "axial":
             raise NotImplementedError(f"Gemma 4 vision rope {rope['rope_type']!r} is not supported")

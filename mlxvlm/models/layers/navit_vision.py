@@ -28,7 +28,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.models import run_ahead
-from mlxvlm.models.config_utils import rope_parameters
+from mlxvlm.models.config_utils import rope_parameters, with_defaults
 from mlxvlm.models.layers import qwen_vision
 from mlxvlm.models.layers.activations import activation
 from mlxvlm.models.layers.qwen_vision import (
@@ -88,7 +88,7 @@ class NavitVisionConfig:
     @classmethod
     def from_hf(cls, vision: dict, text_hidden_size: int) -> "NavitVisionConfig":
         """From a ``vision_config`` dict; missing keys take transformers' defaults."""
-        values = {**DEFAULTS, **{k: v for k, v in vision.items() if k in DEFAULTS}}
+        values = with_defaults(vision, DEFAULTS)
         activation(values["hidden_act"])  # refuses an unsupported one when the config is read
         values["rope_theta"] = rope_parameters(vision, 10000.0)["rope_theta"]
         values["text_hidden_size"] = text_hidden_size

@@ -26,6 +26,7 @@ from mlxvlm.models import run_ahead
 from mlxvlm.models.feature_cache import cached_rows
 from mlxvlm.models.layers.activations import activation
 from mlxvlm.models.layers.vit import Encoder, VitConfig
+from mlxvlm.models.config_utils import with_defaults
 
 # transformers' SiglipVisionConfig defaults, for keys a checkpoint's config leaves out.
 SIGLIP_DEFAULTS = {
@@ -46,7 +47,7 @@ class SiglipVisionConfig(VitConfig):
     @classmethod
     def from_hf(cls, vision: dict) -> "SiglipVisionConfig":
         """From a ``vision_config`` dict; missing keys take SigLIP's defaults."""
-        values = {**SIGLIP_DEFAULTS, **{k: v for k, v in vision.items() if k in SIGLIP_DEFAULTS}}
+        values = with_defaults(vision, SIGLIP_DEFAULTS)
         activation(values["hidden_act"])  # refuses an unsupported one when the config is read
         return cls(**{f.name: values[f.name] for f in fields(cls)})
 

@@ -26,6 +26,7 @@ from mlxvlm.models import run_ahead
 from mlxvlm.models.layers.activations import activation
 from mlxvlm.models.layers.siglip import SIGLIP_DEFAULTS
 from mlxvlm.models.layers.vit import Encoder, VitConfig
+from mlxvlm.models.config_utils import with_defaults
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Siglip2VisionConfig(VitConfig):
 
     @classmethod
     def from_hf(cls, vision: dict) -> "Siglip2VisionConfig":
-        values = {**SIGLIP_DEFAULTS, **{k: v for k, v in vision.items() if k in SIGLIP_DEFAULTS}}
+        values = with_defaults(vision, SIGLIP_DEFAULTS)
         values["num_patches"] = vision.get("num_patches", 256)
         side = math.isqrt(values["num_patches"])
         if side * side != values["num_patches"]:

@@ -12,7 +12,6 @@ from fastapi.responses import Response
 from mlxvlm.batching import BatchStep
 from mlxvlm.server.answer_parts import AnswerSplitter, Part
 from mlxvlm.server.answering import (
-    accept,
     answer,
     plan_answer,
     split_steps,
@@ -43,7 +42,6 @@ async def chat_completions(
     service: GenerationService = Depends(chat_service),
     token_bytes: TokenBytes = Depends(get_token_bytes),
 ) -> Response:
-    accept(chat, service)
     options, plan = plan_answer(chat, service)
     writer = CompletionWriter(service.config.model_id)
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)

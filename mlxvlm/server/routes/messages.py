@@ -6,8 +6,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from mlxvlm.server.answering import accept, answer, plan_answer
-from mlxvlm.server.deps import json_body, service_of
+from mlxvlm.server.answering import answer, plan_answer
+from mlxvlm.server.deps import body_dependencies
 from mlxvlm.server.messages import MessageWriter, to_chat_request
 from mlxvlm.server.messages_schemas import MessagesRequest
 from mlxvlm.server.service import GenerationService
@@ -15,11 +15,7 @@ from mlxvlm.server.service import GenerationService
 router = APIRouter()
 
 
-async def messages_request(request: Request) -> MessagesRequest:
-    return await json_body(request, MessagesRequest)
-
-
-messages_service = service_of(messages_request)
+messages_request, messages_service = body_dependencies(MessagesRequest)
 
 
 @router.post("/v1/messages")
@@ -28,7 +24,6 @@ async def messages(
     body: MessagesRequest = Depends(messages_request),
     service: GenerationService = Depends(messages_service),
 ) -> Response:
-    accept(body, service)
     chat = to_chat_request(body)
     options, plan = plan_answer(chat, service)
     writer = MessageWriter(service.config.model_id, plan)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from mlxvlm.server.answering import accept, answer, plan_answer
-from mlxvlm.server.deps import json_body, service_of
+from mlxvlm.server.answering import answer, plan_answer
+from mlxvlm.server.deps import body_dependencies
 from mlxvlm.server.errors import APIError
 from mlxvlm.server.responses import (
     ResponseStore,
@@ -23,15 +23,11 @@ from mlxvlm.server.service import GenerationService
 router = APIRouter()
 
 
-async def responses_request(request: Request) -> ResponsesRequest:
-    return await json_body(request, ResponsesRequest)
-
-
 def get_store(request: Request) -> ResponseStore:
     return request.app.state.response_store
 
 
-responses_service = service_of(responses_request)
+responses_request, responses_service = body_dependencies(ResponsesRequest)
 
 
 @router.post("/v1/responses")
@@ -41,7 +37,6 @@ async def responses(
     service: GenerationService = Depends(responses_service),
     store: ResponseStore = Depends(get_store),
 ) -> Response:
-    accept(body, service)
     namespace = request.scope.get("state", {}).get(KEY_ID)
     earlier: list = []
     if body.previous_response_id is not None:
