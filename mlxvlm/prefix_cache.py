@@ -118,9 +118,14 @@ class _Entry:
     nbytes: int
     # The state layers' states by length, the whole key's included (None: no state layer).
     snapshots: StateSnapshots | None = None
+    # A layer cache that cannot be trimmed (a rotating window that has wrapped): the entry
+    # is reusable only whole, by a prompt that extends all of it (a chat's next turn).
+    whole_only: bool = False
 
     def reusable_length(self, length: int) -> int:
         """The longest prefix of at most ``length`` tokens this entry can give back."""
+        if self.whole_only:
+            return self.key.shape[0] if length >= self.key.shape[0] else 0
         if self.snapshots is None:
             return length
         return self.snapshots.longest_within(length) or 0
@@ -179,9 +184,11 @@ class PrefixCache:
         """Keep ``cache`` (holding the tokens ``key`` names) for later prompts. A cache with
         state layers is reusable only at the lengths ``snapshots`` recorded and at its
         own end; without snapshots, only whole. A cache with a layer that is neither
-        trimmable nor a state (a rotating KV cache) is not kept."""
-        if self.max_entries <= 0 or not can_trim_except_states(cache):
+        trimmable nor a state (a rotating KV cache past its window) is reusable only
+        whole."""
+        if self.max_entries <= 0:
             return
+        whole_only = not can_trim_except_states(cache)
         key = np.asarray(key)
         nbytes = sum(c.nbytes for c in cache)
         if any(is_state_cache(c) for c in cache):
@@ -190,7 +197,7 @@ class PrefixCache:
             snapshots.record(cache)
         else:
             snapshots = None
-        entry = _Entry(key, cache, state, nbytes, snapshots)
+        entry = _Entry(key, cache, state, nbytes, snapshots, whole_only)
         with self._lock:
             # An entry that the new one extends is no longer needed.
             for entry_id, old in list(self._entries.items()):

@@ -308,11 +308,13 @@ def _engine_tokens(engine, inputs, image):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefix_cache_gives_the_tokens_of_a_fresh_prefill(family, loaded):
-    """A chat's second turn through an engine with a prefix cache answers exactly as a
-    fresh prefill does. Once a conversation outgrows the sliding window its rotated
-    sliding-layer caches cannot be trimmed back to a shared prefix (mlx-lm's
-    ``can_trim_prompt_cache``), so nothing is stored and nothing is reused: the prefix
-    cache stays correct by staying out of the way."""
+    """A chat's next turn through an engine with a prefix cache answers exactly as a fresh
+    prefill does. Past the sliding window the rotated sliding-layer caches cannot be
+    trimmed back to a shorter prefix (mlx-lm's ``can_trim_prompt_cache``), so the entry is
+    reusable only whole: a prompt that extends all of it (the first turn's prompt and
+    answer, then the next turn) continues from it; one that shares less prefills afresh."""
+    from dataclasses import replace
+
     from mlxvlm.batching import BatchEngine
     from mlxvlm.prefix_cache import PrefixCache
 
@@ -321,14 +323,26 @@ def test_prefix_cache_gives_the_tokens_of_a_fresh_prefill(family, loaded):
     first = prepare_inputs(processor, messages, images, feature_names=model.feature_names)
     engine = BatchEngine(model, processor, prefix_cache=PrefixCache(max_entries=2))
     answer, _ = _engine_tokens(engine, first, images[0])
-    follow_up = [*messages, {"role": "assistant", "content": processor.tokenizer.decode(answer)},
-                 {"role": "user", "content": "Tell me more about the colours."}]
-    second = prepare_inputs(processor, follow_up, images, feature_names=model.feature_names)
+    assert len(engine.prefix_cache) == 1
+    held = first.num_tokens + len(answer) - 1  # the answer's last token was never fed
+    assert held > SLIDING_WINDOW
+
+    next_turn = processor.tokenizer.encode(
+        "<turn|>\n<|turn>user\nTell me more about the colours.<turn|>\n<|turn>model\n",
+        add_special_tokens=False)
+    ids = [*np.asarray(first.input_ids)[0].tolist(), *answer, *next_turn]
+    second = replace(first, input_ids=mx.array([ids], dtype=mx.int32))
     reused, cached = _engine_tokens(engine, second, images[0])
-    assert cached == 0 and len(engine.prefix_cache) == 0
     fresh, none_cached = _engine_tokens(BatchEngine(model, processor), second, images[0])
-    assert none_cached == 0
+    assert (cached, none_cached) == (held, 0)
     assert reused == fresh
+
+    # A prompt that shares only part of the entry (the first turn's prompt, another
+    # question) cannot cut the rotated caches back to it: it is prefilled afresh.
+    other = replace(first, input_ids=mx.array([ids[:first.num_tokens] + next_turn], dtype=mx.int32))
+    reused, cached = _engine_tokens(engine, other, images[0])
+    assert cached == 0
+    assert reused == _engine_tokens(BatchEngine(model, processor), other, images[0])[0]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
