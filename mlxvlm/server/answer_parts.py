@@ -1,7 +1,8 @@
 """A generated answer split into its parts: the model's reasoning (a thinking model's
 ``<think>`` ... ``</think>``, or Gemma 4's ``<|channel>thought`` ... ``<channel|>``), the
 text for the user, and tool calls in the format the checkpoint's chat template teaches
-(Hermes/Qwen's ``<tool_call>{json}</tool_call>``, Mistral's ``[TOOL_CALLS]``).
+(Hermes/Qwen's ``<tool_call>{json}</tool_call>``, Mistral's ``[TOOL_CALLS]``, Gemma 4's
+``<|tool_call>call:NAME{key:<|"|>text<|"|>,...}<tool_call|>``).
 ``AnswerSplitter`` takes the text as it streams and holds back only what may still begin
 a marker."""
 
@@ -11,6 +12,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from mlx_lm.tool_parsers import gemma4 as gemma4_calls
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -45,15 +48,27 @@ GEMMA4_THINK = ThinkFormat("gemma4", "<|channel>", "<channel|>", label="thought\
 @dataclass(frozen=True)
 class ToolFormat:
     """How a family writes tool calls: ``open`` starts one; ``close`` ends it (None: the
-    calls run to the end of the answer, as Mistral's do)."""
+    calls run to the end of the answer, as Mistral's do); ``quote``: the family's own
+    string delimiter inside a call; ``special``: the markers (and quote) are special
+    tokens, which the answer's text keeps only when asked (``marker_ids``)."""
 
     name: str
     open: str
     close: str | None
+    quote: str = ""
+    special: bool = False
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return tuple(m for m in (self.open, self.close, self.quote) if m)
 
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
 MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", None)
+# Gemma 4: <|tool_call>call:NAME{key:value,...}<tool_call|>, keys bare, strings between
+# <|"|> quotes (no escaping), other values as JSON writes them.
+GEMMA4_TOOLS = ToolFormat("gemma4", "<|tool_call>", "<tool_call|>", quote='<|"|>',
+                          special=True)
 
 
 def tool_format(chat_template: str | None) -> ToolFormat | None:
@@ -63,6 +78,8 @@ def tool_format(chat_template: str | None) -> ToolFormat | None:
         return HERMES
     if MISTRAL.open in template:
         return MISTRAL
+    if GEMMA4_TOOLS.open in template and GEMMA4_TOOLS.close in template:
+        return GEMMA4_TOOLS
     return None
 
 
@@ -85,18 +102,18 @@ def thinks(chat_template: str | None) -> bool:
     return think_format(chat_template) is not None
 
 
-def marker_ids(tokenizer: Any, fmt: ThinkFormat | None) -> frozenset[int]:
-    """The ids of a format's special-token markers, for the answer's text to keep (the
-    detokenizer drops special tokens otherwise); empty when the markers are plain text
-    or the tokenizer does not have them as single tokens."""
-    if fmt is None or not fmt.special:
-        return frozenset()
-    ids = []
-    for marker in (fmt.open, fmt.close):
-        encoded = tokenizer.encode(marker, add_special_tokens=False)
-        if len(encoded) != 1:
-            return frozenset()
-        ids.append(int(encoded[0]))
+def marker_ids(tokenizer: Any, *formats: ThinkFormat | ToolFormat | None) -> frozenset[int]:
+    """The ids of the formats' special-token markers, for the answer's text to keep (the
+    detokenizer drops special tokens otherwise); a format adds none when its markers are
+    plain text or the tokenizer does not have them all as single tokens."""
+    ids: set[int] = set()
+    for fmt in formats:
+        if fmt is None or not fmt.special:
+            continue
+        markers = fmt.markers if isinstance(fmt, ToolFormat) else (fmt.open, fmt.close)
+        encoded = [tokenizer.encode(m, add_special_tokens=False) for m in markers]
+        if all(len(e) == 1 for e in encoded):
+            ids.update(int(e[0]) for e in encoded)
     return frozenset(ids)
 
 
@@ -131,6 +148,8 @@ def _calls_from_json(value: Any) -> list[ToolCall] | None:
 def parse_calls(fmt: ToolFormat, body: str) -> list[ToolCall] | None:
     """The calls in one tool region's text (between the markers); None: not calls."""
     body = body.strip()
+    if fmt is GEMMA4_TOOLS:
+        return _gemma4_calls(body)
     if fmt is MISTRAL and "[ARGS]" in body:  # the newer form: name[ARGS]{...} per call
         calls = []
         for piece in body.split(fmt.open):
@@ -145,6 +164,17 @@ def parse_calls(fmt: ToolFormat, body: str) -> list[ToolCall] | None:
         return _calls_from_json(json.loads(body))
     except ValueError:
         return None
+
+
+def _gemma4_calls(body: str) -> list[ToolCall] | None:
+    """Gemma 4's ``call:NAME{...}`` (mlx-lm's parser turns its quoting into JSON)."""
+    if not body.startswith("call:"):
+        return None
+    try:
+        parsed = gemma4_calls.parse_tool_call(body)
+    except ValueError:
+        return None
+    return _calls_from_json(parsed)
 
 
 @dataclass

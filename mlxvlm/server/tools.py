@@ -10,8 +10,8 @@ from typing import Any
 
 from mlxvlm.constrained import ConstraintError, GrammarConstraint, lark_constraint
 from mlxvlm.generate.text import eos_token_ids
-from mlxvlm.server.answer_parts import (AnswerSplitter, ThinkFormat, ToolFormat, marker_ids,
-                                        think_format, tool_format)
+from mlxvlm.server.answer_parts import (GEMMA4_TOOLS, AnswerSplitter, ThinkFormat, ToolFormat,
+                                        marker_ids, think_format, tool_format)
 from mlxvlm.server.errors import APIError
 from mlxvlm.server.schemas import ChatCompletionRequest, NamedToolChoice
 
@@ -49,15 +49,19 @@ class AnswerPlan:
         return AnswerSplitter(self.format, self.think, reasoning_first)
 
     def kept_token_ids(self) -> frozenset[int]:
-        """The special tokens the answer's text keeps: the thinking markers, where they
-        are special tokens (Gemma 4's), so that the splitter sees them."""
-        return marker_ids(getattr(self.processor, "tokenizer", self.processor), self.think)
+        """The special tokens the answer's text keeps: the thinking and tool-call markers,
+        where they are special tokens (Gemma 4's), so that the splitter sees them."""
+        return marker_ids(getattr(self.processor, "tokenizer", self.processor), self.think,
+                          self.format)
 
     def constraint(self) -> GrammarConstraint | None:
         """For "required" or a named function: an answer that is one call (or several,
         for "required") in the family's format."""
         if not self.tools or self.tool_choice == "auto":
             return None
+        if self.format is GEMMA4_TOOLS:  # its arguments are not JSON: no schema grammar
+            raise APIError(400, "tool_choice 'required' or a named function is not supported "
+                           "for Gemma 4's tool-call format; use 'auto'", param="tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice):
             chosen = [t for t in self.tools if t.function.name == self.tool_choice.function.name]
         else:

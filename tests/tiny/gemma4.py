@@ -41,6 +41,7 @@ LAYOUTS = ("transformers", "hub")
 SPECIAL_TOKENS = (
     "<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>",
     "<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>", "<|audio|>", "<|video|>",
+    "<|tool_call>", "<tool_call|>", '<|"|>',
 )
 EXTRA_SPECIAL_TOKENS = {
     "boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
