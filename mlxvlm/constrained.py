@@ -98,13 +98,16 @@ class ClosingPreference:
 
 
 _WHITESPACE = -1e6
+_NO_TEXT = -2e6
 # Inside a string: a token that begins with the closing quote before any other, and its
 # quote counted as closing, not opening.
 _INSIDE_STRING_QUOTE = 1e7 - _QUOTE
 
 
 def _closing_preference(lltokenizer: Any) -> ClosingPreference:
-    scores = np.full(lltokenizer.vocab_size, -np.inf)
+    # Tokens without text (special tokens) last but choosable: a grammar may need one (a
+    # family's tool-call marker); -inf is left for the tokens the grammar does not allow.
+    scores = np.full(lltokenizer.vocab_size, _NO_TEXT)
     quoted = np.zeros(lltokenizer.vocab_size, dtype=bool)
     brackets = []
     for token in range(lltokenizer.vocab_size):

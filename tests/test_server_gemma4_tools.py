@@ -1,7 +1,8 @@
 """Gemma 4's tool calls (``<|tool_call>call:NAME{key:<|"|>text<|"|>,...}<tool_call|>``,
 special tokens the detokenizer drops by default) come back as OpenAI ``tool_calls``
 (whole and streamed, ``finish_reason`` "tool_calls") with the arguments as JSON; an
-answer without the marker is plain text; "required" and a named function are refused
+answer without the marker is plain text; "required" and a named function are enforced by
+a grammar
 (no grammar for this format).
 
 The tiny Gemma 4 is random: a scripted logits processor (tests/scripted_tokens.py) makes
@@ -12,6 +13,8 @@ the call syntax), which is what names the format."""
 from __future__ import annotations
 
 import json
+
+import jsonschema
 
 import openai
 import pytest
@@ -41,6 +44,11 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer"},
         "metric": {"type": "boolean"}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}}
+PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, TIME)}
 CALL = '<|tool_call>call:get_weather{city:<|"|>Paris, "the" {city}<|"|>,days:3,metric:true}<tool_call|>'
 ARGUMENTS = {"city": 'Paris, "the" {city}', "days": 3, "metric": True}
 ASK = [{"role": "user", "content": "Weather?"}]
@@ -115,12 +123,21 @@ def test_text_without_the_marker_is_unchanged(server, loaded, monkeypatch):
     assert choice.message.content == text
 
 
-def test_required_and_named_are_refused(server):
+@pytest.mark.parametrize("seed", [1, 2])
+def test_required_and_named_give_calls_that_validate(server, seed):
+    """"required" and a named function: the grammar makes even the random model's answer
+    one Gemma 4 call (or several) with JSON arguments valid under the parameters."""
     client = server.client()
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(openai.BadRequestError, match="not supported for Gemma 4"):
-            client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=[WEATHER],
-                                           tool_choice=choice, max_tokens=8)
+    for choice, names in (("required", {"get_weather", "get_time"}),
+                          ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
+        reply = client.chat.completions.create(
+            model=MODEL_ID, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+            max_tokens=160, temperature=1.0, seed=seed).choices[0]
+        assert reply.finish_reason == "tool_calls" and reply.message.tool_calls
+        for call in reply.message.tool_calls:
+            assert call.function.name in names
+            jsonschema.validate(json.loads(call.function.arguments),
+                                PARAMETERS[call.function.name])
 
 
 def split(pieces: list[str]) -> list[tuple[str, str]]:

@@ -167,9 +167,18 @@ def parse_calls(fmt: ToolFormat, body: str) -> list[ToolCall] | None:
 
 
 def _gemma4_calls(body: str) -> list[ToolCall] | None:
-    """Gemma 4's ``call:NAME{...}`` (mlx-lm's parser turns its quoting into JSON)."""
+    """Gemma 4's ``call:NAME{...}``: the arguments as JSON (what the tool-choice grammar
+    writes), else in Gemma's own quoting (mlx-lm's parser turns it into JSON)."""
     if not body.startswith("call:"):
         return None
+    name, brace, rest = body[len("call:"):].partition("{")
+    if brace and name.replace("_", "").replace("-", "").isalnum():
+        try:
+            arguments = json.loads(brace + rest)
+        except ValueError:
+            arguments = None
+        if isinstance(arguments, dict):
+            return [ToolCall(name, json.dumps(arguments, ensure_ascii=False))]
     try:
         parsed = gemma4_calls.parse_tool_call(body)
     except ValueError:

@@ -59,18 +59,18 @@ class AnswerPlan:
         for "required") in the family's format."""
         if not self.tools or self.tool_choice == "auto":
             return None
-        if self.format is GEMMA4_TOOLS:  # its arguments are not JSON: no schema grammar
-            raise APIError(400, "tool_choice 'required' or a named function is not supported "
-                           "for Gemma 4's tool-call format; use 'auto'", param="tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice):
             chosen = [t for t in self.tools if t.function.name == self.tool_choice.function.name]
         else:
             chosen = self.tools
-        schema = {"anyOf": [_call_schema(tool) for tool in chosen]} if len(chosen) > 1 \
-            else _call_schema(chosen[0])
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
-        lark = _call_grammar(self.format, schema, tokenizer,
-                             several=self.tool_choice == "required")
+        several = self.tool_choice == "required"
+        if self.format is GEMMA4_TOOLS:
+            lark = _gemma4_call_grammar(chosen, tokenizer, several)
+        else:
+            schema = {"anyOf": [_call_schema(tool) for tool in chosen]} if len(chosen) > 1 \
+                else _call_schema(chosen[0])
+            lark = _call_grammar(self.format, schema, tokenizer, several=several)
         try:
             return lark_constraint(tokenizer, eos_token_ids(self.processor), lark,
                                    "the tools' parameters")
@@ -106,3 +106,18 @@ def _call_grammar(fmt: ToolFormat, schema: dict, tokenizer: Any, several: bool) 
     return (f"start: block{more}\n"
             f'block: {opening} "\\n" call "\\n" {_literal(fmt.close, tokenizer)}\n'
             f"call: %json {json.dumps(schema)}\n")
+
+
+def _gemma4_call_grammar(chosen: list, tokenizer: Any, several: bool) -> str:
+    """Gemma 4's ``<|tool_call>call:NAME{...}<tool_call|>`` with the arguments as JSON
+    under the function's parameters (Gemma's own quoting has no schema grammar; the
+    parser reads either)."""
+    fmt = GEMMA4_TOOLS
+    rules = [f"start: block{'+' if several else ''}",
+             f"block: {_literal(fmt.open, tokenizer)} call {_literal(fmt.close, tokenizer)}",
+             "call: " + " | ".join(f"call_{i}" for i in range(len(chosen)))]
+    for i, tool in enumerate(chosen):
+        parameters = tool.function.parameters or {"type": "object", "properties": {}}
+        rules.append(f"call_{i}: {json.dumps('call:' + tool.function.name)} arguments_{i}")
+        rules.append(f"arguments_{i}: %json {json.dumps(parameters)}")
+    return "\n".join(rules) + "\n"
