@@ -4,7 +4,7 @@ the engine to OpenAI's body or its stream of chunks, within one ``RequestLifetim
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator
+from typing import Annotated, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -35,13 +35,14 @@ logger = logging.getLogger("mlxvlm.server")
 router = APIRouter()
 
 
+Body = Annotated[ChatCompletionRequest, Depends(chat_request)]
+Service = Annotated[GenerationService, Depends(chat_service)]
+Bytes = Annotated[TokenBytes, Depends(get_token_bytes)]
+
+
 @router.post("/v1/chat/completions")
-async def chat_completions(
-    request: Request,
-    chat: ChatCompletionRequest = Depends(chat_request),
-    service: GenerationService = Depends(chat_service),
-    token_bytes: TokenBytes = Depends(get_token_bytes),
-) -> Response:
+async def chat_completions(request: Request, chat: Body, service: Service,
+                           token_bytes: Bytes) -> Response:
     options, plan = plan_answer(chat, service)
     writer = CompletionWriter(service.config.model_id)
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)

@@ -3,6 +3,8 @@ chat completions (``answering.answer``) with Anthropic's body and events."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
@@ -16,14 +18,12 @@ router = APIRouter()
 
 
 messages_request, messages_service = body_dependencies(MessagesRequest)
+Body = Annotated[MessagesRequest, Depends(messages_request)]
+Service = Annotated[GenerationService, Depends(messages_service)]
 
 
 @router.post("/v1/messages")
-async def messages(
-    request: Request,
-    body: MessagesRequest = Depends(messages_request),
-    service: GenerationService = Depends(messages_service),
-) -> Response:
+async def messages(request: Request, body: Body, service: Service) -> Response:
     chat = to_chat_request(body)
     options, plan = plan_answer(chat, service)
     writer = MessageWriter(service.config.model_id, plan)

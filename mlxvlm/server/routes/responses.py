@@ -4,6 +4,8 @@ chat completions (``answering.answer``), continuing stored conversations by
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
@@ -28,15 +30,13 @@ def get_store(request: Request) -> ResponseStore:
 
 
 responses_request, responses_service = body_dependencies(ResponsesRequest)
+Body = Annotated[ResponsesRequest, Depends(responses_request)]
+Service = Annotated[GenerationService, Depends(responses_service)]
+Store = Annotated[ResponseStore, Depends(get_store)]
 
 
 @router.post("/v1/responses")
-async def responses(
-    request: Request,
-    body: ResponsesRequest = Depends(responses_request),
-    service: GenerationService = Depends(responses_service),
-    store: ResponseStore = Depends(get_store),
-) -> Response:
+async def responses(request: Request, body: Body, service: Service, store: Store) -> Response:
     namespace = request.scope.get("state", {}).get(KEY_ID)
     earlier: list = []
     if body.previous_response_id is not None:
