@@ -109,6 +109,12 @@ class Model(qwen3_vl.Model):
             )
         )
 
+    @staticmethod
+    def cast_predicate(path: str) -> bool:
+        """The linear attention's ``A_log`` stays float32 when a conversion casts the rest
+        (as mlx-lm's and mlx-community's Qwen3.5 keep it)."""
+        return not path.endswith("A_log")
+
     def make_cache(self) -> list:
         """A KV cache per attention layer, mlx-lm's ``ArraysCache`` (convolution window,
         recurrent state) per linear layer."""
