@@ -80,6 +80,21 @@ def run_cli(body: Callable[[], int | None]) -> int:
         return 130
 
 
+def checkpoint_folders(models_dir: str) -> list:
+    """``--models-dir``: the folders right under it that hold a config.json, sorted (the
+    server names them by folder, the chat by path)."""
+    from pathlib import Path
+
+    folder = Path(models_dir)
+    if not folder.is_dir():
+        raise MlxvlmError(f"--models-dir {models_dir!r} is not a folder")
+    found = sorted(p for p in folder.iterdir() if (p / "config.json").is_file())
+    if not found:
+        raise MlxvlmError(f"--models-dir {models_dir!r} has no checkpoint folders "
+                          "(subfolders with a config.json)")
+    return found
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:
     """``several``: ``--model`` may be repeated (a list, None when not given)."""
     if several:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from mlxvlm.cli import OneLineParser, add_model_arguments, add_speculation_arguments, ranged
+from mlxvlm.cli import (OneLineParser, add_model_arguments, add_speculation_arguments,
+                        checkpoint_folders, ranged)
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.option_ranges import NON_NEGATIVE, PORT, POSITIVE, SAMPLING, at_least
 
@@ -203,14 +203,7 @@ def model_sources(models: list[str], models_dir: str | None = None,
     for path in models:
         add(served_model_name or path, path)
     if models_dir is not None:
-        folder = Path(models_dir)
-        if not folder.is_dir():
-            raise MlxvlmError(f"--models-dir {models_dir!r} is not a folder")
-        found = sorted(p for p in folder.iterdir() if (p / "config.json").is_file())
-        if not found:
-            raise MlxvlmError(f"--models-dir {models_dir!r} has no checkpoint folders "
-                              "(subfolders with a config.json)")
-        for path in found:
+        for path in checkpoint_folders(models_dir):
             add(path.name, str(path))
     if not sources:
         raise MlxvlmError("no model to serve: give --model (one or more) or --models-dir")

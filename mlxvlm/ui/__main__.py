@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-from mlxvlm.cli import OneLineParser, add_model_arguments, ranged, require_extra, run_cli
+from mlxvlm.cli import (OneLineParser, add_model_arguments, checkpoint_folders, ranged,
+                        require_extra, run_cli)
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.option_ranges import PORT, at_least
 
@@ -41,11 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_names(args: argparse.Namespace) -> list[str]:
-    from mlxvlm.ui.models import checkpoints_in
-
     names = list(args.model or [])
     if args.models_dir:
-        names += checkpoints_in(args.models_dir)
+        names += [str(path) for path in checkpoint_folders(args.models_dir)]
     if not names:
         raise MlxvlmError("give --model (repeatable) or --models-dir")
     if args.adapter_path and len(names) > 1:

@@ -11,7 +11,6 @@ import gc
 import threading
 from collections import OrderedDict
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -23,18 +22,6 @@ if TYPE_CHECKING:  # not at run time: the command line loads a model before Grad
 
 # name -> a started ChatSession for it (loads the model)
 OpenSession = Callable[[str], "ChatSession"]
-
-
-def checkpoints_in(directory: str | Path) -> list[str]:
-    """The checkpoint folders (those with a config.json) right under ``directory``."""
-    root = Path(directory)
-    if not root.is_dir():
-        raise MlxvlmError(f"--models-dir {directory}: not a directory")
-    found = sorted(str(p.parent) for p in root.glob("*/config.json"))
-    if not found:
-        raise MlxvlmError(f"--models-dir {directory}: no checkpoint folder (with a "
-                          "config.json) in it")
-    return found
 
 
 class ModelRegistry:
