@@ -124,7 +124,7 @@ def evaluate(model_path, count: int, seed: int, show_errors: bool = False) -> fl
         expected = describe(*label)
         right += answer == expected
         words = answer.split()
-        said = (words[1:2], words[2:3], words[5:6]) if len(words) == 8 else ([], [], [])
+        said = (words[1:2], words[2:3], words[5:6]) if len(words) == 7 else ([], [], [])
         for k in range(3):
             parts[k] += said[k] == [label[k]]
         if show_errors and answer != expected:

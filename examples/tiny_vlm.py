@@ -58,7 +58,8 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 400):
 
 
 def build_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2,
-                 vision_width: int = 32, vision_depth: int = 2) -> dict:
+                 vision_width: int = 32, vision_depth: int = 2, vision_heads: int = 2,
+                 patch_size: int = 14) -> dict:
     """A Qwen2-VL config.json (transformers 5's layout) for a model this small."""
     from transformers import Qwen2VLConfig
 
@@ -81,7 +82,7 @@ def build_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2,
         pad_token_id=ids["<|endoftext|>"],
     )
     vision = dict(depth=vision_depth, embed_dim=vision_width, hidden_size=hidden_size,
-                  num_heads=2, mlp_ratio=2)
+                  num_heads=vision_heads, mlp_ratio=2, patch_size=patch_size)
     config = Qwen2VLConfig(
         text_config=text, vision_config=vision, tie_word_embeddings=True,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
@@ -138,6 +139,8 @@ def build_checkpoint(directory: str | Path, corpus: Iterable[str], *, seed: int 
     write_config(config, directory)
     tokenizer.save_pretrained(directory)
     pixels = pixels or image_size * image_size
-    Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels).save_pretrained(directory)
+    patch_size = config["vision_config"]["patch_size"]
+    Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels,
+                             patch_size=patch_size).save_pretrained(directory)
     (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return directory
