@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -111,6 +112,13 @@ def describe(color: str, shape: str, background: str) -> str:
     return f"a {color} {shape} on a {background} background"
 
 
+def parts_right(answer: str, label: tuple[str, str, str]) -> tuple[bool, bool, bool]:
+    """Whether ``answer`` names the label's colour, shape and background, each on its own;
+    an answer not in ``describe``'s form names none of them."""
+    said = re.fullmatch(describe(*([r"(\S+)"] * 3)), answer.strip())
+    return tuple(bool(said) and said.group(k + 1) == label[k] for k in range(3))
+
+
 def evaluate(model_path, count: int, seed: int, show_errors: bool = False) -> float:
     from mlxvlm import generate, load
 
@@ -123,10 +131,8 @@ def evaluate(model_path, count: int, seed: int, show_errors: bool = False) -> fl
         answer = generate(model, processor, QUESTION, image=image, max_tokens=16).text.strip()
         expected = describe(*label)
         right += answer == expected
-        words = answer.split()
-        said = (words[1:2], words[2:3], words[5:6]) if len(words) == 7 else ([], [], [])
-        for k in range(3):
-            parts[k] += said[k] == [label[k]]
+        for k, said in enumerate(parts_right(answer, label)):
+            parts[k] += said
         if show_errors and answer != expected:
             print(f"  #{i} {image.width}x{image.height}: expected {expected!r}, got {answer!r}")
     if show_errors:

@@ -67,3 +67,35 @@ def test_model_card_names_the_vocabulary():
     card = (EXAMPLES / "shapes-vlm" / "README.md").read_text()
     for word in (*evaluate_shapes.COLORS, *evaluate_shapes.SHAPES, *evaluate_shapes.BACKGROUNDS):
         assert word in card, word
+
+
+def test_evaluation_counts_each_part_of_an_answer():
+    """--show-errors' shares: each word is judged on its own, against describe's form."""
+    label = ("red", "circle", "white")
+    assert evaluate_shapes.parts_right(evaluate_shapes.describe(*label), label) == (True, True, True)
+    assert evaluate_shapes.parts_right(evaluate_shapes.describe("red", "square", "white"),
+                                       label) == (True, False, True)
+    assert evaluate_shapes.parts_right(evaluate_shapes.describe("blue", "circle", "gray"),
+                                       label) == (False, True, False)
+    for garbled in ("", "a red circle", "a red circle on a white background background",
+                    "the red circle on a white background"):
+        assert evaluate_shapes.parts_right(garbled, label) == (False, False, False), garbled
+
+
+def test_tiny_vlm_builds_the_tower_it_is_asked_for(tmp_path):
+    """build_checkpoint's patch_size reaches the image processor too, so the checkpoint
+    loads and answers about a picture (a processor left at 14-px patches would hand the
+    7-px patch embedding rows four times too long)."""
+    import tiny_vlm
+
+    corpus = [evaluate_shapes.describe("red", "circle", "white"), evaluate_shapes.QUESTION]
+    path = tiny_vlm.build_checkpoint(tmp_path / "model", corpus * 4, pixels=56 * 56,
+                                     patch_size=7, vision_heads=1)
+    vision = json.loads((path / "config.json").read_text())["vision_config"]
+    assert (vision["patch_size"], vision["num_heads"]) == (7, 1)
+    model, processor = load(path)
+    image, _ = evaluate_shapes.draw_fresh(random.Random(0), ("red", "circle", "white"), (56, 56))
+    grid = processor.image_processor(images=[image], return_tensors="np")["image_grid_thw"]
+    assert grid.tolist() == [[1, 8, 8]]
+    result = generate(model, processor, evaluate_shapes.QUESTION, image=image, max_tokens=2)
+    assert result.prompt_tokens > 16  # the 16 merged image tokens and the question
