@@ -186,8 +186,10 @@ PrefillChoice choose_prefill() {
   // An unknown value is said and left aside (like MLXVLM_CPU_ISA's).
   const std::string ignored = wanted.empty() || wanted == "own" || wanted == "blas" ? ""
       : "; MLXVLM_HALF_GEMM='" + wanted + "' ignored (expected own or blas)";
-  if (!has_avx512()) return {false, "conversion + sgemm (the GEMM needs AVX-512)" + ignored};
+  // The BLAS, when asked for, is said to be so on any CPU: it is then the user's choice
+  // as well as the only path a CPU without AVX-512 has.
   if (wanted == "blas") return {false, "conversion + sgemm (MLXVLM_HALF_GEMM=blas)"};
+  if (!has_avx512()) return {false, "conversion + sgemm (the GEMM needs AVX-512)" + ignored};
   if (wanted == "own") return {true, "mlxvlm's AVX-512 GEMM (MLXVLM_HALF_GEMM=own)"};
   if (sgemm_pointer() == nullptr) return {true, "mlxvlm's AVX-512 GEMM (no sgemm)" + ignored};
   constexpr int64_t rows = 192, K = 768, N = 768;
