@@ -61,10 +61,12 @@ def reference_model(tiny_checkpoints, family):
 HYBRID_TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj", "o_proj"]
 
 
-# Gemma 3n's image rows already differ by up to 7e-5 without an adapter (MobileNetV5's
-# float32 rounding in its features); an adapter trained at lr 1e-2 amplifies that at a
-# few image positions (2.4e-4 measured at one, every text row under 5e-5).
-ADAPTED_ATOL = {"gemma3n": 5e-4}
+# Gemma 3n's image rows already differ by up to 8e-5 without an adapter (MobileNetV5's
+# float32 rounding in its features); an adapter amplifies that at one image position
+# (row 21), where float32 itself falls short of 1e-4: against transformers run in float64
+# there, transformers' float32 is 1.6e-4 off and ours 4.4e-4 (the adapter trained here,
+# on an AVX2 EPYC), and every other row of ours is within 1e-4 of float64.
+ADAPTED_ATOL = {"gemma3n": 1e-3}
 
 
 @pytest.mark.parametrize("family,method,train_vision,num_layers,targets", [
@@ -146,10 +148,12 @@ GEMMA_DECODER = r"model\.language_model\..*\.(q_proj|v_proj|o_proj|gate_proj|dow
         "qwen3_5-both-layer-kinds", "lfm2-vl-conv-attention-tower", "qwen3-omni-thinker",
         "gemma4-decoder", "gemma3n-decoder"])
 def test_adapter_made_with_peft_loads_here(tiny_checkpoints, tmp_path, family, options):
-    torch.manual_seed(0)
     base = reference_model(tiny_checkpoints, family)
     model, processor = load(tiny_checkpoints.path(family, "hub"))
     before = torch_logits(base, processor)
+    # Seeded here, just before peft draws the adapter: what ran earlier in the process
+    # (a fine-tune, a first from_pretrained) leaves torch's generator elsewhere.
+    torch.manual_seed(0)
     config = peft.LoraConfig(
         r=4, lora_alpha=8, init_lora_weights=False,  # random A and B: a non-zero update
         **{"target_modules": DECODER_TARGETS, **options},
@@ -165,7 +169,8 @@ def test_adapter_made_with_peft_loads_here(tiny_checkpoints, tmp_path, family, o
     model, processor = load(tiny_checkpoints.path(family, "hub"), adapter_path=tmp_path / "peft-adapter")
     theirs = torch_logits(adapted, processor)
     assert np.abs(theirs - before).max() > 1e-2
-    np.testing.assert_allclose(mlx_logits(model, processor), theirs, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(mlx_logits(model, processor), theirs,
+                               atol=ADAPTED_ATOL.get(family, 1e-4), rtol=1e-4)
 
 
 @pytest.mark.parametrize("method", ["lora", "dora"])
