@@ -119,7 +119,9 @@ def parts_right(answer: str, label: tuple[str, str, str]) -> tuple[bool, bool, b
     return tuple(bool(said) and said.group(k + 1) == label[k] for k in range(3))
 
 
-def evaluate(model_path, count: int, seed: int, show_errors: bool = False) -> float:
+def evaluate(model_path, count: int, seed: int, show_errors: bool = False) -> dict:
+    """The share of ``count`` fresh pictures described exactly right (``score``), and of
+    their colours, shapes and backgrounds named right, with ``count`` and ``seed``."""
     from mlxvlm import generate, load
 
     model, processor = load(model_path)
@@ -135,23 +137,25 @@ def evaluate(model_path, count: int, seed: int, show_errors: bool = False) -> fl
             parts[k] += said
         if show_errors and answer != expected:
             print(f"  #{i} {image.width}x{image.height}: expected {expected!r}, got {answer!r}")
-    if show_errors:
-        print("right: colour {:.1%}, shape {:.1%}, background {:.1%}".format(
-            *(p / count for p in parts)))
-    return right / count
+    colour, shape, background = (p / count for p in parts)
+    return dict(score=right / count, colour=colour, shape=shape, background=background,
+                count=count, seed=seed)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=str(HERE / "shapes-vlm"))
-    parser.add_argument("-n", "--count", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--show-errors", action="store_true")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default=str(HERE / "shapes-vlm"), help="The model to measure")
+    parser.add_argument("-n", "--count", type=int, default=200, help="Pictures to draw")
+    parser.add_argument("--seed", type=int, default=1234, help="Seed of the pictures")
+    parser.add_argument("--show-errors", action="store_true",
+                        help="Print each wrong answer with the picture's size")
     args = parser.parse_args()
     tic = time.perf_counter()
-    score = evaluate(args.model, args.count, args.seed, args.show_errors)
-    print(f"{score:.1%} of {args.count} fresh pictures described exactly right "
-          f"(seed {args.seed}, {time.perf_counter() - tic:.0f} s)")
+    result = evaluate(args.model, args.count, args.seed, args.show_errors)
+    print("{score:.1%} of {count} fresh pictures described exactly right (seed {seed}): "
+          "colour {colour:.1%}, shape {shape:.1%}, background {background:.1%}".format(**result)
+          + f", {time.perf_counter() - tic:.0f} s")
     return 0
 
 

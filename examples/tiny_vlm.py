@@ -123,7 +123,6 @@ def build_checkpoint(directory: str | Path, corpus: Iterable[str], *, seed: int 
     a square one of ``image_size`` becomes (image_size / 28)^2 tokens, a 448 x 64 one a
     strip of tokens."""
     import mlx.core as mx
-    from transformers import Qwen2VLImageProcessorPil
 
     from mlxvlm.convert import write_config, write_weights
     from mlxvlm.models import get_family
@@ -138,9 +137,16 @@ def build_checkpoint(directory: str | Path, corpus: Iterable[str], *, seed: int 
     write_weights(model, directory)
     write_config(config, directory)
     tokenizer.save_pretrained(directory)
-    pixels = pixels or image_size * image_size
-    patch_size = config["vision_config"]["patch_size"]
-    Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels,
-                             patch_size=patch_size).save_pretrained(directory)
+    write_image_processor(directory, pixels or image_size * image_size,
+                          config["vision_config"]["patch_size"])
     (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return directory
+
+
+def write_image_processor(directory: str | Path, pixels: int, patch_size: int) -> None:
+    """The Qwen2-VL image processor resizing every picture to about ``pixels`` pixels,
+    larger or smaller, keeping its aspect ratio (``smart_resize``)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels,
+                             patch_size=patch_size).save_pretrained(directory)

@@ -42,8 +42,6 @@ def demo():
     return load(EXAMPLES / "shapes-vlm")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 23 open: the committed model was taught on tidy square "
-                   "pictures only and gets 26.7% of evaluate_shapes.py's fresh ones")
 def test_demo_describes_freshly_drawn_pictures(demo):
     model, processor = demo
     wrong = []
