@@ -81,12 +81,12 @@ python -m mlxvlm.generate --model examples/shapes-vlm \\
 
 ## How it was taught
 
-From random weights, in two stages: the vision tower alone ({tower_steps} steps on
+From random weights, in two stages: the vision tower alone ({tower_steps:,} steps on
 {tower_pictures:,} pictures, naming shape, colour and background through a readout that
-is then dropped), then the language model with the tower frozen ({words_steps} steps on
+is then dropped), then the language model with the tower frozen ({words_steps:,} steps on
 {words_pictures:,} pictures with the question and answer). The pictures are drawn by
 `examples/shapes.py`: 48-480 px a side, any aspect ratio, the shape 22-94% of the
-shorter side and anywhere, ellipses and rectangles up to 1.7:1, triangles of seven
+shorter side and anywhere, ellipses and rectangles up to 1.7:1, triangles of six
 kinds, colours and backgrounds jittered, some outlined or anti-aliased. The image
 processor resizes every picture to about 144 x 144 pixels' worth, keeping its aspect
 ratio. Weights in float16; `generation_config.json` makes it greedy.
