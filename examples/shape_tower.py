@@ -17,6 +17,8 @@ budget, so that a training step costs only the processor's patching and the towe
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -44,7 +46,8 @@ def _draw_chunk(seed: int, count: int, pixels: int, factor: int):
     """``count`` varied pictures, each resized as the image processor would to
     ``pixels`` pixels (sides multiples of ``factor``), with their label indices."""
     from PIL import Image
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+    # The PIL processor's module: the other one imports torch.
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     rng = np.random.default_rng(seed)
     labels = shapes.classes(tuple(shapes.BACKGROUNDS))
@@ -64,10 +67,12 @@ def _draw_chunk(seed: int, count: int, pixels: int, factor: int):
 def draw_pool(count: int, seed: int, pixels: int, factor: int, workers: int = 2,
               chunk: int = 500) -> list:
     """``count`` training pictures as uint8 arrays with their labels, drawn in chunks
-    by ``workers`` processes (the same pictures whatever the number of workers)."""
+    by ``workers`` processes (the same pictures whatever the number of workers). The
+    workers are spawned, not forked, on every platform: this process already runs MLX's
+    and the BLAS's threads, which a fork would copy mid-flight."""
     chunks = [(seed * 100_003 + k, min(chunk, count - start), pixels, factor)
               for k, start in enumerate(range(0, count, chunk))]
-    with ProcessPoolExecutor(workers) as pool:
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         parts = pool.map(_draw_chunk, *zip(*chunks))
         return [item for part in parts for item in part]
 
@@ -120,9 +125,10 @@ def train_tower(model, processor, *, steps: int, pictures: int, batch_size: int 
     tower = model.vision_tower
     budget = processor.image_processor.size["longest_edge"]
     factor = tower.config.patch_size * tower.config.spatial_merge_size
-    log(f"drawing {pictures} training pictures in 2 processes")
+    workers = min(2, os.cpu_count() or 1)
+    log(f"drawing {pictures} training pictures in {workers} processes")
     tic = time.perf_counter()
-    pool = draw_pool(pictures, seed, budget, factor)
+    pool = draw_pool(pictures, seed, budget, factor, workers)
     log(f"drew {len(pool)} pictures in {time.perf_counter() - tic:.0f} s")
 
     mx.random.seed(seed)
@@ -168,24 +174,3 @@ def readout_accuracy(tower, readout, processor, count: int, seed: int) -> float:
         right += share.item() * len(batch)
     return right / count
 
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", required=True,
-                        help="Checkpoint whose tower to teach (its weights are rewritten)")
-    parser.add_argument("--steps", type=int, default=3000, help="Training steps")
-    parser.add_argument("--pictures", type=int, default=24000, help="Pictures drawn for training")
-    parser.add_argument("--seed", type=int, default=0, help="Seed of the pictures and the readout")
-    args = parser.parse_args()
-    from mlxvlm import load
-    from mlxvlm.convert import write_weights
-
-    model, processor = load(args.model)
-    readout = train_tower(model, processor, steps=args.steps, pictures=args.pictures,
-                          seed=args.seed)
-    print(f"shapes right on 300 fresh pictures: "
-          f"{readout_accuracy(model.vision_tower, readout, processor, 300, 1234):.1%}")
-    write_weights(model, Path(args.model))

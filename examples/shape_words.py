@@ -77,7 +77,9 @@ def group_conversations(model, encoded_conversations, log=print) -> list[Group]:
 
     groups: dict[tuple, Group] = {}
     tic = time.perf_counter()
+    count = 0
     for index, encoded in enumerate(encoded_conversations):
+        count += 1
         ids = np.asarray(encoded.input_ids, dtype=np.int32)
         grid = np.asarray(encoded.features["image_grid_thw"]).reshape(1, 3)
         pixels = mx.array(encoded.features["pixel_values"])
@@ -93,7 +95,9 @@ def group_conversations(model, encoded_conversations, log=print) -> list[Group]:
             log(f"encoded {index + 1} pictures, {time.perf_counter() - tic:.0f} s")
     for group in groups.values():
         group.stack()
-    log(f"{index + 1} pictures in {len(groups)} groups of one length and grid")
+    if not groups:
+        raise ValueError("no conversations to train on")
+    log(f"{count} pictures in {len(groups)} groups of one length and grid")
     return list(groups.values())
 
 
@@ -104,11 +108,7 @@ def batch_loss(language_model, group: Group, rows: mx.array) -> mx.array:
     embeddings = mx.concatenate([embeddings[:, : group.start], group.features[rows],
                                  embeddings[:, group.stop :]], axis=1)
     hidden = language_model.model(ids[:, :-1], None, embeddings[:, :-1], group.state)
-    hidden = hidden[:, group.scored_from :]
-    if language_model.config.tie_word_embeddings:
-        logits = language_model.model.embed_tokens.as_linear(hidden)
-    else:
-        logits = language_model.lm_head(hidden)
+    logits = language_model.logits(hidden[:, group.scored_from :])
     losses = nn.losses.cross_entropy(logits.astype(mx.float32), ids[:, 1 + group.scored_from :])
     mask = group.masks[rows][:, 1 + group.scored_from :]
     return (losses * mask).sum() / mask.sum()

@@ -119,9 +119,9 @@ def build_checkpoint(directory: str | Path, corpus: Iterable[str], *, seed: int 
                      image_size: int = 56, pixels: int | None = None, **sizes) -> Path:
     """Write a random tiny Qwen2-VL into ``directory``. Its image processor resizes every
     picture to about ``pixels`` pixels (default ``image_size`` squared), keeping the
-    aspect ratio with sides rounded to multiples of 28 (Qwen2-VL's ``smart_resize``):
-    a square one of ``image_size`` becomes (image_size / 28)^2 tokens, a 448 x 64 one a
-    strip of tokens."""
+    aspect ratio with sides rounded to multiples of two patches (Qwen2-VL's
+    ``smart_resize``): with the default 14-pixel patches a square one of ``image_size``
+    becomes (image_size / 28)^2 tokens, a 448 x 64 one a strip of tokens."""
     import mlx.core as mx
 
     from mlxvlm.convert import write_config, write_weights

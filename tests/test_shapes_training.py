@@ -6,15 +6,17 @@ that loads and answers greedily."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxvlm import generate, load
+from mlxvlm import load
 from mlxvlm.finetune.trainer import model_inputs, sequence_loss
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -79,18 +81,79 @@ def test_batched_words_loss_is_finetunes_loss(tiny):
         assert batched == pytest.approx(total / answer_tokens, rel=1e-5)
 
 
-def test_the_recipe_runs_to_a_greedy_checkpoint(tmp_path):
-    args = SimpleNamespace(seed=1, text_layers=1, tower_steps=3, tower_pictures=32,
-                           words_steps=3, words_pictures=16)
-    final, facts = teach_shapes.teach(tmp_path, args)
-    config = json.loads((final / "generation_config.json").read_text())
-    assert config["do_sample"] is False
-    assert config["eos_token_id"] == json.loads((final / "config.json").read_text())["eos_token_id"]
-    model, processor = load(final)
-    image = shapes.draw("red", "circle")
-    result = generate(model, processor, shapes.QUESTION, image=image, max_tokens=3)
-    assert result.generation_tokens >= 1
-    assert facts["tower_steps"] == 3 and facts["minutes"] > 0
-    card = teach_shapes.CARD.format(**facts, score=0.5, colour=1, shape=0.5, background=1,
-                                    count=10, seed=2)
-    assert "cores of" in card and "10 fresh pictures" in card
+# Run in a fresh process (and its spawned picture workers) where torch is absent, as in
+# a plain ``pip install -e .``: sitecustomize marks torch and its companions missing, so
+# ``import torch`` fails and ``find_spec`` says "not installed", as without the package.
+NO_TORCH = "import sys\nfor name in ('torch', 'torchvision', 'torchaudio'):\n    sys.modules[name] = None\n"
+
+RECIPE = """
+import json, sys
+from pathlib import Path
+from types import SimpleNamespace
+sys.path.insert(0, EXAMPLES)
+import shapes, teach_shapes
+from mlxvlm import generate, load
+
+args = SimpleNamespace(seed=1, text_layers=1, tower_steps=3, tower_pictures=32,
+                       words_steps=3, words_pictures=16)
+final, facts = teach_shapes.teach(Path(WORK), args)
+model, processor = load(final)
+result = generate(model, processor, shapes.QUESTION, image=shapes.draw("red", "circle"),
+                  max_tokens=3)
+card = teach_shapes.CARD.format(**facts, score=0.5, colour=1, shape=0.5, background=1,
+                                count=10, seed=2)
+print("RESULT " + json.dumps(dict(
+    generation_config=json.loads((final / "generation_config.json").read_text()),
+    config=json.loads((final / "config.json").read_text()),
+    generation_tokens=result.generation_tokens, facts=facts, card=card,
+    torch_loaded="torch" in sys.modules and sys.modules["torch"] is not None)))
+"""
+
+
+def test_the_recipe_runs_to_a_greedy_checkpoint_without_torch(tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(NO_TORCH)
+    env = {k: v for k, v in os.environ.items() if k != "MLXVLM_ALLOW_TORCH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env.get("PYTHONPATH", "")])
+    script = f"EXAMPLES = {str(EXAMPLES)!r}\nWORK = {str(tmp_path / 'work')!r}\n" + RECIPE
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["generation_config"]["do_sample"] is False
+    assert out["generation_config"]["eos_token_id"] == out["config"]["eos_token_id"]
+    assert out["generation_tokens"] >= 1
+    assert out["facts"]["tower_steps"] == 3 and out["facts"]["minutes"] > 0
+    assert "cores of" in out["card"] and "10 fresh pictures" in out["card"]
+    assert out["torch_loaded"] is False
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--tower-steps", "1", "--tower-steps must be at least 2"),
+    ("--words-steps", "0", "--words-steps must be at least 2"),
+    ("--tower-pictures", "0", "--tower-pictures must be at least 1"),
+    ("--words-pictures", "-3", "--words-pictures must be at least 1"),
+    ("--text-layers", "0", "--text-layers must be at least 1"),
+])
+def test_teach_shapes_refuses_options_out_of_range(monkeypatch, capsys, flag, value, message):
+    """Before any work (no model is built): argparse's one-line usage error, exit 2."""
+    monkeypatch.setattr(sys, "argv", ["teach_shapes.py", flag, value])
+    monkeypatch.setattr(teach_shapes, "teach", lambda *a: pytest.fail("teach ran"))
+    with pytest.raises(SystemExit) as exited:
+        teach_shapes.main()
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
+
+
+def test_teach_shapes_help_shows_every_default(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["teach_shapes.py", "--help"])
+    with pytest.raises(SystemExit):
+        teach_shapes.main()
+    text = " ".join(capsys.readouterr().out.split())
+    for option, default in (("--tower-steps", "3000"), ("--tower-pictures", "24000"),
+                            ("--words-steps", "3000"), ("--words-pictures", "6000"),
+                            ("--text-layers", "2"), ("--seed", "0")):
+        # the option, its metavar, its help (no "--" in it), then its own default
+        assert re.search(rf"{option} \S+ [^-]*\(default: {default}\)", text), option

@@ -586,9 +586,14 @@ class LanguageModel(nn.Module):
         h = self.model(inputs, cache, embeddings, state)
         if last_only:
             h = h[:, -1:]
+        return self.logits(h)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """The output head over the decoder's final hidden states (the tied embeddings or
+        ``lm_head``): for a caller that scores only some positions."""
         if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Tensor parallelism over ``group``, as mlx-lm's models' ``shard``."""
