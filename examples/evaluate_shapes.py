@@ -3,6 +3,14 @@ training ones and runs each through ``mlxvlm.load`` / ``generate`` (greedy).
 
     python examples/evaluate_shapes.py                      # 200 pictures, seed 1234
     python examples/evaluate_shapes.py -n 500 --seed 7 --show-errors
+    python examples/evaluate_shapes.py --turns 2            # a chat: the second picture
+    python examples/evaluate_shapes.py --turns 2 --ask-again
+
+With ``--turns N`` each of the ``-n`` conversations brings a new picture in each of N
+turns (each unlike the one before it), the model's own answers kept in the history as a
+chat keeps them, and what is scored is the last answer, about the newest picture;
+``--ask-again`` adds a turn without a picture asking the question again, whose answer
+must still be about the newest picture.
 
 The pictures come from their own drawing code, not examples/shapes.py, so that the
 figure says how the model does on pictures it was not made from: Python's ``random``
@@ -119,44 +127,92 @@ def parts_right(answer: str, label: tuple[str, str, str]) -> tuple[bool, bool, b
     return tuple(bool(said) and said.group(k + 1) == label[k] for k in range(3))
 
 
-def evaluate(model_path, count: int, seed: int, show_errors: bool = False) -> dict:
+def chat_turn(messages: list, picture: bool) -> list:
+    """``messages`` with one more user turn asking the question, bringing a picture or not."""
+    content = [{"type": "image"}, {"type": "text", "text": QUESTION}] if picture else QUESTION
+    return messages + [{"role": "user", "content": content}]
+
+
+def evaluate(model_path, count: int, seed: int, show_errors: bool = False, turns: int = 1,
+             ask_again: bool = False) -> dict:
     """The share of ``count`` fresh pictures described exactly right (``score``), and of
-    their colours, shapes and backgrounds named right, with ``count`` and ``seed``."""
+    their colours, shapes and backgrounds named right, with ``count`` and ``seed``. With
+    ``turns`` > 1 (or ``ask_again``) each is the newest picture of a chat (see the
+    module's help), and ``earlier`` is the share of answers that described an earlier
+    picture instead."""
     from mlxvlm import generate, load
 
     model, processor = load(model_path)
     rng = random.Random(seed)
-    right = 0
+    right = earlier = 0
     parts = [0, 0, 0]  # colour, shape, background right
     for i in range(count):
-        image, label = draw_fresh(rng)
-        answer = generate(model, processor, QUESTION, image=image, max_tokens=16).text.strip()
-        expected = describe(*label)
+        messages, images, labels = [], [], []
+        for turn in range(turns):
+            while True:  # a new picture: not the one before it again
+                image, label = draw_fresh(rng)
+                if not labels or label != labels[-1]:
+                    break
+            images.append(image)
+            labels.append(label)
+            messages = chat_turn(messages, picture=True)
+            answer = generate(model, processor, messages, image=images, max_tokens=16).text.strip()
+            messages.append({"role": "assistant", "content": answer})
+        if ask_again:
+            messages = chat_turn(messages, picture=False)
+            answer = generate(model, processor, messages, image=images, max_tokens=16).text.strip()
+        expected = describe(*labels[-1])
         right += answer == expected
-        for k, said in enumerate(parts_right(answer, label)):
+        earlier += answer in {describe(*label) for label in labels[:-1]} - {expected}
+        for k, said in enumerate(parts_right(answer, labels[-1])):
             parts[k] += said
         if show_errors and answer != expected:
             print(f"  #{i} {image.width}x{image.height}: expected {expected!r}, got {answer!r}")
     colour, shape, background = (p / count for p in parts)
-    return dict(score=right / count, colour=colour, shape=shape, background=background,
-                count=count, seed=seed)
+    result = dict(score=right / count, colour=colour, shape=shape, background=background,
+                  count=count, seed=seed, turns=turns, ask_again=ask_again)
+    if turns > 1:
+        result["earlier"] = earlier / count
+    return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=str(HERE / "shapes-vlm"), help="The model to measure")
-    parser.add_argument("-n", "--count", type=int, default=200, help="Pictures to draw")
+    parser.add_argument("-n", "--count", type=int, default=200,
+                        help="Pictures (with --turns, conversations) to draw")
     parser.add_argument("--seed", type=int, default=1234, help="Seed of the pictures")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="Turns of a chat, each with a new picture; the last is scored")
+    parser.add_argument("--ask-again", action="store_true",
+                        help="Then ask again without a picture, and score that answer")
     parser.add_argument("--show-errors", action="store_true",
                         help="Print each wrong answer with the picture's size")
     args = parser.parse_args()
+    if args.count < 1:
+        parser.error("-n/--count must be at least 1")
+    if args.turns < 1:
+        parser.error("--turns must be at least 1")
     tic = time.perf_counter()
-    result = evaluate(args.model, args.count, args.seed, args.show_errors)
-    print("{score:.1%} of {count} fresh pictures described exactly right (seed {seed}): "
-          "colour {colour:.1%}, shape {shape:.1%}, background {background:.1%}".format(**result)
-          + f", {time.perf_counter() - tic:.0f} s")
+    result = evaluate(args.model, args.count, args.seed, args.show_errors, args.turns,
+                      args.ask_again)
+    print(summary(result) + f", {time.perf_counter() - tic:.0f} s")
     return 0
+
+
+def summary(result: dict) -> str:
+    """One line saying what was measured and how it went."""
+    what = "fresh pictures"
+    if result["turns"] > 1 or result["ask_again"]:
+        pictures = "picture" if result["turns"] == 1 else "pictures"
+        what = f"chats of {result['turns']} {pictures}" + (
+            " and a question again" if result["ask_again"] else "")
+    line = ("{score:.1%} of {count} " + what + " described exactly right (seed {seed}): "
+            "colour {colour:.1%}, shape {shape:.1%}, background {background:.1%}").format(**result)
+    if "earlier" in result:
+        line += f"; {result['earlier']:.1%} described an earlier picture instead"
+    return line
 
 
 if __name__ == "__main__":

@@ -139,20 +139,39 @@ def classes(backgrounds=("white",)) -> list[tuple[str, str, str]]:
     return [(c, s, b) for b in backgrounds for c in COLORS for s in SHAPES]
 
 
-def conversation(answer: str | None = None) -> list[dict]:
+def conversation(answer: str | None = None, question: str = QUESTION) -> list[dict]:
     """The question about one image, and the answer when given."""
-    messages = [{"role": "user", "content": [{"type": "image"},
-                                             {"type": "text", "text": QUESTION}]}]
-    if answer is not None:
-        messages.append({"role": "assistant", "content": answer})
+    return chat([True], [answer], question=question)
+
+
+def chat(pictured, answers, text_first=(), question: str = QUESTION) -> list[dict]:
+    """A conversation of turns asking the question, each bringing a new picture
+    (``pictured[k]``) or not (asking again about the latest one), each answered by
+    ``answers[k]`` (None leaves a turn unanswered: the last one, to be generated). A turn
+    listed in ``text_first`` puts the question before its picture, as some clients send
+    it."""
+    messages = []
+    for turn, (picture, answer) in enumerate(zip(pictured, answers, strict=True)):
+        text = {"type": "text", "text": question}
+        if not picture:
+            content = question
+        elif turn in text_first:
+            content = [text, {"type": "image"}]
+        else:
+            content = [{"type": "image"}, text]
+        messages.append({"role": "user", "content": content})
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
     return messages
 
 
 def write_dataset(path: str | Path, count: int, seed: int, backgrounds=("white",),
-                  size: int | None = 56, easy: bool = False) -> Path:
+                  size: int | None = 56, easy: bool = False,
+                  asks=((QUESTION, describe),)) -> Path:
     """``count`` pictures (the classes in turn; training shuffles them) as PNGs beside
     ``path``, and the JSONL records asking about them: ``draw``'s tidy ones of ``size``
-    pixels, or ``draw_varied``'s (``easy`` or not) with ``size=None``."""
+    pixels, or ``draw_varied``'s (``easy`` or not) with ``size=None``. Each round of the
+    classes asks the next of ``asks``, (question, answer(colour, shape, background))."""
     path = Path(path)
     image_dir = path.parent / f"{path.stem}-images"
     image_dir.mkdir(parents=True, exist_ok=True)
@@ -164,8 +183,9 @@ def write_dataset(path: str | Path, count: int, seed: int, backgrounds=("white",
             name = f"{image_dir.name}/{i:05d}.png"
             image = (draw_varied(color, shape, background, rng, easy) if size is None
                      else draw(color, shape, background, size, rng))
-            image.save(path.parent / name)
-            record = {"messages": conversation(describe(color, shape, background)),
+            image.save(path.parent / name, optimize=True)
+            question, answer = asks[i // len(labels) % len(asks)]
+            record = {"messages": conversation(answer(color, shape, background), question),
                       "images": [name]}
             file.write(json.dumps(record) + "\n")
     return path
