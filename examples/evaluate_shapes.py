@@ -10,7 +10,8 @@ With ``--turns N`` each of the ``-n`` conversations brings a new picture in each
 turns (each unlike the one before it), the model's own answers kept in the history as a
 chat keeps them, and what is scored is the last answer, about the newest picture;
 ``--ask-again`` adds a turn without a picture asking the question again, whose answer
-must still be about the newest picture.
+must still be about the newest picture. ``--text-first`` puts each question before its
+picture, as OpenAI clients often send it.
 
 The pictures come from their own drawing code, not examples/shapes.py, so that the
 figure says how the model does on pictures it was not made from: Python's ``random``
@@ -127,14 +128,17 @@ def parts_right(answer: str, label: tuple[str, str, str]) -> tuple[bool, bool, b
     return tuple(bool(said) and said.group(k + 1) == label[k] for k in range(3))
 
 
-def chat_turn(messages: list, picture: bool) -> list:
-    """``messages`` with one more user turn asking the question, bringing a picture or not."""
+def chat_turn(messages: list, picture: bool, text_first: bool = False) -> list:
+    """``messages`` with one more user turn asking the question, bringing a picture (after
+    the question with ``text_first``) or not."""
     content = [{"type": "image"}, {"type": "text", "text": QUESTION}] if picture else QUESTION
+    if picture and text_first:
+        content.reverse()
     return messages + [{"role": "user", "content": content}]
 
 
 def evaluate(model_path, count: int, seed: int, show_errors: bool = False, turns: int = 1,
-             ask_again: bool = False) -> dict:
+             ask_again: bool = False, text_first: bool = False) -> dict:
     """The share of ``count`` fresh pictures described exactly right (``score``), and of
     their colours, shapes and backgrounds named right, with ``count`` and ``seed``. With
     ``turns`` > 1 (or ``ask_again``) each is the newest picture of a chat (see the
@@ -155,7 +159,7 @@ def evaluate(model_path, count: int, seed: int, show_errors: bool = False, turns
                     break
             images.append(image)
             labels.append(label)
-            messages = chat_turn(messages, picture=True)
+            messages = chat_turn(messages, picture=True, text_first=text_first)
             answer = generate(model, processor, messages, image=images, max_tokens=16).text.strip()
             messages.append({"role": "assistant", "content": answer})
         if ask_again:
@@ -170,7 +174,8 @@ def evaluate(model_path, count: int, seed: int, show_errors: bool = False, turns
             print(f"  #{i} {image.width}x{image.height}: expected {expected!r}, got {answer!r}")
     colour, shape, background = (p / count for p in parts)
     result = dict(score=right / count, colour=colour, shape=shape, background=background,
-                  count=count, seed=seed, turns=turns, ask_again=ask_again)
+                  count=count, seed=seed, turns=turns, ask_again=ask_again,
+                  text_first=text_first)
     if turns > 1:
         result["earlier"] = earlier / count
     return result
@@ -187,6 +192,8 @@ def main() -> int:
                         help="Turns of a chat, each with a new picture; the last is scored")
     parser.add_argument("--ask-again", action="store_true",
                         help="Then ask again without a picture, and score that answer")
+    parser.add_argument("--text-first", action="store_true",
+                        help="Put each question before its picture")
     parser.add_argument("--show-errors", action="store_true",
                         help="Print each wrong answer with the picture's size")
     args = parser.parse_args()
@@ -196,7 +203,7 @@ def main() -> int:
         parser.error("--turns must be at least 1")
     tic = time.perf_counter()
     result = evaluate(args.model, args.count, args.seed, args.show_errors, args.turns,
-                      args.ask_again)
+                      args.ask_again, args.text_first)
     print(summary(result) + f", {time.perf_counter() - tic:.0f} s")
     return 0
 
@@ -208,6 +215,8 @@ def summary(result: dict) -> str:
         pictures = "picture" if result["turns"] == 1 else "pictures"
         what = f"chats of {result['turns']} {pictures}" + (
             " and a question again" if result["ask_again"] else "")
+    if result["text_first"]:
+        what += " (each question before its picture)"
     line = ("{score:.1%} of {count} " + what + " described exactly right (seed {seed}): "
             "colour {colour:.1%}, shape {shape:.1%}, background {background:.1%}").format(**result)
     if "earlier" in result:

@@ -40,11 +40,13 @@ TURNS = (
     ((True,), 0.40),
     ((True, True), 0.25),
     ((True, False), 0.10),
-    ((True, True, True), 0.10),
-    ((True, True, False), 0.10),
+    ((True, True, True), 0.05),
+    ((True, True, False), 0.15),
     ((True, False, True), 0.05),
 )
-TEXT_FIRST = 0.2  # the share of pictured turns whose question comes before the picture
+# The share of pictured turns whose question comes before the picture, as OpenAI clients
+# often send it (at 0.2 a model got 93% of such chats against 98.5% the other way round).
+TEXT_FIRST = 0.5
 
 
 @dataclass

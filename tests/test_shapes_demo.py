@@ -1,7 +1,8 @@
 """The committed demo model (examples/shapes-vlm) describes pictures a user might draw,
 not only ones like its training pictures: freshly drawn by examples/evaluate_shapes.py
 (its own drawing code), square and long, small and large, the shape anywhere and
-35-85% of the shorter side, jittered colours, outlines and anti-aliasing."""
+35-85% of the shorter side, jittered colours, outlines and anti-aliasing; and in a chat,
+through mlxvlm.generate and the server, it answers about the newest picture."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import evaluate_shapes  # noqa: E402
+
+from server_process import ServerProcess  # noqa: E402
 
 # (width, height), (colour, shape, background): every shape, colour and background, and
 # the sizes the README's users tried (a 300 x 300 square, a 180 x 120 circle).
@@ -52,6 +55,70 @@ def test_demo_describes_freshly_drawn_pictures(demo):
         if answer != evaluate_shapes.describe(*label):
             wrong.append(f"{size}: {label} -> {answer!r}")
     assert len(wrong) <= 1, wrong
+
+
+# Chats of two pictures, the second unlike the first in colour, shape and background
+# (the issue's case first): the answer to the second turn describes the second picture.
+CHATS = [
+    (("yellow", "circle", "black"), ("green", "square", "white")),
+    (("red", "triangle", "white"), ("blue", "circle", "gray")),
+    (("green", "circle", "gray"), ("yellow", "triangle", "black")),
+    (("blue", "square", "black"), ("red", "circle", "white")),
+    (("yellow", "square", "white"), ("green", "triangle", "gray")),
+    (("red", "circle", "gray"), ("blue", "triangle", "black")),
+]
+
+
+def picture(label, seed: int, size=(200, 160)):
+    return evaluate_shapes.draw_fresh(random.Random(seed), label, size)[0]
+
+
+def test_demo_answers_about_the_newest_picture(demo):
+    """A later turn bringing a new picture is answered about it, and a turn asking again
+    without one about the newest picture too."""
+    model, processor = demo
+    wrong = []
+    for i, (first, second) in enumerate(CHATS):
+        images = [picture(first, 2000 + i), picture(second, 3000 + i)]
+        messages = evaluate_shapes.chat_turn([], picture=True)
+        messages.append({"role": "assistant", "content": evaluate_shapes.describe(*first)})
+        messages = evaluate_shapes.chat_turn(messages, picture=True)
+        answer = generate(model, processor, messages, image=images, max_tokens=16).text.strip()
+        messages.append({"role": "assistant", "content": answer})
+        again = generate(model, processor, evaluate_shapes.chat_turn(messages, picture=False),
+                         image=images, max_tokens=16).text.strip()
+        for said in (answer, again):
+            if said != evaluate_shapes.describe(*second):
+                wrong.append(f"{first} then {second} -> {said!r}")
+    assert len(wrong) <= 1, wrong
+
+
+def data_url(image) -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_server_chat_answers_about_the_newest_picture():
+    """Through ``python -m mlxvlm.server`` and the OpenAI client, as a user chats: turn 1
+    a yellow circle, turn 2 a green square, each answer kept in the history."""
+    first, second = CHATS[0]
+    history = []
+    model = str(EXAMPLES / "shapes-vlm")
+    with ServerProcess("--model", model) as server:
+        client = server.openai_client()
+        for label, seed in ((first, 2000), (second, 3000)):
+            history.append({"role": "user", "content": [
+                {"type": "text", "text": evaluate_shapes.QUESTION},
+                {"type": "image_url", "image_url": {"url": data_url(picture(label, seed))}}]})
+            reply = client.chat.completions.create(model=model, messages=history,
+                                                   max_tokens=16)
+            answer = reply.choices[0].message.content.strip()
+            assert answer == evaluate_shapes.describe(*label), (label, answer)
+            history.append({"role": "assistant", "content": answer})
 
 
 def test_generation_config_is_greedy():

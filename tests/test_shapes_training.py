@@ -126,19 +126,20 @@ from mlx.utils import tree_flatten
 from mlxvlm import generate, load
 
 args = SimpleNamespace(seed=1, text_layers=1, tower_steps=3, tower_pictures=32,
-                       words_steps=3, words_conversations=16, continue_from=None)
+                       words_steps=3, words_conversations=16, words_learning_rate=1e-3,
+                       continue_from=None)
 final, facts = teach_shapes.teach(Path(WORK) / "new", args)
 model, processor = load(final)
 result = generate(model, processor, shapes.QUESTION, image=shapes.draw("red", "circle"),
                   max_tokens=3)
 measured = dict(score=0.5, colour=1, shape=0.5, background=1, count=10, seed=2)
 chat = dict(measured, score=0.25, earlier=0.75)
-card = teach_shapes.card(facts, measured, chat, dict(chat, score=0.125))
+card = teach_shapes.card(facts, measured, chat, dict(chat, score=0.375), dict(chat, score=0.125))
 (final / "README.md").write_text(card)
 
-args.continue_from, args.words_steps = str(final), 2
+args.continue_from, args.words_steps, args.words_learning_rate = str(final), 2, 3e-4
 more, more_facts = teach_shapes.teach(Path(WORK) / "more", args)
-more_card = teach_shapes.card(more_facts, measured, chat, dict(chat, score=0.125))
+more_card = teach_shapes.card(more_facts, measured, chat, chat, chat)
 again, _ = load(more)
 def weights(m, part):
     return {k: np.array(v) for k, v in tree_flatten(getattr(m, part).parameters())}
@@ -178,13 +179,14 @@ def test_the_recipe_runs_to_a_greedy_checkpoint_without_torch(tmp_path):
     assert "cores of" in card and "10 fresh pictures" in card
     assert "3 steps on 16 conversations: 40% ask about one picture" in card
     assert "25.0% of 10 second pictures" in card and "(75.0% described the first" in card
+    assert "as OpenAI clients often send it, 37.5%" in card
     assert "again in a third turn without a picture, 12.5%" in card
     assert "tower_steps" not in out["more_facts"]
     more = " ".join(out["more_card"].split())
     taught = card.split("## How it was taught ")[1].split(" ## ")[0]
     assert taught in more  # the first model's account, kept whole
     assert "--continue-from " + out["more_facts"]["source"] in more
-    assert "2 more steps on 16 conversations" in more
+    assert "2 more steps (peak learning rate 0.0003) on 16 conversations" in more
     assert out["tower_kept"] and out["words_moved"]
     assert out["torch_loaded"] is False
 
@@ -195,6 +197,7 @@ def test_the_recipe_runs_to_a_greedy_checkpoint_without_torch(tmp_path):
     ("--tower-pictures", "0", "--tower-pictures must be at least 1"),
     ("--words-conversations", "-3", "--words-conversations must be at least 1"),
     ("--text-layers", "0", "--text-layers must be at least 1"),
+    ("--words-learning-rate", "0", "--words-learning-rate must be above 0"),
 ])
 def test_teach_shapes_refuses_options_out_of_range(monkeypatch, capsys, flag, value, message):
     """Before any work (no model is built): argparse's one-line usage error, exit 2."""
@@ -213,6 +216,7 @@ def test_teach_shapes_help_shows_every_default(capsys, monkeypatch):
     text = " ".join(capsys.readouterr().out.split())
     for option, default in (("--tower-steps", "3000"), ("--tower-pictures", "24000"),
                             ("--words-steps", "3000"), ("--words-conversations", "6000"),
+                            ("--words-learning-rate", "0.001"),
                             ("--text-layers", "2"), ("--seed", "0")):
         # the option, its metavar, its help (no "--" in it), then its own default
         assert re.search(rf"{option} \S+ [^-]*\(default: {default}\)", text), option
