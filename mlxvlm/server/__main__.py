@@ -1,5 +1,6 @@
 """``python -m mlxvlm.server --model M [--model N ...]``: load the first model and serve
-them with uvicorn; under mlx.launch, one model sharded over the ranks (rank 0 serves)."""
+them (``listener.serve``: uvicorn under the connection guards); under mlx.launch, one model
+sharded over the ranks (rank 0 serves)."""
 
 from __future__ import annotations
 
@@ -38,10 +39,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             follow(*sharded_load(args))
             return
-        # Before the slow model load: without the extra, say how to install it.
+        # Before the slow model load: without the extra, say how to install it; a port in
+        # use is said at once too, and stays ours while the model loads.
         require_extra("server", "the server", ("fastapi", "uvicorn"))
-        import uvicorn
+        from mlxvlm.server.listener import open_listener, serve
 
+        listener = open_listener(config.host, config.port)
         from mlxvlm.sampling_defaults import checkpoint_defaults
         from mlxvlm.server.app import create_app, create_registry_app
         from mlxvlm.server.chat import describe_sampling_defaults
@@ -68,8 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         config.model_id,
                         describe_sampling_defaults(checkpoint_defaults(service.processor)))
             app = create_registry_app(registry)
-        uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        serve(app, config, listener, log_level=args.log_level)
 
     return run_cli(serve)
 

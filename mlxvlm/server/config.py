@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Requests waiting beyond those; more get 429")
     parser.add_argument("--max-body-bytes", type=ranged(at_least(1, _HUGE)), default=32 * MiB,
                         help="Largest request body (413 above)")
+    parser.add_argument("--max-buffered-body-bytes", type=ranged(at_least(1, _HUGE)),
+                        default=None,
+                        help="Bytes of all request bodies being read at once; a body that "
+                        "would pass it gets 503 (default: 8 times --max-body-bytes)")
     parser.add_argument("--max-image-bytes", type=ranged(at_least(1, _HUGE)), default=20 * MiB,
                         help="Largest encoded image")
     parser.add_argument("--max-image-pixels", type=ranged(at_least(1, _HUGE)), default=25_000_000,
@@ -248,6 +252,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_concurrency=args.max_concurrency,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
+        max_buffered_body_bytes=args.max_buffered_body_bytes,
         max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels,
         media_timeout=args.media_timeout,

@@ -15,9 +15,10 @@ def _metric(lines: list[str], name: str, kind: str, help_text: str, samples) -> 
         lines.append(f"{name}{{{label_text}}} {value}" if label_text else f"{name} {value}")
 
 
-def render_metrics(models: ModelRegistry) -> str:
+def render_metrics(models: ModelRegistry, app_state) -> str:
     """The server's counts, then each loaded model's engine (labelled by model where the
-    server serves several)."""
+    server serves several). ``app_state``: the app's state, with the listener's
+    ``protocol.ConnectionLimits`` where it runs under them."""
     counters = models.counters
     services = models.services()
     labelled = len(models.ids()) > 1
@@ -35,6 +36,19 @@ def render_metrics(models: ModelRegistry) -> str:
       [({"status": str(code)}, n) for code, n in sorted((counters.by_status or {}).items())])
     m("mlxvlm_requests_rejected_busy_total", "counter",
       "Requests refused with 429 because the queue was full", [({}, counters.rejected_busy)])
+    connections = getattr(app_state, "connection_limits", None)
+    if connections is not None:
+        m("mlxvlm_connections_open", "gauge", "Client connections open now",
+          [({}, connections.open)])
+        m("mlxvlm_connections_refused_total", "counter",
+          "Connections refused at --max-connections (answered 503)",
+          [({}, connections.refused)])
+        m("mlxvlm_connections_timed_out_total", "counter",
+          "Connections closed because their headers or body did not arrive in time "
+          "(--header-timeout, --body-timeout)", [({}, connections.timed_out)])
+    m("mlxvlm_body_bytes_buffered", "gauge",
+      "Bytes of request bodies being read now (at most --max-buffered-body-bytes)",
+      [({}, app_state.body_budget.in_use)])
     m("mlxvlm_models_loaded", "gauge", "Models loaded now", [({}, len(services))])
     m("mlxvlm_model_loads_total", "counter", "Models loaded (at start or on first use)",
       [({}, models.loads)])
