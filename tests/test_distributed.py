@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from raw_http import CHAT_HEAD, assert_raw_error, raw_socket, read_response
 
 import mlxvlm
 from mlxvlm.convert import convert
@@ -168,7 +169,8 @@ def test_cli_under_mlx_launch_prints_once_what_one_process_prints(checkpoints):
 
 def test_server_under_mlx_launch_answers_as_one_process(checkpoints, tmp_path):
     """Rank 0 serves HTTP, rank 1 follows its requests: the greedy answer is the one
-    process's."""
+    process's; rank 0 serves under the same connection guards as one process (a request
+    whose headers stop gets 408 at --header-timeout)."""
     import signal
 
     paths, _ = checkpoints
@@ -181,7 +183,7 @@ def test_server_under_mlx_launch_answers_as_one_process(checkpoints, tmp_path):
         [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
          "--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}",
          "--python", sys.executable, "--", "-m", "mlxvlm.server", "--model",
-         str(paths["qwen2_vl"]), "--port", str(port)],
+         str(paths["qwen2_vl"]), "--port", str(port), "--header-timeout", "1"],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}/v1"
@@ -191,6 +193,8 @@ def test_server_under_mlx_launch_answers_as_one_process(checkpoints, tmp_path):
                            "max_tokens": 12}).encode()
         answers = [_post(f"{base}/chat/completions", body) for _ in range(2)]  # rank 1
         # follows more than one request
+        with raw_socket(port, CHAT_HEAD) as stalled:  # headers that never end
+            assert_raw_error(read_response(stalled), 408, code="request_timeout")
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
