@@ -1,10 +1,14 @@
 """The Markdown pages render as written: every table of README.md, docs/ and benchmarks/
 is a table under CommonMark with GitHub's tables (markdown-it-py, the parser behind
-Gradio's and many sites' Markdown), with no row left out of it as raw pipes."""
+Gradio's and many sites' Markdown), with no row left out of it as raw pipes; and every
+relative link leads to a file that exists and, into a Markdown page, to one of its
+headings."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 from markdown_it import MarkdownIt
@@ -43,3 +47,84 @@ def test_every_table_renders(page):
 
 def test_pages_were_found():
     assert ROOT / "README.md" in PAGES and len(PAGES) >= 3
+
+
+# Links: every relative link of a page names a file (or folder) of the repository, and an
+# ``#anchor`` into a Markdown page names one of its headings, slugged as GitHub slugs them.
+
+SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # http:, https:, mailto: ...
+
+
+def heading_slugs(text: str) -> set[str]:
+    """The anchors GitHub gives the page's headings: the heading's text lower-cased, every
+    character but letters, digits, '-', '_' and spaces dropped, spaces turned into '-';
+    a repeated slug gets '-1', '-2' ..."""
+    tokens = MarkdownIt("commonmark").enable("table").parse(text)
+    slugs: set[str] = set()
+    for opening, inline in zip(tokens, tokens[1:]):
+        if opening.type != "heading_open":
+            continue
+        words = "".join(child.content for child in inline.children or []
+                        if child.type in ("text", "code_inline"))
+        slug = re.sub(r"[^\w\- ]", "", words.lower()).replace(" ", "-")
+        unique, n = slug, 0
+        while unique in slugs:
+            n += 1
+            unique = f"{slug}-{n}"
+        slugs.add(unique)
+    return slugs
+
+
+def link_targets(text: str) -> list[str]:
+    """Every link and image target of the page as markdown-it reads it (code is not
+    scanned: a fence or an inline code span holds no links)."""
+    targets = []
+    for token in MarkdownIt("commonmark").enable("table").parse(text):
+        for child in token.children or []:
+            if child.type == "link_open":
+                targets.append(child.attrs["href"])
+            elif child.type == "image":
+                targets.append(child.attrs["src"])
+    return targets
+
+
+def broken_links(page: Path) -> list[str]:
+    """The relative links of ``page`` that lead nowhere, each with the reason."""
+    broken = []
+    for target in link_targets(page.read_text()):
+        if SCHEME.match(target) or target.startswith("//"):
+            continue
+        path, _, anchor = target.partition("#")
+        destination = (page.parent / unquote(path)).resolve() if path else page
+        if not destination.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and destination.suffix == ".md" and destination.is_file():
+            if anchor not in heading_slugs(destination.read_text()):
+                broken.append(f"{target}: no heading #{anchor} in {destination.name}")
+    return broken
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_leads_somewhere(page):
+    broken = broken_links(page)
+    assert not broken, f"{page.name}: {broken}"
+
+
+def test_link_check_finds_a_missing_file_and_a_missing_heading(tmp_path):
+    (tmp_path / "other.md").write_text("# Other page\n\n## The `--port` flag (TCP)\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Title, with: punctuation\n\n"
+        "[fine](other.md#the---port-flag-tcp) [fine](#title-with-punctuation) "
+        "[web](https://example.com/x.md#nowhere) `[code](missing.md)`\n\n"
+        "[gone](missing.md) [no heading](other.md#no-such-heading) [self](#nothing)\n"
+    )
+    assert broken_links(page) == [
+        "missing.md: no such file",
+        "other.md#no-such-heading: no heading #no-such-heading in other.md",
+        "#nothing: no heading #nothing in page.md",
+    ]
+
+
+def test_repeated_headings_get_numbered_slugs():
+    assert heading_slugs("# Flags\n\n## Flags\n\n## Flags\n") == {"flags", "flags-1", "flags-2"}

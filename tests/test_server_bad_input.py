@@ -419,7 +419,7 @@ def test_several_api_keys_and_per_key_prefix_reuse(loaded, tmp_path):
         assert cached("key-b") > 0
         with pytest.raises(openai.AuthenticationError):
             secured.client(api_key="key-c").models.list()
-    # Without keys the cache is shared by everyone (documented in the README).
+    # Without keys the cache is shared by everyone (documented in docs/server.md).
     with LiveServer(*loaded) as open_server:
         client = open_server.client()
         client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=2,

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Largest image width*height, checked before decoding")
     parser.add_argument("--max-request-pixels", type=ranged(at_least(1, _HUGE)), default=None,
                         help="Decoded pixels of all images and video frames of one request "
-                        "(default: sized to memory, see the README)")
+                        "(default: sized to memory, see docs/server.md)")
     parser.add_argument("--max-total-pixels", type=ranged(at_least(1, _HUGE)), default=None,
                         help="Decoded pixels of all requests being prepared at once "
                         "(default: sized to memory)")
