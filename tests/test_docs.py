@@ -1,8 +1,9 @@
 """The Markdown pages render as written: every table of README.md, docs/ and benchmarks/
 is a table under CommonMark with GitHub's tables (markdown-it-py, the parser behind
-Gradio's and many sites' Markdown), with no row left out of it as raw pipes; and every
+Gradio's and many sites' Markdown), with no row left out of it as raw pipes; every
 relative link leads to a file that exists and, into a Markdown page, to one of its
-headings."""
+headings; the files under examples/ that a command names exist, and the Python examples
+on the offline demo model run as printed."""
 
 from __future__ import annotations
 
@@ -128,3 +129,42 @@ def test_link_check_finds_a_missing_file_and_a_missing_heading(tmp_path):
 
 def test_repeated_headings_get_numbered_slugs():
     assert heading_slugs("# Flags\n\n## Flags\n\n## Flags\n") == {"flags", "flags-1", "flags-2"}
+
+
+# The offline examples: the files the pages' commands name exist, and the Python examples
+# on the demo model run as printed, describing each picture as its file name says.
+
+DEMO_PATH = re.compile(r"examples/[\w./-]*[\w/]")
+
+
+def code_blocks(text: str, language: str | None = None) -> list[str]:
+    return [token.content for token in MarkdownIt("commonmark").parse(text)
+            if token.type == "fence" and (language is None or token.info.strip() == language)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_example_path_in_a_command_exists(page):
+    named = {m.group(0) for block in code_blocks(page.read_text())
+             for m in DEMO_PATH.finditer(block)}
+    assert all((ROOT / path).exists() for path in named), \
+        f"{page.name}: {sorted(p for p in named if not (ROOT / p).exists())}"
+
+
+def demo_snippets() -> list[tuple[str, int, str]]:
+    return [(page.relative_to(ROOT).as_posix(), n, block)
+            for page in (ROOT / "README.md", ROOT / "docs" / "python-api.md")
+            for n, block in enumerate(code_blocks(page.read_text(), "python"))
+            if 'load("examples/shapes-vlm")' in block]
+
+
+def test_the_api_pages_have_demo_snippets():
+    assert {page for page, _, _ in demo_snippets()} == {"README.md", "docs/python-api.md"}
+
+
+@pytest.mark.parametrize("snippet", demo_snippets(), ids=lambda s: f"{s[0]}-{s[1]}")
+def test_python_demo_snippet_runs(snippet, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    exec(compile(snippet[2], snippet[0], "exec"), {"__name__": "__docs__"})
+    printed = capsys.readouterr().out
+    for picture in re.findall(r"examples/images/([a-z]+)-([a-z]+)\.png", snippet[2]):
+        assert "a {} {} on a".format(*picture) in printed, (picture, printed)
