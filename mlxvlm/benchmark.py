@@ -73,6 +73,9 @@ def measure(model_path: str, images: list, prompt: str, max_tokens: int, runs: i
     load_s = time.perf_counter() - start
     stats = []
     for _ in range(runs):
+        # Each run encodes its pictures afresh, as a new request does: a later run must not
+        # take the features the first one left in the model's feature cache.
+        model.feature_cache.clear()
         ttft, prompt_tokens, count, decode_s, peak = time_generation(
             model, processor, prompt, pictures, max_tokens, ignore_eos
         )
