@@ -48,8 +48,8 @@ def chat_hint(session: ChatSession) -> str:
     if not kinds:
         return "**Ask anything.** This model reads text only: type below and press Enter."
     listed = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
-    return (f"**Ask about {listed}.** Attach files with the 📎 button or drop them on the "
-            "message box, type a question and press Enter.")
+    return (f"**Ask about {listed}.** Attach files with the message box's upload button "
+            "(or drop them on the box), type a question and press Enter.")
 
 
 def attachment_box(session: ChatSession) -> dict[str, Any]:
