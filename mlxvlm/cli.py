@@ -44,6 +44,69 @@ class OneLineParser(argparse.ArgumentParser):
         print(f"error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 
+    def parse_args(self, args=None, namespace=None):
+        # argparse's own, with the closest known flag named for each unknown one.
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}"
+                       f"{did_you_mean(unknown, self.long_options())}")
+        return parsed
+
+    def long_options(self) -> list[str]:
+        return [s for s in self._option_string_actions if s.startswith("--") and s != "--help"]
+
+
+# Other tools' names for flags that have another name here (transformers, llama.cpp,
+# vLLM, mlx-vlm...): a user coming from them types these first.
+FLAG_ALIASES = {
+    "--max-new-tokens": "--max-tokens",
+    "--max-length": "--max-tokens",
+    "--n-predict": "--max-tokens",
+    "--img": "--image",
+    "--images": "--image",
+    "--image-file": "--image",
+    "--image-path": "--image",
+    "--videos": "--video",
+    "--audios": "--audio",
+    "--temp": "--temperature",
+    "--model-path": "--model",
+    "--model-id": "--model",
+    "--model-name": "--model",
+    "--system-prompt": "--system",
+    "--adapter": "--adapter-path",
+    "--adapters": "--adapter-path",
+    "--lora": "--adapter-path",
+    "--lora-path": "--adapter-path",
+}
+
+
+def closest_option(given: str, known: Sequence[str]) -> str | None:
+    """The flag of ``known`` that ``given`` (an unknown flag, maybe ``--flag=value``) most
+    likely meant: another tool's name for it, the same name with hyphens, or the nearest
+    spelling; None if nothing is near."""
+    import difflib
+
+    name = given.split("=", 1)[0]
+    if not name.startswith("--"):
+        return None
+    hyphenated = name.replace("_", "-")
+    for candidate in (FLAG_ALIASES.get(hyphenated), hyphenated):
+        if candidate in known and candidate != name:
+            return candidate
+    close = difflib.get_close_matches(hyphenated, known, n=1, cutoff=0.7)
+    return close[0] if close else None
+
+
+def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
+    """`` (did you mean --image?)`` for argparse's unknown arguments, or ``""``."""
+    pairs = [(u.split("=", 1)[0], closest_option(u, known)) for u in unknown]
+    pairs = [(given, meant) for given, meant in pairs if meant]
+    if not pairs:
+        return ""
+    if len(pairs) == 1:
+        return f" (did you mean {pairs[0][1]}?)"
+    return " (did you mean " + ", ".join(f"{m} for {g}" for g, m in pairs) + "?)"
+
 
 def ranged(valid: Range):
     """The argparse ``type`` of an option whose values must lie in ``valid``."""

@@ -100,5 +100,5 @@ def test_settings_that_cannot_work(checkpoint, data, tmp_path):
         FinetuneConfig(model="m", data="d", iters=3, epochs=1)
     with pytest.raises(MlxvlmError, match="--batch-size"):
         FinetuneConfig(model="m", data="d", batch_size=0)
-    with pytest.raises(MlxvlmError, match="does not exist"):
+    with pytest.raises(MlxvlmError, match="no such folder or file"):
         run(checkpoint, tmp_path / "missing.jsonl", tmp_path / "out")

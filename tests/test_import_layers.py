@@ -17,7 +17,7 @@ LAYERS = (
     ("option_ranges", "sampling_defaults", "sampling", "constrained", "detokenizer", "tokenization",
      "media", "public_net", "prompt", "prefix_cache", "quantization", "adapters",
      "loading", "generate", "batching", "distributed"),
-    ("cli", "server", "ui", "finetune", "convert", "fuse", "benchmark"),
+    ("__main__", "cli", "server", "ui", "finetune", "convert", "fuse", "benchmark"),
 )
 # Entry points inside the shared loop's packages.
 ENTRY_MODULES = {"mlxvlm.generate.__main__"}

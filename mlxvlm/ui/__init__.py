@@ -7,6 +7,7 @@
 ``models``       the models the chat offers, loaded when chosen (at most N at a time)
 ``uploads``      which files the chat may read: uploads only, each by its conversation
 ``fields``       Gradio's file handling on the page, held to those uploads
+``api_inputs``   the chat's API takes a plain-text message too
 ``app``          the Gradio page
 ``__main__``     the command line
 """

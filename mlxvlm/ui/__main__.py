@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 from typing import Sequence
 
 from mlxvlm.cli import (OneLineParser, add_model_arguments, checkpoint_folders, ranged,
@@ -52,13 +54,54 @@ def model_names(args: argparse.Namespace) -> list[str]:
     return names
 
 
+def port_in_use(host: str, port: int) -> MlxvlmError:
+    return MlxvlmError(f"port {port} on {host} is in use: pass --port N (or stop what is "
+                       "using it)")
+
+
+def require_free_port(host: str, port: int) -> None:
+    """Fail at once, before a load that may take minutes, where Gradio could not listen
+    on ``host``:``port``: bound and let go here, the port is Gradio's to bind later."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            # As Gradio's own check and uvicorn do: a port whose earlier connections are
+            # in TIME_WAIT is free to listen on.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except socket.gaierror:
+        raise MlxvlmError(f"--host {host!r} is not an address or host name this machine "
+                          "can listen on (e.g. 127.0.0.1, or 0.0.0.0 for every address)") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise port_in_use(host, port) from None
+        if exc.errno == errno.EACCES:
+            raise MlxvlmError(f"not allowed to listen on port {port} (ports below 1024 need "
+                              "administrator rights): pass --port 1024 or higher") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise MlxvlmError(f"--host {host} is not an address of this machine") from None
+        raise MlxvlmError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def launch(app, host: str, port: int) -> None:
+    try:
+        app.queue().launch(server_name=host, server_port=port)
+    except OSError as exc:
+        # Taken since require_free_port (Gradio says so with its own environment variable).
+        if "empty port" in str(exc):
+            raise port_in_use(host, port) from None
+        raise
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
         names = model_names(args)
-        # Before the slow model load: without the extra, say how to install it.
+        # Before the slow model load: without the extra, say how to install it; a port
+        # that is taken, say so.
         require_extra("ui", "the chat UI", ("gradio",))
+        require_free_port(args.host, args.port)
         from mlxvlm.loading import load
 
         def open_session(name: str):
@@ -84,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mlxvlm.ui.app import build_app
 
         try:
-            build_app(registry).queue().launch(server_name=args.host, server_port=args.port)
+            launch(build_app(registry), args.host, args.port)
         finally:
             registry.close()
         return 0

@@ -10,6 +10,7 @@ import gradio as gr
 
 from mlxvlm.media import MediaPolicy
 from mlxvlm.sampling_defaults import checkpoint_defaults, resolve
+from mlxvlm.ui.api_inputs import accept_text_messages
 from mlxvlm.ui.fields import guard_file_handling
 from mlxvlm.ui.models import ModelRegistry
 from mlxvlm.ui.session import ChatSession
@@ -17,6 +18,9 @@ from mlxvlm.ui.uploads import process_uploads, watch_upload_route
 
 # The slider's top when the model does not say how long its context is.
 MAX_TOKENS_CAP = 8192
+PAGE_HEADING = "mlxvlm chat"
+# How the empty chat's hint names one attachment of each kind.
+ONE_OF_KIND = {"image": "an image", "video": "a video", "audio": "a sound"}
 
 
 def upload_media_options() -> MediaPolicy:
@@ -33,8 +37,19 @@ def model_labels(names: list[str]) -> list[tuple[str, str]]:
 
 
 def model_markdown(session: ChatSession) -> str:
-    return (f"**Model** `{session.model_name}`  \nfamily `{session.model_type}` · context "
+    """Under the picker (whose label is the heading): what the chosen model is."""
+    return (f"`{session.model_name}`  \nfamily `{session.model_type}` · context "
             f"{session.max_context or 'unknown'} tokens")
+
+
+def chat_hint(session: ChatSession) -> str:
+    """What the empty chat says to do, for what the model takes."""
+    kinds = [ONE_OF_KIND.get(kind.name, kind.name) for kind in session.kinds]
+    if not kinds:
+        return "**Ask anything.** This model reads text only: type below and press Enter."
+    listed = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+    return (f"**Ask about {listed}.** Attach files with the message box's upload button "
+            "(or drop them on the box), type a question and press Enter.")
 
 
 def attachment_box(session: ChatSession) -> dict[str, Any]:
@@ -73,14 +88,16 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
         session.uploads = uploads
         box, initial, panel = attachment_box(session), control_values(session), \
             model_markdown(session)
+        hint = chat_hint(session)
         title, stats_text = f"mlxvlm · {session.model_name}", session.stats_markdown()
 
-    def respond(message, history, system, temperature, top_p, max_tokens,
+    # The parameters' names are the /chat API's (gradio_client's keyword arguments).
+    def respond(message, history, system_prompt, temperature, top_p, max_tokens,
                 repetition_penalty, seed, model_name=None,
                 request: gr.Request = None) -> Iterator[tuple[Any, str]]:
         with registry.use(model_name or first) as chosen:
             chosen.uploads = uploads  # every session reads only this page's uploads
-            yield from chosen.respond(message, history, system, temperature, top_p,
+            yield from chosen.respond(message, history, system_prompt, temperature, top_p,
                                       max_tokens, repetition_penalty, seed, request=request)
 
     with gr.Blocks(title=title, analytics_enabled=False) as app:
@@ -89,13 +106,17 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
             # controls already rendered, or it puts them in an accordion under the chat.
             chat_column = gr.Column(scale=3)
             with gr.Column(scale=1, min_width=280):
+                # Shown with one model too: its label is the side panel's one heading.
                 picker = gr.Dropdown(model_labels(registry.names), value=first, label="Model",
-                                     visible=len(registry.names) > 1, elem_id="model-picker")
-                model_panel = gr.Markdown(panel, elem_id="model-panel")
-                stats = gr.Markdown(stats_text, elem_id="answer-stats")
-                system = gr.Textbox(
-                    label="System prompt", lines=3, placeholder="(the model's default)"
-                )
+                                     interactive=len(registry.names) > 1,
+                                     elem_id="model-picker")
+                # Labels name these outputs in the API (gradio_client's view_api).
+                model_panel = gr.Markdown(panel, label="Model details", elem_id="model-panel")
+                stats = gr.Markdown(stats_text, label="Last answer's figures",
+                                    elem_id="answer-stats")
+                # A value: the API's system_prompt may be left out, as the page leaves it.
+                system = gr.Textbox(value="", label="System prompt", lines=3,
+                                    placeholder="(the model's default)")
                 temperature = gr.Slider(0.0, 2.0, value=initial["temperature"], step=0.05,
                                         label="Temperature (0: greedy)")
                 top_p = gr.Slider(0.05, 1.0, value=initial["top_p"], step=0.05, label="Top-p")
@@ -108,6 +129,8 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
 
         with chat_column:
             textbox = gr.MultimodalTextbox(
+                label="Message",
+                show_label=False,
                 file_count="multiple",
                 stop_btn=True,  # a given textbox brings its own buttons
                 elem_id="message",
@@ -116,13 +139,14 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
             chat = gr.ChatInterface(
                 respond,
                 multimodal=True,
-                chatbot=gr.Chatbot(label="Chat", height=560, elem_id="chat"),
+                chatbot=gr.Chatbot(label="Chat", height=560, elem_id="chat", placeholder=hint),
                 textbox=textbox,
                 additional_inputs=[
                     system, temperature, top_p, max_tokens, repetition_penalty, seed, picker
                 ],
                 additional_outputs=[stats],
                 api_name="chat",
+                title=PAGE_HEADING,
                 fill_height=True,
                 analytics_enabled=False,
             )
@@ -136,7 +160,8 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
                         gr.Slider(value=values["top_p"]),
                         gr.Slider(maximum=values["max_tokens_cap"],
                                   value=min(256, values["max_tokens_cap"])),
-                        gr.Slider(value=values["repetition_penalty"]), [], [], [])
+                        gr.Slider(value=values["repetition_penalty"]),
+                        gr.Chatbot(value=[], placeholder=chat_hint(chosen)), [], [])
 
         picker.change(
             choose, [picker],
@@ -145,5 +170,6 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
             api_name="choose_model",
         )
     guard_file_handling(app, uploads)
+    accept_text_messages(app)
     watch_upload_route(app, uploads)
     return app
