@@ -143,6 +143,44 @@ def run_cli(body: Callable[[], int | None]) -> int:
         return 130
 
 
+def port_in_use(host: str, port: int) -> MlxvlmError:
+    return MlxvlmError(f"port {port} on {host} is in use: pass --port N (or stop what is "
+                       "using it)")
+
+
+def open_listener(host: str, port: int):
+    """A listening TCP socket on ``host``:``port`` (IPv6 where ``host`` has a colon, as
+    uvicorn and Gradio bind), or a one-line ``MlxvlmError`` naming the flag to change.
+    The server and the chat UI open it before the model loads, so that a port in use is
+    said at once, not after a load that can take minutes."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # As uvicorn and Gradio do: a port whose earlier connections are in TIME_WAIT is
+        # free to listen on.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except socket.gaierror:
+        sock.close()
+        raise MlxvlmError(f"--host {host!r} is not an address or host name this machine "
+                          "can listen on (e.g. 127.0.0.1, or 0.0.0.0 for every address)") from None
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise port_in_use(host, port) from None
+        if exc.errno == errno.EACCES:
+            raise MlxvlmError(f"not allowed to listen on port {port} (ports below 1024 need "
+                              "administrator rights): pass --port 1024 or higher") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise MlxvlmError(f"--host {host} is not an address of this machine") from None
+        raise MlxvlmError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
 def checkpoint_folders(models_dir: str) -> list:
     """``--models-dir``: the folders right under it that hold a config.json, sorted (the
     server names them by folder, the chat by path)."""

@@ -9,8 +9,8 @@ import logging
 import sys
 from typing import Sequence
 
-from mlxvlm.cli import (add_sharding_arguments, launched_rank, require_extra, run_cli,
-                        sharded_load)
+from mlxvlm.cli import (add_sharding_arguments, launched_rank, open_listener, require_extra,
+                        run_cli, sharded_load)
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.server.config import ServerConfig, build_parser, config_from_args
 
@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Before the slow model load: without the extra, say how to install it; a port in
         # use is said at once too, and stays ours while the model loads.
         require_extra("server", "the server", ("fastapi", "uvicorn"))
-        from mlxvlm.server.listener import open_listener, serve
+        from mlxvlm.server.listener import serve
 
         listener = open_listener(config.host, config.port)
         from mlxvlm.sampling_defaults import checkpoint_defaults

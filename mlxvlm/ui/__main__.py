@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import errno
-import socket
 from typing import Sequence
 
-from mlxvlm.cli import (OneLineParser, add_model_arguments, checkpoint_folders, ranged,
-                        require_extra, run_cli)
+from mlxvlm.cli import (OneLineParser, add_model_arguments, checkpoint_folders, open_listener,
+                        port_in_use, ranged, require_extra, run_cli)
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.option_ranges import PORT, at_least
 
@@ -54,33 +52,10 @@ def model_names(args: argparse.Namespace) -> list[str]:
     return names
 
 
-def port_in_use(host: str, port: int) -> MlxvlmError:
-    return MlxvlmError(f"port {port} on {host} is in use: pass --port N (or stop what is "
-                       "using it)")
-
-
 def require_free_port(host: str, port: int) -> None:
     """Fail at once, before a load that may take minutes, where Gradio could not listen
     on ``host``:``port``: bound and let go here, the port is Gradio's to bind later."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            # As Gradio's own check and uvicorn do: a port whose earlier connections are
-            # in TIME_WAIT is free to listen on.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host, port))
-    except socket.gaierror:
-        raise MlxvlmError(f"--host {host!r} is not an address or host name this machine "
-                          "can listen on (e.g. 127.0.0.1, or 0.0.0.0 for every address)") from None
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            raise port_in_use(host, port) from None
-        if exc.errno == errno.EACCES:
-            raise MlxvlmError(f"not allowed to listen on port {port} (ports below 1024 need "
-                              "administrator rights): pass --port 1024 or higher") from None
-        if exc.errno == errno.EADDRNOTAVAIL:
-            raise MlxvlmError(f"--host {host} is not an address of this machine") from None
-        raise MlxvlmError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    open_listener(host, port).close()
 
 
 def launch(app, host: str, port: int) -> None:
