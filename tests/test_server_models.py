@@ -60,6 +60,7 @@ class RecordingLoader:
 
 
 def registry(paths, loader, **config) -> ModelRegistry:
+    config.setdefault("min_loaded_seconds", 0)  # switch as soon as a model's answers are done
     config = ServerConfig(model_id=A, model_sources=paths, **config)
     return ModelRegistry(config, loader)
 
@@ -160,9 +161,10 @@ def test_a_model_is_unloaded_only_after_its_answer(paths, one_model_answers):
         answered_b: list[str] = []
         asking_b = threading.Thread(target=lambda: answered_b.append(ask(server.client(), B)))
         asking_b.start()
-        # B's request has taken A out of the loaded models, but A keeps its engine until
-        # its answer is done: B is not loaded yet.
-        assert wait_until(lambda: models.loaded_ids() == [])
+        # B's request waits: A keeps its engine until its answer is done, and B is not
+        # loaded yet.
+        assert wait_until(lambda: models.waiting(B) == 1)
+        assert models.loaded_ids() == [A]
         assert loader.calls == [A] and not answered_b
         gate.set()
         text = (first.choices[0].delta.content or "") + "".join(

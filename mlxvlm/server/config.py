@@ -59,6 +59,9 @@ class ServerConfig:
     # unloaded (0: never).
     max_loaded_models: int = 1
     idle_unload_seconds: float = 0.0
+    # A model loaded stays at least this long before another model's waiting requests
+    # unload it: the bound on how often models are switched (see models_registry).
+    min_loaded_seconds: float = 10.0
     # The models served: id -> local path or Hub repo (model_sources); None: model_id alone.
     model_sources: dict[str, str] | None = None
 
@@ -94,7 +97,7 @@ class ServerConfig:
             if getattr(self, name) < 1:
                 raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_queue", "prompt_cache_size", "max_stored_responses",
-                     "idle_unload_seconds"):
+                     "idle_unload_seconds", "min_loaded_seconds"):
             if getattr(self, name) < 0:
                 raise MlxvlmError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.draft_model is not None and self.prompt_lookup_num_tokens is not None:
@@ -122,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle-unload-seconds", type=ranged(NON_NEGATIVE), default=0.0,
                         help="Unload a model unused for this many seconds (default 0: "
                         "never)")
+    parser.add_argument("--min-loaded-seconds", type=ranged(NON_NEGATIVE), default=10.0,
+                        help="Seconds a loaded model keeps taking its requests before "
+                        "requests for another model waiting for its place unload it (after "
+                        "its answers in flight): at most one switch per this many seconds "
+                        "per loaded place (default 10)")
     parser.add_argument("--served-model-name", default=None,
                         help="Model name clients use, for a single --model (default: the "
                         "--model value)")
@@ -260,4 +268,5 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         max_loaded_models=args.max_loaded_models,
         idle_unload_seconds=args.idle_unload_seconds,
+        min_loaded_seconds=args.min_loaded_seconds,
     )

@@ -41,6 +41,14 @@ def render_metrics(models: ModelRegistry) -> str:
     m("mlxvlm_model_unloads_total", "counter",
       "Models unloaded (to make room, or unused for --idle-unload-seconds)",
       [({}, models.unloads)])
+    m("mlxvlm_model_waiting_requests", "gauge",
+      "Requests waiting for their model to be loaded", [({}, models.waiting())])
+    m("mlxvlm_model_waits_abandoned_total", "counter",
+      "Requests whose client left while they waited for their model to be loaded",
+      [({}, models.waits_abandoned)])
+    m("mlxvlm_model_waits_refused_total", "counter",
+      "Requests refused with 429 because too many already waited for their model",
+      [({}, models.waits_refused)])
     m("mlxvlm_requests_in_flight", "gauge",
       "Requests admitted and not finished (preparing, queued or generating)",
       per_model(lambda s: s.in_flight))
