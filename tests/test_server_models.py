@@ -207,12 +207,15 @@ def test_command_line_models(tmp_path, paths):
     (tmp_path / "notes").mkdir()
     args = build_parser().parse_args(["--model", paths[A], "--models-dir", str(tmp_path),
                                       "--max-loaded-models", "2",
-                                      "--idle-unload-seconds", "300"])
+                                      "--idle-unload-seconds", "300",
+                                      "--min-loaded-seconds", "2.5"])
     config = config_from_args(args)
     assert config.model_id == paths[A]
     assert config.model_sources == {paths[A]: paths[A], "one": str(tmp_path / "one"),
                                     "two": str(tmp_path / "two")}
     assert (config.max_loaded_models, config.idle_unload_seconds) == (2, 300)
+    assert config.min_loaded_seconds == 2.5
+    assert config_from_args(build_parser().parse_args(["--model", "x"])).min_loaded_seconds == 10
     renamed = config_from_args(build_parser().parse_args(
         ["--model", paths[A], "--served-model-name", "mine"]))
     assert renamed.model_sources == {"mine": paths[A]}

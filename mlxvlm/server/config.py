@@ -46,8 +46,12 @@ class ServerConfig:
     max_tokens: int = 512  # when a request does not say
     prefill_step_size: int = 2048
     prompt_cache_size: int = 8  # finished conversations kept for prefix reuse; 0: off
-    # Responses kept for previous_response_id (per server, least recently used out); 0: off
+    # Responses kept for previous_response_id, per API key, and their bytes per key and
+    # for all keys (response_store: a key's least recently used make room, never
+    # another key's); 0 responses: off
     max_stored_responses: int = 256
+    max_stored_response_bytes: int = 128 * MiB
+    max_total_stored_response_bytes: int = 512 * MiB
     prepare_workers: int = 2
     retry_after_seconds: int = 1
     # Speculative decoding (needs max_concurrency 1; see BatchEngine's speculation).
@@ -84,6 +88,14 @@ class ServerConfig:
                      "max_buffered_body_bytes"):
             if getattr(self, name) < 1:
                 raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_stored_response_bytes", "max_total_stored_response_bytes"):
+            if getattr(self, name) < 1:
+                raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_total_stored_response_bytes < self.max_stored_response_bytes:
+            raise MlxvlmError(
+                f"max_total_stored_response_bytes ({self.max_total_stored_response_bytes}) "
+                f"must be at least max_stored_response_bytes "
+                f"({self.max_stored_response_bytes})")
         if self.max_buffered_body_bytes < self.max_body_bytes:
             raise MlxvlmError(
                 f"max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at least "
@@ -129,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Seconds a loaded model keeps taking its requests before "
                         "requests for another model waiting for its place unload it (after "
                         "its answers in flight): at most one switch per this many seconds "
-                        "per loaded place (default 10)")
+                        "per loaded place")
     parser.add_argument("--served-model-name", default=None,
                         help="Model name clients use, for a single --model (default: the "
                         "--model value)")
@@ -185,8 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-cache-size", type=ranged(at_least(0)), default=8,
                         help="Finished conversations kept for prefix reuse (0: off)")
     parser.add_argument("--max-stored-responses", type=ranged(at_least(0)), default=256,
-                        help="Responses API answers kept for previous_response_id, least "
-                        "recently used dropped first (0: none kept)")
+                        help="Responses API answers kept for previous_response_id per API "
+                        "key, the key's least recently used dropped first (0: none kept)")
+    parser.add_argument("--max-stored-response-bytes", type=ranged(at_least(1, _HUGE)),
+                        default=128 * MiB,
+                        help="Bytes of stored responses per API key (an image or long "
+                        "text counted once per key)")
+    parser.add_argument("--max-total-stored-response-bytes", type=ranged(at_least(1, _HUGE)),
+                        default=512 * MiB,
+                        help="Bytes of stored responses of all keys; a response that does "
+                        "not fit is not stored, no other key's is dropped")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="Least severe log messages shown")
@@ -263,6 +283,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefill_step_size=args.prefill_step_size,
         prompt_cache_size=args.prompt_cache_size,
         max_stored_responses=args.max_stored_responses,
+        max_stored_response_bytes=args.max_stored_response_bytes,
+        max_total_stored_response_bytes=args.max_total_stored_response_bytes,
         draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mlxvlm.server.models_registry import ModelRegistry
+from mlxvlm.server.response_store import ResponseStore
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -15,9 +16,9 @@ def _metric(lines: list[str], name: str, kind: str, help_text: str, samples) -> 
         lines.append(f"{name}{{{label_text}}} {value}" if label_text else f"{name} {value}")
 
 
-def render_metrics(models: ModelRegistry) -> str:
-    """The server's counts, then each loaded model's engine (labelled by model where the
-    server serves several)."""
+def render_metrics(models: ModelRegistry, store: ResponseStore | None = None) -> str:
+    """The server's counts (``store``: the Responses API's), then each loaded model's
+    engine (labelled by model where the server serves several)."""
     counters = models.counters
     services = models.services()
     labelled = len(models.ids()) > 1
@@ -49,6 +50,18 @@ def render_metrics(models: ModelRegistry) -> str:
     m("mlxvlm_model_waits_refused_total", "counter",
       "Requests refused with 429 because too many already waited for their model",
       [({}, models.waits_refused)])
+    if store is not None:
+        m("mlxvlm_stored_responses", "gauge",
+          "Responses kept for previous_response_id", [({}, len(store))])
+        m("mlxvlm_stored_response_bytes", "gauge",
+          "Estimated bytes of the stored responses (an image once per API key)",
+          [({}, store.bytes)])
+        m("mlxvlm_stored_responses_evicted_total", "counter",
+          "Stored responses dropped to make room for newer ones of the same API key",
+          [({}, store.evicted)])
+        m("mlxvlm_stored_responses_refused_total", "counter",
+          "Responses not stored because they did not fit their API key's or the "
+          "server's byte bound", [({}, store.refused)])
     m("mlxvlm_requests_in_flight", "gauge",
       "Requests admitted and not finished (preparing, queued or generating)",
       per_model(lambda s: s.in_flight))
