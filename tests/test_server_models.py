@@ -200,6 +200,41 @@ def test_idle_models_are_unloaded(paths):
         models.close()
 
 
+def test_waiting_requests_are_served_by_model_in_arrival_order(paths):
+    loader = RecordingLoader()
+    models = registry({**paths, "tiny-c": paths[A]}, loader, max_loaded_models=1)
+
+    async def scenario() -> list[str]:
+        lease_a = await models.acquire(A)
+        served: list[str] = []
+
+        async def use(model_id: str) -> None:
+            lease = await models.acquire(model_id)
+            served.append(model_id)
+            lease.release()
+
+        waiting = []
+        for model_id in ("tiny-c", B, "tiny-c"):  # C's first request came first
+            waiting.append(asyncio.ensure_future(use(model_id)))
+            await asyncio.sleep(0)
+        leaving = asyncio.ensure_future(use(B))
+        await asyncio.sleep(0)
+        leaving.cancel()  # a request given up: it is no longer waited for
+        await asyncio.sleep(0)
+        assert models.waiting() == 3 and loader.calls == [A]  # A is still in use
+        lease_a.release()
+        await asyncio.wait_for(asyncio.gather(*waiting), 60)
+        return served
+
+    try:
+        # C's two requests share one load, B's follows; the cancelled one loads nothing.
+        assert asyncio.run(scenario()) == ["tiny-c", "tiny-c", B]
+        assert loader.calls == [A, "tiny-c", B]
+        assert models.waiting() == 0
+    finally:
+        models.close()
+
+
 def test_command_line_models(tmp_path, paths):
     for name in ("one", "two"):
         (tmp_path / name).mkdir()

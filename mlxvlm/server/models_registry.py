@@ -225,6 +225,17 @@ class ModelRegistry:
     async def _switch(self) -> None:
         """Until nobody waits: serve the oldest waiter's model, loading it (into free
         room, or in place of a model whose turn is over and whose requests are done)."""
+        try:
+            await self._switch_until_nobody_waits()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a fault here must not leave requests waiting for ever
+            logger.exception("switching models failed")
+            for model_id in self.ids():
+                self._waiters.fail(model_id, APIError(
+                    500, "switching models failed; see the server log"))
+
+    async def _switch_until_nobody_waits(self) -> None:
         while True:
             self._changed.clear()
             target = self._waiters.oldest_model()
@@ -290,10 +301,15 @@ class ModelRegistry:
             started = time.perf_counter()
             try:
                 service = await asyncio.to_thread(self._build, model_id)
-            except MlxvlmError as error:
-                logger.error("the model %r could not be loaded: %s", model_id, error)
+            except Exception as error:  # noqa: BLE001 -- each waiter gets a 500
+                if isinstance(error, MlxvlmError):
+                    logger.error("the model %r could not be loaded: %s", model_id, error)
+                    why = str(error)
+                else:
+                    logger.exception("the model %r could not be loaded", model_id)
+                    why = "see the server log"
                 self._waiters.fail(model_id, APIError(
-                    500, f"the model {model_id!r} could not be loaded: {error}",
+                    500, f"the model {model_id!r} could not be loaded: {why}",
                     param="model", code="model_load_failed"))
                 return
             seconds = time.perf_counter() - started
