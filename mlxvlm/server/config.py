@@ -63,8 +63,9 @@ class ServerConfig:
     # unloaded (0: never).
     max_loaded_models: int = 1
     idle_unload_seconds: float = 0.0
-    # A model loaded stays at least this long before another model's waiting requests
-    # unload it: the bound on how often models are switched (see models_registry).
+    # A model in use stays loaded at least this long before another model's waiting
+    # requests unload it: the bound on how often a busy server switches (an idle model
+    # gives way at once; see models_registry).
     min_loaded_seconds: float = 10.0
     # The models served: id -> local path or Hub repo (model_sources); None: model_id alone.
     model_sources: dict[str, str] | None = None
@@ -138,10 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Unload a model unused for this many seconds (default 0: "
                         "never)")
     parser.add_argument("--min-loaded-seconds", type=ranged(NON_NEGATIVE), default=10.0,
-                        help="Seconds a loaded model keeps taking its requests before "
-                        "requests for another model waiting for its place unload it (after "
-                        "its answers in flight): at most one switch per this many seconds "
-                        "per loaded place")
+                        help="Seconds a loaded model in use keeps taking its requests "
+                        "before requests for another model waiting for its place unload it "
+                        "(after its answers in flight); one idle for a second gives way at "
+                        "once")
     parser.add_argument("--served-model-name", default=None,
                         help="Model name clients use, for a single --model (default: the "
                         "--model value)")

@@ -10,14 +10,15 @@ all given back: no answer is cut off by an unload.
 
 Switching between models is fair and bounded. A request for a model that is not loaded
 waits (``model_waiters``, in arrival order; 429 beyond ``max_concurrency + max_queue``
-waiting for one model) and one task, the switcher, does every load and unload: it loads the
-model of the oldest waiter, into free room or in place of a loaded model, and hands all of
-that model's waiters their leases the moment it is loaded, so that every load serves the
-requests it was made for before the model can be unloaded again. A loaded model gives way
-only after ``min_loaded_seconds`` (the bound on how often models are switched): until
-then it keeps taking its own new requests; after it, it takes none, finishes those in
-flight and is unloaded. A waiter whose client goes away is dropped, and no model is loaded
-or given way for without a live waiter.
+waiting for one model) and one task, the switcher, does every load and unload: it loads
+the model of the oldest waiter, into free room or in place of a loaded model, and hands
+all of that model's waiters their leases the moment it is loaded, so that every load
+serves the requests it was made for before the model can be unloaded again. A loaded
+model in use gives way only after ``min_loaded_seconds`` from its load (the bound on how
+often a busy server switches); one with nothing in flight for ``IDLE_SECONDS`` gives way
+at once. Giving way, it takes no new requests (they wait), finishes those in flight and
+is unloaded. A waiter whose client goes away is dropped, and no model is loaded or given
+way for without a live waiter.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ Loader = Callable[[str, str], tuple[Any, Any]]
 
 # Returns once the request's client has gone away (``lifetime.client_gone``).
 ClientGone = Callable[[], Awaitable[None]]
+
+# A loaded model with no request in flight for this long (or ``min_loaded_seconds``, if
+# less) is idle: it gives way without waiting for its turn to end. Longer than the gap
+# between one client's requests in a row, so that steady use is not taken for idleness.
+IDLE_SECONDS = 1.0
 
 # Where a request's leases are kept in its ASGI scope (``ModelLeases`` gives them back).
 LEASES = "mlxvlm.model_leases"
@@ -252,7 +258,7 @@ class ModelRegistry:
                 await self._load_for_waiters(target)
                 continue
             victim = self._victim()
-            if victim is None:  # every loaded model is within its turn
+            if victim is None:  # every loaded model is in use, within its turn
                 await self._wait_for_change(self._next_turn_end() - self._clock())
                 continue
             entry = self._loaded[victim]
@@ -271,18 +277,26 @@ class ModelRegistry:
 
     def _victim(self) -> str | None:
         """The loaded model to give way: one already giving way, else the least
-        recently used one whose turn (``min_loaded_seconds`` since its load) is over."""
+        recently used one whose turn is over."""
         for model_id, entry in self._loaded.items():
             if entry.giving_way:
                 return model_id
         now = self._clock()
         ended = [(entry.last_used, model_id) for model_id, entry in self._loaded.items()
-                 if now - entry.loaded_at >= self.config.min_loaded_seconds]
+                 if self._turn_end(entry) <= now]
         return min(ended)[1] if ended else None
 
+    def _turn_end(self, entry: LoadedModel) -> float:
+        """When a model's turn ends: ``min_loaded_seconds`` after its load, or once it
+        has been idle for ``IDLE_SECONDS``."""
+        turn = self.config.min_loaded_seconds
+        end = entry.loaded_at + turn
+        if entry.leases == 0:
+            end = min(end, entry.last_used + min(IDLE_SECONDS, turn))
+        return end
+
     def _next_turn_end(self) -> float:
-        return min(entry.loaded_at for entry in self._loaded.values()) + \
-            self.config.min_loaded_seconds
+        return min(self._turn_end(entry) for entry in self._loaded.values())
 
     async def _wait_for_change(self, timeout: float | None) -> None:
         try:
