@@ -5,10 +5,10 @@
 
 Starts ``mlxvlm.server``'s app in this process with the two checkpoints and
 ``--max-loaded-models 1 --min-loaded-seconds 0`` (the first loaded at start, as
-``python -m mlxvlm.server`` does), then asks each in turn, ``--runs`` times: a request to the model not loaded (a
-switch: the other's engine closed and its memory given back, this one's weights read and
-made concrete, then its first token), and the same request again (loaded: the first
-token alone). Each request is one greedy token of a text prompt, so the difference is
+``python -m mlxvlm.server`` does), then asks each in turn, ``--runs`` times: a request
+to the model not loaded (a switch: the other's engine closed and its memory given back,
+this one's weights read and made concrete, then its first token), and the same request
+again (loaded: the first token alone). Each request is one greedy token of a text prompt, so the difference is
 the switch. Prints median (min-max) of the switch, the load within it, and the request
 to a loaded model, with MLX's memory in use after each switch (one model's worth).
 """
