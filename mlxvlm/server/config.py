@@ -46,8 +46,12 @@ class ServerConfig:
     max_tokens: int = 512  # when a request does not say
     prefill_step_size: int = 2048
     prompt_cache_size: int = 8  # finished conversations kept for prefix reuse; 0: off
-    # Responses kept for previous_response_id (per server, least recently used out); 0: off
+    # Responses kept for previous_response_id, per API key, and their bytes per key and
+    # for all keys (response_store: a key's least recently used make room, never
+    # another key's); 0 responses: off
     max_stored_responses: int = 256
+    max_stored_response_bytes: int = 128 * MiB
+    max_total_stored_response_bytes: int = 512 * MiB
     prepare_workers: int = 2
     retry_after_seconds: int = 1
     # Speculative decoding (needs max_concurrency 1; see BatchEngine's speculation).
@@ -59,6 +63,10 @@ class ServerConfig:
     # unloaded (0: never).
     max_loaded_models: int = 1
     idle_unload_seconds: float = 0.0
+    # A model in use stays loaded at least this long before another model's waiting
+    # requests unload it: the bound on how often a busy server switches (an idle model
+    # gives way at once; see models_registry).
+    min_loaded_seconds: float = 10.0
     # The models served: id -> local path or Hub repo (model_sources); None: model_id alone.
     model_sources: dict[str, str] | None = None
 
@@ -81,6 +89,14 @@ class ServerConfig:
                      "max_buffered_body_bytes"):
             if getattr(self, name) < 1:
                 raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_stored_response_bytes", "max_total_stored_response_bytes"):
+            if getattr(self, name) < 1:
+                raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_total_stored_response_bytes < self.max_stored_response_bytes:
+            raise MlxvlmError(
+                f"max_total_stored_response_bytes ({self.max_total_stored_response_bytes}) "
+                f"must be at least max_stored_response_bytes "
+                f"({self.max_stored_response_bytes})")
         if self.max_buffered_body_bytes < self.max_body_bytes:
             raise MlxvlmError(
                 f"max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at least "
@@ -94,7 +110,7 @@ class ServerConfig:
             if getattr(self, name) < 1:
                 raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_queue", "prompt_cache_size", "max_stored_responses",
-                     "idle_unload_seconds"):
+                     "idle_unload_seconds", "min_loaded_seconds"):
             if getattr(self, name) < 0:
                 raise MlxvlmError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.draft_model is not None and self.prompt_lookup_num_tokens is not None:
@@ -122,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle-unload-seconds", type=ranged(NON_NEGATIVE), default=0.0,
                         help="Unload a model unused for this many seconds (default 0: "
                         "never)")
+    parser.add_argument("--min-loaded-seconds", type=ranged(NON_NEGATIVE), default=10.0,
+                        help="Seconds a loaded model in use keeps taking its requests "
+                        "before requests for another model waiting for its place unload it "
+                        "(after its answers in flight); one idle for a second gives way at "
+                        "once")
     parser.add_argument("--served-model-name", default=None,
                         help="Model name clients use, for a single --model (default: the "
                         "--model value)")
@@ -181,8 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-cache-size", type=ranged(at_least(0)), default=8,
                         help="Finished conversations kept for prefix reuse (0: off)")
     parser.add_argument("--max-stored-responses", type=ranged(at_least(0)), default=256,
-                        help="Responses API answers kept for previous_response_id, least "
-                        "recently used dropped first (0: none kept)")
+                        help="Responses API answers kept for previous_response_id per API "
+                        "key, the key's least recently used dropped first (0: none kept)")
+    parser.add_argument("--max-stored-response-bytes", type=ranged(at_least(1, _HUGE)),
+                        default=128 * MiB,
+                        help="Bytes of stored responses per API key (an image or long "
+                        "text counted once per key)")
+    parser.add_argument("--max-total-stored-response-bytes", type=ranged(at_least(1, _HUGE)),
+                        default=512 * MiB,
+                        help="Bytes of stored responses of all keys; a response that does "
+                        "not fit is not stored, no other key's is dropped")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="Least severe log messages shown")
@@ -260,9 +289,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefill_step_size=args.prefill_step_size,
         prompt_cache_size=args.prompt_cache_size,
         max_stored_responses=args.max_stored_responses,
+        max_stored_response_bytes=args.max_stored_response_bytes,
+        max_total_stored_response_bytes=args.max_total_stored_response_bytes,
         draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         max_loaded_models=args.max_loaded_models,
         idle_unload_seconds=args.idle_unload_seconds,
+        min_loaded_seconds=args.min_loaded_seconds,
     )

@@ -55,6 +55,27 @@ def render_metrics(models: ModelRegistry, app_state) -> str:
     m("mlxvlm_model_unloads_total", "counter",
       "Models unloaded (to make room, or unused for --idle-unload-seconds)",
       [({}, models.unloads)])
+    m("mlxvlm_model_waiting_requests", "gauge",
+      "Requests waiting for their model to be loaded", [({}, models.waiting())])
+    m("mlxvlm_model_waits_abandoned_total", "counter",
+      "Requests whose client left while they waited for their model to be loaded",
+      [({}, models.waits_abandoned)])
+    m("mlxvlm_model_waits_refused_total", "counter",
+      "Requests refused with 429 because too many already waited for their model",
+      [({}, models.waits_refused)])
+    store = getattr(app_state, "response_store", None)
+    if store is not None:
+        m("mlxvlm_stored_responses", "gauge",
+          "Responses kept for previous_response_id", [({}, len(store))])
+        m("mlxvlm_stored_response_bytes", "gauge",
+          "Estimated bytes of the stored responses (an image once per API key)",
+          [({}, store.bytes)])
+        m("mlxvlm_stored_responses_evicted_total", "counter",
+          "Stored responses dropped to make room for newer ones of the same API key",
+          [({}, store.evicted)])
+        m("mlxvlm_stored_responses_refused_total", "counter",
+          "Responses not stored because they did not fit their API key's or the "
+          "server's byte bound", [({}, store.refused)])
     m("mlxvlm_requests_in_flight", "gauge",
       "Requests admitted and not finished (preparing, queued or generating)",
       per_model(lambda s: s.in_flight))
