@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -19,9 +20,10 @@ import llguidance
 import pytest
 from pydantic import BaseModel
 from scripted_tokens import script_tokens
-from server_harness import MODEL_ID, LiveServer
+from server_harness import MODEL_ID, LiveServer, png_data_url, user
 from server_process import ServerProcess
 from test_server_tools import TEMPLATE as HERMES_TEMPLATE
+from tiny import make_image
 from tiny.llava import MISTRAL_TEMPLATE
 from tiny.qwen import CHAT_TEMPLATE as QWEN_TEMPLATE
 
@@ -60,6 +62,7 @@ PLACE = {"type": "function", "function": {"name": "place",
                                           "parameters": Shelf.model_json_schema()}}
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME, PLACE)}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+DEMO = Path(__file__).parent.parent / "examples" / "shapes-vlm"
 PARIS = {"city": "Paris", "unit": "celsius"}
 EARLIER = ASK + [
     {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
@@ -211,6 +214,18 @@ def test_one_call_without_parallel_calls(client):
         check_calls(choice.message.tool_calls, {"get_weather", "get_time"})
 
 
+def test_a_budget_past_the_context_still_gives_a_whole_call():
+    """max_tokens beyond the room the context leaves after the prompt: the grammar closes
+    the call within the room there is. The demo model (a 1024-token context) writes its
+    strings on and on, as a model that never learnt tools does."""
+    with LiveServer(*mlxvlm.load(DEMO)) as live:
+        choice = live.client().chat.completions.create(
+            model=MODEL_ID, messages=ASK, tools=[WEATHER], tool_choice="required",
+            parallel_tool_calls=False, max_tokens=4000, temperature=1.0, seed=9).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    check_calls(choice.message.tool_calls, {"get_weather"})
+
+
 def test_a_named_function_with_pydantic_definitions_streams_as_openai_does(client):
     """Parameters as pydantic writes them (``$defs``, ``$ref``) under a named choice."""
     assert "$defs" in PLACE["function"]["parameters"]
@@ -224,6 +239,26 @@ def test_a_named_function_with_pydantic_definitions_streams_as_openai_does(clien
     assert [(d.index, d.function.name, d.function.arguments) for d in streamed] == [
         (0, "place", call.function.arguments)]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("family", ["llava_next", "smolvlm", "paligemma"])
+def test_forced_calls_on_other_families(tiny_checkpoints, family):
+    """LLaVA-NeXT's Mistral-style template drops a system turn, PaliGemma's refuses one
+    (it takes one user turn, with its image), SmolVLM's takes it: each prompt carries
+    the description, and the forced call validates."""
+    model, processor = mlxvlm.load(tiny_checkpoints.path(family, "hub"))
+    asked = [user(ASK[0]["content"], png_data_url(make_image(64, 64)))]
+    with LiveServer(model, processor) as live:
+        client = live.client()
+        plain = client.chat.completions.create(model=MODEL_ID, messages=asked, max_tokens=1)
+        reply = client.chat.completions.create(
+            model=MODEL_ID, messages=asked, tools=[WEATHER], tool_choice="required",
+            max_tokens=150, temperature=1.0, seed=1)
+    # The description's tokens, at least one per four characters of the parameters.
+    described = len(json.dumps(WEATHER["function"]["parameters"])) // 4
+    assert reply.usage.prompt_tokens > plain.usage.prompt_tokens + described
+    assert reply.choices[0].finish_reason == "tool_calls"
+    check_calls(reply.choices[0].message.tool_calls, {"get_weather"})
 
 
 RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in (WEATHER, TIME)]

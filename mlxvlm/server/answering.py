@@ -18,6 +18,7 @@ from jinja2 import TemplateError
 
 from mlxvlm.batching import BatchStep
 from mlxvlm.constrained import ConstraintError, GrammarConstraint, json_schema_constraint
+from mlxvlm.generate.loop import fit_to_context
 from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.errors import MlxvlmError, PromptTooLongError
 from mlxvlm.media import MediaError, PixelBudgetError
@@ -113,6 +114,10 @@ async def answer(request: Request, chat: ChatCompletionRequest, options: Samplin
                 service.prepare(messages, namespace, template_options))
             if plan is not None:
                 plan.prompt_text = prepared.inputs.prompt_text
+            # The budget is what the context leaves (the engine cuts it so too), known
+            # before a grammar's processor is made: its closing path counts on it.
+            options.max_tokens = fit_to_context(service.model, prepared.inputs.num_tokens,
+                                                options.max_tokens)
             stream = life.submit(prepared, options)
             # Wait for the first token before answering, so that a request that fails
             # in prefill still gets a proper error status.
