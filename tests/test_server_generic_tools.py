@@ -9,6 +9,7 @@ clients) and through ``python -m mlxvlm.server`` itself; arguments are checked w
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -32,6 +33,7 @@ from mlxvlm.constrained import lark_constraint
 from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.models.paligemma import CHAT_TEMPLATE as PALIGEMMA_TEMPLATE
 from mlxvlm.prompt import render_chat
+from mlxvlm.server.answer_parts import GENERIC_TOOLS, marker_ids
 from mlxvlm.server.chat import to_messages
 from mlxvlm.server.schemas import ChatCompletionRequest, Tool
 from mlxvlm.server.template_traits import template_traits
@@ -364,7 +366,6 @@ def test_the_auto_grammar(loaded):
     tools = [Tool.model_validate(t) for t in (WEATHER, TIME)]
 
     def grammar(several, tokens=tokenizer):
-        from mlxvlm.server.answer_parts import GENERIC_TOOLS
         return lark_constraint(tokens, eos_token_ids(processor),
                                text_or_calls_grammar(GENERIC_TOOLS, tools, tokens, several), "t")
 
@@ -377,6 +378,30 @@ def test_the_auto_grammar(loaded):
                                  '"arguments": {"zone": 3')
     assert matcher_takes(many, tokenizer, CALL_TEXT + CALL_TEXT)
     assert not matcher_takes(one, tokenizer, CALL_TEXT + "<tool_call>")
+
+
+def test_markers_the_tokenizer_made_special(loaded):
+    """A tokenizer that holds ``<tool_call>`` as a special token: the answer's text keeps
+    it (the detokenizer drops special tokens otherwise) and the grammar names it by id."""
+    processor = loaded[1]
+    tokenizer = copy.deepcopy(processor.tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    ids = tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    assert marker_ids(tokenizer, GENERIC_TOOLS) == set(ids)
+    assert marker_ids(processor.tokenizer, GENERIC_TOOLS) == set()  # plain text there
+    tools = [Tool.model_validate(TIME)]
+    grammar = text_or_calls_grammar(GENERIC_TOOLS, tools, tokenizer, True)
+    assert f"<[{ids[0]}]>" in grammar and f"<[{ids[1]}]>" in grammar
+    constraint = lark_constraint(tokenizer, eos_token_ids(processor), grammar, "t")
+    assert matcher_takes(constraint, tokenizer, "Hi." + CALL_TEXT)
+    assert not matcher_takes(constraint, tokenizer, '<tool_call>\n{"name": "get_weather"')
+
+
+def test_none_describes_nothing(loaded):
+    """tool_choice "none": the prompt is the one without tools."""
+    processor = loaded[1]
+    plan, prompt = plan_and_prompt(processor, ASK, tools=[WEATHER], tool_choice="none")
+    assert prompt == plan_and_prompt(processor, ASK)[1] and plan.constraint() is None
 
 
 def test_definitions_move_with_their_references():

@@ -9,6 +9,8 @@ import time
 import uuid
 from typing import Any
 
+from pydantic import ValidationError
+
 from mlxvlm.batching import BatchStep
 from mlxvlm.sampling import SamplingOptions
 from mlxvlm.sampling_defaults import FIELDS as SAMPLING_FIELDS
@@ -19,8 +21,6 @@ from mlxvlm.sampling_defaults import (
     describe_checkpoint,
     resolve,
 )
-from pydantic import ValidationError
-
 from mlxvlm.server.errors import APIError, validation_error
 from mlxvlm.server.schemas import ChatCompletionRequest
 
