@@ -227,8 +227,11 @@ class GrammarProcessor:
             self.closing = distance is None or distance >= left - _FREE_TOKEN_SLACK
         if self.matcher.is_accepting():
             # Complete, but the grammar lets it go on: too little budget is left for
-            # another whole part, so it ends here.
-            if self.closing or left <= (self.whole_answer or 0) + 1:
+            # another whole part, so it ends here. A grammar whose answer may be empty
+            # (free text, as "auto" tools' lazy grammar) has no part to fit: its text
+            # runs to the budget, as an unconstrained answer's does.
+            part = self.whole_answer
+            if self.closing or (part != 0 and left <= (part or 0) + 1):
                 only = np.zeros_like(allowed)
                 ends = [t for t in self.constraint.lltokenizer.eos_tokens if t < only.size]
                 only[ends] = allowed[ends]

@@ -18,6 +18,7 @@ from jinja2 import TemplateError
 
 from mlxvlm.batching import BatchStep
 from mlxvlm.constrained import ConstraintError, GrammarConstraint, json_schema_constraint
+from mlxvlm.generate.loop import fit_to_context
 from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.errors import MlxvlmError, PromptTooLongError
 from mlxvlm.media import MediaError, PixelBudgetError
@@ -91,22 +92,32 @@ async def answer(request: Request, chat: ChatCompletionRequest, options: Samplin
     request field that input errors name; ``format_param``: the one a response format
     that cannot be used names). ``plan``: the request's tools and thinking; it learns
     the rendered prompt (``plan.prompt_text``) before the writers run."""
-    # Compiling a grammar can take a while: not on the event loop.
-    if plan is not None and plan.tools and plan.tool_choice != "auto":
+    # Compiling a grammar can take a while: not on the event loop. A response format
+    # shapes a text answer, so it wins over "auto" tools.
+    if plan is not None and plan.forces_calls:
         options.constraint = await asyncio.to_thread(plan.constraint)
     elif chat.response_format is not None:
         options.constraint = await asyncio.to_thread(
             response_constraint, chat, service.processor, format_param)
+    elif plan is not None and plan.tools:
+        options.constraint = await asyncio.to_thread(plan.constraint)
     template_options = plan.template_options if plan is not None else None
+    messages = to_messages(chat)
+    if plan is not None:
+        messages = plan.conversation(messages)
     with RequestLifetime(service, request) as life:
         try:
             # With API keys, prefix reuse stays within the key (cached_tokens would
             # otherwise tell one client what another sent).
             namespace = request.scope.get("state", {}).get(KEY_ID)
             prepared = await life.until_disconnect(
-                service.prepare(to_messages(chat), namespace, template_options))
+                service.prepare(messages, namespace, template_options))
             if plan is not None:
                 plan.prompt_text = prepared.inputs.prompt_text
+            # The budget is what the context leaves (the engine cuts it so too), known
+            # before a grammar's processor is made: its closing path counts on it.
+            options.max_tokens = fit_to_context(service.model, prepared.inputs.num_tokens,
+                                                options.max_tokens)
             stream = life.submit(prepared, options)
             # Wait for the first token before answering, so that a request that fails
             # in prefill still gets a proper error status.

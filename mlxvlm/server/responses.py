@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 from mlxvlm.batching import BatchStep
 from mlxvlm.server.answer_parts import Part, ToolCall
 from mlxvlm.server.answering import split_steps, stream_failure, whole_answer
+from mlxvlm.server.chat import as_chat_request
 from mlxvlm.server.errors import APIError, error_body
 from mlxvlm.server.response_store import ResponseStore
 from mlxvlm.server.responses_schemas import ResponsesRequest
@@ -79,7 +80,7 @@ def to_chat_request(request: ResponsesRequest, earlier: Conversation) -> ChatCom
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
     messages += earlier + input_messages(request)
-    return ChatCompletionRequest.model_validate({
+    return as_chat_request({
         "model": request.model,
         "messages": messages,
         "max_tokens": request.max_output_tokens,
@@ -91,6 +92,7 @@ def to_chat_request(request: ResponsesRequest, earlier: Conversation) -> ChatCom
             "name": t.name, "description": t.description, "parameters": t.parameters}}
             for t in request.tools] if request.tools else None,
         "tool_choice": _chat_tool_choice(request.tool_choice),
+        "parallel_tool_calls": request.parallel_tool_calls,
         "chat_template_kwargs": _template_kwargs(request),
         "thinking_budget": request.reasoning.max_tokens if request.reasoning else None,
     })
@@ -168,7 +170,7 @@ class ResponseWriter:
             "max_output_tokens": request.max_output_tokens,
             "model": self.model,
             "output": output or [],
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": request.previous_response_id,
             # False where the store could not keep it (too large for its bounds).
             "store": request.store if self.stored is None else self.stored,
