@@ -82,6 +82,7 @@ class PreparationPools:
     def __init__(self, media_workers: int, text_workers: int, *,
                  stats: PreparationStats | None = None, name: str = "mlxvlm-prepare"):
         self.stats = stats or PreparationStats()
+        self._running: set[threading.Event] = set()  # the cancel flags of running jobs
         self._pools = {
             "media": ThreadPoolExecutor(media_workers, thread_name_prefix=f"{name}-media"),
             "text": ThreadPoolExecutor(text_workers, thread_name_prefix=f"{name}-text"),
@@ -92,17 +93,24 @@ class PreparationPools:
         cancel = threading.Event()
 
         def run() -> T:
-            with self.stats.running(kind), preparing(cancel):
-                try:
+            self._running.add(cancel)
+            try:
+                with self.stats.running(kind), preparing(cancel):
                     check_cancelled("preparing the request")  # gone while it was queued
                     return job()
-                except PreparationCancelled as stopped:
-                    self.stats.count_cancelled()
-                    log.info("%s", stopped)
-                    raise
+            except PreparationCancelled as stopped:
+                self.stats.count_cancelled()
+                log.info("%s", stopped)
+                raise
+            finally:
+                self._running.discard(cancel)
 
         return PreparationJob(self._pools[kind].submit(run), cancel, self.stats)
 
     def close(self) -> None:
+        """Drop the queued jobs and stop the running ones (a process exits only once its
+        workers are done)."""
         for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
+        for cancel in list(self._running):
+            cancel.set()

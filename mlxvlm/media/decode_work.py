@@ -149,5 +149,6 @@ class Decoding:
         most = self.policy.max_decode_seconds
         if most is not None and self._spent() > most:
             raise self._refuse(
-                f"decoding took more than {most:g} CPU seconds{after}, the limit per "
-                "request", f"send a shorter or smaller {self.kind}", "max_decode_seconds")
+                f"decoding the request's media took more than the limit of {most:g} CPU "
+                f"seconds (stopped{after or ' while decoding it'})",
+                f"send a shorter or smaller {self.kind}", "max_decode_seconds")
