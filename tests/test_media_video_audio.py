@@ -332,9 +332,12 @@ def test_frames_are_counted_while_decoding(mp4):
             work.frame(96, 64)
 
 
-def test_frame_count_and_cpu_time_bounds(mp4, media_dir):
+def test_frame_count_and_cpu_time_bounds(mp4, silent_mkv, media_dir):
     expect_error(load_video, mp4, "it has 30 frames, more than the limit of 20 per video",
                  max_video_frames=20)
+    # Matroska does not say: its packets are counted, only as far as the limit.
+    expect_error(load_video, silent_mkv, "it has more than 10 frames, the limit per video",
+                 max_video_frames=10)
     slow = write_repeating_video(media_dir / "slow.mp4", 2048, 2048, 400)
     message = expect_error(load_video, slow, "more than the limit of 0.01 CPU seconds",
                            "max_decode_seconds", max_decode_seconds=0.01)

@@ -103,12 +103,15 @@ class Decoding:
         return limit_error(self.kind, self.name, reason, fix + names.raise_fix(limit),
                            limit=limit)
 
-    def claim(self, frames: int, width: int, height: int) -> None:
-        """Before decoding: the frame count and size the container states."""
+    def claim(self, frames: int, width: int, height: int, *, at_least: bool = False) -> None:
+        """Before decoding: the frame count and size the container states (``at_least``:
+        its packets were counted only as far as the frame limit)."""
         most = self.policy.max_video_frames
         if most is not None and frames > most:
-            raise self._refuse(f"it has {frames:,} frames, more than the limit of {most:,} "
-                               "per video", "send a shorter video", "max_video_frames")
+            reason = (f"it has more than {most:,} frames, the limit per video" if at_least
+                      else f"it has {frames:,} frames, more than the limit of {most:,} per "
+                      "video")
+            raise self._refuse(reason, "send a shorter video", "max_video_frames")
         self._check_pixels(frames * width * height,
                            f"its {frames:,} frames of {width}x{height} are")
 

@@ -122,7 +122,7 @@ def _count_frames(file, *, name: str, hint: str, work: Decoding) -> int:
                 work.step()
                 count += bool(packet.size)
                 if most is not None and count > most:
-                    break  # enough to refuse it: claim() says so
+                    break  # enough to refuse it (claim's at_least)
         except av.FFmpegError as e:
             raise decode_error("video", name, e) from e
         return count
@@ -165,12 +165,13 @@ def _decode_video(file, *, name: str, hint: str, fps: float | None, num_frames: 
             has_audio = with_audio and bool(container.streams.audio)
         if source_fps <= 0:
             raise error("video", name, "the container does not say its frame rate", VIDEO_FIX)
-        if total <= 0:
+        counted = total <= 0
+        if counted:
             total = _count_frames(file, name=name, hint=hint, work=work)
         if total <= 0:
             raise error("video", name, "the video has no frames", "check the file")
         # Before decoding anything: what the container says decoding will cost.
-        work.claim(total, width, height)
+        work.claim(total, width, height, at_least=counted)
 
         wanted = sample_frame_indices(total, source_fps, fps, max_frames, num_frames=num_frames,
                                       sampler=sampler)
