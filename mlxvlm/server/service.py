@@ -5,7 +5,9 @@ Admission is counted from the moment a request is accepted until its last token 
 cancellation): ``max_concurrency`` requests decode together and ``max_queue`` more may
 wait or be prepared; beyond that the server answers 429 at once instead of letting work
 pile up. A request whose client goes away is cancelled in the engine, which frees its
-batch slot at the next step.
+batch slot at the next step, or in its preparation, whose media decoding stops at the
+next frame (``mlxvlm.preparation``: requests with media and text-only ones are prepared
+by workers of their own).
 """
 
 from __future__ import annotations
