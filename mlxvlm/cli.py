@@ -302,6 +302,14 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def cli_media_policy():
+    """The command line reads whatever path or URL its user names, and has no media
+    options: the fixes its media errors suggest name none."""
+    from mlxvlm.media import NO_NAMES, MediaPolicy
+
+    return MediaPolicy(names=NO_NAMES)
+
+
 def load_cli_media(args: argparse.Namespace, verbose: bool = False) -> list[tuple[str, object]]:
     """Decode the command line's images and audio in order, and check that each video
     opens and decodes (its first frame): before the slow model load, so that a bad file
@@ -309,13 +317,15 @@ def load_cli_media(args: argparse.Namespace, verbose: bool = False) -> list[tupl
     With ``verbose``, say what was read of each audio."""
     from mlxvlm.media import load_audio, load_image, load_video
 
+    policy = cli_media_policy()
     loaded = []
     for kind, source in args.media or []:
         if kind == "video":
-            load_video(source, num_frames=1, with_audio=False)
+            load_video(source, num_frames=1, with_audio=False, policy=policy)
             loaded.append((kind, source))
             continue
-        media = load_image(source) if kind == "image" else load_audio(source)
+        load = load_image if kind == "image" else load_audio
+        media = load(source, policy=policy)
         if verbose and kind == "audio":
             print(f"[mlxvlm] {media.describe()}", file=sys.stderr)
         loaded.append((kind, media))
@@ -335,7 +345,8 @@ def sample_cli_videos(media: list[tuple[str, object]], args: argparse.Namespace,
     sampled = []
     for kind, value in media:
         if kind == "video":
-            value = load_video(value, fps=args.fps, max_frames=args.max_frames, sampler=sampler)
+            value = load_video(value, fps=args.fps, max_frames=args.max_frames, sampler=sampler,
+                               policy=cli_media_policy())
             if verbose:
                 print(f"[mlxvlm] {value.describe()}", file=sys.stderr)
         sampled.append((kind, value))

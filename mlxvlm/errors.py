@@ -15,3 +15,15 @@ class CheckpointError(MlxvlmError):
 
 class PromptTooLongError(MlxvlmError):
     """The prompt does not fit in the model's context (or in the KV-cache window)."""
+
+    limit = "context_length"  # what a server counts the refusal under
+
+    @classmethod
+    def of_tokens(cls, tokens: int, context: int, at_least: bool = False) -> "PromptTooLongError":
+        """The refusal of a prompt of ``tokens`` tokens (``at_least``: counted only as far
+        as needed) for a model of ``context``."""
+        length = f"at least {tokens}" if at_least else str(tokens)
+        return cls(
+            f"the prompt is {length} tokens long but the model's context is {context} "
+            "tokens; shorten the prompt or use fewer/smaller images, shorter videos or "
+            "shorter audio")

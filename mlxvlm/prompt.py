@@ -32,6 +32,7 @@ import numpy as np
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.media import MediaPolicy, load_audio, load_image, load_video
 from mlxvlm.media.frame_sampling import sampler_for
+from mlxvlm.prompt_length import check_prompt_length
 
 Message = dict[str, Any]
 
@@ -218,6 +219,7 @@ def prepare_inputs(
     video_options: dict | None = None,
     audio_in_video: bool = True,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    max_context: int | None = None,
 ) -> PreparedInputs:
     """Render the conversation with the chat template and run the processor.
 
@@ -231,7 +233,9 @@ def prepare_inputs(
     (``{"enable_thinking": False}``, ``tools=[...]``). ``raw_prompt``: ``prompt`` is already the model's exact
     input text (media must then be passed as arguments and the text must hold the
     placeholders); it is tokenized as ``processor(text=prompt)`` does, with the
-    processor's default special tokens.
+    processor's default special tokens. ``max_context``: the model's context; a text that
+    cannot fit is a ``PromptTooLongError`` before it is tokenized whole or any medium is
+    decoded (``prompt_length``).
 
     The rendered chat is tokenized as transformers' ``processor.apply_chat_template(...,
     tokenize=True)`` tokenizes it (see ``special_tokens_option``): a tokenizer that adds
@@ -249,6 +253,7 @@ def prepare_inputs(
         messages, media = normalize_media_messages(messages, extra)
         text = render_chat(processor, messages, chat_template_kwargs)
 
+    check_prompt_length(getattr(processor, "tokenizer", processor), text, max_context)
     loaded = _load_media(processor, media, MediaPolicy.of(media_policy),
                          video_options or {}, audio_in_video)
     special = {} if raw_prompt else special_tokens_option(processor, text)

@@ -15,7 +15,8 @@ LAYERS = (
     ("errors", "torch_free", "cpu"),
     ("models",),
     ("option_ranges", "sampling_defaults", "sampling", "constrained", "detokenizer", "tokenization",
-     "media", "public_net", "prompt", "prefix_cache", "quantization", "adapters",
+     "media", "public_net", "prompt", "prompt_length", "preparation", "prefix_cache",
+     "quantization", "adapters",
      "loading", "generate", "batching", "distributed"),
     ("__main__", "cli", "server", "ui", "finetune", "convert", "fuse", "benchmark"),
 )

@@ -91,6 +91,7 @@ def batch_generate(
             processor, prompt, image, video=video, audio=audio, system=system,
             feature_names=getattr(model, "feature_names", None),
             media_policy=media_policy, video_options=video_options,
+            max_context=model.max_context,
         )
         engine.submit(inputs, options, collect(index))
     while engine.has_work and not errors:

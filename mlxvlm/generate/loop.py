@@ -205,11 +205,7 @@ def fit_to_context(model: nn.Module, prompt_tokens: int, max_tokens: int) -> int
     if context is None:
         return max_tokens
     if prompt_tokens >= context:
-        raise PromptTooLongError(
-            f"the prompt is {prompt_tokens} tokens long but the model's context is "
-            f"{context} tokens; shorten the prompt or use fewer/smaller images, shorter "
-            "videos (or a lower --fps) or shorter audio"
-        )
+        raise PromptTooLongError.of_tokens(prompt_tokens, context)
     return min(max_tokens, context - prompt_tokens)
 
 

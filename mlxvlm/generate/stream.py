@@ -146,6 +146,8 @@ def stream_generate(
         media_policy=media_policy,
         video_options=video_options,
         chat_template_kwargs=chat_template_kwargs,
+        # A rotating cache (max_kv_size) takes prompts longer than the context.
+        max_context=model.max_context if max_kv_size is None else None,
     )
     yield from generate_prepared(
         model, processor, inputs, options, cache_options, prefill_step_size=prefill_step_size,

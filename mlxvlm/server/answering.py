@@ -125,6 +125,9 @@ async def answer(request: Request, chat: ChatCompletionRequest, options: Samplin
             if not chat.stream:
                 return JSONResponse(await life.until_disconnect(body(first, stream)))
         except (MlxvlmError, ValueError, TemplateError) as error:
+            limit = getattr(error, "limit", None)  # a refusal for passing a limit
+            if limit is not None:
+                service.counters.count_refusal(limit)
             raise as_api_error(error, param) from error
         return life.event_stream(events(first, stream))
 

@@ -10,11 +10,23 @@ from dataclasses import dataclass, field
 from mlxvlm.cli import (OneLineParser, add_model_arguments, add_speculation_arguments,
                         checkpoint_folders, ranged)
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.media import (SERVED_MAX_DECODE_SECONDS, SERVED_MAX_VIDEO_DECODE_PIXELS,
+                          SERVED_MAX_VIDEO_FRAMES, OptionNames)
 from mlxvlm.option_ranges import NON_NEGATIVE, PORT, POSITIVE, SAMPLING, at_least
 
 MiB = 2**20
 # Byte and pixel limits: any bound a machine could hold.
 _HUGE = 2**62
+
+# The flags behind the media policy's options, for the fixes media errors suggest; a
+# video's or audio's encoded size has no flag of its own (--max-body-bytes bounds what a
+# request carries).
+MEDIA_OPTION_NAMES = OptionNames(
+    allow_remote="--allow-remote-media", allow_local="--allowed-media-dir",
+    timeout="--media-timeout", max_image_bytes="--max-image-bytes",
+    max_image_pixels="--max-image-pixels", max_video_frames="--max-video-frames",
+    max_video_decode_pixels="--max-video-decode-pixels",
+    max_decode_seconds="--max-media-decode-seconds", max_bytes=None, max_audio_seconds=None)
 
 
 @dataclass
@@ -33,7 +45,11 @@ class ServerConfig:
     max_queue: int = 32
     max_body_bytes: int = 32 * MiB
     max_image_bytes: int = 20 * MiB
-    max_image_pixels: int = 25_000_000
+    max_image_pixels: int = 25_000_000  # video frames too
+    # What decoding one request's videos and audio may cost (see media.decode_work).
+    max_video_frames: int = SERVED_MAX_VIDEO_FRAMES
+    max_video_decode_pixels: int = SERVED_MAX_VIDEO_DECODE_PIXELS
+    max_media_decode_seconds: float = SERVED_MAX_DECODE_SECONDS
     # Decoded pixels (images and video frames) of one request and of all requests being
     # prepared at once; None: sized to this machine's memory (media.default_pixel_budget).
     max_request_pixels: int | None = None
@@ -101,12 +117,12 @@ class ServerConfig:
             raise MlxvlmError(
                 f"max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at least "
                 f"max_body_bytes ({self.max_body_bytes})")
-        for name in ("header_timeout", "body_timeout"):
+        for name in ("header_timeout", "body_timeout", "max_media_decode_seconds"):
             if not getattr(self, name) > 0:
                 raise MlxvlmError(f"{name} must be above 0 seconds, got {getattr(self, name)}")
         for name in ("max_concurrency", "max_body_bytes", "max_image_bytes",
                      "max_image_pixels", "max_tokens", "prefill_step_size", "prepare_workers",
-                     "max_loaded_models"):
+                     "max_loaded_models", "max_video_frames", "max_video_decode_pixels"):
             if getattr(self, name) < 1:
                 raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_queue", "prompt_cache_size", "max_stored_responses",
@@ -169,9 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allowed-origins", nargs="+", default=[],
                         help="Origins allowed by CORS (default: none, CORS off)")
     parser.add_argument("--allow-remote-media", action="store_true",
-                        help="Fetch http(s) image URLs (public addresses only)")
+                        help="Fetch http(s) media URLs (public addresses only)")
     parser.add_argument("--allowed-media-dir", default=None,
-                        help="Allow local image paths inside this folder (default: none)")
+                        help="Allow local media paths inside this folder (default: none)")
     parser.add_argument("--max-concurrency", type=ranged(at_least(1)), default=8,
                         help="Requests decoded together in one batch")
     parser.add_argument("--max-queue", type=ranged(at_least(0)), default=32,
@@ -185,7 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-image-bytes", type=ranged(at_least(1, _HUGE)), default=20 * MiB,
                         help="Largest encoded image")
     parser.add_argument("--max-image-pixels", type=ranged(at_least(1, _HUGE)), default=25_000_000,
-                        help="Largest image width*height, checked before decoding")
+                        help="Largest image or video frame width*height, checked before "
+                        "decoding (default 25000000)")
+    parser.add_argument("--max-video-frames", type=ranged(at_least(1)),
+                        default=SERVED_MAX_VIDEO_FRAMES,
+                        help="Frames a video may hold (each one is decoded to sample from "
+                        "them), from its container before decoding and counted while "
+                        f"decoding (default {SERVED_MAX_VIDEO_FRAMES})")
+    parser.add_argument("--max-video-decode-pixels", type=ranged(at_least(1, _HUGE)),
+                        default=SERVED_MAX_VIDEO_DECODE_PIXELS,
+                        help="Pixels of all video frames decoded for one request (frames x "
+                        "width x height), from the containers before decoding and counted "
+                        f"while decoding (default {SERVED_MAX_VIDEO_DECODE_PIXELS})")
+    parser.add_argument("--max-media-decode-seconds", type=ranged(POSITIVE),
+                        default=SERVED_MAX_DECODE_SECONDS,
+                        help="CPU seconds decoding one request's videos and audio, each "
+                        f"on one thread (default {SERVED_MAX_DECODE_SECONDS:g})")
     parser.add_argument("--max-request-pixels", type=ranged(at_least(1, _HUGE)), default=None,
                         help="Decoded pixels of all images and video frames of one request "
                         "(default: sized to memory, see docs/server.md)")
@@ -284,6 +315,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_buffered_body_bytes=args.max_buffered_body_bytes,
         max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels,
+        max_video_frames=args.max_video_frames,
+        max_video_decode_pixels=args.max_video_decode_pixels,
+        max_media_decode_seconds=args.max_media_decode_seconds,
         media_timeout=args.media_timeout,
         max_tokens=args.max_tokens,
         prefill_step_size=args.prefill_step_size,

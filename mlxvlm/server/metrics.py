@@ -49,6 +49,18 @@ def render_metrics(models: ModelRegistry, app_state) -> str:
     m("mlxvlm_body_bytes_buffered", "gauge",
       "Bytes of request bodies being read now (at most --max-buffered-body-bytes)",
       [({}, app_state.body_budget.in_use)])
+    m("mlxvlm_requests_refused_total", "counter",
+      "Requests refused for passing a limit, by the limit (a media option such as "
+      "max_video_decode_pixels, or context_length)",
+      [({"limit": limit}, n) for limit, n in sorted(counters.refused.items())])
+    preparation = counters.preparation
+    m("mlxvlm_requests_preparing", "gauge",
+      "Requests being prepared now (template, media decoding, processor), by whether they "
+      "carry media (each kind has its own workers)",
+      [({"inputs": kind}, n) for kind, n in sorted(preparation.preparing.items())])
+    m("mlxvlm_preparations_cancelled_total", "counter",
+      "Requests whose preparation was stopped (or never started) because their client "
+      "went away", [({}, preparation.cancelled)])
     m("mlxvlm_models_loaded", "gauge", "Models loaded now", [({}, len(services))])
     m("mlxvlm_model_loads_total", "counter", "Models loaded (at start or on first use)",
       [({}, models.loads)])

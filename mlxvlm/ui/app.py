@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from mlxvlm.media import MediaPolicy
+from mlxvlm.media import NO_NAMES, MediaPolicy
 from mlxvlm.sampling_defaults import checkpoint_defaults, resolve
 from mlxvlm.ui.api_inputs import accept_text_messages
 from mlxvlm.ui.fields import guard_file_handling
@@ -23,10 +23,19 @@ PAGE_HEADING = "mlxvlm chat"
 ONE_OF_KIND = {"image": "an image", "video": "a video", "audio": "a sound"}
 
 
+# Conversations answered at once: each waits its turn for the model (the session's
+# lock), but prepares its turn meanwhile, so that one conversation's video does not hold
+# up another's text chat (Gradio's default is one at a time).
+CONCURRENT_CONVERSATIONS = 16
+
+
 def upload_media_options() -> MediaPolicy:
     """Limits for reading attachments: only files in this process's upload folder (the
-    chat accepts only uploads, see ``uploads``; this is the media reader's own check)."""
-    return MediaPolicy(allow_remote=False, allowed_dir=str(process_uploads().directory))
+    chat accepts only uploads, see ``uploads``; this is the media reader's own check),
+    and the bounds on decoding a server's strangers' media; the page has no options to
+    name in errors."""
+    return MediaPolicy.served(allow_remote=False, allowed_dir=str(process_uploads().directory),
+                              names=NO_NAMES)
 
 
 def model_labels(names: list[str]) -> list[tuple[str, str]]:
@@ -147,6 +156,7 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
                 additional_outputs=[stats],
                 api_name="chat",
                 title=PAGE_HEADING,
+                concurrency_limit=CONCURRENT_CONVERSATIONS,
                 fill_height=True,
                 analytics_enabled=False,
             )
