@@ -13,7 +13,6 @@ import base64
 import binascii
 import http.client
 import os
-import re
 import socket
 import stat
 import time
@@ -251,7 +250,9 @@ def _decode_data_url(url: str, *, max_bytes: int, kind: str, name: str,
             raise too_big(kind, name, f"the data (~{mb(len(payload) // 3)})", max_bytes, raise_it)
         data = urllib.parse.unquote_to_bytes(payload)
     else:
-        payload = re.sub(r"\s+", "", payload)
+        # Line breaks and spaces are allowed in base64 (str.split: 30x faster than a regex
+        # on a 20 MiB payload, and it runs holding the GIL).
+        payload = "".join(payload.split())
         if len(payload) // 4 * 3 > max_bytes + 2:  # refuse before decoding
             raise too_big(kind, name, f"the data (~{mb(len(payload) // 4 * 3)})", max_bytes, raise_it)
         payload += "=" * (-len(payload) % 4)
