@@ -117,6 +117,8 @@ def validation_error(errors: list[dict]) -> APIError:
     path = [p for p in path if p not in ("body", "str", "list", "dict")]
     param = ".".join(path) or None
     message = first["msg"]
+    # A validator's own ValueError reaches us as "Value error, <its message>".
+    message = message.removeprefix("Value error, ")
     return APIError(400, f"{param}: {message}" if param else message, param=param)
 
 
