@@ -340,6 +340,130 @@ def test_a_rank_that_exits_ends_the_run(checkpoints, tmp_path):
     assert reported or "rank 0 exited with code -15" in output, output
 
 
+def test_a_rank_that_fails_on_the_release_fails_rank_0(tmp_path):
+    """Rank 1 takes rank 0's release and raises before acknowledging it: rank 1 exits
+    non-zero (mlx.launch names it) and rank 0's release fails rather than ending well
+    without it."""
+    script = tmp_path / "fail_on_release.py"
+    script.write_text(
+        "import types\n"
+        "import mlxvlm\n"
+        "import mlx.core as mx\n"
+        "from mlxvlm.distributed.broadcast import broadcast_object\n"
+        "from mlxvlm.distributed.group import ShardPlan\n"
+        "from mlxvlm.distributed.jobs import release\n"
+        "group = mx.distributed.init()\n"
+        "model = types.SimpleNamespace(sharding=ShardPlan(group, 'tensor'))\n"
+        "if group.rank() == 1:\n"
+        "    assert broadcast_object(None, group) is None  # the release, as next_job takes it\n"
+        "    raise RuntimeError('rank 1 failed on the release')\n"
+        "try:\n"
+        "    release(model)\n"
+        "except Exception as exc:\n"
+        "    print(f'rank 0: {type(exc).__name__}: {exc}', flush=True)\n"
+        "    raise SystemExit(1)\n"
+        "print('rank 0: released', flush=True)\n"
+    )
+    run = launch(str(script), timeout=120)
+    output = run.stdout + run.stderr
+    assert "RuntimeError: rank 1 failed on the release" in output
+    assert "rank 1 exited with code 1" in output
+    assert "rank 0: released" not in output
+    # Rank 0 reports it unless the launcher, seeing rank 1 gone, stopped it first.
+    reported = "rank 0: RankLostError: rank 0 of 2: another rank left the run" in output
+    assert reported or "rank 0 exited with code -15" in output, output
+
+
+@pytest.fixture
+def unsharded_engine(checkpoints, monkeypatch):
+    """The sharded server's engine over the EOS checkpoint in one process (its loop is
+    the one every rank runs), with the release it sends the other ranks recorded."""
+    from mlxvlm.distributed import serving
+    from mlxvlm.prompt import prepare_inputs
+    from mlxvlm.sampling import SamplingOptions
+
+    paths, _ = checkpoints
+    model, processor = load(paths[EOS])
+    events: list = []
+    monkeypatch.setattr(serving, "release", lambda _: events.append("release"))
+    engines = []
+
+    def submit(deliver, engine=None):
+        if engine is None:
+            engine = serving.ShardedEngine(model, processor)
+            engine.start()
+            engines.append(engine)
+        inputs = prepare_inputs(processor, CHAT, feature_names=model.feature_names)
+        engine.submit(inputs, SamplingOptions(max_tokens=BUDGET), deliver)
+        return engine
+
+    reference = [r.token for r in ends_on_eos(
+        list(stream_generate(model, processor, CHAT, max_tokens=BUDGET)))]
+    yield submit, events, reference
+    for engine in engines:
+        engine.close(timeout=60)
+
+
+def test_sharded_engine_runs_an_answer_to_its_end_past_a_broken_consumer(unsharded_engine):
+    """A consumer that raises (a closed event loop) drops the rest of its answer, but the
+    answer runs to its end, as on the other ranks, and the next one is served."""
+    import queue
+
+    submit, _, reference = unsharded_engine
+
+    def broken(item):
+        raise RuntimeError("event loop is closed")
+
+    served: queue.Queue = queue.Queue()
+    engine = submit(broken)
+    submit(served.put, engine)
+    steps = [served.get(timeout=60)]
+    while steps[-1].finish_reason is None:
+        steps.append(served.get(timeout=60))
+    assert [step.token for step in steps] == reference
+    assert engine.stats.generated_tokens == 2 * len(reference)
+    assert (engine.stats.requests_cancelled, engine.stats.requests_finished) == (1, 1)
+
+
+def test_sharded_engine_releases_the_ranks_after_the_running_answer(unsharded_engine, caplog):
+    """A release sent while an answer runs would be read into its steps' collectives:
+    close waits the answer out, then releases; closing with a timeout that the answer
+    outlasts leaves the ranks unreleased, and says so."""
+    import threading
+    import time
+
+    submit, events, reference = unsharded_engine
+    running, gate = threading.Event(), threading.Event()
+
+    def slow(item):  # holds the engine in the answer until the gate opens
+        events.append(getattr(item, "finish_reason", item))
+        running.set()
+        gate.wait(60)
+
+    engine = submit(slow)
+    assert running.wait(60)
+    engine.close(timeout=0.1)
+    assert "release" not in events
+    assert "the other ranks are not released" in caplog.text
+    gate.set()
+    engine._thread.join(60)
+    assert "release" not in events
+
+    events.clear()
+    running.clear()
+    gate.clear()
+    engine = submit(slow)
+    assert running.wait(60)
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    deadline = time.monotonic() + 60
+    while not engine._closed and time.monotonic() < deadline:  # close has begun
+        time.sleep(0.01)
+    gate.set()
+    closing.join(60)
+    assert events == [None] * (len(reference) - 1) + ["stop", "release"]
+
+
 def test_broadcast_carries_arrays_and_objects():
     """A group of one (no launcher): the request's parts come back as they went."""
     group = mx.distributed.init()
