@@ -188,7 +188,17 @@ def generate_tokens(
         token = current[0].item()
         if n == 0:
             progress(total, total)
-        yield token, current[1]
+        try:
+            yield token, current[1]
+        except GeneratorExit:
+            # The caller stopped on this token (end of sequence, a stop string) with the
+            # next step already scheduled. On a sharded model that step's collectives
+            # are still in flight: they finish here, on every rank alike, so that the
+            # group's next collective (rank 0's next job or its release) is not read
+            # into this step's.
+            if ahead and sharding is not None:
+                mx.eval(*upcoming)
+            raise
         if last:
             break
         if not ahead:

@@ -231,7 +231,8 @@ def generate_prepared(
 
     prompt_tps = 0.0
     decode_start = start
-    for n, (token, logprobs) in enumerate(peer_checked(model, tokens)):
+    steps = peer_checked(model, tokens)
+    for n, (token, logprobs) in enumerate(steps):
         if n == 0:
             decode_start = time.perf_counter()
             prompt_tps = prompt_tokens / (decode_start - start)
@@ -256,6 +257,10 @@ def generate_prepared(
                 values, token, options.top_logprobs)
         yield result
         if finish_reason is not None:
+            # Closed now rather than whenever it is collected: on a sharded model this
+            # finishes the step the loop scheduled ahead, before the group's next
+            # collective (see generate_tokens), and a rank lost then is raised here.
+            steps.close()
             break
 
 
