@@ -207,7 +207,7 @@ def test_cli_under_mlx_launch_prints_once_what_one_process_prints(checkpoints, c
     """Answers that end on end of sequence: in pipeline mode the demo model's, by
     docs/distributed.md's command (its one key/value head cannot be split in tensor
     mode), in tensor mode the EOS checkpoint's. Every rank ends well."""
-    from mlxvlm.cli import run_generate_cli
+    from mlxvlm.generate.__main__ import main as run_generate_cli
 
     paths, image = checkpoints
     if mode == "pipeline":

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mlxvlm.cli import build_generate_parser
+from mlxvlm.generate.__main__ import build_parser as build_generate_parser
 from mlxvlm.option_ranges import RangeType
 
 ENTRY_POINTS = ["generate", "convert", "fuse", "benchmark", "finetune", "server", "ui"]

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from av_media import coloured_frames, sine, write_audio, write_repeating_video, write_video
-from mlxvlm.cli import build_generate_parser
+from mlxvlm.generate.__main__ import build_parser as build_generate_parser
 from mlxvlm.media import (
     Audio,
     MediaError,
@@ -434,7 +434,7 @@ def test_cli_keeps_media_in_command_line_order():
 def test_cli_fails_fast_on_a_bad_audio_file(tmp_path, capsys):
     """The CLI decodes media before loading the model: a bad file is one error line and
     exit code 2, even with a model that does not exist."""
-    from mlxvlm.cli import run_generate_cli
+    from mlxvlm.generate.__main__ import main as run_generate_cli
 
     bad = tmp_path / "noise.wav"
     bad.write_bytes(b"\x00garbage" * 50)

@@ -258,7 +258,7 @@ def test_bad_speculation_options_are_refused(models, options, message):
 
 
 def test_the_command_line_reports_acceptance(tiny_checkpoints, tmp_path, capsys):
-    from mlxvlm.cli import run_generate_cli
+    from mlxvlm.generate.__main__ import main as run_generate_cli
 
     path = tiny_checkpoints.path("qwen2_vl", "hub")
     image = tmp_path / "picture.png"
