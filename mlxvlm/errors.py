@@ -15,3 +15,13 @@ class CheckpointError(MlxvlmError):
 
 class PromptTooLongError(MlxvlmError):
     """The prompt does not fit in the model's context (or in the KV-cache window)."""
+
+
+def bounded(text: str, limit: int = 200) -> str:
+    """``text`` for a log line or an error message: its first line, at most ``limit``
+    characters, and how much was left out (a grammar or a parser's state dump can run to
+    megabytes, and a client could make every failure write them again)."""
+    first = text.split("\n", 1)[0]
+    shown = first[:limit]
+    left_out = len(text) - len(shown)
+    return f"{shown} [... {left_out:,} more characters]" if left_out else shown

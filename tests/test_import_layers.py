@@ -14,7 +14,8 @@ PACKAGE = Path(mlxvlm.__file__).parent
 LAYERS = (
     ("errors", "torch_free", "cpu"),
     ("models",),
-    ("option_ranges", "sampling_defaults", "sampling", "constrained", "detokenizer", "tokenization",
+    ("option_ranges", "sampling_defaults", "sampling", "constrained", "closing_path", "detokenizer",
+     "tokenization",
      "media", "public_net", "prompt", "prefix_cache", "quantization", "adapters",
      "loading", "generate", "batching", "distributed"),
     ("cli", "server", "ui", "finetune", "convert", "fuse", "benchmark"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mlxvlm.server.models_registry import ModelRegistry
+from mlxvlm.server.service import REFUSAL_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -35,6 +36,11 @@ def render_metrics(models: ModelRegistry) -> str:
       [({"status": str(code)}, n) for code, n in sorted((counters.by_status or {}).items())])
     m("mlxvlm_requests_rejected_busy_total", "counter",
       "Requests refused with 429 because the queue was full", [({}, counters.rejected_busy)])
+    m("mlxvlm_requests_refused_total", "counter",
+      "Requests refused with 400 for their grammar (response_format, forced tool calls), "
+      "by reason: grammar (it cannot run), max_tokens (too few for a whole answer)",
+      [({"reason": reason}, (counters.refused or {}).get(reason, 0))
+       for reason in REFUSAL_REASONS])
     m("mlxvlm_models_loaded", "gauge", "Models loaded now", [({}, len(services))])
     m("mlxvlm_model_loads_total", "counter", "Models loaded (at start or on first use)",
       [({}, models.loads)])

@@ -34,6 +34,10 @@ class PreparedRequest:
     cache_namespace: str | None = None  # prefixes are shared only within one namespace
 
 
+# Why a request was refused for its grammar (``RequestCounters.refuse``).
+REFUSAL_REASONS = ("grammar", "max_tokens")
+
+
 @dataclass
 class RequestCounters:
     """Totals for /metrics that the engine does not see."""
@@ -41,11 +45,19 @@ class RequestCounters:
     accepted: int = 0
     rejected_busy: int = 0
     by_status: dict[int, int] | None = None
+    # Requests refused for their grammar, by reason: "grammar" (it cannot run: invalid,
+    # or more than llguidance's parser allows), "max_tokens" (too few for a whole answer).
+    refused: dict[str, int] | None = None
 
     def count(self, status: int) -> None:
         if self.by_status is None:
             self.by_status = {}
         self.by_status[status] = self.by_status.get(status, 0) + 1
+
+    def refuse(self, reason: str) -> None:
+        if self.refused is None:
+            self.refused = {}
+        self.refused[reason] = self.refused.get(reason, 0) + 1
 
 
 def speculation_of(config: ServerConfig) -> Speculation | None:

@@ -1,0 +1,132 @@
+"""The closing path of constrained decoding: from where an answer stands, at each step the
+allowed token that brings it nearest its end, until the grammar accepts it. It is how
+``mlxvlm.constrained`` completes an answer in time near the end of its token budget, and
+how it measures what a complete answer takes (refusing a budget that is too small).
+
+Which token closes depends on whether the answer is inside a JSON string: there a quote
+ends the string (and brackets are just text), outside it a quote opens one. That state
+is read from the answer's bytes (``StringState``), not guessed from which tokens the
+grammar allows: a string under a ``pattern`` allows neither bracket, and its closing
+quote must still be found.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+# The quote outside a string opens one, so it is avoided there; it outweighs any run of
+# brackets a token can hold.
+_QUOTE = -1e5
+_CLOSERS = {ord('"'): _QUOTE, ord("}"): 900.0, ord("]"): 900.0}
+_WHITESPACE = -1e6
+_NO_TEXT = -2e6
+# Inside a string: a token that begins with the closing quote before any other, and its
+# quote counted as closing, not opening.
+_INSIDE_STRING_QUOTE = 1e7 - _QUOTE
+# The best-scored tokens tried first against a step's mask before all the others: the
+# allowed closer is almost always among them.
+_FIRST_CANDIDATES = 64
+
+_BACKSLASH, _QUOTE_BYTE = ord("\\"), ord('"')
+
+# (inside a string, after a backslash)
+StringState = tuple[bool, bool]
+OUTSIDE: StringState = (False, False)
+
+
+def _after(state: StringState, text: bytes) -> StringState:
+    inside, escaped = state
+    for byte in text:
+        if not inside:
+            inside = byte == _QUOTE_BYTE
+        elif escaped:
+            escaped = False
+        elif byte == _BACKSLASH:
+            escaped = True
+        elif byte == _QUOTE_BYTE:
+            inside = False
+    return inside, escaped
+
+
+class ClosingPreference:
+    """A score per token for the closing path: tokens with more closing brackets and no
+    quotes first, then shorter ones; whitespace, then tokens without text (special
+    tokens) last but choosable (a grammar may need one, e.g. a tool-call marker). Inside a
+    string a token that begins with the quote that ends it comes first (a byte-level BPE
+    has tokens like ``]]]]`` and ``","``, which would otherwise keep the string going,
+    or open the next one). Built once per grammar tokenizer (``constrained``)."""
+
+    def __init__(self, lltokenizer: Any):
+        size = lltokenizer.vocab_size
+        scores = np.full(size, _NO_TEXT)
+        quoted = np.zeros(size, dtype=bool)
+        self.string_bytes: dict[int, bytes] = {}  # the tokens that move the string state
+        for token in range(size):
+            text = lltokenizer.decode_bytes([token])
+            if not text or lltokenizer.is_special_token(token):
+                continue
+            scores[token] = sum(_CLOSERS.get(byte, 0.0) for byte in text) - len(text)
+            if not text.strip():  # whitespace never closes anything (a grammar may
+                scores[token] = _WHITESPACE  # allow it forever between tokens)
+            quoted[token] = text.startswith(b'"')  # (a quote later may be escaped)
+            if b'"' in text or b"\\" in text:
+                self.string_bytes[token] = text
+        inside = np.where(quoted, scores + _INSIDE_STRING_QUOTE, scores)
+        # Best first; equal scores by token id, as an argmax would pick them.
+        self._orders = (np.argsort(-scores, kind="stable"), np.argsort(-inside, kind="stable"))
+
+    def after(self, state: StringState, token: int) -> StringState:
+        text = self.string_bytes.get(token)
+        return state if text is None else _after(state, text)
+
+    def choose(self, mask: bytes, state: StringState) -> int | None:
+        """The closing token among those ``mask`` (llguidance's bitmask) allows; None
+        when it allows none."""
+        bits = np.frombuffer(mask, dtype=np.uint8)
+        order = self._orders[1 if state[0] else 0]
+        for candidates in (order[:_FIRST_CANDIDATES], order[_FIRST_CANDIDATES:]):
+            allowed = (bits[candidates >> 3] >> (candidates & 7)) & 1
+            found = np.flatnonzero(allowed)
+            if found.size:
+                return int(candidates[found[0]])
+        return None
+
+
+class ClosingWalk:
+    """The closing path followed on a copy of a matcher, one step at a time, so that a
+    long walk can be continued later instead of begun again. ``failed`` turns a grammar
+    failure on the way into the caller's error."""
+
+    def __init__(self, matcher: Any, state: StringState, preference: ClosingPreference,
+                 failed: Callable[[str], Exception]):
+        self.matcher = matcher.deep_copy()
+        self.state = state
+        self.preference = preference
+        self.failed = failed
+        self.steps = 0
+        self.dead_end = False  # no allowed token, or the grammar stopped short
+
+    @property
+    def done(self) -> bool:
+        return self.matcher.is_accepting()
+
+    def run(self, limit: int) -> int | None:
+        """Steps to a complete answer, walking on up to ``limit`` in all; None: more."""
+        matcher = self.matcher
+        while not matcher.is_accepting():
+            if self.dead_end or self.steps >= limit:
+                return None
+            mask = matcher.compute_bitmask()
+            if matcher.is_error():
+                raise self.failed(matcher.get_error())
+            token = self.preference.choose(mask, self.state)
+            if token is None:
+                self.dead_end = True
+                return None
+            if not matcher.consume_token(token):
+                raise self.failed(matcher.get_error())
+            self.state = self.preference.after(self.state, token)
+            self.steps += 1
+        return self.steps
