@@ -17,9 +17,11 @@ from typing import Any, Callable
 import numpy as np
 
 # The quote outside a string opens one, so it is avoided there; it outweighs any run of
-# brackets a token can hold.
+# brackets a token can hold. An opening bracket is a structure more to close, and a
+# minus sign a number that still needs its digits.
 _QUOTE = -1e5
-_CLOSERS = {ord('"'): _QUOTE, ord("}"): 900.0, ord("]"): 900.0}
+_CLOSERS = {ord('"'): _QUOTE, ord("}"): 900.0, ord("]"): 900.0, ord("{"): -900.0,
+            ord("["): -900.0, ord("-"): -0.5}
 _WHITESPACE = -1e6
 _NO_TEXT = -2e6
 # Inside a string: a token that begins with the closing quote before any other, and its
@@ -52,7 +54,7 @@ def _after(state: StringState, text: bytes) -> StringState:
 
 class ClosingPreference:
     """A score per token for the closing path: tokens with more closing brackets and no
-    quotes first, then shorter ones; whitespace, then tokens without text (special
+    quotes or opening brackets first, then shorter ones; whitespace, then tokens without text (special
     tokens) last but choosable (a grammar may need one, e.g. a tool-call marker). Inside a
     string a token that begins with the quote that ends it comes first (a byte-level BPE
     has tokens like ``]]]]`` and ``","``, which would otherwise keep the string going,
