@@ -376,16 +376,12 @@ class BatchEngine(EngineThread):
             _log_failure(error, f"request {seq.handle.id} failed")
         self._deliver(seq, error)
 
-    def _own_failure(self, seq: _Sequence, sane: bool) -> BaseException | None:
-        """What ends this sequence alone after a step: its processors' error, or a token
-        drawn from no real distribution."""
-        if seq.row.failure is not None:
-            return seq.row.failure
-        if not sane:
-            return SequenceFault(
-                f"generation failed at token {len(seq.generated) + 1}: the model's scores "
-                "were not numbers, or the request's options left no token to choose")
-        return None
+    @staticmethod
+    def _unsound(seq: _Sequence) -> SequenceFault:
+        """A token drawn from no real distribution ends its sequence, undelivered."""
+        return SequenceFault(
+            f"generation failed at token {len(seq.generated) + 1}: the model's scores "
+            "were not numbers, or the request's options left no token to choose")
 
     def _deliver(self, seq: _Sequence, item: "BatchStep | BaseException") -> None:
         try:
@@ -487,9 +483,8 @@ class BatchEngine(EngineThread):
             if seq.key is not None:  # the whole prompt: where its next turn resumes
                 seq.snapshots.record(seq.cache, evaluate=True)
         seq.embeddings = None
-        failure = self._own_failure(seq, sane.item())
-        if failure is not None:
-            raise failure
+        if not sane.item():
+            raise self._unsound(seq)
         now = time.perf_counter()
         self.stats.time_to_first_token_sum += now - seq.submitted_at
         self.stats.time_to_first_token_count += 1
@@ -563,17 +558,18 @@ class BatchEngine(EngineThread):
         position = {i: p for p, i in enumerate(going_on)}
         keep, delivered = [], 0
         for i, seq in enumerate(rows):
-            failure = self._own_failure(seq, sane[i] or not unread[i])
-            if failure is not None:  # this row alone; the batch goes on without it
-                self._fail(seq, failure)
+            # A row's own failure ends it alone; the batch goes on without it.
+            if unread[i] and not sane[i]:
+                self._fail(seq, self._unsound(seq))
                 continue
-            if not unread[i]:  # its first token, delivered after its prefill
-                keep.append(position[i])
-                continue
-            delivered += 1
-            wants = seq.options.top_logprobs is not None
-            outcome = self._emit(seq, values[i], read_logprobs[i] if wants else None)
-            if outcome is _RUNNING:
+            outcome = _RUNNING  # (a first token was delivered after its prefill)
+            if unread[i]:
+                delivered += 1
+                wants = seq.options.top_logprobs is not None
+                outcome = self._emit(seq, values[i], read_logprobs[i] if wants else None)
+            if outcome is _RUNNING and seq.row.failure is not None:
+                self._fail(seq, seq.row.failure)  # its next step could not be built
+            elif outcome is _RUNNING:
                 keep.append(position[i])
             elif outcome is _CANCELLED:
                 self.stats.requests_cancelled += 1
