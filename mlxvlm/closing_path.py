@@ -5,13 +5,15 @@ how it measures what a complete answer takes (refusing a budget that is too smal
 
 Which token closes depends on whether the answer is inside a JSON string: there a quote
 ends the string (and brackets are just text), outside it a quote opens one. That state
-is read from the answer's bytes (``StringState``), not guessed from which tokens the
+is read from the answer's bytes (``ClosingCursor``), not guessed from which tokens the
 grammar allows: a string under a ``pattern`` allows neither bracket, and its closing
-quote must still be found.
+quote must still be found (looking one token ahead where the best-scored token alone
+would never reach it).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 import numpy as np
@@ -76,6 +78,7 @@ class ClosingPreference:
             if b'"' in text or b"\\" in text:
                 self.string_bytes[token] = text
         inside = np.where(quoted, scores + _INSIDE_STRING_QUOTE, scores)
+        self._scores = (scores, inside)
         # Best first; equal scores by token id, as an argmax would pick them.
         self._orders = (np.argsort(-scores, kind="stable"), np.argsort(-inside, kind="stable"))
 
@@ -83,17 +86,83 @@ class ClosingPreference:
         text = self.string_bytes.get(token)
         return state if text is None else _after(state, text)
 
+    def score(self, token: int, state: StringState) -> float:
+        return float(self._scores[1 if state[0] else 0][token])
+
     def choose(self, mask: bytes, state: StringState) -> int | None:
         """The closing token among those ``mask`` (llguidance's bitmask) allows; None
         when it allows none."""
+        best = self.best_allowed(mask, state, 1)
+        return best[0] if best else None
+
+    def best_allowed(self, mask: bytes, state: StringState, count: int) -> list[int]:
+        """Up to ``count`` of the tokens ``mask`` allows, best first."""
         bits = np.frombuffer(mask, dtype=np.uint8)
         order = self._orders[1 if state[0] else 0]
+        found: list[int] = []
         for candidates in (order[:_FIRST_CANDIDATES], order[_FIRST_CANDIDATES:]):
             allowed = (bits[candidates >> 3] >> (candidates & 7)) & 1
-            found = np.flatnonzero(allowed)
-            if found.size:
-                return int(candidates[found[0]])
-        return None
+            found += candidates[np.flatnonzero(allowed)[: count - len(found)]].tolist()
+            if len(found) >= count:
+                break
+        return found
+
+
+# Inside a string the best-scored token may never end it (under "pattern": "^a+b$"
+# that is "a", for ever), so the path looks one token ahead, among this many of the
+# best, at its first token in a string and again each time its run there doubles (a
+# string that only needs to be long, under minLength, costs a few looks, not one per
+# token).
+_LOOKAHEAD = 8
+
+
+class ClosingCursor:
+    """Where the closing path stands on one matcher: inside a JSON string or not, and how
+    many of its own tokens it has taken in the string it is in."""
+
+    def __init__(self, preference: ClosingPreference):
+        self.preference = preference
+        self.state = OUTSIDE
+        self.run = 0  # the path's own tokens in the string it is in
+        self.look_due = False  # at the next step with a choice to make
+        self.last: int | None = None
+
+    def restart(self) -> "ClosingCursor":
+        """The path starts here (its run in a string counts from now)."""
+        self.run, self.look_due = 0, self.state[0]
+        return self
+
+    def advance(self, token: int) -> None:
+        self.state = self.preference.after(self.state, token)
+        self.run = self.run + 1 if self.state[0] else 0
+        step = self.run + 1
+        self.look_due = self.state[0] and (self.look_due or step & (step - 1) == 0)
+        self.last = token
+
+    def choose(self, matcher: Any, mask: bytes) -> int | None:
+        """The closing path's next token from ``matcher``, whose allowed tokens are
+        ``mask`` (a look ahead it was due for is then done)."""
+        preference = self.preference
+        candidates = preference.best_allowed(mask, self.state, _LOOKAHEAD)
+        if not self.look_due or len(candidates) < 2:
+            return candidates[0] if candidates else None
+        self.look_due = False
+        # Looking ahead: a token that ends the string, else the one after which the best
+        # token that may follow scores highest (the closing quote, where some token lets
+        # it come next); between equals, another token than the last one.
+        chosen, value = None, (-np.inf, False)
+        for token in candidates:
+            state = preference.after(self.state, token)
+            if not state[0]:
+                return token
+            trial = matcher.deep_copy()
+            if not trial.consume_token(token):
+                continue
+            following = preference.choose(trial.compute_bitmask(), state)
+            score = -np.inf if following is None else preference.score(following, state)
+            if chosen is None or (score, token != self.last) > value:
+                chosen, value = token, (score, token != self.last)
+        return chosen
 
 
 class ClosingWalk:
@@ -101,18 +170,13 @@ class ClosingWalk:
     long walk can be continued later instead of begun again. ``failed`` turns a grammar
     failure on the way into the caller's error."""
 
-    def __init__(self, matcher: Any, state: StringState, preference: ClosingPreference,
+    def __init__(self, matcher: Any, cursor: ClosingCursor,
                  failed: Callable[[str], Exception]):
         self.matcher = matcher.deep_copy()
-        self.state = state
-        self.preference = preference
+        self.cursor = copy.copy(cursor).restart()
         self.failed = failed
         self.steps = 0
         self.dead_end = False  # no allowed token, or the grammar stopped short
-
-    @property
-    def done(self) -> bool:
-        return self.matcher.is_accepting()
 
     def run(self, limit: int) -> int | None:
         """Steps to a complete answer, walking on up to ``limit`` in all; None: more."""
@@ -123,12 +187,12 @@ class ClosingWalk:
             mask = matcher.compute_bitmask()
             if matcher.is_error():
                 raise self.failed(matcher.get_error())
-            token = self.preference.choose(mask, self.state)
+            token = self.cursor.choose(matcher, mask)
             if token is None:
                 self.dead_end = True
                 return None
             if not matcher.consume_token(token):
                 raise self.failed(matcher.get_error())
-            self.state = self.preference.after(self.state, token)
+            self.cursor.advance(token)
             self.steps += 1
         return self.steps

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlxvlm.closing_path import OUTSIDE, ClosingPreference, ClosingWalk
+from mlxvlm.closing_path import ClosingCursor, ClosingPreference, ClosingWalk
 from mlxvlm.errors import MlxvlmError, bounded
 
 
@@ -149,23 +149,28 @@ class GrammarConstraint:
         ``ConstraintError`` where the grammar fails on the way."""
         with self._lock:
             if self._walk is None:
-                self._walk = ClosingWalk(self._start, OUTSIDE, self.preference, self.unusable)
+                self._walk = ClosingWalk(self._start, ClosingCursor(self.preference),
+                                         self.unusable)
             steps = self._walk.run(limit)
             if steps is None and self._walk.dead_end:
                 raise ConstraintError(f"{self.description} has no complete answer")
         return steps if steps is not None and steps <= limit else None
 
-    def check_budget(self, max_tokens: int) -> int:
+    def check_budget(self, max_tokens: int, context: int | None = None) -> int:
         """The tokens a whole answer takes; refuses (``ConstraintError``, reason
-        "max_tokens") a budget it does not fit in, before any token is generated."""
-        room = max_tokens - len(self.thoughts_close)
+        "max_tokens") a budget it does not fit in, before any token is generated.
+        ``context``: the model's, which bounds the budget (and so the walk that measures
+        the answer) where ``max_tokens`` asks for more."""
+        budget = max_tokens if context is None else min(max_tokens, context)
+        room = budget - len(self.thoughts_close)
         needed = self.answer_length(room) if room > 0 else None
         if needed is None:
             after = " (after closing the thoughts)" if self.thoughts_close else ""
+            what = (f"max_tokens {max_tokens} is" if budget == max_tokens else
+                    f"the model's context of {context} tokens leaves")
             raise ConstraintError(
-                f"max_tokens {max_tokens} is too few for {self.description}: a complete "
-                f"answer{after} takes more than {max_tokens} tokens of this tokenizer",
-                reason="max_tokens")
+                f"{what} too few for {self.description}: a complete answer{after} takes "
+                f"more than {budget} tokens of this tokenizer", reason="max_tokens")
         return needed
 
     def after_thoughts(self, close_ids: Sequence[int]) -> "GrammarConstraint":
@@ -197,7 +202,7 @@ class GrammarProcessor:
         self.max_tokens = max_tokens
         self.prompt_length: int | None = None
         self.consumed = 0  # answer tokens fed back (thoughts included)
-        self.string_state = OUTSIDE
+        self.cursor: ClosingCursor | None = None  # where the closing path stands, once needed
         self.closing = False
         self.whole_answer = 0
         close = constraint.thoughts_close
@@ -220,18 +225,17 @@ class GrammarProcessor:
         if not self.matcher.consume_token(token):
             raise ConstraintError(f"the grammar refused token {token}: "
                                   f"{bounded(self.matcher.get_error())}")
-        self.string_state = self.constraint.preference.after(self.string_state, token)
+        self.cursor.advance(token)
 
     def _closing_distance(self, limit: int) -> int | None:
         """Tokens the closing path needs to complete the answer; None: more than limit."""
-        walk = ClosingWalk(self.matcher, self.string_state, self.constraint.preference,
-                           self.constraint.unusable)
-        return walk.run(limit)
+        return ClosingWalk(self.matcher, self.cursor, self.constraint.unusable).run(limit)
 
     def __call__(self, history: mx.array, logits: mx.array) -> mx.array:
         if self.prompt_length is None:
             self.prompt_length = history.shape[-1]
             self._check_the_budget()
+            self.cursor = ClosingCursor(self.constraint.preference)
         fed = history.shape[-1] - self.prompt_length
         if fed > self.consumed:
             new = np.array(history[..., self.prompt_length + self.consumed:]).reshape(-1)
@@ -274,6 +278,8 @@ class GrammarProcessor:
         if not self.closing and left <= horizon and not matcher.is_accepting():
             distance = self._closing_distance(limit=left)
             self.closing = distance is None or distance >= left - _FREE_TOKEN_SLACK
+            if self.closing:  # the path the distance was measured on, from here
+                self.cursor.restart()
         if matcher.is_accepting():
             # Complete, but the grammar lets it go on: too little budget is left for
             # another whole part, so it ends here.
@@ -284,9 +290,10 @@ class GrammarProcessor:
                 if only.any():
                     allowed = only
         elif self.closing:
-            only = np.zeros_like(allowed)
-            only[self.constraint.preference.choose(mask, self.string_state)] = True
-            allowed = only
+            token = self.cursor.choose(matcher, mask)
+            if token is not None:
+                allowed = np.zeros_like(allowed)
+                allowed[token] = True
         return allowed
 
 

@@ -52,3 +52,26 @@ def test_the_answer_closes_in_time_whatever_the_model_wants(tokenizer, wanted, m
         history.append(token)
     text = tokenizer.decode(history[1:])
     assert isinstance(json.loads(text), dict), text
+
+
+@pytest.mark.parametrize("pattern", ["^a+$", "^a+b$", "^(ab)+c$", "^a+bc$", "^a{12}b$"])
+@pytest.mark.parametrize("max_tokens", [16, 24])
+def test_a_pattern_string_closes_in_time_though_the_model_wants_more(tokenizer, pattern,
+                                                                     max_tokens):
+    # Inside a pattern string neither bracket is allowed, and the token the closing path
+    # scores best ("a") may never end it: it must still find the way to the quote.
+    import jsonschema
+
+    (a,) = tokenizer.encode("a", add_special_tokens=False)
+    eos = tokenizer.convert_tokens_to_ids("</s>")
+    schema = {"type": "string", "pattern": pattern}
+    processor = json_schema_constraint(tokenizer, [eos], schema).processor(max_tokens)
+    logits = np.zeros((1, len(tokenizer)), dtype=np.float32)
+    logits[0, a] = 10.0
+    history = [0]
+    for _ in range(max_tokens):
+        token = int(mx.argmax(processor(mx.array([history]), mx.array(logits)), -1).item())
+        if token == eos:
+            break
+        history.append(token)
+    jsonschema.validate(json.loads(tokenizer.decode(history[1:])), schema)

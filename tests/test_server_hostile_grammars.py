@@ -166,6 +166,16 @@ def test_a_thinking_budget_with_a_forced_call_ends_the_thoughts_through_the_gram
     free = {key: body[key] for key in ("messages", "tools", "temperature")}
     _, reasoning = answer_of(ask(server, {**free, "max_tokens": 2}))
     assert choice["message"]["reasoning_content"] == reasoning
+    # Without a budget this model never ends its thoughts: they are ended in time for
+    # the whole call to follow within max_tokens.
+    status, answer = ask(server, {**body, "thinking_budget": None})
+    assert status == 200, answer
+    message = answer["choices"][0]["message"]
+    (call,) = message["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]),
+                        WEATHER["function"]["parameters"])
+    assert len(message["reasoning_content"]) > len(reasoning)
+    assert answer["usage"]["completion_tokens"] <= body["max_tokens"]
 
 
 def test_a_pattern_string_closes_in_time(server, tokenizer):

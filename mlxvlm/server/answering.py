@@ -90,17 +90,19 @@ def refusal(error: ConstraintError, service: GenerationService, param: str) -> A
     return APIError(400, str(error), param=param, code=code)
 
 
-def _checked_grammar(build: Callable[[], GrammarConstraint | None],
-                     max_tokens: int) -> GrammarConstraint | None:
+def _checked_grammar(build: Callable[[], GrammarConstraint | None], max_tokens: int,
+                     context: int | None) -> GrammarConstraint | None:
     """The request's grammar compiled and walked through a whole answer: what cannot run,
-    or not within ``max_tokens``, is refused before the request takes a slot."""
+    or not within ``max_tokens`` (nor the model's ``context``), is refused before the
+    request takes a slot."""
     constraint = build()
     if constraint is not None:
-        constraint.check_budget(max_tokens)
+        constraint.check_budget(max_tokens, context)
     return constraint
 
 
-def fit_grammar_to_thoughts(options: SamplingOptions, plan: AnswerPlan, tokenizer: Any) -> None:
+def fit_grammar_to_thoughts(options: SamplingOptions, plan: AnswerPlan,
+                            service: GenerationService) -> None:
     """On a thinking template, a grammar applies after the thoughts where the prompt
     opened them (so the answer is the grammar's, not the thoughts', and a thinking
     budget's forced end tag is one the grammar expects). Where the prompt did not open
@@ -109,8 +111,9 @@ def fit_grammar_to_thoughts(options: SamplingOptions, plan: AnswerPlan, tokenize
     if options.constraint is None or not plan.thinking:
         return
     if plan.think.opened_by(plan.prompt_text):
+        tokenizer = getattr(service.processor, "tokenizer", service.processor)
         constraint = options.constraint.after_thoughts(tag_ids(tokenizer, plan.think.close))
-        constraint.check_budget(options.max_tokens)
+        constraint.check_budget(options.max_tokens, getattr(service.model, "max_context", None))
         options.constraint = constraint
     else:
         options.extra_processors = tuple(extra for extra in options.extra_processors
@@ -133,8 +136,9 @@ async def answer(request: Request, chat: ChatCompletionRequest, options: Samplin
         build = functools.partial(response_constraint, chat, service.processor)
     if build is not None:
         try:
-            options.constraint = await asyncio.to_thread(_checked_grammar, build,
-                                                         options.max_tokens)
+            options.constraint = await asyncio.to_thread(
+                _checked_grammar, build, options.max_tokens,
+                getattr(service.model, "max_context", None))
         except ConstraintError as error:
             raise refusal(error, service, grammar_param) from None
         except APIError:  # the tools' grammar, refused as it was built
@@ -150,8 +154,7 @@ async def answer(request: Request, chat: ChatCompletionRequest, options: Samplin
                 service.prepare(to_messages(chat), namespace, template_options))
             if plan is not None:
                 plan.prompt_text = prepared.inputs.prompt_text
-                fit_grammar_to_thoughts(options, plan, getattr(service.processor, "tokenizer",
-                                                                   service.processor))
+                fit_grammar_to_thoughts(options, plan, service)
             stream = life.submit(prepared, options)
             # Wait for the first token before answering, so that a request that fails
             # in prefill still gets a proper error status.
