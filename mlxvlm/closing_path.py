@@ -78,9 +78,11 @@ class ClosingPreference:
             if b'"' in text or b"\\" in text:
                 self.string_bytes[token] = text
         inside = np.where(quoted, scores + _INSIDE_STRING_QUOTE, scores)
+        self.size = size
         self._scores = (scores, inside)
         # Best first; equal scores by token id, as an argmax would pick them.
         self._orders = (np.argsort(-scores, kind="stable"), np.argsort(-inside, kind="stable"))
+        self._ranks = tuple(np.argsort(order) for order in self._orders)  # token -> place
 
     def after(self, state: StringState, token: int) -> StringState:
         text = self.string_bytes.get(token)
@@ -98,15 +100,21 @@ class ClosingPreference:
     def best_allowed(self, mask: bytes, state: StringState, count: int) -> list[int]:
         """Up to ``count`` of the tokens ``mask`` allows, best first."""
         bits = np.frombuffer(mask, dtype=np.uint8)
-        order = self._orders[1 if state[0] else 0]
-        found: list[int] = []
-        for candidates in (order[:_FIRST_CANDIDATES], order[_FIRST_CANDIDATES:]):
-            allowed = (bits[candidates >> 3] >> (candidates & 7)) & 1
-            found += candidates[np.flatnonzero(allowed)[: count - len(found)]].tolist()
-            if len(found) >= count:
-                break
-        return found
-
+        which = 1 if state[0] else 0
+        first = self._orders[which][:_FIRST_CANDIDATES]
+        found = first[np.flatnonzero((bits[first >> 3] >> (first & 7)) & 1)[:count]]
+        if len(found) < count:  # all the allowed tokens, ranked
+            # (unpacking only the mask's nonzero bytes: outside a string few are)
+            nonzero = np.flatnonzero(bits)
+            rows, columns = np.nonzero(np.unpackbits(bits[nonzero, None], axis=1,
+                                                     bitorder="little"))
+            allowed = nonzero[rows] * 8 + columns
+            allowed = allowed[allowed < self.size]
+            ranks = self._ranks[which][allowed]
+            if len(allowed) > count:
+                ranks = ranks[np.argpartition(ranks, count - 1)[:count]]
+            found = self._orders[which][np.sort(ranks)]
+        return found.tolist()
 
 # Inside a string the best-scored token may never end it (under "pattern": "^a+b$"
 # that is "a", for ever), so the path looks one token ahead, among this many of the
