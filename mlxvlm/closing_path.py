@@ -56,11 +56,12 @@ def _after(state: StringState, text: bytes) -> StringState:
 
 class ClosingPreference:
     """A score per token for the closing path: tokens with more closing brackets and no
-    quotes or opening brackets first, then shorter ones; whitespace, then tokens without text (special
-    tokens) last but choosable (a grammar may need one, e.g. a tool-call marker). Inside a
-    string a token that begins with the quote that ends it comes first (a byte-level BPE
-    has tokens like ``]]]]`` and ``","``, which would otherwise keep the string going,
-    or open the next one). Built once per grammar tokenizer (``constrained``)."""
+    quotes or opening brackets first, then shorter ones; whitespace, then tokens without
+    text (special tokens) last but choosable (a grammar may need one, e.g. a tool-call
+    marker). Inside a string a token that begins with the quote that ends it comes first
+    (a byte-level BPE has tokens like ``]]]]`` and ``","``, which would otherwise keep the
+    string going, or open the next one). Built once per grammar tokenizer
+    (``constrained``)."""
 
     def __init__(self, lltokenizer: Any):
         size = lltokenizer.vocab_size
@@ -115,6 +116,7 @@ class ClosingPreference:
                 ranks = ranks[np.argpartition(ranks, count - 1)[:count]]
             found = self._orders[which][np.sort(ranks)]
         return found.tolist()
+
 
 # Inside a string the best-scored token may never end it (under "pattern": "^a+b$"
 # that is "a", for ever), so the path looks one token ahead, among this many of the

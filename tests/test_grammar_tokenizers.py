@@ -10,7 +10,6 @@ import gc
 import json
 import weakref
 
-import pytest
 from server_harness import LiveServer, wait_until
 from test_server_models import A, B, HELLO, paths, registry  # noqa: F401  (the fixture)
 from tiny.qwen import build_tokenizer

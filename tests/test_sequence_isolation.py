@@ -109,7 +109,7 @@ def test_a_row_failing_at_its_first_token_ends_alone(loaded, alone):
     hostile = SamplingOptions(max_tokens=MAX_TOKENS,
                               extra_processors=(FailsAt(1, nothing_allowed),))
     requests = [(text, SamplingOptions(max_tokens=MAX_TOKENS)) for text in BYSTANDERS]
-    engine, results = run(loaded, requests + [("Hello", hostile)])
+    _, results = run(loaded, requests + [("Hello", hostile)])
     assert isinstance(results[-1]["error"], SequenceFault) and not results[-1]["tokens"]
     assert [r["tokens"] for r in results[:-1]] == alone
 

@@ -28,6 +28,10 @@ WIDE = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}
 WIDE_INSIDE = {"type": "object", "properties": {"b": WIDE}, "additionalProperties": False}
 FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
         "additionalProperties": False}
+def json_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
 BYSTANDERS = [
     {"messages": [{"role": "user", "content": f"Tell me about {topic}."}],
      "temperature": 0, "max_tokens": 24}
@@ -35,7 +39,7 @@ BYSTANDERS = [
 ] + [
     {"messages": [{"role": "user", "content": "Is it fine? Answer in JSON."}],
      "temperature": 0, "max_tokens": 40, **NO_THINKING,
-     "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": FLAG}}},
+     "response_format": json_format(FLAG)},
     {"messages": [{"role": "user", "content": "Plain words, please."}], "temperature": 0,
      "max_tokens": 24, **NO_THINKING},
 ]
@@ -110,7 +114,7 @@ def test_a_grammar_too_wide_for_the_parser_is_refused_before_it_runs(server, alo
     before = metric(server, 'mlxvlm_requests_refused_total{reason="grammar"}')
     log_before = len(server.log())
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 24, **NO_THINKING,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": WIDE}}}
+            "response_format": json_format(WIDE)}
     reply, others = with_bystanders(server, lambda s: ask(s, body))
     message = refused(reply, "response_format")
     assert "max is 2000" in message and len(message) < 400
@@ -126,8 +130,7 @@ def test_a_grammar_failing_mid_answer_ends_that_answer_alone(server, alone, toke
                                 for t in ("{", '"', "b"))
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 64,
             "temperature": 0, **NO_THINKING, "logit_bias": {brace: 100, quote: 100, b: 100},
-            "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "w", "schema": WIDE_INSIDE}}}
+            "response_format": json_format(WIDE_INSIDE)}
     failed_before = metric(server, "mlxvlm_sequences_failed_total")
     log_before = len(server.log())
     reply, others = with_bystanders(server, lambda s: ask(s, body))
@@ -185,7 +188,7 @@ def test_a_pattern_string_closes_in_time(server, tokenizer):
         status, body = ask(server, {
             "messages": [{"role": "user", "content": "a"}], "max_tokens": 8, "seed": seed,
             "temperature": 1.0, "logit_bias": {a: 20}, **NO_THINKING,  # it wants more "a"
-            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
+            "response_format": json_format(schema)})
         assert status == 200, body
         jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
 
@@ -196,7 +199,7 @@ def test_items_that_cannot_fit_are_refused_and_what_fits_closes(server):
         return schema, ask(server, {
             "messages": [{"role": "user", "content": "Numbers."}], "max_tokens": max_tokens,
             "temperature": 1.0, "seed": seed, **NO_THINKING,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+            "response_format": json_format(schema)})
 
     before = metric(server, 'mlxvlm_requests_refused_total{reason="max_tokens"}')
     _, reply = ask_for(5000, 16)

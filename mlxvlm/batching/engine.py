@@ -10,6 +10,12 @@ stop strings and token budget; every token is sampled by the same ``sampling_ste
 ``generate``'s. Between two decode steps the engine runs at most one prefill chunk, so a long
 prompt delays the running requests by one chunk at a time.
 
+A failure of one request's own -- its logits processors raising (a grammar the parser
+gives up on), its scores turning to NaN or ruling out every token -- ends that request
+alone (``SequenceFault`` or the processor's error), at its prefill or at the decode step
+it happens in; the others in the batch go on as if it had never been there. Only a
+fault of the step itself fails the whole batch.
+
 With a ``PrefixCache``, a finished request's cache is kept, and a later prompt that
 starts with the same tokens and images (the next turn of a conversation) continues from
 it: the shared prefix is neither prefilled nor are its images encoded again.
