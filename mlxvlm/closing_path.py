@@ -87,7 +87,11 @@ class ClosingPreference:
 
     def after(self, state: StringState, token: int) -> StringState:
         text = self.string_bytes.get(token)
-        return state if text is None else _after(state, text)
+        if text is not None:
+            return _after(state, text)
+        if state[1] and self._scores[0][token] != _NO_TEXT:
+            return state[0], False  # its first byte is the escaped one
+        return state
 
     def score(self, token: int, state: StringState) -> float:
         return float(self._scores[1 if state[0] else 0][token])

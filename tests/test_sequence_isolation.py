@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import mlxvlm
-from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
-from mlxvlm.batching.engine import SequenceFault
+from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions, SequenceFault
 from mlxvlm.prompt import prepare_inputs
 
 BYSTANDERS = ["Describe this image.", "The quick brown fox", "Hello there"]
