@@ -29,9 +29,10 @@ _NO_TEXT = -2e6
 # Inside a string: a token that begins with the closing quote before any other, and its
 # quote counted as closing, not opening.
 _INSIDE_STRING_QUOTE = 1e7 - _QUOTE
-# The best-scored tokens tried first against a step's mask before all the others: the
-# allowed closer is almost always among them.
-_FIRST_CANDIDATES = 64
+# The best-scored tokens tried against a step's mask before all the others are ranked:
+# the allowed closer is almost always among the first, and where a mask allows most of
+# the vocabulary (inside a string) among the next.
+_CANDIDATE_BLOCKS = ((0, 64), (64, 1024))
 
 _BACKSLASH, _QUOTE_BYTE = ord("\\"), ord('"')
 
@@ -106,20 +107,24 @@ class ClosingPreference:
         """Up to ``count`` of the tokens ``mask`` allows, best first."""
         bits = np.frombuffer(mask, dtype=np.uint8)
         which = 1 if state[0] else 0
-        first = self._orders[which][:_FIRST_CANDIDATES]
-        found = first[np.flatnonzero((bits[first >> 3] >> (first & 7)) & 1)[:count]]
-        if len(found) < count:  # all the allowed tokens, ranked
-            # (unpacking only the mask's nonzero bytes: outside a string few are)
-            nonzero = np.flatnonzero(bits)
-            rows, columns = np.nonzero(np.unpackbits(bits[nonzero, None], axis=1,
-                                                     bitorder="little"))
-            allowed = nonzero[rows] * 8 + columns
-            allowed = allowed[allowed < self.size]
-            ranks = self._ranks[which][allowed]
-            if len(allowed) > count:
-                ranks = ranks[np.argpartition(ranks, count - 1)[:count]]
-            found = self._orders[which][np.sort(ranks)]
-        return found.tolist()
+        order = self._orders[which]
+        found = order[:0]
+        for start, stop in _CANDIDATE_BLOCKS:
+            block = order[start:stop]
+            allowed = np.flatnonzero((bits[block >> 3] >> (block & 7)) & 1)
+            found = np.concatenate([found, block[allowed[: count - len(found)]]])
+            if len(found) >= count:
+                return found.tolist()
+        # All the allowed tokens, ranked (unpacking only the mask's nonzero bytes:
+        # outside a string few are).
+        nonzero = np.flatnonzero(bits)
+        rows, columns = np.nonzero(np.unpackbits(bits[nonzero, None], axis=1,
+                                                 bitorder="little"))
+        allowed = nonzero[rows] * 8 + columns
+        ranks = self._ranks[which][allowed[allowed < self.size]]
+        if len(ranks) > count:
+            ranks = ranks[np.argpartition(ranks, count - 1)[:count]]
+        return order[np.sort(ranks)].tolist()
 
 
 # Inside a string the best-scored token may never end it (under "pattern": "^a+b$"
