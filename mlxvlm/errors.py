@@ -27,3 +27,13 @@ class PromptTooLongError(MlxvlmError):
             f"the prompt is {length} tokens long but the model's context is {context} "
             "tokens; shorten the prompt or use fewer/smaller images, shorter videos or "
             "shorter audio")
+
+
+def bounded(text: str, limit: int = 200) -> str:
+    """``text`` for a log line or an error message: its first line, at most ``limit``
+    characters, and how much was left out (a grammar or a parser's state dump can run to
+    megabytes, and a client could make every failure write them again)."""
+    first = text.split("\n", 1)[0]
+    shown = first[:limit]
+    left_out = len(text) - len(shown)
+    return f"{shown} [... {left_out:,} more characters]" if left_out else shown

@@ -14,9 +14,9 @@ PACKAGE = Path(mlxvlm.__file__).parent
 LAYERS = (
     ("errors", "torch_free", "cpu"),
     ("models",),
-    ("option_ranges", "sampling_defaults", "sampling", "constrained", "detokenizer", "tokenization",
-     "media", "public_net", "prompt", "prompt_length", "preparation", "prefix_cache",
-     "quantization", "adapters",
+    ("option_ranges", "sampling_defaults", "sampling", "constrained", "closing_path", "detokenizer",
+     "tokenization", "media", "public_net", "prompt", "prompt_length", "preparation",
+     "prefix_cache", "quantization", "adapters",
      "loading", "generate", "batching", "distributed"),
     ("__main__", "cli", "server", "ui", "finetune", "convert", "fuse", "benchmark"),
 )

@@ -109,7 +109,7 @@ def metric(server, name: str, **labels) -> float:
 def test_a_video_that_would_decode_too_many_pixels_is_refused_from_its_container(
         bounded, videos):
     width, height, frames = HOSTILE
-    before = metric(bounded, "mlxvlm_requests_refused_total", limit="max_video_decode_pixels")
+    before = metric(bounded, "mlxvlm_requests_refused_total", reason="max_video_decode_pixels")
     message = refused(post(bounded, chat(video_part(videos["hostile"]))))
     # The container's claim, refused before any frame is decoded (the count made while
     # decoding would say how many frames it had decoded).
@@ -117,14 +117,14 @@ def test_a_video_that_would_decode_too_many_pixels_is_refused_from_its_container
         "decoded pixels" in message
     assert "10,000,000,000" in message and "--max-video-decode-pixels" in message
     assert metric(bounded, "mlxvlm_requests_refused_total",
-                  limit="max_video_decode_pixels") == before + 1
+                  reason="max_video_decode_pixels") == before + 1
 
 
 def test_a_video_with_more_frames_than_allowed_is_refused(bounded, videos):
     message = refused(post(bounded, chat(video_part(videos["long"]))))
     assert "18,001 frames, more than the limit of 18,000" in message
     assert "--max-video-frames" in message
-    assert metric(bounded, "mlxvlm_requests_refused_total", limit="max_video_frames") >= 1
+    assert metric(bounded, "mlxvlm_requests_refused_total", reason="max_video_frames") >= 1
 
 
 def test_decoding_stops_at_its_cpu_time(bounded, videos):
@@ -133,14 +133,14 @@ def test_decoding_stops_at_its_cpu_time(bounded, videos):
     assert "--max-media-decode-seconds" in message
     frames = int(re.search(r"stopped after ([\d,]+) frames", message).group(1).replace(",", ""))
     assert 0 < frames < 500
-    assert metric(bounded, "mlxvlm_requests_refused_total", limit="max_decode_seconds") >= 1
+    assert metric(bounded, "mlxvlm_requests_refused_total", reason="max_decode_seconds") >= 1
 
 
 def test_video_frames_obey_max_image_pixels(bounded, videos):
     message = refused(post(bounded, chat(video_part(videos["huge_frames"]))))
     assert "8192x4096 = 33,554,432 pixels, more than the limit of 25,000,000" in message
     assert "--max-image-pixels" in message
-    assert metric(bounded, "mlxvlm_requests_refused_total", limit="max_image_pixels") >= 1
+    assert metric(bounded, "mlxvlm_requests_refused_total", reason="max_image_pixels") >= 1
 
 
 def test_an_ordinary_video_is_answered(bounded, videos):
@@ -198,7 +198,7 @@ def test_departed_clients_video_work_stops_and_text_is_answered_meanwhile(unboun
 
 def test_a_multi_megabyte_message_is_refused_before_tokenizing(bounded):
     text = "garden path " * 500_000  # 6 MB
-    before = metric(bounded, "mlxvlm_requests_refused_total", limit="context_length")
+    before = metric(bounded, "mlxvlm_requests_refused_total", reason="context_length")
     rss = bounded.rss_bytes()
     message = refused(post(bounded, {"model": MODEL_ID, "max_tokens": 4,
                                      "messages": [{"role": "user", "content": text}]}))
@@ -207,7 +207,7 @@ def test_a_multi_megabyte_message_is_refused_before_tokenizing(bounded):
     # are tens of megabytes.
     assert bounded.rss_bytes() - rss < 300 * 2**20
     assert metric(bounded, "mlxvlm_requests_refused_total",
-                  limit="context_length") == before + 1
+                  reason="context_length") == before + 1
 
 
 def test_a_long_message_within_the_character_bound_is_counted_in_pieces(bounded):

@@ -11,6 +11,7 @@ from mlxvlm.batching.engine import (
     Deliver,
     EngineFault,
     EngineStats,
+    SequenceFault,
     SequenceHandle,
 )
 from mlxvlm.option_ranges import MAX_TOP_LOGPROBS  # noqa: F401  (its old home)
@@ -18,5 +19,5 @@ from mlxvlm.sampling import SamplingOptions
 
 __all__ = [
     "BatchEngine", "BatchStep", "DecodeBatch", "Deliver", "EngineFault", "EngineStats",
-    "SamplingOptions", "SequenceHandle", "batch_generate",
+    "SamplingOptions", "SequenceFault", "SequenceHandle", "batch_generate",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mlxvlm.server.models_registry import ModelRegistry
+from mlxvlm.server.service import REFUSAL_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -49,10 +50,12 @@ def render_metrics(models: ModelRegistry, app_state) -> str:
     m("mlxvlm_body_bytes_buffered", "gauge",
       "Bytes of request bodies being read now (at most --max-buffered-body-bytes)",
       [({}, app_state.body_budget.in_use)])
+    reasons = sorted(set(REFUSAL_REASONS) | set(counters.refused))
     m("mlxvlm_requests_refused_total", "counter",
-      "Requests refused for passing a limit, by the limit (a media option such as "
-      "max_video_decode_pixels, or context_length)",
-      [({"limit": limit}, n) for limit, n in sorted(counters.refused.items())])
+      "Requests refused with 400 for passing a limit, by reason: a media limit (e.g. "
+      "max_video_decode_pixels), context_length, grammar (it cannot run), max_tokens (too "
+      "few for a whole answer of its grammar)",
+      [({"reason": reason}, counters.refused.get(reason, 0)) for reason in reasons])
     preparation = counters.preparation
     m("mlxvlm_requests_preparing", "gauge",
       "Requests being prepared now (template, media decoding, processor), by whether they "

@@ -37,6 +37,10 @@ class PreparedRequest:
     cache_namespace: str | None = None  # prefixes are shared only within one namespace
 
 
+# Why a request was refused for its grammar (``RequestCounters.refuse``).
+REFUSAL_REASONS = ("grammar", "max_tokens")
+
+
 @dataclass
 class RequestCounters:
     """Totals for /metrics that the engine does not see."""
@@ -44,7 +48,10 @@ class RequestCounters:
     accepted: int = 0
     rejected_busy: int = 0
     by_status: dict[int, int] | None = None
-    # Requests refused for passing a limit, by the limit's name (an error's ``limit``).
+    # Requests refused with a 400 for passing a limit, by reason: a media limit's name
+    # (an error's ``limit``, e.g. "max_video_decode_pixels"), "context_length", or for
+    # their grammar: "grammar" (it cannot run: invalid, or more than llguidance's parser
+    # allows), "max_tokens" (too few for a whole answer).
     refused: dict[str, int] = field(default_factory=dict)
     preparation: PreparationStats = field(default_factory=PreparationStats)
 
@@ -53,8 +60,8 @@ class RequestCounters:
             self.by_status = {}
         self.by_status[status] = self.by_status.get(status, 0) + 1
 
-    def count_refusal(self, limit: str) -> None:
-        self.refused[limit] = self.refused.get(limit, 0) + 1
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
 
 
 def has_media(messages: list[dict]) -> bool:
