@@ -16,7 +16,7 @@ LAYERS = (
     ("models",),
     ("option_ranges", "sampling_defaults", "sampling", "constrained", "detokenizer", "tokenization",
      "media", "public_net", "prompt", "prefix_cache", "quantization", "adapters",
-     "loading", "generate", "batching", "distributed"),
+     "loading", "generate", "batching", "distributed", "model_pool"),
     ("__main__", "cli", "server", "ui", "finetune", "convert", "fuse", "benchmark"),
 )
 # Entry points inside the shared loop's packages.
