@@ -97,15 +97,22 @@ class LoadedModel(Generic[Model]):
 
 
 class Lease(Generic[Model]):
-    """One request's hold on its loaded model; ``release`` (once; on the pool's loop)
-    gives it back."""
+    """One request's hold on its loaded model; ``release`` (on the pool's loop; more
+    than once is fine) gives it back."""
 
     def __init__(self, pool: "ModelPool[Model]", entry: LoadedModel[Model]):
-        self.model = entry.model
         self._pool = pool
         self._entry: LoadedModel[Model] | None = entry
 
+    @property
+    def model(self) -> Model:
+        if self._entry is None:
+            raise RuntimeError("this lease was given back")
+        return self._entry.model
+
     def release(self) -> None:
+        # Given back, it holds nothing: a lease kept by mistake does not keep an unloaded
+        # model's memory.
         if self._entry is not None:
             self._pool._give_back(self._entry)
             self._entry = None
@@ -246,10 +253,11 @@ class ModelPool(Generic[Model]):
                 for entry in self._loaded.values():
                     entry.giving_way = False
                 return
-            entry = self._loaded.get(target)
-            if entry is not None:  # it was giving way, and is wanted again first
-                entry.giving_way = False
-                self._waiters.give(target, lambda: self._lease(target, entry))
+            # (No loaded model is held in a local here: an unloaded one must be freed by
+            # the collection right after its unload.)
+            if target in self._loaded:  # it was giving way, and is wanted again first
+                self._loaded[target].giving_way = False
+                self._waiters.give(target, lambda: self._lease(target, self._loaded[target]))
                 continue
             if len(self._loaded) < self.max_loaded:
                 await self._load_for_waiters(target)
@@ -258,19 +266,24 @@ class ModelPool(Generic[Model]):
             if victim is None:  # every loaded model is in use, within its turn
                 await self._wait_for_change(self._next_turn_end() - self._clock())
                 continue
-            entry = self._loaded[victim]
-            if not entry.giving_way:
-                entry.giving_way = True
-                self._log.info("%r gives way to %r once its %d requests in flight are done "
-                               "(--max-loaded-models %d)", victim, target, entry.leases,
-                               self.max_loaded)
-            if entry.leases:
-                await self._wait_for_change(None)
+            if self._give_way(victim, target):
+                await self._wait_for_change(None)  # until its requests in flight are done
                 continue
             async with self._changing:
                 if victim in self._loaded:  # else the idle unload took it meanwhile
                     await self._unload(victim, f"to make room for {target!r} (--max-"
                                        f"loaded-models {self.max_loaded})")
+
+    def _give_way(self, victim: str, target: str) -> int:
+        """``victim`` takes no new requests, to make room for ``target``; its requests
+        still in flight."""
+        entry = self._loaded[victim]
+        if not entry.giving_way:
+            entry.giving_way = True
+            self._log.info("%r gives way to %r once its %d requests in flight are done "
+                           "(--max-loaded-models %d)", victim, target, entry.leases,
+                           self.max_loaded)
+        return entry.leases
 
     def _victim(self) -> str | None:
         """The loaded model to give way: one already giving way, else the least
