@@ -17,7 +17,7 @@ LAYERS = (
     ("option_ranges", "sampling_defaults", "sampling", "constrained", "closing_path", "detokenizer",
      "tokenization", "media", "public_net", "prompt", "prompt_length", "preparation",
      "prefix_cache", "quantization", "adapters",
-     "loading", "generate", "batching", "distributed"),
+     "loading", "generate", "batching", "distributed", "model_pool"),
     ("__main__", "cli", "server", "ui", "finetune", "convert", "fuse", "benchmark"),
 )
 # Entry points inside the shared loop's packages.

@@ -9,11 +9,13 @@ from typing import Any, Iterator
 import gradio as gr
 
 from mlxvlm.media import NO_NAMES, MediaPolicy
+from mlxvlm.model_pool import PoolError
 from mlxvlm.sampling_defaults import checkpoint_defaults, resolve
 from mlxvlm.ui.api_inputs import accept_text_messages
 from mlxvlm.ui.fields import guard_file_handling
 from mlxvlm.ui.models import ModelRegistry
-from mlxvlm.ui.session import ChatSession
+from mlxvlm.ui.session import YIELD_EVERY_S, ChatSession, notice
+from mlxvlm.ui.stats import stale_markdown
 from mlxvlm.ui.uploads import process_uploads, watch_upload_route
 
 # The slider's top when the model does not say how long its context is.
@@ -21,12 +23,12 @@ MAX_TOKENS_CAP = 8192
 PAGE_HEADING = "mlxvlm chat"
 # How the empty chat's hint names one attachment of each kind.
 ONE_OF_KIND = {"image": "an image", "video": "a video", "audio": "a sound"}
-
-
-# Conversations answered at once: each waits its turn for the model (the session's
-# lock), but prepares its turn meanwhile, so that one conversation's video does not hold
-# up another's text chat (Gradio's default is one at a time).
-CONCURRENT_CONVERSATIONS = 16
+# Turns answered (or waiting for their model, then for their turn on it) at once, per
+# way in (the page, the API); more wait in Gradio's queue (whose default is one at a
+# time). Above one, so that the model pool sees every conversation waiting and serves a
+# loaded model's before switching, and so that a conversation prepares its turn while
+# another's runs: one conversation's video does not hold up another's text chat.
+CONVERSATIONS_AT_ONCE = 16
 
 
 def upload_media_options() -> MediaPolicy:
@@ -43,6 +45,11 @@ def model_labels(names: list[str]) -> list[tuple[str, str]]:
     two share one), a Hub model by its repo id."""
     short = [Path(n).name if Path(n).is_dir() else n for n in names]
     return [(s if short.count(s) == 1 else n, n) for s, n in zip(short, names)]
+
+
+def waiting_markdown(name: str) -> str:
+    """The side panel while a turn or a choice waits for its model to be loaded."""
+    return f"Waiting for `{name}` to be loaded…"
 
 
 def model_markdown(session: ChatSession) -> str:
@@ -104,10 +111,24 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
     def respond(message, history, system_prompt, temperature, top_p, max_tokens,
                 repetition_penalty, seed, model_name=None,
                 request: gr.Request = None) -> Iterator[tuple[Any, str]]:
-        with registry.use(model_name or first) as chosen:
+        # Before waiting for the model: a file named but not uploaded here loads nothing.
+        uploads.admit(getattr(request, "session_hash", None), message, history)
+        name = model_name or first
+        wait = registry.wait_for(name)
+        try:
+            try:
+                # Gradio closes a generator only between two items: yielding while the
+                # model is not ours yet, a conversation whose client left stops waiting.
+                while (chosen := wait.wait(YIELD_EVERY_S)) is None:
+                    yield [], waiting_markdown(name)
+            except PoolError as error:
+                yield notice(str(error)), stale_markdown(None)
+                return
             chosen.uploads = uploads  # every session reads only this page's uploads
             yield from chosen.respond(message, history, system_prompt, temperature, top_p,
                                       max_tokens, repetition_penalty, seed, request=request)
+        finally:
+            wait.release()
 
     with gr.Blocks(title=title, analytics_enabled=False) as app:
         with gr.Row(equal_height=False):
@@ -155,30 +176,37 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
                 ],
                 additional_outputs=[stats],
                 api_name="chat",
+                concurrency_limit=CONVERSATIONS_AT_ONCE,
                 title=PAGE_HEADING,
-                concurrency_limit=CONCURRENT_CONVERSATIONS,
                 fill_height=True,
                 analytics_enabled=False,
             )
 
-        def choose(name: str):
-            with registry.use(name) as chosen:
-                values = control_values(chosen)
-                return (model_markdown(chosen), chosen.stats_markdown(),
-                        gr.MultimodalTextbox(**attachment_box(chosen)),
-                        gr.Slider(value=values["temperature"]),
-                        gr.Slider(value=values["top_p"]),
-                        gr.Slider(maximum=values["max_tokens_cap"],
-                                  value=min(256, values["max_tokens_cap"])),
-                        gr.Slider(value=values["repetition_penalty"]),
-                        gr.Chatbot(value=[], placeholder=chat_hint(chosen)), [], [])
+        chosen_outputs = [model_panel, stats, textbox, temperature, top_p, max_tokens,
+                          repetition_penalty, chat.chatbot, chat.chatbot_state,
+                          chat.chatbot_value]
 
-        picker.change(
-            choose, [picker],
-            [model_panel, stats, textbox, temperature, top_p, max_tokens, repetition_penalty,
-             chat.chatbot, chat.chatbot_state, chat.chatbot_value],
-            api_name="choose_model",
-        )
+        def choose(name: str):
+            wait = registry.wait_for(name)
+            try:
+                while (chosen := wait.wait(YIELD_EVERY_S)) is None:  # as ``respond`` waits
+                    yield (waiting_markdown(name),
+                           *[gr.skip()] * (len(chosen_outputs) - 1))
+                values = control_values(chosen)
+                yield (model_markdown(chosen), chosen.stats_markdown(),
+                       gr.MultimodalTextbox(**attachment_box(chosen)),
+                       gr.Slider(value=values["temperature"]),
+                       gr.Slider(value=values["top_p"]),
+                       gr.Slider(maximum=values["max_tokens_cap"],
+                                 value=min(256, values["max_tokens_cap"])),
+                       gr.Slider(value=values["repetition_penalty"]),
+                       gr.Chatbot(value=[], placeholder=chat_hint(chosen)), [], [])
+            except PoolError as error:
+                raise gr.Error(str(error)) from None
+            finally:
+                wait.release()
+
+        picker.change(choose, [picker], chosen_outputs, api_name="choose_model")
     guard_file_handling(app, uploads)
     accept_text_messages(app)
     watch_upload_route(app, uploads)

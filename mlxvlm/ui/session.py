@@ -30,11 +30,11 @@ from mlxvlm.media import MediaPolicy
 from mlxvlm.prefix_cache import PrefixCache
 from mlxvlm.preparation import PreparationPools
 from mlxvlm.prompt import prepare_inputs
-from mlxvlm.ui.conversation import NOTICE_TITLE, attachment_paths, build_conversation
+from mlxvlm.ui.conversation import NOTICE_TITLE, build_conversation
 from mlxvlm.ui.media_kinds import supported_kinds
 from mlxvlm.ui.stats import NO_ANSWER_YET, AnswerStats, stale_markdown
 from mlxvlm.ui.thoughts import ThoughtsAndAnswer, kept_token_ids, template_thinks
-from mlxvlm.ui.uploads import AttachmentRefused, Uploads
+from mlxvlm.ui.uploads import Uploads
 
 log = logging.getLogger(__name__)
 
@@ -162,18 +162,8 @@ class ChatSession:
 
     def _check_attachments(self, message, history, request) -> None:
         """Refuse (``AttachmentRefused``) any file the conversation did not upload."""
-        if self.uploads is None:
-            return
-        session = getattr(request, "session_hash", None)
-        new, earlier = attachment_paths(history, message)
-        if (new or earlier) and session is None:
-            raise AttachmentRefused()
-        for path in new:
-            if not self.uploads.claim(session, path):
-                raise AttachmentRefused()
-        for path in earlier:
-            if not self.uploads.owns(session, path):
-                raise AttachmentRefused()
+        if self.uploads is not None:
+            self.uploads.admit(getattr(request, "session_hash", None), message, history)
 
     def respond(
         self,

@@ -1,5 +1,5 @@
 """The requests waiting for a model that is not loaded (or is giving way to another), in
-arrival order: ``ModelRegistry`` loads the model of the oldest one next and hands every
+arrival order: ``ModelPool`` loads the model of the oldest one next and hands every
 waiter of a model its lease as soon as that model is loaded, so that each load serves
 the requests it was made for."""
 
