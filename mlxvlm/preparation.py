@@ -91,13 +91,16 @@ class PreparationPools:
     def submit(self, job: Callable[[], T], *, media: bool) -> PreparationJob[T]:
         kind = "media" if media else "text"
         cancel = threading.Event()
+        # The worker's work item outlives the job's result by a moment: it must not keep
+        # the job (and what the job holds, such as a session and its model) alive then.
+        pending = [job]
 
         def run() -> T:
             self._running.add(cancel)
             try:
                 with self.stats.running(kind), preparing(cancel):
                     check_cancelled("preparing the request")  # gone while it was queued
-                    return job()
+                    return pending.pop()()
             except PreparationCancelled as stopped:
                 self.stats.count_cancelled()
                 log.info("%s", stopped)

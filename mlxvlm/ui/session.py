@@ -30,7 +30,7 @@ from mlxvlm.media import MediaPolicy
 from mlxvlm.prefix_cache import PrefixCache
 from mlxvlm.preparation import PreparationPools
 from mlxvlm.prompt import prepare_inputs
-from mlxvlm.ui.conversation import NOTICE_TITLE, build_conversation
+from mlxvlm.ui.conversation import NOTICE_TITLE, attachment_paths, build_conversation
 from mlxvlm.ui.media_kinds import supported_kinds
 from mlxvlm.ui.stats import NO_ANSWER_YET, AnswerStats, stale_markdown
 from mlxvlm.ui.thoughts import ThoughtsAndAnswer, kept_token_ids, template_thinks
