@@ -12,14 +12,7 @@ from __future__ import annotations
 from mlxvlm.models.config_utils import token_id, vision_config
 from mlxvlm.models.layers.mrope_decoder import LanguageModel, TextConfig
 from mlxvlm.models.layers.qwen_vision import QwenVisionTransformer, VisionConfig
-from mlxvlm.models.qwen_vl_base import (  # noqa: F401  (the family's names for callers)
-    HF_PREFIXES,
-    LM_HEAD,
-    VISION_TOWER,
-    ModelArgs,
-    QwenVLModel,
-    grid_step_spans,
-)
+from mlxvlm.models.qwen_vl_base import ModelArgs, QwenVLModel, grid_step_spans
 
 
 def vision_config_from_hf(config: dict) -> VisionConfig:
