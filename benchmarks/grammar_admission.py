@@ -70,7 +70,7 @@ def rss_mb() -> float:
 
 
 def admission(tokenizer, eos: list[int]) -> None:
-    from mlxvlm.constrained import ConstraintError, json_schema_constraint
+    from mlxvlm.sampling.constrained import ConstraintError, json_schema_constraint
 
     print("| grammar | max_tokens | compile (s) | closing walk (s) | outcome |")
     print("| --- | --- | --- | --- | --- |")
@@ -96,7 +96,7 @@ def per_token(tokenizer, eos: list[int], runs: int) -> None:
     import mlx.core as mx
     import numpy as np
 
-    from mlxvlm.constrained import json_schema_constraint
+    from mlxvlm.sampling.constrained import json_schema_constraint
 
     rng = np.random.default_rng(0)
     print("| grammar | max_tokens | tokens | grammar CPU per token (ms) |")
@@ -128,7 +128,7 @@ def reloads(path: Path | None, eos_text: str, cycles: int) -> None:
     grammar tokenizers are still held at the end."""
     import mlx.core as mx
 
-    from mlxvlm import constrained
+    from mlxvlm.sampling import constrained
 
     sizes, previous = [], None
     for _ in range(cycles):

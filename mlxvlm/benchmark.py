@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from mlxvlm.cli import OneLineParser, add_model_arguments, ranged, run_cli
-from mlxvlm.option_ranges import SAMPLING, at_least
+from mlxvlm.sampling.ranges import SAMPLING, at_least
 
 DEFAULT_PROMPT = "Describe this image in detail."
 

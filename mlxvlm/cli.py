@@ -13,7 +13,7 @@ import sys
 from typing import Callable, Sequence
 
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.option_ranges import SAMPLING, Range, at_least
+from mlxvlm.sampling.ranges import SAMPLING, Range, at_least
 
 EXIT_USAGE = 2
 

@@ -61,7 +61,7 @@ class ConvertResult:
 
 def build_parser() -> argparse.ArgumentParser:
     from mlxvlm.cli import OneLineParser, ranged
-    from mlxvlm.option_ranges import at_least
+    from mlxvlm.sampling.ranges import at_least
     from mlxvlm.quantization import AFFINE_GROUP_SIZES, MODE_DEFAULTS, RECIPES
 
     parser = OneLineParser(

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mlxvlm.quantization import MODE_DEFAULTS, RECIPES
 
     from mlxvlm.cli import OneLineParser, ranged
-    from mlxvlm.option_ranges import at_least
+    from mlxvlm.sampling.ranges import at_least
 
     parser = OneLineParser(
         prog="python -m mlxvlm.fuse",

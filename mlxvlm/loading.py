@@ -267,7 +267,7 @@ def load(
     reading only its shard's weights; ``model.sharding`` is then the rank's plan. Without
     a launched group (one process) it loads the whole model.
     """
-    from mlxvlm.tokenization import attach_generation_tokenizer
+    from mlxvlm.text.tokenization import attach_generation_tokenizer
 
     model_path = resolve_model_path(path_or_repo, revision, trust_remote_code)
     config = read_config(model_path)
@@ -291,7 +291,7 @@ def load(
     attach_generation_tokenizer(
         processor, model_path, collect_eos_token_ids(model_path, config, processor.tokenizer)
     )
-    from mlxvlm.sampling_defaults import read_checkpoint_defaults
+    from mlxvlm.sampling.defaults import read_checkpoint_defaults
 
     # generation_config.json's sampling values, for the requests that leave them out.
     processor.sampling_defaults = read_checkpoint_defaults(model_path)

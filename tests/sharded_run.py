@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 # out the other's connection back-off.
 mx.distributed.init()
 
-from mlxvlm.distributed.follower import follow
+from mlxvlm.generate.follower import follow
 from mlxvlm.distributed.jobs import release
 from mlxvlm.generate import stream_generate
 from mlxvlm.loading import load

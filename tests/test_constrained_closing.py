@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxvlm.constrained import json_schema_constraint
+from mlxvlm.sampling.constrained import json_schema_constraint
 
 CORPUS = ['{"a":"b","c":"d"}', '[[[[1]]]]', '"]]]]"', '{"k":["x","y"]}', "]]]] ]]]]",
           '","', '":"', "hello world"] * 50
@@ -79,8 +79,8 @@ def test_a_pattern_string_closes_in_time_though_the_model_wants_more(tokenizer, 
 
 def test_the_string_state_token_by_token_is_that_of_the_whole_text(tokenizer):
     # Inside a string a backslash escapes the next byte, whichever token it begins.
-    from mlxvlm.closing_path import OUTSIDE, _after
-    from mlxvlm.constrained import grammar_tokenizer
+    from mlxvlm.sampling.closing_path import OUTSIDE, _after
+    from mlxvlm.sampling.constrained import grammar_tokenizer
 
     eos = tokenizer.convert_tokens_to_ids("</s>")
     kit = grammar_tokenizer(tokenizer, [eos])

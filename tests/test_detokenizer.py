@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 from tiny import make_image
 from mlxvlm import generate, load, stream_generate
-from mlxvlm.tokenization import generation_tokenizer
+from mlxvlm.text.tokenization import generation_tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -378,7 +378,7 @@ def test_a_rank_that_fails_on_the_release_fails_rank_0(tmp_path):
 def unsharded_engine(checkpoints, monkeypatch):
     """The sharded server's engine over the EOS checkpoint in one process (its loop is
     the one every rank runs), with the release it sends the other ranks recorded."""
-    from mlxvlm.distributed import serving
+    from mlxvlm.batching import sharded_engine as serving
     from mlxvlm.prompt import prepare_inputs
     from mlxvlm.sampling import SamplingOptions
 

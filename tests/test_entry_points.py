@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from mlxvlm.generate.__main__ import build_parser as build_generate_parser
-from mlxvlm.option_ranges import RangeType
+from mlxvlm.sampling.ranges import RangeType
 
 ENTRY_POINTS = ["generate", "convert", "fuse", "benchmark", "finetune", "server", "ui"]
 

@@ -15,7 +15,7 @@ from test_server_models import A, B, HELLO, paths, registry  # noqa: F401  (the 
 from tiny.qwen import build_tokenizer
 
 import mlxvlm
-from mlxvlm import constrained
+from mlxvlm.sampling import constrained
 
 
 def collected(ref: weakref.ref) -> bool:

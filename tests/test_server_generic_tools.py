@@ -29,12 +29,12 @@ from tiny.llava import MISTRAL_TEMPLATE
 from tiny.qwen import CHAT_TEMPLATE as QWEN_TEMPLATE
 
 import mlxvlm
-from mlxvlm.constrained import lark_constraint
+from mlxvlm.sampling.constrained import lark_constraint
 from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.models.paligemma import CHAT_TEMPLATE as PALIGEMMA_TEMPLATE
 from mlxvlm.prompt import render_chat
-from mlxvlm.server.answer_parts import GENERIC_TOOLS, marker_ids
-from mlxvlm.server.chat import to_messages
+from mlxvlm.text.answer_parts import GENERIC_TOOLS, marker_ids
+from mlxvlm.server.chat_completions import to_messages
 from mlxvlm.server.schemas import ChatCompletionRequest, Tool
 from mlxvlm.server.template_traits import template_traits
 from mlxvlm.server.tool_grammars import calls_schema, text_or_calls_grammar

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from server_harness import MODEL_ID, LiveServer
 
 import mlxvlm
-from mlxvlm.server.answer_parts import HERMES, MISTRAL, AnswerSplitter
+from mlxvlm.text.answer_parts import HERMES, MISTRAL, AnswerSplitter
 
 TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n<tools>\n"
@@ -133,7 +133,7 @@ def test_tools_and_earlier_calls_reach_the_template(loaded):
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
          "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21"}]
-    from mlxvlm.server.chat import to_messages
+    from mlxvlm.server.chat_completions import to_messages
     from mlxvlm.server.schemas import ChatCompletionRequest
     from mlxvlm.server.tools import AnswerPlan
 
@@ -246,9 +246,9 @@ def test_messages_tool_use_blocks_validate_plain_and_streamed(claude):
 
 
 def test_messages_tool_results_go_back_through_the_template(loaded):
-    from mlxvlm.server.chat import to_messages
-    from mlxvlm.server.messages import to_chat_request
-    from mlxvlm.server.messages_schemas import MessagesRequest
+    from mlxvlm.server.chat_completions import to_messages
+    from mlxvlm.server.anthropic_messages import to_chat_request
+    from mlxvlm.server.anthropic_schemas import MessagesRequest
     from mlxvlm.server.tools import AnswerPlan
 
     request = MessagesRequest.model_validate({

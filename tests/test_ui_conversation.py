@@ -169,7 +169,7 @@ def test_a_failed_turn_marks_the_earlier_figures_or_says_there_are_none():
 
 def test_the_sampling_controls_start_at_the_checkpoints_generation_config(tiny_checkpoints):
     from mlxvlm import load
-    from mlxvlm.sampling_defaults import checkpoint_defaults_from
+    from mlxvlm.sampling.defaults import checkpoint_defaults_from
     from mlxvlm.ui.app import build_app, upload_media_options
     from mlxvlm.ui.session import ChatSession
 

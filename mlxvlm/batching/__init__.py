@@ -14,7 +14,7 @@ from mlxvlm.batching.engine import (
     SequenceFault,
     SequenceHandle,
 )
-from mlxvlm.option_ranges import MAX_TOP_LOGPROBS  # noqa: F401  (its old home)
+from mlxvlm.sampling.ranges import MAX_TOP_LOGPROBS  # noqa: F401  (its old home)
 from mlxvlm.sampling import SamplingOptions
 
 __all__ = [

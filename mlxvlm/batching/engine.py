@@ -47,11 +47,11 @@ from mlxvlm.generate.loop import embed_prompt, fit_to_context, generation_stream
 from mlxvlm.generate.speculative import Speculation, SpeculationStats, speculative_decode
 from mlxvlm.generate.state_cache import StateSnapshots, is_state_cache, turn_boundaries
 from mlxvlm.generate.text import SequenceText, eos_token_ids
-from mlxvlm.prefix_cache import PrefixCache, prompt_key
+from mlxvlm.batching.prefix_cache import PrefixCache, prompt_key
 from mlxvlm.prompt import PreparedInputs
 from mlxvlm.sampling import (RowSampler, SamplingOptions, sampled_sanely, sampling_step,
                              token_logprobs)
-from mlxvlm.tokenization import generation_tokenizer
+from mlxvlm.text.tokenization import generation_tokenizer
 
 logger = logging.getLogger(__name__)
 

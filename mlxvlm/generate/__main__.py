@@ -14,7 +14,7 @@ from typing import Sequence
 from mlxvlm.cli import (OneLineParser, add_model_arguments, add_sampling_arguments,
                         add_sharding_arguments, add_speculation_arguments, launched_rank,
                         ranged, run_cli, sharded_load)
-from mlxvlm.option_ranges import Range, at_least
+from mlxvlm.sampling.ranges import Range, at_least
 
 # What MLX's quantized KV cache (mx.quantize) takes.
 KV_BITS = (2, 3, 4, 5, 6, 8)
@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> int:
         if launched_rank() != 0:  # rank 0 prints the answer; this rank follows it
-            from mlxvlm.distributed.follower import follow
+            from mlxvlm.generate.follower import follow
 
             follow(*sharded_load(args))
             return 0
@@ -227,7 +227,7 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
             print(f"[mlxvlm] CPU kernels: {ops.kernels_status()}", file=sys.stderr)
             print("[mlxvlm] compute dtype: float32 (fastest on the CPU backend)", file=sys.stderr)
     if args.verbose:
-        from mlxvlm.sampling_defaults import checkpoint_defaults, resolve
+        from mlxvlm.sampling.defaults import checkpoint_defaults, resolve
 
         given = {name: getattr(args, name) for name in
                  ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}

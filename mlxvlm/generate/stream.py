@@ -20,11 +20,11 @@ from mlxvlm.generate.speculative import SpeculationStats, check_speculation, spe
 from mlxvlm.generate.text import GenerationOutput, OutputFolder, SequenceText, eos_token_ids
 from mlxvlm.media import MediaPolicy
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
-from mlxvlm.constrained import json_schema_constraint
+from mlxvlm.sampling.constrained import json_schema_constraint
 from mlxvlm.sampling import RowSampler, SamplingOptions, token_logprobs
-from mlxvlm.sampling_defaults import checkpoint_defaults
-from mlxvlm.sampling_defaults import resolve as resolve_sampling
-from mlxvlm.tokenization import generation_tokenizer
+from mlxvlm.sampling.defaults import checkpoint_defaults
+from mlxvlm.sampling.defaults import resolve as resolve_sampling
+from mlxvlm.text.tokenization import generation_tokenizer
 
 
 @dataclass
@@ -107,13 +107,13 @@ def stream_generate(
     statistics; the last one has ``finish_reason`` "stop" or "length".
 
     A sampling value left out (None) comes from the checkpoint's generation_config.json,
-    else is greedy / off (see ``mlxvlm.sampling_defaults``). ``presence_penalty``,
+    else is greedy / off (see ``mlxvlm.sampling.defaults``). ``presence_penalty``,
     ``frequency_penalty``, ``logit_bias`` (token id -> bias) and ``top_logprobs`` mean
     what they mean in OpenAI's API (and the server). A ``seed`` samples the same tokens
     here as in ``batch_generate`` and the server. ``chat_template_kwargs`` go to the chat
     template (e.g. ``{"enable_thinking": False}`` for the Qwen3 and Qwen3.5 templates).
     ``json_schema``: the answer is JSON valid under this schema (``True``: any JSON
-    object), by constrained decoding (``mlxvlm.constrained``).
+    object), by constrained decoding (``mlxvlm.sampling.constrained``).
     """
     options = sampling_options(
         processor, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -184,7 +184,7 @@ def generate_prepared(
 ) -> Generator[GenerationResult, None, None]:
     """``stream_generate`` from its prepared inputs and resolved options on. On rank 0 of
     a sharded model it runs the towers and sends the other ranks the job first; they come
-    here with that ``job`` (``mlxvlm.distributed.follower``). ``prepare_draft_inputs(
+    here with that ``job`` (``mlxvlm.generate.follower``). ``prepare_draft_inputs(
     processor, draft)``: the prompt as a draft model's own processor prepares it."""
     speculates = draft_model is not None or prompt_lookup_num_tokens is not None
     if speculates and getattr(model, "sharding", None) is not None:

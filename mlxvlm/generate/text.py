@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from mlxvlm.tokenization import generation_tokenizer
+from mlxvlm.text.tokenization import generation_tokenizer
 
 
 class StopStrings:

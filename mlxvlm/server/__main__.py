@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if sharded:
             single_model(args, config)
         if launched_rank() != 0:  # rank 0 serves HTTP; this rank follows its requests
-            from mlxvlm.distributed.follower import follow
+            from mlxvlm.generate.follower import follow
 
             follow(*sharded_load(args))
             return
@@ -45,9 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mlxvlm.server.listener import serve
 
         listener = open_listener(config.host, config.port)
-        from mlxvlm.sampling_defaults import checkpoint_defaults
+        from mlxvlm.sampling.defaults import checkpoint_defaults
         from mlxvlm.server.app import create_app, create_registry_app
-        from mlxvlm.server.chat import describe_sampling_defaults
+        from mlxvlm.server.chat_completions import describe_sampling_defaults
         from mlxvlm.server.models_registry import ModelRegistry, checkpoint_loader
 
         if config.host not in _LOOPBACK and not config.api_key:

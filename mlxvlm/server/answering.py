@@ -18,15 +18,15 @@ from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
 from mlxvlm.batching import BatchStep
-from mlxvlm.constrained import ConstraintError, GrammarConstraint, json_schema_constraint
+from mlxvlm.sampling.constrained import ConstraintError, GrammarConstraint, json_schema_constraint
 from mlxvlm.generate.loop import fit_to_context
 from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.errors import MlxvlmError, PromptTooLongError
 from mlxvlm.media import MediaError, PixelBudgetError
 from mlxvlm.sampling import SamplingOptions
-from mlxvlm.sampling_defaults import checkpoint_defaults
-from mlxvlm.server.answer_parts import AnswerSplitter, Part
-from mlxvlm.server.chat import sampling_options, to_messages
+from mlxvlm.sampling.defaults import checkpoint_defaults
+from mlxvlm.text.answer_parts import AnswerSplitter, Part
+from mlxvlm.server.chat_completions import sampling_options, to_messages
 from mlxvlm.server.errors import APIError
 from mlxvlm.server.lifetime import RequestLifetime
 from mlxvlm.server.schemas import ChatCompletionRequest

@@ -13,7 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from mlxvlm.server.config import ServerConfig
 from mlxvlm.server.errors import install_error_handlers
 from mlxvlm.server.response_store import ResponseStore
-from mlxvlm.server.routes import chat, messages, models, responses
+from mlxvlm.server.routes import anthropic_messages, chat, models, responses
 from mlxvlm.server.security import (
     APIKeyMiddleware,
     BodyBudget,
@@ -73,6 +73,6 @@ def create_registry_app(registry: ModelRegistry) -> FastAPI:
     app.add_middleware(StatusCounting, counters=registry.counters)
     app.include_router(models.router)
     app.include_router(chat.router)
-    app.include_router(messages.router)
+    app.include_router(anthropic_messages.router)
     app.include_router(responses.router)
     return app

@@ -12,7 +12,7 @@ from mlxvlm.cli import (OneLineParser, add_model_arguments, add_speculation_argu
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.media import (SERVED_MAX_DECODE_SECONDS, SERVED_MAX_VIDEO_DECODE_PIXELS,
                           SERVED_MAX_VIDEO_FRAMES, OptionNames)
-from mlxvlm.option_ranges import NON_NEGATIVE, PORT, POSITIVE, SAMPLING, at_least
+from mlxvlm.sampling.ranges import NON_NEGATIVE, PORT, POSITIVE, SAMPLING, at_least
 
 MiB = 2**20
 # Byte and pixel limits: any bound a machine could hold.

@@ -9,7 +9,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
-from mlxvlm.server.chat import warn_unknown_fields
+from mlxvlm.server.chat_completions import warn_unknown_fields
 from mlxvlm.server.config import ServerConfig
 from mlxvlm.server.errors import validation_error
 from mlxvlm.server.lifetime import client_gone

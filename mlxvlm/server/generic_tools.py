@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlxvlm.server.answer_parts import GENERIC_TOOLS
+from mlxvlm.text.answer_parts import GENERIC_TOOLS
 
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 

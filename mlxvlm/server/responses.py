@@ -12,9 +12,9 @@ import uuid
 from typing import Any, AsyncIterator
 
 from mlxvlm.batching import BatchStep
-from mlxvlm.server.answer_parts import Part, ToolCall
+from mlxvlm.text.answer_parts import Part, ToolCall
 from mlxvlm.server.answering import split_steps, stream_failure, whole_answer
-from mlxvlm.server.chat import as_chat_request
+from mlxvlm.server.chat_completions import as_chat_request
 from mlxvlm.server.errors import APIError, error_body
 from mlxvlm.server.response_store import ResponseStore
 from mlxvlm.server.responses_schemas import ResponsesRequest

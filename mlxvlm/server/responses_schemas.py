@@ -7,7 +7,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from mlxvlm.option_ranges import SAMPLING
+from mlxvlm.sampling.ranges import SAMPLING
 from mlxvlm.server.schemas import FunctionDefinition, StrictModel, check_tool_choice
 
 

@@ -1,7 +1,7 @@
 """The request body of ``POST /v1/chat/completions``, validated strictly.
 
 Types are strict (a string is not a number, ``1.0`` is not an integer); the numeric
-ranges are ``mlxvlm.option_ranges``' (OpenAI's where OpenAI has the field), shared with
+ranges are ``mlxvlm.sampling.ranges``' (OpenAI's where OpenAI has the field), shared with
 the command lines, and exclude NaN and infinities (which Python's json writes). Fields this server does not know are kept in ``model_extra`` so that the
 route can log them instead of silently dropping them.
 """
@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from mlxvlm.option_ranges import SAMPLING
+from mlxvlm.sampling.ranges import SAMPLING
 
 # Up to this many stop strings (OpenAI allows 4; some clients send a few more).
 MAX_STOP_STRINGS = 16

@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
 from mlxvlm.generate.speculative import Speculation
 from mlxvlm.media import MediaPolicy, PixelBudget, load_image
-from mlxvlm.prefix_cache import PrefixCache, image_hash
+from mlxvlm.batching.prefix_cache import PrefixCache, image_hash
 from mlxvlm.preparation import PreparationPools, PreparationStats
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
 from mlxvlm.server.config import MEDIA_OPTION_NAMES, ServerConfig
@@ -96,7 +96,7 @@ class GenerationService:
             else None
         )
         if getattr(model, "sharding", None) is not None:  # under mlx.launch: rank 0
-            from mlxvlm.distributed.serving import ShardedEngine
+            from mlxvlm.batching.sharded_engine import ShardedEngine
 
             self.engine = ShardedEngine(model, processor,
                                         prefill_step_size=config.prefill_step_size)

@@ -17,8 +17,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxvlm.constrained import ends_with, tag_progress
-from mlxvlm.server.answer_parts import THINK, ThinkFormat
+from mlxvlm.sampling.constrained import ends_with, tag_progress
+from mlxvlm.text.answer_parts import THINK, ThinkFormat
 
 
 def tag_ids(tokenizer: Any, tag: str) -> tuple[int, ...]:

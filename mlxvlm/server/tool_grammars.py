@@ -10,7 +10,7 @@ import json
 import re
 from typing import Any
 
-from mlxvlm.server.answer_parts import GEMMA4_TOOLS, ToolFormat, special_token_ids
+from mlxvlm.text.answer_parts import GEMMA4_TOOLS, ToolFormat, special_token_ids
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 # A call's JSON laid out as json.dumps writes it (and chat templates' tojson, so as the

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlxvlm.constrained import ConstraintError, GrammarConstraint, lark_constraint
+from mlxvlm.sampling.constrained import ConstraintError, GrammarConstraint, lark_constraint
 from mlxvlm.generate.text import eos_token_ids
-from mlxvlm.server.answer_parts import (GENERIC_TOOLS, AnswerSplitter, ThinkFormat, ToolFormat,
+from mlxvlm.text.answer_parts import (GENERIC_TOOLS, AnswerSplitter, ThinkFormat, ToolFormat,
                                         marker_ids, think_format, tool_format)
 from mlxvlm.server.errors import APIError
 from mlxvlm.server.generic_tools import as_plain_turns, describe_tools, with_description

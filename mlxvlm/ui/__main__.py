@@ -11,7 +11,7 @@ from mlxvlm.cli import (OneLineParser, add_model_arguments, checkpoint_folders, 
                         port_in_use, ranged, require_extra, run_cli)
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.model_pool import MIN_LOADED_SECONDS
-from mlxvlm.option_ranges import NON_NEGATIVE, PORT, at_least
+from mlxvlm.sampling.ranges import NON_NEGATIVE, PORT, at_least
 
 
 def build_parser() -> argparse.ArgumentParser:

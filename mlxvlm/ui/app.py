@@ -10,7 +10,7 @@ import gradio as gr
 
 from mlxvlm.media import NO_NAMES, MediaPolicy
 from mlxvlm.model_pool import PoolError
-from mlxvlm.sampling_defaults import checkpoint_defaults, resolve
+from mlxvlm.sampling.defaults import checkpoint_defaults, resolve
 from mlxvlm.ui.api_inputs import accept_text_messages
 from mlxvlm.ui.fields import guard_file_handling
 from mlxvlm.ui.models import ModelRegistry

@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.media import MediaPolicy
-from mlxvlm.prefix_cache import PrefixCache
+from mlxvlm.batching.prefix_cache import PrefixCache
 from mlxvlm.preparation import PreparationPools
 from mlxvlm.prompt import prepare_inputs
 from mlxvlm.ui.conversation import NOTICE_TITLE, attachment_paths, build_conversation

@@ -1,7 +1,7 @@
 """A thinking model's answer as the chat shows it: the thoughts in Gradio's folded
 thought box (a message with a metadata title), the answer beside it.
 
-The split is the server's (``mlxvlm.server.answer_parts``: ``<think>`` ... ``</think>``
+The split is the server's (``mlxvlm.text.answer_parts``: ``<think>`` ... ``</think>``
 or Gemma 4's ``<|channel>thought`` ... ``<channel|>``, whose special-token markers the
 answer's text keeps, for a template that teaches them, held back only where a marker may
 still begin), so the
@@ -16,7 +16,7 @@ import json
 import time
 from typing import Any
 
-from mlxvlm.server.answer_parts import (AnswerSplitter, ThinkFormat, as_think_format, marker_ids,
+from mlxvlm.text.answer_parts import (AnswerSplitter, ThinkFormat, as_think_format, marker_ids,
                                         think_format)
 
 # The metadata title of a thought box; conversation.py leaves such messages out of the

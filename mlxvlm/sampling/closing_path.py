@@ -1,6 +1,6 @@
 """The closing path of constrained decoding: from where an answer stands, at each step the
 allowed token that brings it nearest its end, until the grammar accepts it. It is how
-``mlxvlm.constrained`` completes an answer in time near the end of its token budget, and
+``mlxvlm.sampling.constrained`` completes an answer in time near the end of its token budget, and
 how it measures what a complete answer takes (refusing a budget that is too small).
 
 Which token closes depends on whether the answer is inside a JSON string: there a quote

@@ -23,7 +23,7 @@ from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.cache import CacheOptions
 from mlxvlm.generate.loop import fit_to_context
 from mlxvlm.generate.stream import generate_prepared
-from mlxvlm.tokenization import generation_tokenizer
+from mlxvlm.text.tokenization import generation_tokenizer
 
 logger = logging.getLogger(__name__)
 

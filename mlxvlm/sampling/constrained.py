@@ -8,7 +8,7 @@ microseconds. Its tokens are the checkpoint's tokenizer's; ids past them (a head
 beyond the vocabulary) are never allowed. Once the grammar is complete only the end of
 the answer (the checkpoint's end-of-sequence ids) is allowed.
 
-A grammar is compiled, and the closing path (``mlxvlm.closing_path``) walked through a
+A grammar is compiled, and the closing path (``mlxvlm.sampling.closing_path``) walked through a
 whole answer, before a request runs: what llguidance cannot parse (e.g. more
 alternatives at once than its parser allows) and a token budget too small for a complete
 answer are refused then, not found by the batch the request would have joined.
@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlxvlm.closing_path import ClosingCursor, ClosingPreference, ClosingWalk
+from mlxvlm.sampling.closing_path import ClosingCursor, ClosingPreference, ClosingWalk
 from mlxvlm.errors import MlxvlmError, bounded
 
 

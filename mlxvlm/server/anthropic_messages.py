@@ -11,10 +11,10 @@ from typing import Any, AsyncIterator
 
 from mlxvlm.batching import BatchStep
 from mlxvlm.server.answering import split_steps, stream_failure, whole_answer
-from mlxvlm.server.answer_parts import Part, ToolCall
-from mlxvlm.server.chat import as_chat_request
+from mlxvlm.text.answer_parts import Part, ToolCall
+from mlxvlm.server.chat_completions import as_chat_request
 from mlxvlm.server.errors import ANTHROPIC_PATH, error_body
-from mlxvlm.server.messages_schemas import MessagesRequest
+from mlxvlm.server.anthropic_schemas import MessagesRequest
 from mlxvlm.server.schemas import ChatCompletionRequest
 from mlxvlm.server.service import TokenStream
 from mlxvlm.server.tools import AnswerPlan

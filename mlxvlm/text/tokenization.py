@@ -4,7 +4,7 @@ Every path (``generate``, the batching engine, the server, the UI) gets its deto
 from ``generation_tokenizer(processor).detokenizer``: mlx-lm's TokenizerWrapper (which
 hands out a fresh copy per sequence) carrying mlxvlm's ``StreamingDetokenizer``, whose
 text is exactly ``tokenizer.decode(ids, skip_special_tokens=True)`` (see
-mlxvlm/detokenizer.py; mlx-lm's own detokenizers show byte 0x00 as "Ā" and special or
+mlxvlm/text/detokenizer.py; mlx-lm's own detokenizers show byte 0x00 as "Ā" and special or
 out-of-vocabulary ids as "!").
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlxvlm.detokenizer import StreamingDetokenizer
+from mlxvlm.text.detokenizer import StreamingDetokenizer
 
 
 def attach_generation_tokenizer(processor: Any, model_path: Path, eos_token_ids: set[int]):

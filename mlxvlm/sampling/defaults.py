@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from mlxvlm.option_ranges import SAMPLING, check
+from mlxvlm.sampling.ranges import SAMPLING, check
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from pydantic import ValidationError
 
 from mlxvlm.batching import BatchStep
 from mlxvlm.sampling import SamplingOptions
-from mlxvlm.sampling_defaults import FIELDS as SAMPLING_FIELDS
-from mlxvlm.sampling_defaults import (
+from mlxvlm.sampling.defaults import FIELDS as SAMPLING_FIELDS
+from mlxvlm.sampling.defaults import (
     NO_CHECKPOINT_DEFAULTS,
     OPENAI_DEFAULTS,
     CheckpointDefaults,

@@ -14,8 +14,8 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.option_ranges import SAMPLING, at_least, check
-from mlxvlm.sampling_defaults import invalid_sampling_value
+from mlxvlm.sampling.ranges import SAMPLING, at_least, check
+from mlxvlm.sampling.defaults import invalid_sampling_value
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -59,7 +59,7 @@ class SamplingOptions:
     """How one sequence is sampled and when it stops, for every path (``generate``, the
     batching engine, the server, the UI). The defaults are greedy; callers that let a
     checkpoint's generation_config.json fill in values resolve them first (see
-    ``mlxvlm.sampling_defaults``). Penalties and ``logit_bias`` have OpenAI's meaning."""
+    ``mlxvlm.sampling.defaults``). Penalties and ``logit_bias`` have OpenAI's meaning."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -75,7 +75,7 @@ class SamplingOptions:
     stop: str | Sequence[str] | None = None
     # None: no log-probabilities; k >= 0: the chosen token's plus the k most likely.
     top_logprobs: int | None = None
-    # A grammar the answer must follow (mlxvlm.constrained.GrammarConstraint).
+    # A grammar the answer must follow (mlxvlm.sampling.constrained.GrammarConstraint).
     constraint: Any = None
     # More per-sequence logits processors, each made by ``.processor(max_tokens)`` as
     # the grammar's is (e.g. the server's thinking budget); they run before the grammar.
@@ -85,7 +85,7 @@ class SamplingOptions:
     kept_token_ids: frozenset = frozenset()
 
     def validate(self) -> None:
-        """Every value within the ranges all entry points share (``mlxvlm.option_ranges``)."""
+        """Every value within the ranges all entry points share (``mlxvlm.sampling.ranges``)."""
         names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "repetition_context_size", "presence_penalty", "frequency_penalty", "seed",
                  "top_logprobs")
