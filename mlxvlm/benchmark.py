@@ -44,10 +44,12 @@ def max_rss_gb() -> float:
 def time_generation(model, processor, prompt, images, max_tokens: int, ignore_eos: bool):
     """One generation: (time to first token, prompt tokens, decode tokens, decode s, peak)."""
     from mlxvlm.generate import stream_generate
+    from mlxvlm.text.tokenization import processor_state
 
-    saved_eos = processor.eos_token_ids
+    state = processor_state(processor)
+    saved_eos = state.eos_token_ids
     if ignore_eos:  # time exactly max_tokens, whatever a random checkpoint samples
-        processor.eos_token_ids = {-1}
+        state.eos_token_ids = {-1}
     try:
         start = time.perf_counter()
         first = last = None
@@ -57,7 +59,7 @@ def time_generation(model, processor, prompt, images, max_tokens: int, ignore_eo
             first = first or now
             last, count, final = now, count + 1, result
     finally:
-        processor.eos_token_ids = saved_eos
+        state.eos_token_ids = saved_eos
     decode_s = (last - first) if count > 1 else 0.0
     return first - start, final.prompt_tokens, count, decode_s, final.peak_memory
 

@@ -298,7 +298,7 @@ def sharded_load(args: argparse.Namespace, **kwargs):
                             adapter_path=args.adapter_path,
                             trust_remote_code=args.trust_remote_code,
                             shard="pipeline" if args.pipeline else "tensor", **kwargs)
-    plan = getattr(model, "sharding", None)
+    plan = model.sharding
     if args.verbose and plan is not None:
         print(f"[mlxvlm] {plan.describe()}", file=sys.stderr, flush=True)
     return model, processor

@@ -32,6 +32,7 @@ from mlxvlm.distributed.group import ShardPlan
 from mlxvlm.generate import stream_generate
 from mlxvlm.loading import load
 from mlxvlm.models.layers.mrope_decoder import MRopeState
+from mlxvlm.text.tokenization import processor_state
 
 REPO = Path(mlxvlm.__file__).resolve().parent.parent
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -111,7 +112,7 @@ def with_eos_in_answers(source: Path, directory: Path, image: Path) -> Path:
     shutil.copytree(source, directory)
     config_path = directory / "generation_config.json"
     config = json.loads(config_path.read_text())
-    config["eos_token_id"] = sorted(ends | set(processor.eos_token_ids))
+    config["eos_token_id"] = sorted(ends | set(processor_state(processor).eos_token_ids))
     config_path.write_text(json.dumps(config))
     return directory
 

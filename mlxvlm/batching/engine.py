@@ -201,7 +201,7 @@ class BatchEngine(EngineThread):
         speculation buys one sequence."""
         if max_batch_size < 1:
             raise MlxvlmError(f"max_batch_size must be at least 1, got {max_batch_size}")
-        if getattr(model, "sharding", None) is not None:
+        if model.sharding is not None:
             raise MlxvlmError(
                 "a sharded model's ranks decode one sequence in step (stream_generate; the "
                 "server's sharded engine), not batches")

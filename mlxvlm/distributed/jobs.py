@@ -32,7 +32,7 @@ class GenerationJob:
 
 def leads(model) -> bool:
     """Whether this process is rank 0 of a sharded model."""
-    plan = getattr(model, "sharding", None)
+    plan = model.sharding
     return plan is not None and plan.rank == 0
 
 
@@ -62,7 +62,7 @@ def next_job(model) -> GenerationJob | None:
 def peer_checked(model, tokens):
     """``tokens`` (the loop's), with a collective that fails because another rank left
     reported as ``RankLostError`` rather than MLX's bare RuntimeError."""
-    plan = getattr(model, "sharding", None)
+    plan = model.sharding
     if plan is None:
         yield from tokens
         return

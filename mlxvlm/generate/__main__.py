@@ -220,9 +220,8 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
 
         draft = load_draft(args.draft_model)
     if args.verbose:
-        report = getattr(model, "cpu_fast_paths", None)
-        if report is not None:
-            print(f"[mlxvlm] CPU fast paths: {report.describe()}", file=sys.stderr)
+        if model.cpu_fast_paths is not None:
+            print(f"[mlxvlm] CPU fast paths: {model.cpu_fast_paths.describe()}", file=sys.stderr)
         if mx.default_device() == mx.cpu:
             print(f"[mlxvlm] CPU kernels: {ops.kernels_status()}", file=sys.stderr)
             print("[mlxvlm] compute dtype: float32 (fastest on the CPU backend)", file=sys.stderr)

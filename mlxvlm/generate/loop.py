@@ -154,7 +154,7 @@ def generate_tokens(
     quantize = quantize or (lambda _: None)
     input_ids = inputs.input_ids
     total = input_ids.shape[1]
-    sharding = getattr(model, "sharding", None)
+    sharding = model.sharding
     embeddings, state, done = prefill_prompt(model, inputs, cache, prefill_step_size,
                                              quantize, progress, embedded=embedded)
 

@@ -24,7 +24,7 @@ from mlxvlm.sampling.constrained import json_schema_constraint
 from mlxvlm.sampling import RowSampler, SamplingOptions, token_logprobs
 from mlxvlm.sampling.defaults import checkpoint_defaults
 from mlxvlm.sampling.defaults import resolve as resolve_sampling
-from mlxvlm.text.tokenization import generation_tokenizer
+from mlxvlm.text.tokenization import generation_tokenizer, tokenizer_of
 
 
 @dataclass
@@ -124,7 +124,7 @@ def stream_generate(
     )
     if json_schema is not None and json_schema is not False:
         options.constraint = json_schema_constraint(
-            getattr(processor, "tokenizer", processor), eos_token_ids(processor),
+            tokenizer_of(processor), eos_token_ids(processor),
             None if json_schema is True else json_schema)
     if prefill_step_size < 1:
         raise MlxvlmError(f"prefill_step_size must be at least 1, got {prefill_step_size}")
@@ -187,7 +187,7 @@ def generate_prepared(
     here with that ``job`` (``mlxvlm.generate.follower``). ``prepare_draft_inputs(
     processor, draft)``: the prompt as a draft model's own processor prepares it."""
     speculates = draft_model is not None or prompt_lookup_num_tokens is not None
-    if speculates and getattr(model, "sharding", None) is not None:
+    if speculates and model.sharding is not None:
         raise MlxvlmError("speculative decoding does not run on a sharded model yet: "
                           "leave out --draft-model and --prompt-lookup-num-tokens")
     start = time.perf_counter() if start is None else start

@@ -34,6 +34,7 @@ from mlxvlm.server.security import KEY_ID
 from mlxvlm.server.service import GenerationService, TokenStream
 from mlxvlm.server.thinking_budget import ThinkingBudget, tag_ids
 from mlxvlm.server.tools import AnswerPlan
+from mlxvlm.text.tokenization import tokenizer_of
 
 BodyWriter = Callable[[BatchStep, TokenStream], Awaitable[dict]]
 EventWriter = Callable[[BatchStep, TokenStream], AsyncIterator[str]]
@@ -63,7 +64,7 @@ def plan_answer(chat: ChatCompletionRequest,
     plan = AnswerPlan(chat, service.processor)
     options.kept_token_ids = plan.kept_token_ids()
     if chat.thinking_budget is not None and plan.thinking:
-        tokenizer = getattr(service.processor, "tokenizer", service.processor)
+        tokenizer = tokenizer_of(service.processor)
         options.extra_processors = (
             ThinkingBudget(tokenizer, chat.thinking_budget, plan.think),)
     return options, plan
@@ -77,7 +78,7 @@ def response_constraint(chat: ChatCompletionRequest, processor: Any) -> GrammarC
         return None
     schema = fmt.json_schema.json_schema if fmt.type == "json_schema" else None
     strict = bool(fmt.json_schema.strict) if fmt.type == "json_schema" else False
-    return json_schema_constraint(getattr(processor, "tokenizer", processor),
+    return json_schema_constraint(tokenizer_of(processor),
                                   eos_token_ids(processor), schema, strict=strict)
 
 
@@ -112,7 +113,7 @@ def fit_grammar_to_thoughts(options: SamplingOptions, plan: AnswerPlan,
     if options.constraint is None or not plan.thinking:
         return
     if plan.think.opened_by(plan.prompt_text):
-        tokenizer = getattr(service.processor, "tokenizer", service.processor)
+        tokenizer = tokenizer_of(service.processor)
         constraint = options.constraint.after_thoughts(tag_ids(tokenizer, plan.think.close))
         constraint.check_budget(options.max_tokens, getattr(service.model, "max_context", None))
         options.constraint = constraint

@@ -28,6 +28,7 @@ from mlxvlm.preparation import PreparationPools, PreparationStats
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
 from mlxvlm.server.config import MEDIA_OPTION_NAMES, ServerConfig
 from mlxvlm.server.logprobs import TokenBytes
+from mlxvlm.text.tokenization import tokenizer_of
 
 
 @dataclass
@@ -95,7 +96,7 @@ class GenerationService:
             if config.prompt_cache_size > 0
             else None
         )
-        if getattr(model, "sharding", None) is not None:  # under mlx.launch: rank 0
+        if model.sharding is not None:  # under mlx.launch: rank 0
             from mlxvlm.batching.sharded_engine import ShardedEngine
 
             self.engine = ShardedEngine(model, processor,
@@ -113,7 +114,7 @@ class GenerationService:
         # and video headers before decoding (see media.PixelBudget).
         self.pixels = pixels or PixelBudget(config.max_request_pixels, config.max_total_pixels)
         self.capacity = config.max_concurrency + config.max_queue
-        self.vocab_size = len(getattr(processor, "tokenizer", processor))
+        self.vocab_size = len(tokenizer_of(processor))
         self.in_flight = 0  # only touched on the event loop
         self.counters = counters or RequestCounters()
         self.token_bytes = TokenBytes(self.engine.tokenizer)

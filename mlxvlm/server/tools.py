@@ -8,7 +8,6 @@ begins."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from mlxvlm.sampling.constrained import ConstraintError, GrammarConstraint, lark_constraint
@@ -20,12 +19,7 @@ from mlxvlm.server.generic_tools import as_plain_turns, describe_tools, with_des
 from mlxvlm.server.schemas import ChatCompletionRequest, NamedToolChoice
 from mlxvlm.server.template_traits import template_traits
 from mlxvlm.server.tool_grammars import calls_grammar, text_or_calls_grammar
-
-
-def chat_template(processor: Any) -> str:
-    template = getattr(processor, "chat_template", None) or getattr(
-        getattr(processor, "tokenizer", None), "chat_template", None)
-    return template if isinstance(template, str) else json.dumps(template or "")
+from mlxvlm.text.tokenization import chat_template_text, tokenizer_of
 
 
 class AnswerPlan:
@@ -34,7 +28,7 @@ class AnswerPlan:
     rendered, ``splitter()`` for its answer."""
 
     def __init__(self, chat: ChatCompletionRequest, processor: Any):
-        template = chat_template(processor)
+        template = chat_template_text(processor)
         self.processor = processor
         self.tool_choice = chat.tool_choice or "auto"
         self.parallel = chat.parallel_tool_calls is not False
@@ -81,7 +75,7 @@ class AnswerPlan:
     def kept_token_ids(self) -> frozenset[int]:
         """The special tokens the answer's text keeps: the thinking and tool-call markers,
         where they are special tokens (Gemma 4's), so that the splitter sees them."""
-        return marker_ids(getattr(self.processor, "tokenizer", self.processor), self.think,
+        return marker_ids(tokenizer_of(self.processor), self.think,
                           self.format)
 
     def constraint(self) -> GrammarConstraint | None:
@@ -90,7 +84,7 @@ class AnswerPlan:
         format: text, or calls that validate once begun. None: no grammar."""
         if not self.tools:
             return None
-        tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        tokenizer = tokenizer_of(self.processor)
         if self.tool_choice == "auto":
             if self.format is not GENERIC_TOOLS:
                 return None  # a template's own format is read from the answer as it is
