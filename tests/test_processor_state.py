@@ -18,7 +18,7 @@ from mlxvlm import load
 from mlxvlm.loading import read_config
 from mlxvlm.models import get_family
 from mlxvlm.models.base import VisionLanguageModel
-from mlxvlm.sampling.defaults import NO_CHECKPOINT_DEFAULTS, checkpoint_defaults
+from mlxvlm.sampling.defaults import NO_CHECKPOINT_DEFAULTS
 from mlxvlm.text.tokenization import (STATE_ATTRIBUTE, ProcessorState, generation_tokenizer,
                                       processor_state, tokenizer_of)
 
@@ -43,7 +43,6 @@ def test_load_keeps_its_findings_in_one_typed_state(loaded):
     assert isinstance(state.generation_tokenizer, TokenizerWrapper)
     assert generation_tokenizer(processor) is state.generation_tokenizer
     assert processor.sampling_defaults is state.sampling_defaults
-    assert checkpoint_defaults(processor) is state.sampling_defaults
     # Every end-of-sequence id, from transformers' own readers of the checkpoint's files.
     config = json.loads((path / "config.json").read_text())
     expected = set()
@@ -82,7 +81,7 @@ def test_a_processor_built_by_hand_gets_its_state_on_first_use(loaded):
     assert processor_state(hand_built) is state  # made once
     assert state.tokenizer is processor.tokenizer
     assert state.eos_token_ids == {processor.tokenizer.eos_token_id}
-    assert checkpoint_defaults(hand_built) is NO_CHECKPOINT_DEFAULTS
+    assert state.sampling_defaults is NO_CHECKPOINT_DEFAULTS
 
 
 # Attributes mlxvlm owns the home of: read them from it, never guess with getattr/hasattr.

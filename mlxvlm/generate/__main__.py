@@ -226,11 +226,12 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
             print(f"[mlxvlm] CPU kernels: {ops.kernels_status()}", file=sys.stderr)
             print("[mlxvlm] compute dtype: float32 (fastest on the CPU backend)", file=sys.stderr)
     if args.verbose:
-        from mlxvlm.sampling.defaults import checkpoint_defaults, resolve
+        from mlxvlm.sampling.defaults import resolve
+        from mlxvlm.text.tokenization import processor_state
 
         given = {name: getattr(args, name) for name in
                  ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
-        chosen = resolve(given, checkpoint_defaults(processor))
+        chosen = resolve(given, processor_state(processor).sampling_defaults)
         print(f"[mlxvlm] sampling: {chosen.describe()}", file=sys.stderr)
     last = None
     for last in stream_generate(

@@ -22,9 +22,8 @@ from mlxvlm.media import MediaPolicy
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
 from mlxvlm.sampling.constrained import json_schema_constraint
 from mlxvlm.sampling import RowSampler, SamplingOptions, token_logprobs
-from mlxvlm.sampling.defaults import checkpoint_defaults
 from mlxvlm.sampling.defaults import resolve as resolve_sampling
-from mlxvlm.text.tokenization import generation_tokenizer, tokenizer_of
+from mlxvlm.text.tokenization import generation_tokenizer, processor_state, tokenizer_of
 
 
 @dataclass
@@ -52,7 +51,7 @@ class GenerationResult:
 def sampling_options(processor: Any, **given: Any) -> SamplingOptions:
     """``SamplingOptions`` from the Python API's keywords: those left out (None) from the
     checkpoint's generation_config.json, else greedy / off; validated."""
-    chosen = resolve_sampling(given, checkpoint_defaults(processor)).values
+    chosen = resolve_sampling(given, processor_state(processor).sampling_defaults).values
     options = SamplingOptions(**{**{k: v for k, v in given.items() if v is not None}, **chosen})
     options.validate()
     return options

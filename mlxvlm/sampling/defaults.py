@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from mlxvlm.sampling.ranges import SAMPLING, check
-from mlxvlm.text.tokenization import processor_state
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +79,6 @@ def checkpoint_defaults_from(config: Mapping[str, Any]) -> CheckpointDefaults:
     if values.get("repetition_penalty") == 1.0:
         values["repetition_penalty"] = None  # 1 is no penalty: no processor to run
     return CheckpointDefaults(values, source, tuple(ignored))
-
-
-def checkpoint_defaults(processor: Any) -> CheckpointDefaults:
-    """What ``load`` kept on ``processor`` (nothing for a processor built elsewhere)."""
-    defaults = processor_state(processor).sampling_defaults
-    return NO_CHECKPOINT_DEFAULTS if defaults is None else defaults
 
 
 @dataclass(frozen=True)

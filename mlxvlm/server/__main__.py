@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mlxvlm.server.listener import serve
 
         listener = open_listener(config.host, config.port)
-        from mlxvlm.sampling.defaults import checkpoint_defaults
+        from mlxvlm.text.tokenization import processor_state
         from mlxvlm.server.app import create_app, create_registry_app
         from mlxvlm.server.chat_completions import describe_sampling_defaults
         from mlxvlm.server.models_registry import ModelRegistry, checkpoint_loader
@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if sharded:
             model, processor = sharded_load(args)
             logger.info("requests that leave sampling fields out get: %s",
-                        describe_sampling_defaults(checkpoint_defaults(processor)))
+                        describe_sampling_defaults(processor_state(processor).sampling_defaults))
             app = create_app(model, processor, config)
         else:
             registry = ModelRegistry(config, checkpoint_loader(
@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             service = registry.preload(config.model_id)
             logger.info("requests to %r that leave sampling fields out get: %s",
                         config.model_id,
-                        describe_sampling_defaults(checkpoint_defaults(service.processor)))
+                        describe_sampling_defaults(processor_state(service.processor).sampling_defaults))
             app = create_registry_app(registry)
         serve(app, config, listener, log_level=args.log_level)
 

@@ -24,7 +24,6 @@ from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.errors import MlxvlmError, PromptTooLongError
 from mlxvlm.media import MediaError, PixelBudgetError
 from mlxvlm.sampling import SamplingOptions
-from mlxvlm.sampling.defaults import checkpoint_defaults
 from mlxvlm.text.answer_parts import AnswerSplitter, Part
 from mlxvlm.server.chat_completions import sampling_options, to_messages
 from mlxvlm.server.errors import APIError
@@ -34,7 +33,7 @@ from mlxvlm.server.security import KEY_ID
 from mlxvlm.server.service import GenerationService, TokenStream
 from mlxvlm.server.thinking_budget import ThinkingBudget, tag_ids
 from mlxvlm.server.tools import AnswerPlan
-from mlxvlm.text.tokenization import tokenizer_of
+from mlxvlm.text.tokenization import processor_state, tokenizer_of
 
 BodyWriter = Callable[[BatchStep, TokenStream], Awaitable[dict]]
 EventWriter = Callable[[BatchStep, TokenStream], AsyncIterator[str]]
@@ -60,7 +59,7 @@ def plan_answer(chat: ChatCompletionRequest,
     defaults, and the thinking budget where the template thinks) and its plan (tools,
     thinking)."""
     options = sampling_options(chat, service.config.max_tokens, service.vocab_size,
-                               checkpoint_defaults(service.processor))
+                               processor_state(service.processor).sampling_defaults)
     plan = AnswerPlan(chat, service.processor)
     options.kept_token_ids = plan.kept_token_ids()
     if chat.thinking_budget is not None and plan.thinking:

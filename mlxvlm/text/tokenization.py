@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import PreTrainedTokenizerBase
 
+from mlxvlm.sampling.defaults import NO_CHECKPOINT_DEFAULTS, CheckpointDefaults
 from mlxvlm.text.detokenizer import StreamingDetokenizer
-
-if TYPE_CHECKING:
-    from mlxvlm.sampling.defaults import CheckpointDefaults
 
 # The one attribute mlxvlm sets on a processor it does not own.
 STATE_ATTRIBUTE = "mlxvlm_state"
@@ -39,9 +37,9 @@ class ProcessorState:
     tokenizer: Any  # the processor's tokenizer (the processor itself when it is one)
     generation_tokenizer: TokenizerWrapper  # mlx-lm's wrapper with mlxvlm's detokenizer
     eos_token_ids: set[int]  # config.json, generation_config.json and the tokenizer's
-    # generation_config.json's sampling values; None: the processor was not loaded by
-    # ``load`` (sampling.defaults.checkpoint_defaults reads it as "no checkpoint values")
-    sampling_defaults: CheckpointDefaults | None = None
+    # generation_config.json's sampling values, for what a caller leaves out (none for a
+    # processor ``load`` did not make)
+    sampling_defaults: CheckpointDefaults = NO_CHECKPOINT_DEFAULTS
 
 
 def tokenizer_of(processor: Any) -> Any:
@@ -54,7 +52,7 @@ def tokenizer_of(processor: Any) -> Any:
 
 
 def attach_processor_state(processor: Any, eos_token_ids: set[int],
-                           sampling_defaults: CheckpointDefaults | None = None) -> ProcessorState:
+                           sampling_defaults: CheckpointDefaults) -> ProcessorState:
     """Keep ``load``'s findings on ``processor`` (replacing any earlier ones)."""
     tokenizer = tokenizer_of(processor)
     state = ProcessorState(

@@ -10,7 +10,8 @@ import gradio as gr
 
 from mlxvlm.media import NO_NAMES, MediaPolicy
 from mlxvlm.model_pool import PoolError
-from mlxvlm.sampling.defaults import checkpoint_defaults, resolve
+from mlxvlm.sampling.defaults import resolve
+from mlxvlm.text.tokenization import processor_state
 from mlxvlm.ui.api_inputs import accept_text_messages
 from mlxvlm.ui.fields import guard_file_handling
 from mlxvlm.ui.models import ModelRegistry
@@ -81,7 +82,7 @@ def attachment_box(session: ChatSession) -> dict[str, Any]:
 def control_values(session: ChatSession) -> dict[str, Any]:
     """Where the sampling controls start: the checkpoint's generation_config.json (greedy
     where it sets nothing), as the CLI and the server do for values left out."""
-    initial = resolve({}, checkpoint_defaults(session.processor)).values
+    initial = resolve({}, processor_state(session.processor).sampling_defaults).values
     return {
         "temperature": initial["temperature"],
         "top_p": max(0.05, initial["top_p"]),
