@@ -67,7 +67,7 @@ def measure(checkpoint: str, mode: str, max_tokens: int) -> None:
     from mlxvlm.generate.follower import follow
     from mlxvlm.distributed.jobs import release
     from mlxvlm.generate import stream_generate
-    from mlxvlm.loading import load
+    from mlxvlm.checkpoint.loading import load
 
     settings = json.loads((Path(checkpoint) / "benchmark.json").read_text())
     model, processor = load(checkpoint, shard=mode)

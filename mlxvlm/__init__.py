@@ -30,7 +30,7 @@ from mlxvlm.generate import (  # noqa: E402
     generate,
     stream_generate,
 )
-from mlxvlm.loading import load  # noqa: E402
+from mlxvlm.checkpoint.loading import load  # noqa: E402
 from mlxvlm.batching import batch_generate  # noqa: E402
 
 __version__ = "0.1.0"

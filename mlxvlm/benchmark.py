@@ -66,7 +66,7 @@ def time_generation(model, processor, prompt, images, max_tokens: int, ignore_eo
 
 def measure(model_path: str, images: list, prompt: str, max_tokens: int, runs: int,
             ignore_eos: bool = False, **load_options) -> list[RunStats]:
-    from mlxvlm.loading import load
+    from mlxvlm.checkpoint.loading import load
     from mlxvlm.media import load_image
 
     pictures = [load_image(source) for source in images]

@@ -292,7 +292,7 @@ def sharded_load(args: argparse.Namespace, **kwargs):
     """``load`` for an entry point: under mlx.launch (a group of more than one), this
     rank's shard of the model, in the mode ``--pipeline`` chose; with ``--verbose`` each
     rank says what it holds."""
-    from mlxvlm.loading import load
+    from mlxvlm.checkpoint.loading import load
 
     model, processor = load(args.model, revision=args.revision,
                             adapter_path=args.adapter_path,

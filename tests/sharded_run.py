@@ -18,7 +18,7 @@ mx.distributed.init()
 from mlxvlm.generate.follower import follow
 from mlxvlm.distributed.jobs import release
 from mlxvlm.generate import stream_generate
-from mlxvlm.loading import load
+from mlxvlm.checkpoint.loading import load
 
 
 def main(checkpoints: list[str], image: str, modes: list[str]) -> None:

@@ -30,7 +30,7 @@ from mlxvlm.convert import convert
 from mlxvlm.distributed.broadcast import broadcast_object
 from mlxvlm.distributed.group import ShardPlan
 from mlxvlm.generate import stream_generate
-from mlxvlm.loading import load
+from mlxvlm.checkpoint.loading import load
 from mlxvlm.models.layers.mrope_decoder import MRopeState
 from mlxvlm.text.tokenization import processor_state
 
@@ -322,7 +322,7 @@ def test_a_rank_that_exits_ends_the_run(checkpoints, tmp_path):
     script.write_text(
         "import os, sys\n"
         "import mlxvlm\n"
-        "from mlxvlm.loading import load\n"
+        "from mlxvlm.checkpoint.loading import load\n"
         "from mlxvlm.generate import generate\n"
         "model, processor = load(sys.argv[1], shard='tensor')\n"
         "if model.sharding.rank == 1:\n"

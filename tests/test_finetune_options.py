@@ -12,7 +12,7 @@ import pytest
 
 from finetune_helpers import small_dataset
 from mlxvlm import load
-from mlxvlm.adapters import WEIGHTS_FILE
+from mlxvlm.checkpoint.adapters import WEIGHTS_FILE
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.finetune import FinetuneConfig, finetune
 from mlxvlm.finetune.tuning import apply_tuning

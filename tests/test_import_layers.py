@@ -16,9 +16,9 @@ LAYERS = (
     # building blocks that import nothing of mlxvlm but errors (and the CPU door)
     ("errors", "torch_free", "cpu", "distributed", "model_pool"),
     # the families, and what reads or shapes a model's inputs and outputs
-    ("models", "media", "text", "sampling", "quantization", "adapters", "prompt_length"),
-    # a checkpoint loaded; a conversation turned into a model's inputs
-    ("loading", "prompt", "preparation"),
+    ("models", "media", "text", "sampling", "prompt_length"),
+    # checkpoints read and written; a conversation turned into a model's inputs
+    ("checkpoint", "prompt", "preparation"),
     # one sequence
     ("generate",),
     # many sequences: continuous batching, the prefix cache, the sharded engine

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 import mlxvlm
 from mlxvlm import load
-from mlxvlm.loading import read_config
+from mlxvlm.checkpoint.loading import read_config
 from mlxvlm.models import get_family
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.sampling.defaults import NO_CHECKPOINT_DEFAULTS

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from mlxvlm.adapters import load_adapter_weights, save_adapter
+from mlxvlm.checkpoint.adapters import load_adapter_weights, save_adapter
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.finetune import checkpoints
 from mlxvlm.finetune.config import FinetuneConfig
@@ -129,7 +129,7 @@ def _write_full_model(model, model_path: Path, output: Path) -> None:
     """The fine-tuned model as an MLX checkpoint in ``output`` (its own files replaced one by
     one, each atomically; ``checkpoints/`` stays)."""
     from mlxvlm.convert import staged_checkpoint
-    from mlxvlm.loading import read_config
+    from mlxvlm.checkpoint.loading import read_config
 
     config = read_config(model_path)
     source_dtype = config.get("torch_dtype") or config.get("dtype")
@@ -146,7 +146,7 @@ def _write_full_model(model, model_path: Path, output: Path) -> None:
 def finetune(config: FinetuneConfig, *, callback: Any = None) -> FinetuneResult:
     """Run ``config``; ``callback`` is an ``mlx_lm.tuner.callbacks.TrainingCallback``
     (its ``on_train_loss_report`` / ``on_val_loss_report`` get each step's figures)."""
-    from mlxvlm.loading import load, resolve_model_path
+    from mlxvlm.checkpoint.loading import load, resolve_model_path
 
     output = Path(config.output).expanduser()
     if not config.resume and checkpoints.list_checkpoints(output):

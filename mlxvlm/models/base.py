@@ -82,7 +82,7 @@ class VisionLanguageModel(nn.Module):
     Both have defaults: no state stays None, and a state object may provide
     ``batch(states)`` (static) and ``prefix(length)`` itself, as ``MRopeState`` does.
 
-    For adapters saved in PEFT's format (``mlxvlm.adapters``):
+    For adapters saved in PEFT's format (``mlxvlm.checkpoint.adapters``):
 
     ``hf_module_name(name)``
         The transformers module path of our module ``name``: ``sanitize`` for module

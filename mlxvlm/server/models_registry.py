@@ -193,7 +193,7 @@ def checkpoint_loader(config: ServerConfig, *, revision: str | None = None,
                           f"{len(config.model_sources)} models")
 
     def load_checkpoint(model_id: str, path: str) -> tuple[Any, Any]:
-        from mlxvlm.loading import load
+        from mlxvlm.checkpoint.loading import load
 
         return load(path, revision=revision, adapter_path=adapter_path,
                     trust_remote_code=trust_remote_code)

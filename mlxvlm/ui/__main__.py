@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # that is taken, say so.
         require_extra("ui", "the chat UI", ("gradio",))
         require_free_port(args.host, args.port)
-        from mlxvlm.loading import load
+        from mlxvlm.checkpoint.loading import load
 
         def open_session(name: str):
             model, processor = load(

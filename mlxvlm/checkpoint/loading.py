@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlxvlm.errors import CheckpointError, ModelNotFoundError
 from mlxvlm.models import get_family
 from mlxvlm.models.base import materialize
-from mlxvlm.quantization import apply_quantization
+from mlxvlm.checkpoint.quantization import apply_quantization
 
 # Files a checkpoint needs; code files only with trust_remote_code.
 _ALLOW_PATTERNS = [
@@ -297,7 +297,7 @@ def load(
         read_checkpoint_defaults(model_path))
     processor.sampling_defaults = state.sampling_defaults  # documented: read by users
     if adapter_path is not None:
-        from mlxvlm.adapters import load_adapter
+        from mlxvlm.checkpoint.adapters import load_adapter
 
         load_adapter(model, adapter_path)
     # Again, after the fast paths and the adapter: what they built is concrete too, so
