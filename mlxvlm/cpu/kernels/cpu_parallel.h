@@ -93,8 +93,8 @@ class ThreadPool {
   bool stopping_ = false;
 };
 
-// The kernels' own pool's size: set from Python (mlxvlm._backend.cpu_threads, the one
-// place that reads MLXVLM_CPU_THREADS and the affinity mask) before the pool is made.
+// The kernels' own pool's size: set from Python (mlxvlm/cpu/policy.py's cpu_threads, the
+// one place that reads MLXVLM_CPU_THREADS and the affinity mask) before the pool is made.
 inline int& configured_threads() {
   static int threads = 0;
   return threads;
