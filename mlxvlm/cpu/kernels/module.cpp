@@ -28,7 +28,7 @@ NB_MODULE(_mlxvlm_cpu_kernels, m) {
         "value"_a, "How prefill's products run (own, blas; empty: measured), before first use.");
   m.def("threads", [] { return mlxvlm::thread_pool().size(); });
   m.def("shares_blas_pool", [] { return mlxvlm::thread_pool().shared(); },
-        "Whether the kernels run on the BLAS shim's threads (mlxvlm/_blas_shim.c).");
+        "Whether the kernels run on the BLAS shim's threads (mlxvlm/cpu/blas_shim.c).");
   m.def("simd", [] { return mlxvlm::isa_name(); });
   m.def("prefill_products", [] { return mlxvlm::prefill_choice().why; },
         "How prefill's 16-bit and quantized products run here, and why (decided at first use).");
