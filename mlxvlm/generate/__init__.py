@@ -20,6 +20,7 @@ from mlxvlm.generate.loop import (
     generation_stream,
     prefill_chunks,
 )
+from mlxvlm.generate.speculative import SpeculationOptions
 from mlxvlm.generate.stream import GenerationResult, generate, sampling_options, stream_generate
 from mlxvlm.generate.text import (
     GenerationOutput,
@@ -31,7 +32,7 @@ from mlxvlm.generate.text import (
 
 __all__ = [
     "DEFAULT_QUANTIZED_KV_START", "ROTATING_KEEP", "CacheOptions", "GenerationOutput",
-    "GenerationResult", "OutputFolder", "SequenceText", "StopStrings", "embed_prompt",
+    "GenerationResult", "OutputFolder", "SequenceText", "SpeculationOptions", "StopStrings", "embed_prompt",
     "eos_token_ids", "fit_to_context", "generate", "generate_tokens", "generation_stream",
     "make_generation_cache", "prefill_chunks", "sampling_options", "stream_generate",
 ]
