@@ -51,16 +51,20 @@ class FoldedKeywords:
     plain: dict[str, Any]
 
 
-def fold_keywords(function: str, objects: Mapping[str, Any],
-                  keywords: Mapping[str, Any]) -> FoldedKeywords:
+def fold_keywords(function: str, objects: Mapping[str, Any], keywords: Mapping[str, Any], *,
+                  groups: Mapping[str, tuple[str, ...]] = GROUPED_KEYWORDS,
+                  plain: Mapping[str, Any] = PLAIN_KEYWORDS,
+                  explicit: tuple[str, ...] = EXPLICIT_KEYWORDS) -> FoldedKeywords:
     """Sort ``keywords`` (the call's ``**kwargs``) by the object they belong to.
-    ``objects``: the options objects the caller passed (None where not)."""
-    owner = {name: group for group, names in GROUPED_KEYWORDS.items() for name in names}
-    grouped: dict[str, dict[str, Any]] = {group: {} for group in GROUPED_KEYWORDS}
-    plain = dict(PLAIN_KEYWORDS)
+    ``objects``: the options objects the caller passed (None where not); ``groups``,
+    ``plain`` and ``explicit``: what ``function`` takes (``stream_generate``'s by default),
+    ``explicit`` only to suggest names."""
+    owner = {name: group for group, names in groups.items() for name in names}
+    grouped: dict[str, dict[str, Any]] = {group: {} for group in groups}
+    plain_values = dict(plain)
     for name, value in keywords.items():
-        if name in PLAIN_KEYWORDS:
-            plain[name] = value
+        if name in plain:
+            plain_values[name] = value
         elif name in owner:
             group = owner[name]
             if objects.get(group) is not None:
@@ -68,16 +72,11 @@ def fold_keywords(function: str, objects: Mapping[str, Any],
                                 f"the {type(objects[group]).__name__} instead")
             grouped[group][name] = value
         else:
-            raise TypeError(unknown_keyword(function, name))
-    return FoldedKeywords(grouped, plain)
-
-
-def unknown_keyword(function: str, name: str) -> str:
-    valid = [*EXPLICIT_KEYWORDS, *PLAIN_KEYWORDS,
-             *(n for names in GROUPED_KEYWORDS.values() for n in names)]
-    close = difflib.get_close_matches(name, valid, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    return f"{function}() got an unexpected keyword argument '{name}'{hint}"
+            valid = [*explicit, *plain, *owner]
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise TypeError(f"{function}() got an unexpected keyword argument '{name}'{hint}")
+    return FoldedKeywords(grouped, plain_values)
 
 
 def build_options(kind: type, given: Any, flat: Mapping[str, Any],
