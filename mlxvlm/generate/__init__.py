@@ -1,7 +1,8 @@
 """Generation of one sequence, shared by every entry point.
 
 ``stream_generate``/``generate`` (``stream``) run one prompt through the shared token
-loop (``loop``: chunked prefill, one sampling step per token); ``cache`` makes the KV
+loop (``loop``: chunked prefill, one sampling step per token), their keywords folded
+into options objects by ``keywords``; ``cache`` makes the KV
 cache and ``text`` turns tokens into text and decides when a sequence ends. The batching
 engine (``mlxvlm.batching``) builds on the same pieces. ``python -m mlxvlm.generate`` is
 the command line (``__main__``, through ``mlxvlm.cli``); nothing here imports it.

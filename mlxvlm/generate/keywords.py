@@ -10,6 +10,7 @@ import difflib
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
+from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.cache import CacheOptions
 from mlxvlm.generate.speculative import SpeculationOptions
 from mlxvlm.media.options import MediaOptions
@@ -40,6 +41,11 @@ PLAIN_KEYWORDS: dict[str, Any] = {
 }
 # What stream_generate names in its signature, for the closest-name suggestion.
 EXPLICIT_KEYWORDS = ("image", "video", "audio", "max_tokens", *GROUPED_KEYWORDS)
+
+
+class UnknownKeywordError(MlxvlmError, TypeError):
+    """A keyword the function does not take: a TypeError as Python's own, and an
+    MlxvlmError as batch_generate's unknown options always were."""
 
 
 @dataclass
@@ -75,7 +81,7 @@ def fold_keywords(function: str, objects: Mapping[str, Any], keywords: Mapping[s
             valid = [*explicit, *plain, *owner]
             close = difflib.get_close_matches(name, valid, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise TypeError(f"{function}() got an unexpected keyword argument '{name}'{hint}")
+            raise UnknownKeywordError(f"{function}() got an unexpected keyword argument '{name}'{hint}")
     return FoldedKeywords(grouped, plain_values)
 
 
