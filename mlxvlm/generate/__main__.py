@@ -211,7 +211,7 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
     import mlx.core as mx
 
     from mlxvlm.cpu import ops
-    from mlxvlm.generate import stream_generate
+    from mlxvlm.generate import CacheOptions, SpeculationOptions, stream_generate
 
     media = sample_cli_videos(media, args, processor, verbose=args.verbose)
     draft = None
@@ -251,14 +251,11 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
         logit_bias=dict(args.logit_bias) if args.logit_bias else None,
         seed=args.seed,
         stop=args.stop,
-        max_kv_size=args.max_kv_size,
-        kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size,
-        quantized_kv_start=args.quantized_kv_start,
+        cache=CacheOptions(args.max_kv_size, args.kv_bits, args.kv_group_size,
+                           args.quantized_kv_start),
         prefill_step_size=args.prefill_step_size,
-        draft_model=draft,
-        num_draft_tokens=args.num_draft_tokens,
-        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+        speculation=SpeculationOptions(draft, args.num_draft_tokens,
+                                       args.prompt_lookup_num_tokens),
     ):
         print(last.text, end="", flush=True)
     print()

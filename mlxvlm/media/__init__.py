@@ -7,7 +7,8 @@ input (shortened), says what was wrong and what to do about it.
 The package is layered so that video and audio reuse the lower half:
 
 - ``errors``     -- :class:`MediaError`, :func:`describe_source`
-- ``policy``     -- :class:`MediaPolicy`; ``option_names`` -- what each entry point calls
+- ``policy``     -- :class:`MediaPolicy`; ``options`` -- :class:`MediaOptions` (a
+                    ``generate`` call's video sampling and policy); ``option_names`` -- what each entry point calls
                     its options, for the fixes errors suggest
 - ``sources``    -- a path, http(s) URL (``public_net``: public addresses only), data URL
                     or bytes to encoded bytes, under the policy
@@ -40,6 +41,7 @@ from mlxvlm.media.decode_work import PreparationCancelled, preparing
 from mlxvlm.media.errors import MediaError, MediaLimitError, describe_source
 from mlxvlm.media.images import ImageSource, load_image, load_images
 from mlxvlm.media.option_names import NO_NAMES, OptionNames
+from mlxvlm.media.options import MediaOptions
 from mlxvlm.media.policy import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_PIXELS,
@@ -61,7 +63,7 @@ from mlxvlm.media.video import (
 )
 
 __all__ = [
-    "MediaError", "MediaLimitError", "MediaPolicy", "OptionNames", "NO_NAMES",
+    "MediaError", "MediaLimitError", "MediaOptions", "MediaPolicy", "OptionNames", "NO_NAMES",
     "PreparationCancelled", "preparing", "SERVED_MAX_VIDEO_FRAMES",
     "SERVED_MAX_VIDEO_DECODE_PIXELS", "SERVED_MAX_DECODE_SECONDS", "ImageSource", "load_image", "load_images",
     "describe_source", "Video", "Audio", "load_video", "load_audio", "resample_audio",
