@@ -51,7 +51,7 @@ def main() -> int:
         raise SystemExit(f"{args.model} is missing: run benchmarks/bpe_checkpoint.py first")
 
     import mlxvlm
-    from mlxvlm import constrained
+    from mlxvlm.sampling import constrained
 
     # The grammar's own work per token (its matcher, the mask), as CPU time of the
     # thread that runs it: waiting for the model's step is not counted, so this holds on

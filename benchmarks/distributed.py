@@ -64,10 +64,10 @@ def measure(checkpoint: str, mode: str, max_tokens: int) -> None:
     import mlx.core as mx
 
     mx.distributed.init()
-    from mlxvlm.distributed.follower import follow
+    from mlxvlm.generate.follower import follow
     from mlxvlm.distributed.jobs import release
     from mlxvlm.generate import stream_generate
-    from mlxvlm.loading import load
+    from mlxvlm.checkpoint.loading import load
 
     settings = json.loads((Path(checkpoint) / "benchmark.json").read_text())
     model, processor = load(checkpoint, shard=mode)

@@ -25,12 +25,16 @@ from mlxvlm.torch_free import keep_transformers_off_torch  # noqa: E402
 keep_transformers_off_torch()
 
 from mlxvlm.generate import (  # noqa: E402
+    CacheOptions,
     GenerationOutput,
     GenerationResult,
+    SpeculationOptions,
     generate,
     stream_generate,
 )
-from mlxvlm.loading import load  # noqa: E402
+from mlxvlm.media.options import MediaOptions  # noqa: E402
+from mlxvlm.sampling import SamplingOptions  # noqa: E402
+from mlxvlm.checkpoint.loading import load  # noqa: E402
 from mlxvlm.batching import batch_generate  # noqa: E402
 
 __version__ = "0.1.0"
@@ -41,5 +45,9 @@ __all__ = [
     "batch_generate",
     "GenerationResult",
     "GenerationOutput",
+    "SamplingOptions",
+    "CacheOptions",
+    "MediaOptions",
+    "SpeculationOptions",
     "__version__",
 ]

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from mlxvlm.cli import OneLineParser, add_model_arguments, ranged, run_cli
-from mlxvlm.option_ranges import SAMPLING, at_least
+from mlxvlm.sampling.ranges import SAMPLING, at_least
 
 DEFAULT_PROMPT = "Describe this image in detail."
 
@@ -44,10 +44,12 @@ def max_rss_gb() -> float:
 def time_generation(model, processor, prompt, images, max_tokens: int, ignore_eos: bool):
     """One generation: (time to first token, prompt tokens, decode tokens, decode s, peak)."""
     from mlxvlm.generate import stream_generate
+    from mlxvlm.text.tokenization import processor_state
 
-    saved_eos = processor.eos_token_ids
+    state = processor_state(processor)
+    saved_eos = state.eos_token_ids
     if ignore_eos:  # time exactly max_tokens, whatever a random checkpoint samples
-        processor.eos_token_ids = {-1}
+        state.eos_token_ids = {-1}
     try:
         start = time.perf_counter()
         first = last = None
@@ -57,14 +59,14 @@ def time_generation(model, processor, prompt, images, max_tokens: int, ignore_eo
             first = first or now
             last, count, final = now, count + 1, result
     finally:
-        processor.eos_token_ids = saved_eos
+        state.eos_token_ids = saved_eos
     decode_s = (last - first) if count > 1 else 0.0
     return first - start, final.prompt_tokens, count, decode_s, final.peak_memory
 
 
 def measure(model_path: str, images: list, prompt: str, max_tokens: int, runs: int,
             ignore_eos: bool = False, **load_options) -> list[RunStats]:
-    from mlxvlm.loading import load
+    from mlxvlm.checkpoint.loading import load
     from mlxvlm.media import load_image
 
     pictures = [load_image(source) for source in images]
@@ -73,6 +75,9 @@ def measure(model_path: str, images: list, prompt: str, max_tokens: int, runs: i
     load_s = time.perf_counter() - start
     stats = []
     for _ in range(runs):
+        # Each run encodes its pictures afresh, as a new request does: a later run must not
+        # take the features the first one left in the model's feature cache.
+        model.feature_cache.clear()
         ttft, prompt_tokens, count, decode_s, peak = time_generation(
             model, processor, prompt, pictures, max_tokens, ignore_eos
         )

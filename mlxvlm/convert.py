@@ -61,8 +61,8 @@ class ConvertResult:
 
 def build_parser() -> argparse.ArgumentParser:
     from mlxvlm.cli import OneLineParser, ranged
-    from mlxvlm.option_ranges import at_least
-    from mlxvlm.quantization import AFFINE_GROUP_SIZES, MODE_DEFAULTS, RECIPES
+    from mlxvlm.sampling.ranges import at_least
+    from mlxvlm.checkpoint.quantization import AFFINE_GROUP_SIZES, MODE_DEFAULTS, RECIPES
 
     parser = OneLineParser(
         prog="python -m mlxvlm.convert",
@@ -116,7 +116,7 @@ class _Plan:
 
 
 def _plan(args: argparse.Namespace) -> _Plan:
-    from mlxvlm.quantization import QuantizationError, quant_spec, recipe_spec
+    from mlxvlm.checkpoint.quantization import QuantizationError, quant_spec, recipe_spec
 
     if args.dtype is not None and args.dtype not in DTYPES:
         raise MlxvlmError(f"unknown --dtype {args.dtype!r} (choose from {', '.join(DTYPES)})")
@@ -165,7 +165,7 @@ def _read_model(model_path: Path, config: dict, family):
     import mlx.core as mx
     from tqdm import tqdm
 
-    from mlxvlm.loading import build_model, weights_files
+    from mlxvlm.checkpoint.loading import build_model, weights_files
 
     weights: dict[str, mx.array] = {}
     for file in tqdm(weights_files(model_path), desc="Reading weights", unit="file", disable=None):
@@ -244,7 +244,7 @@ def write_weights(model, directory: Path) -> list[str]:
 def write_config(config: dict, directory: Path) -> None:
     """Sorted, with the quantization mirrored into ``quantization_config`` (mlx-lm's
     ``save_config`` does the same but drops ``vision_config`` in older releases)."""
-    from mlxvlm.loading import CONVERTED_MARKER
+    from mlxvlm.checkpoint.loading import CONVERTED_MARKER
 
     config = dict(config)
     config.pop("_name_or_path", None)
@@ -384,9 +384,9 @@ def convert(
     mlx_path = Path(mlx_path).expanduser()
     _check_destination(mlx_path, force)
 
-    from mlxvlm.loading import read_config, resolve_model_path
+    from mlxvlm.checkpoint.loading import read_config, resolve_model_path
     from mlxvlm.models import UnsupportedModelError, get_family
-    from mlxvlm.quantization import TEXT_MODEL, read_quantization
+    from mlxvlm.checkpoint.quantization import TEXT_MODEL, read_quantization
 
     source = resolve_model_path(hf_path, revision, trust_remote_code)
     if mlx_path.resolve() == source.resolve() or source.resolve().is_relative_to(mlx_path.resolve()):
@@ -471,7 +471,7 @@ def _quantize(model, config: dict, plan: _Plan, quantize_vision: bool):
     with its ``quantization`` and the modules left float for their shapes."""
     from mlx_lm.utils import quantize_model
 
-    from mlxvlm.quantization import QuantizationError, conversion_predicate, left_unquantized
+    from mlxvlm.checkpoint.quantization import QuantizationError, conversion_predicate, left_unquantized
 
     spec = plan.spec
     predicate = conversion_predicate(

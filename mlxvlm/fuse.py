@@ -30,10 +30,10 @@ class FuseResult:
 
 def build_parser() -> argparse.ArgumentParser:
     from mlxvlm.convert import DTYPES
-    from mlxvlm.quantization import MODE_DEFAULTS, RECIPES
+    from mlxvlm.checkpoint.quantization import MODE_DEFAULTS, RECIPES
 
     from mlxvlm.cli import OneLineParser, ranged
-    from mlxvlm.option_ranges import at_least
+    from mlxvlm.sampling.ranges import at_least
 
     parser = OneLineParser(
         prog="python -m mlxvlm.fuse",
@@ -69,7 +69,7 @@ def fuse_adapter_layers(model, dequantize: bool = False) -> int:
     """Replace every LoRA/DoRA layer by its fused linear layer; returns how many."""
     from mlx.utils import tree_unflatten
 
-    from mlxvlm.adapters import adapter_layers
+    from mlxvlm.checkpoint.adapters import adapter_layers
 
     fused = [(name, layer.fuse(dequantize=dequantize)) for name, layer in adapter_layers(model)]
     model.update_modules(tree_unflatten(fused))
@@ -91,10 +91,10 @@ def fuse(
     arguments are ``mlxvlm.convert.convert``'s (q_bits, dtype, force ...)."""
     from mlx_lm.utils import dequantize_model
 
-    from mlxvlm.adapters import load_adapter
+    from mlxvlm.checkpoint.adapters import load_adapter
     from mlxvlm.convert import convert, staged_checkpoint
-    from mlxvlm.loading import load_model, read_config, resolve_model_path
-    from mlxvlm.quantization import read_quantization
+    from mlxvlm.checkpoint.loading import load_model, read_config, resolve_model_path
+    from mlxvlm.checkpoint.quantization import read_quantization
 
     if quantize and dequantize:
         raise MlxvlmError("choose either -q/--quantize or -d/--dequantize, not both")

@@ -32,6 +32,8 @@ import numpy as np
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.media import MediaPolicy, load_audio, load_image, load_video
 from mlxvlm.media.frame_sampling import sampler_for
+from mlxvlm.prompt_length import check_prompt_length
+from mlxvlm.text.tokenization import chat_template_owner, tokenizer_of
 
 Message = dict[str, Any]
 
@@ -174,10 +176,7 @@ def render_chat(processor: Any, messages: list[Message],
                 chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
     """The chat template's text for ``messages`` with the generation prompt;
     ``chat_template_kwargs`` are the template's own variables (``enable_thinking``)."""
-    template_owner = processor if getattr(processor, "chat_template", None) else None
-    tokenizer = processor.tokenizer
-    if template_owner is None and getattr(tokenizer, "chat_template", None):
-        template_owner = tokenizer
+    template_owner = chat_template_owner(processor)
     if template_owner is None:
         raise MlxvlmError(
             "this checkpoint has no chat template (chat_template.jinja or in "
@@ -198,7 +197,7 @@ def special_tokens_option(processor: Any, text: str) -> dict[str, bool]:
     BOS; EOS too where it appends one). A tokenizer with no BOS token (Qwen's) always gets
     its special tokens. PaliGemma's processor places BOS itself and stops its tokenizer
     adding one, either way."""
-    bos = getattr(getattr(processor, "tokenizer", None), "bos_token", None)
+    bos = tokenizer_of(processor).bos_token
     if bos is not None and text.startswith(bos):
         return {"add_special_tokens": False}
     return {}
@@ -218,6 +217,7 @@ def prepare_inputs(
     video_options: dict | None = None,
     audio_in_video: bool = True,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    max_context: int | None = None,
 ) -> PreparedInputs:
     """Render the conversation with the chat template and run the processor.
 
@@ -231,7 +231,9 @@ def prepare_inputs(
     (``{"enable_thinking": False}``, ``tools=[...]``). ``raw_prompt``: ``prompt`` is already the model's exact
     input text (media must then be passed as arguments and the text must hold the
     placeholders); it is tokenized as ``processor(text=prompt)`` does, with the
-    processor's default special tokens.
+    processor's default special tokens. ``max_context``: the model's context; a text that
+    cannot fit is a ``PromptTooLongError`` before it is tokenized whole or any medium is
+    decoded (``prompt_length``).
 
     The rendered chat is tokenized as transformers' ``processor.apply_chat_template(...,
     tokenize=True)`` tokenizes it (see ``special_tokens_option``): a tokenizer that adds
@@ -249,6 +251,7 @@ def prepare_inputs(
         messages, media = normalize_media_messages(messages, extra)
         text = render_chat(processor, messages, chat_template_kwargs)
 
+    check_prompt_length(tokenizer_of(processor), text, max_context)
     loaded = _load_media(processor, media, MediaPolicy.of(media_policy),
                          video_options or {}, audio_in_video)
     special = {} if raw_prompt else special_tokens_option(processor, text)

@@ -81,3 +81,35 @@ def _encode_audio(container, stream, samples: np.ndarray, rate: int, layout: str
             container.mux(packet)
     for packet in stream.encode(None):
         container.mux(packet)
+
+
+def write_repeating_video(path: str | Path, width: int, height: int, frames: int,
+                          fps: int = 30) -> Path:
+    """An H.264 MP4 of ``frames`` frames at ``width`` x ``height`` that stores one
+    keyframe and then the same all-skip frame (a few dozen bytes) again and again: a
+    small file whose every frame a decoder must still produce in full, the costliest
+    video per byte there is. Encoding two frames and repeating the second's packet keeps
+    writing it cheap at any size; the container states the true frame count."""
+    path = Path(path)
+    picture = np.full((height, width, 3), 90, np.uint8)
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps, options={
+            "preset": "ultrafast", "bframes": "0", "keyint": str(frames + 1)})
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "yuv420p"
+        packets = []
+        for pts in range(2):
+            frame = av.VideoFrame.from_ndarray(picture, format="rgb24")
+            frame.pts = pts
+            packets += stream.encode(frame)
+        packets += stream.encode()
+        keyframe, skip = packets[0], bytes(packets[1])
+        time_base = keyframe.time_base  # the encoder's; muxing rescales the packet
+        container.mux(keyframe)
+        for pts in range(1, frames):
+            packet = av.Packet(skip)
+            packet.pts = packet.dts = pts
+            packet.time_base = time_base
+            packet.stream = stream
+            container.mux(packet)
+    return path

@@ -1,5 +1,7 @@
-"""A live mlxvlm server for tests: uvicorn on 127.0.0.1 and a free port, in a thread of the
-test process (so tests can also look at the engine), shut down when the test is done."""
+"""A live mlxvlm server for tests: the entry point's guarded uvicorn server on 127.0.0.1
+and a free port, in a thread of the test process (so tests can also look at the engine),
+shut down when the test is done. What users start, ``python -m mlxvlm.server``, is tested
+through ``server_process.ServerProcess``."""
 
 from __future__ import annotations
 
@@ -12,11 +14,10 @@ import time
 import zlib
 
 import openai
-import uvicorn
 
 from mlxvlm.server import ServerConfig, create_app
 from mlxvlm.server.app import create_registry_app
-from mlxvlm.server.protocol import uvicorn_config
+from mlxvlm.server.listener import guarded_server
 
 MODEL_ID = "tiny-qwen2-vl"
 START_TIMEOUT = 30.0
@@ -50,9 +51,9 @@ class LiveServer:
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(
-            uvicorn_config(self.app, self.config, log_level="warning", timeout_graceful_shutdown=2)
-        )
+        # The entry point's own server (listener.guarded_server), here in a thread.
+        self._server = guarded_server(self.app, self.config, log_level="warning",
+                                      timeout_graceful_shutdown=2)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
         )

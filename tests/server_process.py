@@ -30,6 +30,7 @@ class EntryPointProcess:
 
     entry = "server"
     ready_path = "/health"
+    exit_wait = 20.0  # seconds for a graceful exit after Ctrl-C, then it is killed
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, port: int | None = None):
         self.port = port or free_port()
@@ -70,7 +71,7 @@ class EntryPointProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
-                self.process.wait(timeout=20)
+                self.process.wait(timeout=self.exit_wait)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
@@ -99,3 +100,5 @@ class ServerProcess(EntryPointProcess):
 class UIProcess(EntryPointProcess):
     entry = "ui"
     ready_path = "/"
+    # Gradio waits ~5 s for its clients' queues after Ctrl-C; no test looks at that exit.
+    exit_wait = 1.0

@@ -15,10 +15,10 @@ from mlx.utils import tree_flatten
 # out the other's connection back-off.
 mx.distributed.init()
 
-from mlxvlm.distributed.follower import follow
+from mlxvlm.generate.follower import follow
 from mlxvlm.distributed.jobs import release
 from mlxvlm.generate import stream_generate
-from mlxvlm.loading import load
+from mlxvlm.checkpoint.loading import load
 
 
 def main(checkpoints: list[str], image: str, modes: list[str]) -> None:

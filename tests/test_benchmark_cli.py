@@ -26,6 +26,27 @@ def test_benchmark_json_and_summary(tiny_checkpoints, tmp_path, capsys):
         assert label in summary
 
 
+def test_every_run_encodes_the_picture(tiny_checkpoints, tmp_path, monkeypatch):
+    """Later runs time the vision tower too: none takes the first run's features from
+    the model's feature cache."""
+    from mlxvlm.benchmark import measure
+    from mlxvlm.models.feature_cache import FeatureCache
+
+    lookups = []
+    original = FeatureCache.get
+
+    def get(self, key):
+        found = original(self, key)
+        lookups.append(found is not None)
+        return found
+
+    monkeypatch.setattr(FeatureCache, "get", get)
+    image = tmp_path / "image.png"
+    make_image(112, 84, seed=1).save(image)
+    measure(str(tiny_checkpoints.path("qwen2_vl", "hub")), [str(image)], "Describe.", 2, 3)
+    assert len(lookups) >= 3 and not any(lookups), lookups
+
+
 def test_benchmark_bad_model_is_a_one_line_error(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "missing"), "--runs", "1"]) == 2
     assert capsys.readouterr().err.startswith("error: ")

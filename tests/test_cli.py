@@ -117,6 +117,17 @@ def test_unreadable_image(checkpoint, tmp_path):
     assert_one_line_error(result, "broken.png")
 
 
+def test_media_errors_name_no_option_the_cli_lacks(checkpoint, tmp_path):
+    """The generate command has no media size options: an image over the limit is told
+    to be smaller, not to raise a Python argument (read before the model is loaded)."""
+    oversized = tmp_path / "oversized.png"
+    with open(oversized, "wb") as file:
+        file.truncate(51 * 2**20)  # sparse: the size is refused from fstat
+    result = run_cli("--model", checkpoint, "--image", oversized, "--prompt", "Hi")
+    assert_one_line_error(result, "oversized.png", "larger than the limit of 50.0 MB")
+    assert result.stderr.rstrip().endswith("; use a smaller file"), result.stderr
+
+
 def test_unknown_model_type(checkpoint, tmp_path):
     copy = tmp_path / "model"
     shutil.copytree(checkpoint, copy)

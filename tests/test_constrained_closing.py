@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxvlm.constrained import json_schema_constraint
+from mlxvlm.sampling.constrained import json_schema_constraint
 
 CORPUS = ['{"a":"b","c":"d"}', '[[[[1]]]]', '"]]]]"', '{"k":["x","y"]}', "]]]] ]]]]",
           '","', '":"', "hello world"] * 50
@@ -34,7 +34,7 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>")
 
 
-@pytest.mark.parametrize("wanted", ["]]]]", '","'])
+@pytest.mark.parametrize("wanted", ["]]]]", '","', "\\"])
 @pytest.mark.parametrize("max_tokens", [8, 12, 20, 40])
 def test_the_answer_closes_in_time_whatever_the_model_wants(tokenizer, wanted, max_tokens):
     (wanted_id,) = tokenizer.encode(wanted, add_special_tokens=False)
@@ -52,3 +52,46 @@ def test_the_answer_closes_in_time_whatever_the_model_wants(tokenizer, wanted, m
         history.append(token)
     text = tokenizer.decode(history[1:])
     assert isinstance(json.loads(text), dict), text
+
+
+@pytest.mark.parametrize("pattern", ["^a+$", "^a+b$", "^(ab)+c$", "^a+bc$", "^a{12}b$"])
+@pytest.mark.parametrize("max_tokens", [16, 24])
+def test_a_pattern_string_closes_in_time_though_the_model_wants_more(tokenizer, pattern,
+                                                                     max_tokens):
+    # Inside a pattern string neither bracket is allowed, and the token the closing path
+    # scores best ("a") may never end it: it must still find the way to the quote.
+    import jsonschema
+
+    (a,) = tokenizer.encode("a", add_special_tokens=False)
+    eos = tokenizer.convert_tokens_to_ids("</s>")
+    schema = {"type": "string", "pattern": pattern}
+    processor = json_schema_constraint(tokenizer, [eos], schema).processor(max_tokens)
+    logits = np.zeros((1, len(tokenizer)), dtype=np.float32)
+    logits[0, a] = 10.0
+    history = [0]
+    for _ in range(max_tokens):
+        token = int(mx.argmax(processor(mx.array([history]), mx.array(logits)), -1).item())
+        if token == eos:
+            break
+        history.append(token)
+    jsonschema.validate(json.loads(tokenizer.decode(history[1:])), schema)
+
+
+def test_the_string_state_token_by_token_is_that_of_the_whole_text(tokenizer):
+    # Inside a string a backslash escapes the next byte, whichever token it begins.
+    from mlxvlm.sampling.closing_path import OUTSIDE, _after
+    from mlxvlm.sampling.constrained import grammar_tokenizer
+
+    eos = tokenizer.convert_tokens_to_ids("</s>")
+    kit = grammar_tokenizer(tokenizer, [eos])
+    preference, decode = kit.preference, kit.lltokenizer.decode_bytes
+    pieces = [t for t in range(len(tokenizer)) if t != eos]
+    rng = np.random.default_rng(0)
+    # Backslashes and quotes often, so that escapes end at token boundaries.
+    heavy = [tokenizer.convert_tokens_to_ids(t) for t in ('"', "\\")]
+    for _ in range(50):
+        tokens = rng.choice(pieces + heavy * 40, size=60).tolist()
+        state, text = OUTSIDE, b""
+        for token in tokens:
+            state, text = preference.after(state, token), text + decode([token])
+            assert state == _after(OUTSIDE, text)

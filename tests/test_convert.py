@@ -34,10 +34,10 @@ from tiny import BUILDERS, builder, make_image
 from mlxvlm import load
 from mlxvlm.convert import convert, main, write_model_card
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.loading import CONVERTED_MARKER
+from mlxvlm.checkpoint.loading import CONVERTED_MARKER
 from mlxvlm.models import get_family
 from mlxvlm.prompt import prepare_inputs
-from mlxvlm.quantization import (
+from mlxvlm.checkpoint.quantization import (
     apply_quantization,
     is_multimodal_path,
     read_quantization,

@@ -27,7 +27,7 @@ from mlxvlm import load
 from mlxvlm.cpu import policy
 from mlxvlm.cpu.fast_paths import CPUQuantizedLinear
 from mlxvlm.cpu.quantized import CPUKernelQuantizedLinear
-from mlxvlm.loading import CONVERTED_MARKER
+from mlxvlm.checkpoint.loading import CONVERTED_MARKER
 
 IMAGE = make_image(112, 84, seed=1)
 PROMPT = "Describe this image."

@@ -40,7 +40,7 @@ from mlxvlm.cpu import kernels, policy
 from mlxvlm.cpu.half_weights import CPUHalfEmbedding, CPUHalfLinear, residual_plus
 from mlxvlm.cpu.quantized import CPUKernelQuantizedEmbedding, CPUKernelQuantizedLinear
 from mlxvlm.cpu.rope import CPURoPE
-from mlxvlm.loading import CONVERTED_MARKER
+from mlxvlm.checkpoint.loading import CONVERTED_MARKER
 
 
 def test_the_kernels_build_and_load_here():

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 from tiny import make_image
 from mlxvlm import generate, load, stream_generate
-from mlxvlm.tokenization import generation_tokenizer
+from mlxvlm.text.tokenization import generation_tokenizer, processor_state
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -372,7 +372,7 @@ def test_generate_text_equals_decode_of_its_tokens(qwen):
     head = model.config["text_config"]["vocab_size"] if "text_config" in model.config else model.config["vocab_size"]
     assert head > len(tokenizer)  # the output head is padded past the vocabulary
     words = tokenizer.encode("a red cat", add_special_tokens=False)
-    specials = [i for i in special_ids(tokenizer) if i not in processor.eos_token_ids]
+    specials = [i for i in special_ids(tokenizer) if i not in processor_state(processor).eos_token_ids]
     script = (
         words[:1]
         + byte_tokens(tokenizer, b"\x00")

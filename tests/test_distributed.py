@@ -2,12 +2,20 @@
 as a user launches them (``mlx.launch --backend ring --hosts 127.0.0.1 -n 2``), against
 the same checkpoint in one process. Greedy tokens must be identical in tensor and
 pipeline mode, for a family on an mlx-lm backbone (LLaVA-OneVision's qwen2) and one on
-mlxvlm's own decoder (Qwen2-VL's M-RoPE); each rank must hold only its shard."""
+mlxvlm's own decoder (Qwen2-VL's M-RoPE); each rank must hold only its shard. Answers
+end on the token budget and on end of sequence (``EOS``: a copy of the Qwen2-VL
+checkpoint whose end-of-sequence ids are tokens its greedy answers emit), after which
+every rank must still be in step with rank 0 and end without an error.
+
+mlx.launch exits 0 whatever its ranks do: a rank that failed shows only in the output
+(its traceback, the launcher's ``Node with rank 1 exited with code 1``), which the
+launches here check."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,21 +23,26 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from raw_http import CHAT_HEAD, assert_raw_error, raw_socket, read_response
 
 import mlxvlm
 from mlxvlm.convert import convert
 from mlxvlm.distributed.broadcast import broadcast_object
 from mlxvlm.distributed.group import ShardPlan
-from mlxvlm.generate import generate, stream_generate
-from mlxvlm.loading import load
+from mlxvlm.generate import stream_generate
+from mlxvlm.checkpoint.loading import load
 from mlxvlm.models.layers.mrope_decoder import MRopeState
+from mlxvlm.text.tokenization import processor_state
 
 REPO = Path(mlxvlm.__file__).resolve().parent.parent
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 RUNNER = Path(__file__).parent / "sharded_run.py"
 FAMILIES = ("qwen2_vl", "llava_onevision")
 QUANTIZED = "qwen2_vl-8bit"
+EOS = "qwen2_vl-eos"
 PROMPT = "Describe this image."
+CHAT = [{"role": "user", "content": "Hello"}]
+BUDGET = 12  # max_tokens of every run here
 
 
 def free_port() -> int:
@@ -54,6 +67,13 @@ def launch(*command: str, timeout: int = 240) -> subprocess.CompletedProcess:
          "--python", sys.executable, "--", *command],
         capture_output=True, text=True, timeout=timeout, cwd=REPO,
     )
+
+
+def assert_every_rank_ended_well(output: str) -> None:
+    """No rank failed: mlx.launch's exit code does not say (it is 0 regardless), so its
+    warnings and the ranks' tracebacks in ``output`` do."""
+    for sign in ("Traceback", "exited with code", "was killed", "error:"):
+        assert sign not in output, output
 
 
 def json_lines(text: str) -> list[dict]:
@@ -81,6 +101,31 @@ def build_two_kv_heads(family: str, directory: Path) -> Path:
     return module.save_checkpoint(model, directory, "transformers")
 
 
+def with_eos_in_answers(source: Path, directory: Path, image: Path) -> Path:
+    """A copy of ``source`` whose end-of-sequence ids add the fourth greedy token of the
+    answers the launches here ask for (the image prompt, the chat): those answers end on
+    end of sequence, with the loop's next step already scheduled."""
+    model, processor = load(source)
+    answers = [stream_generate(model, processor, PROMPT, str(image), max_tokens=BUDGET),
+               stream_generate(model, processor, CHAT, max_tokens=BUDGET)]
+    ends = {[r.token for r in answer][3] for answer in answers}
+    shutil.copytree(source, directory)
+    config_path = directory / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token_id"] = sorted(ends | set(processor_state(processor).eos_token_ids))
+    config_path.write_text(json.dumps(config))
+    return directory
+
+
+def ends_on_eos(results: list) -> list:
+    """``results`` (a stream's), checked to end on end of sequence after the second token
+    (when the next step is in flight) and before the budget."""
+    last = results[-1]
+    assert last.finish_reason == "stop" and last.stop_string is None
+    assert 2 <= len(results) < BUDGET, len(results)
+    return results
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     from tiny import make_image
@@ -93,26 +138,31 @@ def checkpoints(tmp_path_factory):
     # checkpoints that need several Macs are quantized.
     paths[QUANTIZED] = convert(str(paths["qwen2_vl"]), root / QUANTIZED, quantize=True,
                                q_bits=8, q_group_size=32).path
+    paths[EOS] = with_eos_in_answers(paths["qwen2_vl"], root / EOS, image)
     return paths, image
 
 
 @pytest.fixture(scope="module")
 def sharded_runs(checkpoints) -> list[dict]:
-    """One launch: both families, each in both modes (a launch costs two start-ups)."""
+    """One launch: both families, each in both modes, and the answers that end on end
+    of sequence (a launch costs two start-ups)."""
     paths, image = checkpoints
-    listed = ",".join(str(paths[name]) for name in (*FAMILIES, QUANTIZED))
+    listed = ",".join(str(paths[name]) for name in (*FAMILIES, QUANTIZED, EOS))
     run = launch(str(RUNNER), listed, str(image), "tensor,pipeline")
     assert run.returncode == 0, run.stdout + run.stderr
+    assert_every_rank_ended_well(run.stderr)
     return json_lines(run.stdout)
 
 
-@pytest.mark.parametrize("family", (*FAMILIES, QUANTIZED))
+@pytest.mark.parametrize("family", (*FAMILIES, QUANTIZED, EOS))
 def test_two_ranks_give_one_process_tokens(checkpoints, sharded_runs, family):
     paths, image = checkpoints
     model, processor = load(paths[family])
     assert model.sharding is None  # no launcher: the whole model
-    reference = [r.token for r in stream_generate(model, processor, PROMPT, str(image),
-                                                  max_tokens=12)]
+    results = list(stream_generate(model, processor, PROMPT, str(image), max_tokens=BUDGET))
+    if family == EOS:
+        ends_on_eos(results)
+    reference = [r.token for r in results]
     whole = dict(_flat_shapes(model))
     lines = [line for line in sharded_runs if line["checkpoint"] == str(paths[family])]
     for mode in ("tensor", "pipeline"):
@@ -152,50 +202,92 @@ def assert_holds_shard(mode: str, held: dict, whole: dict) -> None:
     assert set(rank1) == {k for k in whole if k.startswith("language_model.")}
 
 
-def test_cli_under_mlx_launch_prints_once_what_one_process_prints(checkpoints):
+@pytest.mark.parametrize("mode", ("pipeline", "tensor"))
+def test_cli_under_mlx_launch_prints_once_what_one_process_prints(checkpoints, capsys,
+                                                                  monkeypatch, mode):
+    """Answers that end on end of sequence: in pipeline mode the demo model's, by
+    docs/distributed.md's command (its one key/value head cannot be split in tensor
+    mode), in tensor mode the EOS checkpoint's. Every rank ends well."""
+    from mlxvlm.generate.__main__ import main as run_generate_cli
+
     paths, image = checkpoints
-    args = ["-m", "mlxvlm.generate", "--model", str(paths["qwen2_vl"]), "--image", str(image),
-            "--max-tokens", "12"]
-    alone = subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                           timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert alone.returncode == 0, alone.stderr
-    run = launch(*args, "--pipeline", "--verbose")
+    if mode == "pipeline":
+        args = ["--pipeline", "--verbose", "--model", "examples/shapes-vlm",
+                "--image", "examples/images/blue-triangle.png",
+                "--prompt", "What is in the picture?"]
+    else:
+        args = ["--verbose", "--model", str(paths[EOS]), "--image", str(image),
+                "--max-tokens", str(BUDGET)]
+    monkeypatch.chdir(REPO)  # the documented command's relative paths
+    assert run_generate_cli(args) == 0  # one process: the reference
+    alone = capsys.readouterr()
+    assert "tokens/s (stop)" in alone.err  # it ends on end of sequence
+    run = launch("-m", "mlxvlm.generate", *args)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout == alone.stdout  # rank 0 alone prints the answer
-    assert "rank 1: layer 0 of 2 (pipeline over 2 ranks)" in run.stderr
-    assert "rank 0: layer 1 of 2 (pipeline over 2 ranks); the vision/audio towers" in run.stderr
+    assert run.stdout == alone.out  # rank 0 alone prints the answer
+    assert_every_rank_ended_well(run.stderr)
+    if mode == "pipeline":
+        assert "rank 1: layer 0 of 2 (pipeline over 2 ranks)" in run.stderr
+        assert ("rank 0: layer 1 of 2 (pipeline over 2 ranks); the vision/audio towers"
+                in run.stderr)
+    else:
+        assert "rank 1: half of every attention and MLP (tensor parallel" in run.stderr
 
 
 def test_server_under_mlx_launch_answers_as_one_process(checkpoints, tmp_path):
-    """Rank 0 serves HTTP, rank 1 follows its requests: the greedy answer is the one
-    process's."""
+    """Rank 0 serves HTTP, rank 1 follows its requests: the greedy answers, which end on
+    end of sequence and on a stop string, are the one process's, and rank 1 is still in
+    step after each; rank 0 serves under the same connection guards as one process (a
+    request whose headers stop gets 408 at --header-timeout)."""
     import signal
 
     paths, _ = checkpoints
-    model, processor = load(paths["qwen2_vl"])
-    messages = [{"role": "user", "content": "Hello"}]
-    expected = generate(model, processor, messages, max_tokens=12).text
+    model, processor = load(paths[EOS])
+    expected = "".join(r.text for r in ends_on_eos(
+        list(stream_generate(model, processor, CHAT, max_tokens=BUDGET))))
+    stop, expected_stopped = stopped_early(model, processor)
     port = free_port()
     log = (tmp_path / "server.log").open("w")  # a pipe nobody reads could fill and block
     server = subprocess.Popen(
         [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
          "--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}",
          "--python", sys.executable, "--", "-m", "mlxvlm.server", "--model",
-         str(paths["qwen2_vl"]), "--port", str(port)],
+         str(paths[EOS]), "--port", str(port), "--header-timeout", "1"],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}/v1"
     try:
         served = _get_when_up(f"{base}/models", server, tmp_path / "server.log")["data"][0]["id"]
-        body = json.dumps({"model": served, "messages": messages, "temperature": 0,
-                           "max_tokens": 12}).encode()
-        answers = [_post(f"{base}/chat/completions", body) for _ in range(2)]  # rank 1
-        # follows more than one request
+        request = {"model": served, "messages": CHAT, "temperature": 0, "max_tokens": BUDGET}
+        # Rank 1 follows more than one request, each ending before the budget.
+        answers = [_post(f"{base}/chat/completions", json.dumps(body).encode())
+                   for body in (request, request, {**request, "stop": [stop]})]
+        with raw_socket(port, CHAT_HEAD) as stalled:  # headers that never end
+            assert_raw_error(read_response(stalled), 408, code="request_timeout")
+        output = (tmp_path / "server.log").read_text()  # before the ranks are stopped
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
         log.close()
-    assert [a["choices"][0]["message"]["content"] for a in answers] == [expected, expected]
+    assert [(a["choices"][0]["message"]["content"], a["choices"][0]["finish_reason"])
+            for a in answers] == [(expected, "stop"), (expected, "stop"),
+                                  (expected_stopped, "stop")]
+    assert_every_rank_ended_well(output)
+
+
+def stopped_early(model, processor) -> tuple[str, str]:
+    """A stop string that ends the chat's greedy answer at its second token or later,
+    before its end of sequence (the text of a token not seen before it), and the answer
+    it leaves (one process's)."""
+    results = list(stream_generate(model, processor, CHAT, max_tokens=BUDGET))
+    for n in range(1, len(results) - 1):
+        stop, before = results[n].text, "".join(r.text for r in results[:n])
+        if stop and stop not in before:
+            stopped = list(stream_generate(model, processor, CHAT, max_tokens=BUDGET,
+                                           stop=stop))
+            assert stopped[-1].stop_string == stop and len(stopped) == n + 1
+            return stop, "".join(r.text for r in stopped)
+    raise AssertionError(f"no token's text in {[r.text for r in results]} is new")
 
 
 def _get_when_up(url: str, server: subprocess.Popen, log: Path) -> dict:
@@ -230,7 +322,7 @@ def test_a_rank_that_exits_ends_the_run(checkpoints, tmp_path):
     script.write_text(
         "import os, sys\n"
         "import mlxvlm\n"
-        "from mlxvlm.loading import load\n"
+        "from mlxvlm.checkpoint.loading import load\n"
         "from mlxvlm.generate import generate\n"
         "model, processor = load(sys.argv[1], shard='tensor')\n"
         "if model.sharding.rank == 1:\n"
@@ -247,6 +339,130 @@ def test_a_rank_that_exits_ends_the_run(checkpoints, tmp_path):
     # Rank 0 reports it unless the launcher, seeing rank 1 gone, stopped it first.
     reported = "RankLostError: rank 0 of 2: another rank left the run" in output
     assert reported or "rank 0 exited with code -15" in output, output
+
+
+def test_a_rank_that_fails_on_the_release_fails_rank_0(tmp_path):
+    """Rank 1 takes rank 0's release and raises before acknowledging it: rank 1 exits
+    non-zero (mlx.launch names it) and rank 0's release fails rather than ending well
+    without it."""
+    script = tmp_path / "fail_on_release.py"
+    script.write_text(
+        "import types\n"
+        "import mlxvlm\n"
+        "import mlx.core as mx\n"
+        "from mlxvlm.distributed.broadcast import broadcast_object\n"
+        "from mlxvlm.distributed.group import ShardPlan\n"
+        "from mlxvlm.distributed.jobs import release\n"
+        "group = mx.distributed.init()\n"
+        "model = types.SimpleNamespace(sharding=ShardPlan(group, 'tensor'))\n"
+        "if group.rank() == 1:\n"
+        "    assert broadcast_object(None, group) is None  # the release, as next_job takes it\n"
+        "    raise RuntimeError('rank 1 failed on the release')\n"
+        "try:\n"
+        "    release(model)\n"
+        "except Exception as exc:\n"
+        "    print(f'rank 0: {type(exc).__name__}: {exc}', flush=True)\n"
+        "    raise SystemExit(1)\n"
+        "print('rank 0: released', flush=True)\n"
+    )
+    run = launch(str(script), timeout=120)
+    output = run.stdout + run.stderr
+    assert "RuntimeError: rank 1 failed on the release" in output
+    assert "rank 1 exited with code 1" in output
+    assert "rank 0: released" not in output
+    # Rank 0 reports it unless the launcher, seeing rank 1 gone, stopped it first.
+    reported = "rank 0: RankLostError: rank 0 of 2: another rank left the run" in output
+    assert reported or "rank 0 exited with code -15" in output, output
+
+
+@pytest.fixture
+def unsharded_engine(checkpoints, monkeypatch):
+    """The sharded server's engine over the EOS checkpoint in one process (its loop is
+    the one every rank runs), with the release it sends the other ranks recorded."""
+    from mlxvlm.batching import sharded_engine as serving
+    from mlxvlm.prompt import prepare_inputs
+    from mlxvlm.sampling import SamplingOptions
+
+    paths, _ = checkpoints
+    model, processor = load(paths[EOS])
+    events: list = []
+    monkeypatch.setattr(serving, "release", lambda _: events.append("release"))
+    engines = []
+
+    def submit(deliver, engine=None):
+        if engine is None:
+            engine = serving.ShardedEngine(model, processor)
+            engine.start()
+            engines.append(engine)
+        inputs = prepare_inputs(processor, CHAT, feature_names=model.feature_names)
+        engine.submit(inputs, SamplingOptions(max_tokens=BUDGET), deliver)
+        return engine
+
+    reference = [r.token for r in ends_on_eos(
+        list(stream_generate(model, processor, CHAT, max_tokens=BUDGET)))]
+    yield submit, events, reference
+    for engine in engines:
+        engine.close(timeout=60)
+
+
+def test_sharded_engine_runs_an_answer_to_its_end_past_a_broken_consumer(unsharded_engine):
+    """A consumer that raises (a closed event loop) drops the rest of its answer, but the
+    answer runs to its end, as on the other ranks, and the next one is served."""
+    import queue
+
+    submit, _, reference = unsharded_engine
+
+    def broken(item):
+        raise RuntimeError("event loop is closed")
+
+    served: queue.Queue = queue.Queue()
+    engine = submit(broken)
+    submit(served.put, engine)
+    steps = [served.get(timeout=60)]
+    while steps[-1].finish_reason is None:
+        steps.append(served.get(timeout=60))
+    assert [step.token for step in steps] == reference
+    assert engine.stats.generated_tokens == 2 * len(reference)
+    assert (engine.stats.requests_cancelled, engine.stats.requests_finished) == (1, 1)
+
+
+def test_sharded_engine_releases_the_ranks_after_the_running_answer(unsharded_engine, caplog):
+    """A release sent while an answer runs would be read into its steps' collectives:
+    close waits the answer out, then releases; closing with a timeout that the answer
+    outlasts leaves the ranks unreleased, and says so."""
+    import threading
+    import time
+
+    submit, events, reference = unsharded_engine
+    running, gate = threading.Event(), threading.Event()
+
+    def slow(item):  # holds the engine in the answer until the gate opens
+        events.append(getattr(item, "finish_reason", item))
+        running.set()
+        gate.wait(60)
+
+    engine = submit(slow)
+    assert running.wait(60)
+    engine.close(timeout=0.1)
+    assert "release" not in events
+    assert "the other ranks are not released" in caplog.text
+    gate.set()
+    engine._thread.join(60)
+    assert "release" not in events
+
+    events.clear()
+    running.clear()
+    gate.clear()
+    engine = submit(slow)
+    assert running.wait(60)
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    deadline = time.monotonic() + 60
+    while not engine._closed and time.monotonic() < deadline:  # close has begun
+        time.sleep(0.01)
+    gate.set()
+    closing.join(60)
+    assert events == [None] * (len(reference) - 1) + ["stop", "release"]
 
 
 def test_broadcast_carries_arrays_and_objects():

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from mlxvlm.cli import build_generate_parser
-from mlxvlm.option_ranges import RangeType
+from mlxvlm.generate.__main__ import build_parser as build_generate_parser
+from mlxvlm.sampling.ranges import RangeType
 
 ENTRY_POINTS = ["generate", "convert", "fuse", "benchmark", "finetune", "server", "ui"]
 
@@ -132,3 +132,140 @@ def test_a_missing_extra_names_the_install_command(module, entry, extra, tmp_pat
 def test_help_works_without_the_extra(tmp_path):
     result = run_without("fastapi", "server", tmp_path, "--help")
     assert result.returncode == 0 and "--max-queue" in result.stdout, result.stderr
+
+
+# ------------------------------------------------------------- mistyped flags
+
+
+# Enough for each parser to get past its required options.
+REQUIRED = {"fuse": ["--adapter-path", "a"], "finetune": ["--data", "d"]}
+
+
+def required(name: str) -> list[str]:
+    return ["--model", "m", *REQUIRED.get(name, [])]
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_a_misspelt_flag_names_the_closest_one(name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parser_of(name).parse_args([*required(name), "--modle", "x"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "error: unrecognized arguments: --modle x (did you mean --model?) (see --help)\n"
+
+
+# Other tools' spellings: transformers' --max-new-tokens, llama.cpp's --temp, Python's
+# underscores; a suggestion only where the entry point has the flag.
+OTHER_SPELLINGS = [
+    ("generate", "--img", "--image"),
+    ("generate", "--max-new-tokens", "--max-tokens"),
+    ("generate", "--max_new_tokens", "--max-tokens"),
+    ("generate", "--system-prompt", "--system"),
+    ("generate", "--top_p=0.5", "--top-p"),
+    ("benchmark", "--images", "--image"),
+    ("benchmark", "--max-new-tokens", "--max-tokens"),
+    ("server", "--max_concurrency", "--max-concurrency"),
+    ("finetune", "--learning_rate", "--learning-rate"),
+    ("ui", "--prot", "--port"),
+    ("convert", "--model-path", "--model"),
+    ("server", "--temp", None),  # the server takes sampling values per request only
+    ("generate", "--zzz", None),
+]
+
+
+@pytest.mark.parametrize("name, given, meant", OTHER_SPELLINGS)
+def test_another_tools_spelling_names_this_ones(name, given, meant, capsys):
+    argv = [*required(name), given] + ([] if "=" in given else ["1"])
+    with pytest.raises(SystemExit):
+        parser_of(name).parse_args(argv)
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: unrecognized arguments: {given}") and err.count("\n") == 1
+    if meant is None:
+        assert "did you mean" not in err
+    else:
+        assert f"(did you mean {meant}?)" in err, err
+
+
+def test_several_misspelt_flags_are_each_answered(capsys):
+    with pytest.raises(SystemExit):
+        build_generate_parser().parse_args(["--model", "m", "--img", "a.png", "--temprature", "1"])
+    err = capsys.readouterr().err
+    assert "(did you mean --image for --img, --temperature for --temprature?)" in err
+
+
+# --------------------------------------------------------- python -m mlxvlm
+
+
+def project_scripts() -> dict[str, str]:
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    return tomllib.loads(pyproject.read_text())["project"]["scripts"]
+
+
+def test_every_command_is_an_installed_script_and_mlxvlm_runs_them():
+    from mlxvlm.__main__ import COMMANDS
+
+    scripts = project_scripts()
+    assert scripts.pop("mlxvlm") == "mlxvlm.__main__:main"
+    assert {f"mlxvlm-{c.name}": f"{c.module}:main" for c in COMMANDS} == scripts
+    assert sorted(c.name for c in COMMANDS) == sorted(ENTRY_POINTS)
+
+
+def test_python_m_mlxvlm_lists_the_commands_and_imports_none(tmp_path):
+    env = {**os.environ}
+    env.pop("MLXVLM_ALLOW_TORCH", None)
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "mlxvlm"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
+    names = {script.removeprefix("mlxvlm-") for script in project_scripts() if "-" in script}
+    assert names <= rows, done.stdout
+    assert "mlxvlm-generate" in done.stdout and "python -m mlxvlm.generate" in done.stdout
+    imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line}
+    commands = {"mlxvlm.cli", "mlxvlm.generate.__main__", "mlxvlm.server", "mlxvlm.ui",
+                "mlxvlm.finetune", "mlxvlm.convert", "mlxvlm.fuse", "mlxvlm.benchmark",
+                "gradio", "fastapi"}
+    assert not imported & commands, imported & commands
+
+
+def test_mlxvlm_generate_answers_as_mlxvlm_generate_does(capsys):
+    from pathlib import Path
+
+    import mlxvlm
+    from mlxvlm.__main__ import main
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    picture, question = examples / "images" / "red-circle.png", "What is in the picture?"
+    assert main(["generate", "--model", str(examples / "shapes-vlm"), "--image", str(picture),
+                 "--prompt", question, "--max-tokens", "16"]) == 0
+    model, processor = mlxvlm.load(examples / "shapes-vlm")
+    expected = mlxvlm.generate(model, processor, question, image=picture, max_tokens=16).text
+    assert capsys.readouterr().out == expected + "\n"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["generat", "--model", "m"], "unknown command 'generat': did you mean generate?"),
+    (["srever"], "unknown command 'srever': did you mean server?"),
+    (["xyz"], "unknown command 'xyz' (commands: generate, server"),
+    (["--model", "m"], "give a command before the options"),
+])
+def test_an_unknown_command_is_one_line_with_the_closest(argv, says, capsys):
+    from mlxvlm.__main__ import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and err.count("\n") == 1, err
+
+
+def test_mlxvlm_help_lists_and_a_commands_help_is_its_own(capsys):
+    from mlxvlm.__main__ import main
+
+    assert main(["--help"]) == 0
+    assert "finetune" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["benchmark", "--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == parser_of("benchmark").format_help()

@@ -234,6 +234,31 @@ def test_family_files_hold_no_contract_boilerplate():
                 assert not defined & repeated, (path.name, defined & repeated)
 
 
+# Mixins that only declare what a family requires, adding no behaviour of their own:
+# RequiresExperts refuses a MoE family's config without experts before the family builds.
+REQUIREMENT_MIXINS = {"RequiresExperts"}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_family_chains_are_at_most_family_then_one_variant(model_type):
+    """A family's Model sits on the contract, on one shared family base, or (a variant:
+    an MoE decoder, another tower) one level above that: at most two of mlxvlm's own
+    classes between it and VisionLanguageModel, so a reader follows imports, not floors
+    of overrides."""
+    Model = get_family(model_type).Model
+    mro = Model.__mro__
+    between = [
+        cls for cls in mro[1:mro.index(VisionLanguageModel)]
+        if cls.__module__.startswith("mlxvlm.") and cls.__name__ not in REQUIREMENT_MIXINS
+    ]
+    names = [f"{c.__module__}.{c.__qualname__}" for c in between]
+    assert len(between) <= 2, names
+    # A variant sits on one family; a family sits on a shared base, never on another
+    # family (Qwen3-VL on Qwen2-VL made every Qwen model a floor of overrides).
+    family_models = {get_family(t).Model for t in FAMILIES}
+    assert sum(cls in family_models for cls in between) <= 1, names
+
+
 # ------------------------------------------------------------------ import direction
 
 
@@ -259,8 +284,9 @@ def _module_name(path: Path) -> str:
 
 MODEL_FILES = sorted(MODELS_DIR.rglob("*.py"))
 # What the models package may import from the rest of mlxvlm: the layers below it.
-# The CPU backend only through its door (mlxvlm.cpu.ops).
-BELOW_MODELS = ("mlxvlm.errors", "mlxvlm.cpu.ops")
+# The CPU backend only through its door (mlxvlm.cpu.ops); the shard plan's type (the
+# base class's ``sharding``).
+BELOW_MODELS = ("mlxvlm.errors", "mlxvlm.cpu.ops", "mlxvlm.distributed.group")
 
 
 def test_models_import_nothing_from_above_them():

@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 
 from mlxvlm import generate, load, stream_generate
+from mlxvlm.text.tokenization import processor_state
 from tiny import BUILDERS, make_image
 
 FAMILIES = list(BUILDERS)
@@ -42,7 +43,7 @@ def script_for(model, processor) -> list[int]:
     tokenizer = processor.tokenizer
     text = tokenizer.encode("a red cat 中文 😀 é", add_special_tokens=False)
     added = tokenizer.backend_tokenizer.get_added_tokens_decoder()
-    specials = sorted(i for i, t in added.items() if t.special and i not in processor.eos_token_ids)
+    specials = sorted(i for i, t in added.items() if t.special and i not in processor_state(processor).eos_token_ids)
     middle = len(text) // 2
     script = text[:middle] + specials + text[middle:]
     head = _head_from_args(model)

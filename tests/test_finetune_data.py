@@ -4,6 +4,7 @@ files, folders and Hugging Face datasets, and bad records reported by line."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,8 @@ from finetune_helpers import image_file, one_image_record, small_dataset, write_
 from tiny import make_image
 from mlxvlm import load
 from mlxvlm.finetune import FinetuneConfig, finetune
-from mlxvlm.finetune.data import BadRecordsError, open_records
+from mlxvlm.errors import MlxvlmError
+from mlxvlm.finetune.data import BadRecordsError, looks_like_a_path, open_records
 from mlxvlm.finetune.dataset import encode_record, prepare_examples
 from mlxvlm.finetune.masking import MaskingError, encode_conversation
 
@@ -128,6 +130,54 @@ def test_cli_stops_on_bad_records_with_one_line(tmp_path, checkpoint):
     assert skipped.returncode == 0, skipped.stderr
     assert "skipped" in skipped.stderr and "train.jsonl:4" in skipped.stderr
     assert (tmp_path / "out" / "adapter_model.safetensors").exists()
+    # Written to a pipe, the progress is plain lines, not a bar's redraws.
+    assert "\r" not in skipped.stderr
+    progress = [l for l in skipped.stderr.splitlines() if l.startswith("Training: ")]
+    assert progress and progress[-1].startswith("Training: 1/1 steps (100%)"), skipped.stderr
+
+
+@pytest.mark.parametrize("spec", ["data/", "./data", "~/no-such-data", "/no/such/data",
+                                  "some/nested/data", "train.jsonl", "owner/train.jsonl"])
+def test_a_data_spec_that_is_a_path_is_never_taken_for_a_hub_dataset(spec):
+    assert looks_like_a_path(spec)
+
+
+@pytest.mark.parametrize("spec", ["mnist", "HuggingFaceM4/ChartQA", "HuggingFaceM4/ChartQA:val",
+                                  "org/name.v2"])
+def test_hub_dataset_ids_are_hub_datasets(spec):
+    assert not looks_like_a_path(spec)
+
+
+def test_cli_says_a_missing_data_folder_does_not_exist(tmp_path, checkpoint):
+    """The newcomer's mistake: --data data/ run where there is no data/ (offline, so that
+    a Hub look-up could not pass unnoticed)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("MLXVLM_ALLOW_TORCH", None)  # as a user's process runs: without torch (faster)
+    for spec, says in (
+        ("data/", ["--data data/: no such folder or file", str(tmp_path / "data"),
+                   "train.jsonl"]),
+        ("owner/name", ["cannot load dataset 'owner/name' from the Hub",
+                        "no folder or file owner/name"]),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "mlxvlm.finetune", "--model", str(checkpoint), "--data",
+             spec, "--output", str(tmp_path / "out")],
+            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), lines
+        assert all(words in lines[0] for words in says), lines[0]
+
+
+def test_a_folder_without_its_jsonl_names_the_file_and_the_flag(tmp_path):
+    (tmp_path / "data").mkdir()
+    with pytest.raises(MlxvlmError, match=r"^--data .*data: the folder has no train\.jsonl"):
+        open_records(tmp_path / "data")
+    (tmp_path / "data" / "train.jsonl").write_text("")
+    with pytest.raises(MlxvlmError, match=r"^--val-data .*: the folder has no valid\.jsonl"):
+        open_records(tmp_path / "data", split="validation", flag="--val-data")
+    with pytest.raises(MlxvlmError, match=r"^--val-data .*missing: no such folder or file"):
+        open_records(tmp_path / "missing", split="validation", flag="--val-data")
 
 
 def test_folder_with_train_and_valid_files(tmp_path, checkpoint):

@@ -12,7 +12,7 @@ import pytest
 
 from finetune_helpers import small_dataset
 from mlxvlm import load
-from mlxvlm.adapters import WEIGHTS_FILE
+from mlxvlm.checkpoint.adapters import WEIGHTS_FILE
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.finetune import FinetuneConfig, finetune
 from mlxvlm.finetune.tuning import apply_tuning
@@ -100,5 +100,5 @@ def test_settings_that_cannot_work(checkpoint, data, tmp_path):
         FinetuneConfig(model="m", data="d", iters=3, epochs=1)
     with pytest.raises(MlxvlmError, match="--batch-size"):
         FinetuneConfig(model="m", data="d", batch_size=0)
-    with pytest.raises(MlxvlmError, match="does not exist"):
+    with pytest.raises(MlxvlmError, match="no such folder or file"):
         run(checkpoint, tmp_path / "missing.jsonl", tmp_path / "out")

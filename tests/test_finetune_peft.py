@@ -13,7 +13,7 @@ import pytest
 from finetune_helpers import small_dataset
 from tiny import BUILDERS, make_image
 from mlxvlm import load
-from mlxvlm.adapters import hf_module_parts
+from mlxvlm.checkpoint.adapters import hf_module_parts
 from mlxvlm.finetune import FinetuneConfig, finetune
 from mlxvlm.prompt import prepare_inputs
 
@@ -179,7 +179,7 @@ def test_fused_layer_adapter_resumes(tiny_checkpoints, tmp_path, method):
     qkv back into the layer exactly; an adapter with only some of them is refused."""
     import mlx.core as mx
 
-    from mlxvlm.adapters import WEIGHTS_FILE, adapter_layers, load_adapter_weights, save_adapter
+    from mlxvlm.checkpoint.adapters import WEIGHTS_FILE, adapter_layers, load_adapter_weights, save_adapter
     from mlxvlm.errors import CheckpointError
     from mlxvlm.finetune.tuning import apply_tuning
 

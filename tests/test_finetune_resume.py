@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from finetune_helpers import small_dataset
-from mlxvlm.adapters import WEIGHTS_FILE
+from mlxvlm.checkpoint.adapters import WEIGHTS_FILE
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.finetune import FinetuneConfig, finetune
 from mlxvlm.finetune.checkpoints import list_checkpoints, read_checkpoint

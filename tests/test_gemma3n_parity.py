@@ -272,7 +272,7 @@ def test_prefix_cache_gives_the_tokens_of_a_fresh_prefill(tmp_path, tiny_checkpo
     import shutil
 
     from mlxvlm.batching import BatchEngine, SamplingOptions
-    from mlxvlm.prefix_cache import PrefixCache
+    from mlxvlm.batching.prefix_cache import PrefixCache
     from mlxvlm.prompt import prepare_inputs
 
     shutil.copytree(tiny_checkpoints.path(FAMILY, "transformers"), tmp_path, dirs_exist_ok=True)

@@ -296,7 +296,7 @@ def test_sound_spans_many_attention_windows(loaded):
 
 def _engine_tokens(engine, inputs, image):
     from mlxvlm.batching import SamplingOptions
-    from mlxvlm.prefix_cache import image_hash
+    from mlxvlm.batching.prefix_cache import image_hash
 
     steps: list = []
     engine.submit(inputs, SamplingOptions(max_tokens=NEW_TOKENS, temperature=0.0), steps.append,
@@ -316,7 +316,7 @@ def test_prefix_cache_gives_the_tokens_of_a_fresh_prefill(family, loaded):
     from dataclasses import replace
 
     from mlxvlm.batching import BatchEngine
-    from mlxvlm.prefix_cache import PrefixCache
+    from mlxvlm.batching.prefix_cache import PrefixCache
 
     model, processor = loaded(family, "transformers")
     messages, images = CASES["one_image"]

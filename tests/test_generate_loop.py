@@ -9,6 +9,7 @@ import pytest
 from tiny import make_image
 from mlxvlm import generate, load, stream_generate
 from mlxvlm.errors import MlxvlmError, PromptTooLongError
+from mlxvlm.text.tokenization import processor_state
 
 IMAGE = make_image(112, 84, seed=1)
 PROMPT = "Describe this image."
@@ -86,11 +87,11 @@ def test_stop_string_cuts_the_text(qwen):
 def test_eos_token_stops_without_text(qwen):
     model, processor = qwen
     first = generate(model, processor, PROMPT, IMAGE, max_tokens=3).tokens
-    processor.eos_token_ids = processor.eos_token_ids | {first[1]}
+    processor_state(processor).eos_token_ids = processor_state(processor).eos_token_ids | {first[1]}
     try:
         out = generate(model, processor, PROMPT, IMAGE, max_tokens=10)
     finally:
-        processor.eos_token_ids = processor.eos_token_ids - {first[1]}
+        processor_state(processor).eos_token_ids = processor_state(processor).eos_token_ids - {first[1]}
     assert out.finish_reason == "stop"
     assert out.tokens == first[:2]
     assert out.text == processor.tokenizer.decode(first[:1])

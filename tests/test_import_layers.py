@@ -10,14 +10,21 @@ import mlxvlm
 
 PACKAGE = Path(mlxvlm.__file__).parent
 
-# Lower layers first; a module may import its own layer and those below it.
+# Lower layers first; a module may import its own layer and those below it. Each layer
+# names folders (or a module that is a job on its own), as docs/architecture.md draws them.
 LAYERS = (
-    ("errors", "torch_free", "cpu"),
-    ("models",),
-    ("option_ranges", "sampling_defaults", "sampling", "constrained", "detokenizer", "tokenization",
-     "media", "public_net", "prompt", "prefix_cache", "quantization", "adapters",
-     "loading", "generate", "batching", "distributed"),
-    ("cli", "server", "ui", "finetune", "convert", "fuse", "benchmark"),
+    # building blocks that import nothing of mlxvlm but errors (and the CPU door)
+    ("errors", "torch_free", "cpu", "distributed", "model_pool"),
+    # the families, and what reads or shapes a model's inputs and outputs
+    ("models", "media", "text", "sampling", "prompt_length"),
+    # checkpoints read and written; a conversation turned into a model's inputs
+    ("checkpoint", "prompt", "preparation"),
+    # one sequence
+    ("generate",),
+    # many sequences: continuous batching, the prefix cache, the sharded engine
+    ("batching",),
+    # the commands
+    ("__main__", "cli", "server", "ui", "finetune", "convert", "fuse", "benchmark"),
 )
 # Entry points inside the shared loop's packages.
 ENTRY_MODULES = {"mlxvlm.generate.__main__"}
@@ -74,6 +81,12 @@ def layer(name: str) -> int | None:
 def test_every_module_has_a_layer():
     unplaced = [name for name in module_names() if name != "mlxvlm" and layer(name) is None]
     assert not unplaced, f"add these to LAYERS (and docs/architecture.md): {unplaced}"
+
+
+def test_every_layer_names_what_exists():
+    tops = {name.split(".")[1] for name in module_names() if "." in name}
+    stale = [member for members in LAYERS for member in members if member not in tops]
+    assert not stale, f"LAYERS names what is not in the package: {stale}"
 
 
 def upward_imports(edges: dict[str, set[str]]) -> list[str]:

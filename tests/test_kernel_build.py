@@ -29,6 +29,10 @@ class _BrokenBinding:
 
     def set_threads(self, n): pass
 
+    def set_isa_cap(self, cap): pass
+
+    def set_half_gemm(self, value): pass
+
     def activation(self, x, kind, up):
         return mx.zeros_like(x)
 

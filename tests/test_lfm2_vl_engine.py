@@ -18,7 +18,7 @@ import mlxvlm
 from mlxvlm.batching import BatchEngine, SamplingOptions
 from mlxvlm.generate.cache import CacheOptions
 from mlxvlm.generate.state_cache import StateSnapshots, cache_offset
-from mlxvlm.prefix_cache import PrefixCache, image_hash
+from mlxvlm.batching.prefix_cache import PrefixCache, image_hash
 from mlxvlm.prompt import prepare_inputs
 from parity import NEW_TOKENS, user
 from tiny import make_image

@@ -255,7 +255,7 @@ import json, sys
 sys.modules["torch"] = sys.modules["torchvision"] = None  # as on an install without them
 from PIL import Image
 from mlxvlm.prompt import prepare_inputs
-from mlxvlm.loading import read_config
+from mlxvlm.checkpoint.loading import read_config
 from mlxvlm.models import get_family
 from pathlib import Path
 messages = json.loads(sys.argv[1])

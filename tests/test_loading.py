@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from tiny import make_image
 from mlxvlm import load
 from mlxvlm.errors import CheckpointError
-from mlxvlm.loading import CONVERTED_MARKER
+from mlxvlm.checkpoint.loading import CONVERTED_MARKER
 from mlxvlm.prompt import prepare_inputs
 
 torch = pytest.importorskip("torch")

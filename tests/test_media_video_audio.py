@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from av_media import coloured_frames, sine, write_audio, write_video
-from mlxvlm.cli import build_generate_parser
+from av_media import coloured_frames, sine, write_audio, write_repeating_video, write_video
+from mlxvlm.generate.__main__ import build_parser as build_generate_parser
 from mlxvlm.media import (
     Audio,
     MediaError,
+    MediaPolicy,
+    PreparationCancelled,
+    preparing,
     Video,
     fit_pixel_budget,
     load_audio,
@@ -277,7 +280,9 @@ def test_unrecognised_truncated_and_wrong_kind_of_file(mp4, stereo_wav, silent_m
     expect_error(load_audio, silent_mkv, "has no audio stream")
     png = tmp_path / "picture.png"
     Image.fromarray(FRAMES[0]).save(png)
-    expect_error(load_video, png, "it is an image (png_pipe), not a video", "pass it as an image")
+    expect_error(load_video, png, "it is an image (png_pipe), not a video file",
+                 "pass it as an image")
+    expect_error(load_audio, png, "it is an image (png_pipe), not an audio file")
 
 
 def test_limits(mp4, stereo_wav):
@@ -285,6 +290,68 @@ def test_limits(mp4, stereo_wav):
     expect_error(load_audio, stereo_wav, "longer than the limit of 0.5 s", max_seconds=0.5)
     expect_error(load_audio, np.zeros(100, np.float32), "longer than the limit",
                  sampling_rate=100, max_seconds=0.5)
+
+
+# ------------------------------------------------------------ what decoding may cost
+
+
+def test_frames_obey_the_policys_image_pixel_limit(mp4):
+    """96 x 64 = 6,144 pixels a frame: refused from the header under a 6,000-pixel image
+    limit, which names the policy's option; decoded at 6,144."""
+    expect_error(load_video, mp4, "frames are 96x64 = 6,144 pixels", "max_image_pixels",
+                 max_image_pixels=6000)
+    assert load_video(mp4, max_image_pixels=6144).frames.shape[1:] == (64, 96, 3)
+
+
+def test_decoded_pixels_are_charged_to_the_request(mp4):
+    """Each load of the 30-frame clip decodes 30 x 6,144 pixels; within one request, the
+    second load passes a budget of one and a half clips and is refused before decoding."""
+    clip = 30 * 96 * 64
+    policy = MediaPolicy(max_video_decode_pixels=clip * 3 // 2)
+    assert load_video(mp4, policy=policy).total_frames == 30
+    assert load_video(mp4, policy=policy).total_frames == 30  # a request of its own each
+    with preparing() as work:
+        load_video(mp4, policy=policy, with_audio=False)
+        assert work.decoded_pixels == clip
+        message = expect_error(load_video, mp4, f"its 30 frames of 96x64 are {clip:,} decoded "
+                               f"pixels (with the {clip:,} of the request's other media)",
+                               "max_video_decode_pixels", policy=policy)
+    assert "raise max_video_decode_pixels" in message
+
+
+def test_frames_are_counted_while_decoding(mp4):
+    """A container that states fewer frames than it holds: its frames are counted as the
+    decoder produces them."""
+    from mlxvlm.media.decode_work import Decoding
+
+    with Decoding(MediaPolicy(max_video_frames=3), "video", "'clip.mp4'") as work:
+        work.claim(2, 96, 64)
+        for _ in range(3):
+            work.frame(96, 64)
+        with pytest.raises(MediaError, match="more than 3 frames.*more than its container says"):
+            work.frame(96, 64)
+
+
+def test_frame_count_and_cpu_time_bounds(mp4, silent_mkv, media_dir):
+    expect_error(load_video, mp4, "it has 30 frames, more than the limit of 20 per video",
+                 max_video_frames=20)
+    # Matroska does not say: its packets are counted, only as far as the limit.
+    expect_error(load_video, silent_mkv, "it has more than 10 frames, the limit per video",
+                 max_video_frames=10)
+    slow = write_repeating_video(media_dir / "slow.mp4", 2048, 2048, 400)
+    message = expect_error(load_video, slow, "more than the limit of 0.01 CPU seconds",
+                           "max_decode_seconds", max_decode_seconds=0.01)
+    assert "stopped after" in message
+
+
+def test_a_cancelled_request_stops_decoding(mp4):
+    import threading
+
+    cancel = threading.Event()
+    cancel.set()
+    with preparing(cancel), pytest.raises(PreparationCancelled,
+                                          match="stopped decoding video .* after 0 frames"):
+        load_video(mp4)
 
 
 def test_bad_options_and_sources(mp4):
@@ -367,7 +434,7 @@ def test_cli_keeps_media_in_command_line_order():
 def test_cli_fails_fast_on_a_bad_audio_file(tmp_path, capsys):
     """The CLI decodes media before loading the model: a bad file is one error line and
     exit code 2, even with a model that does not exist."""
-    from mlxvlm.cli import run_generate_cli
+    from mlxvlm.generate.__main__ import main as run_generate_cli
 
     bad = tmp_path / "noise.wav"
     bad.write_bytes(b"\x00garbage" * 50)

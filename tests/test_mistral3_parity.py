@@ -37,7 +37,7 @@ from parity import (
 )
 from tiny import make_image
 from tiny.pixtral import FAMILIES, LAYOUTS, llava_config, transformers_processor
-from mlxvlm.loading import load_weights_files
+from mlxvlm.checkpoint.loading import load_weights_files
 from mlxvlm.models import get_family, pixtral
 from mlxvlm.prompt import prepare_inputs
 

@@ -202,7 +202,7 @@ def test_cli_with_audio_image_and_a_video_with_sound(tiny_checkpoints, loaded, c
     """The generate CLI places --audio, --image and --video in command-line order, hears
     the video's sound track, and with --verbose says what it sampled."""
     from av_media import write_audio
-    from mlxvlm.cli import run_generate_cli
+    from mlxvlm.generate.__main__ import main as run_generate_cli
 
     sound = write_audio(tmp_path / "sound.wav", SOUND_A, 16000)
     picture = tmp_path / "picture.png"

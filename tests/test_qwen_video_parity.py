@@ -78,7 +78,8 @@ def loaded(tiny_checkpoints):
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoints, videos):
-    """(family, case) -> transformers' inputs, logits, greedy tokens, thinnest margin."""
+    """(family, case) -> transformers' inputs, logits, greedy tokens, and each step's
+    top-1/top-2 margin."""
 
     @functools.cache
     def run(family, case):
@@ -92,7 +93,7 @@ def reference(tiny_checkpoints, videos):
                                  output_scores=True, return_dict_in_generate=True)
         tokens = out.sequences[0, batch["input_ids"].shape[1]:].tolist()
         margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-        return batch, logits, tokens, min(margins)
+        return batch, logits, tokens, margins
 
     return run
 
@@ -218,7 +219,7 @@ def test_video_logits_and_greedy_tokens_match_transformers(family, layout, case,
                                                            reference, videos):
     model, processor = loaded(family, layout)
     messages = cases(videos)[case]
-    batch, ref_logits, ref_tokens, margin = reference(family, case)
+    batch, ref_logits, ref_tokens, margins = reference(family, case)
     fps = fps_asked(family)
     options = {} if fps is None else {"fps": fps}
     inputs = prepare_inputs(processor, messages, feature_names=model.feature_names,
@@ -239,10 +240,16 @@ def test_video_logits_and_greedy_tokens_match_transformers(family, layout, case,
     np.testing.assert_allclose(np.array(logits[0]), ref_logits, rtol=0,
                                atol=CASE_ATOL.get((family, case), LOGITS_ATOL))
 
-    assert len(ref_tokens) == NEW_TOKENS and margin > MIN_REFERENCE_MARGIN
+    # Tokens are compared where transformers' own choice is decisive: up to its first
+    # near-tie (a top-1/top-2 margin under MIN_REFERENCE_MARGIN, where float32 rounding
+    # on another CPU may pick the other token), and that must leave most of the answer.
+    assert len(ref_tokens) == NEW_TOKENS
+    decisive = next((i for i, m in enumerate(margins) if m <= MIN_REFERENCE_MARGIN),
+                    NEW_TOKENS)
+    assert decisive >= NEW_TOKENS // 3, f"the reference is a near-tie at token {decisive}"
     results = stream_generate(model, processor, messages, fps=fps, max_tokens=NEW_TOKENS,
                               prefill_step_size=7)
-    assert [r.token for r in results] == ref_tokens
+    assert [r.token for r in results][:decisive] == ref_tokens[:decisive]
 
 
 def test_sampling_follows_each_familys_processor(loaded, videos):

@@ -19,9 +19,9 @@ from server_harness import MODEL_ID, LiveServer
 import mlxvlm
 from mlxvlm.batching import SamplingOptions, batch_generate
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.option_ranges import SAMPLING, Range
+from mlxvlm.sampling.ranges import SAMPLING, Range
 from mlxvlm.sampling import GREEDY_BELOW, build_sampler
-from mlxvlm.sampling_defaults import (
+from mlxvlm.sampling.defaults import (
     GENERATION_CONFIG,
     OPENAI_DEFAULTS,
     checkpoint_defaults_from,

@@ -2,9 +2,10 @@
 malformed JSON, wrong types, out-of-range values, unknown model, bad or hostile images,
 SSRF targets (IPv6 forms of private IPv4 addresses included), path traversal, oversized
 bodies, too many pixels, prompts longer than the context, missing or wrong API keys,
-cross-site requests (wrong Content-Type or Host), slow or vanishing clients, too many
-connections, and requests that are not valid HTTP. (Sampling fields: see
-tests/test_sampling_validation.py.)
+cross-site requests (wrong Content-Type or Host). (Sampling fields: see
+tests/test_sampling_validation.py; slow or vanishing clients, too many connections, the
+pixel and body budgets, requests that are not valid HTTP and API keys are tested through
+``python -m mlxvlm.server`` itself in tests/test_server_entry_point.py.)
 
 Network tests only ever talk to listeners on loopback addresses; every other address
 (10.x, 169.254.x) must be refused before any connection is attempted.
@@ -15,15 +16,13 @@ from __future__ import annotations
 import base64
 import http.server
 import json
-import logging
 import os
-import socket
 import threading
 
 import httpx
 import openai
 import pytest
-from server_harness import MODEL_ID, LiveServer, bomb_png, png_data_url, user, wait_until
+from server_harness import MODEL_ID, LiveServer, bomb_png, png_data_url, user
 from tiny import make_image
 
 import mlxvlm
@@ -403,197 +402,6 @@ def test_allowed_hosts_widen_the_host_check(loaded):
         assert_error(httpx.get(f"{named.base_url}/health", headers={"Host": "192.0.2.7"}), 421)
 
 
-# -- pixel budget ------------------------------------------------------------------------
-
-def png_bytes(image) -> bytes:
-    import io
-
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def test_pixels_of_a_request_are_budgeted(guarded):
-    """Five 50x50 images (12,500 pixels) against a budget of 10,000: refused, naming both."""
-    urls = [png_data_url(make_image(50, 50, seed)) for seed in range(5)]
-    error = assert_error(post(guarded, request(user("Describe.", *urls))), 400,
-                         code="too_many_pixels")
-    assert "10,000" in error["message"] and "--max-request-pixels" in error["message"]
-    assert "12,500" in error["message"]
-    assert guarded.service.pixels.in_use == 0  # given back
-    # Within the budget it works.
-    ok = post(guarded, request(user("Describe.", *urls[:3])))
-    assert ok.status_code == 200, ok.text
-
-
-def test_pixel_budget_is_checked_from_the_header_before_decoding(guarded):
-    """The second image's header claims 100x100 pixels over a truncated body: the budget
-    refuses it before its pixels are decoded (decoding would fail differently)."""
-    urls = [png_data_url(make_image(60, 60, 1)), data_url(bomb_png(100, 100))]
-    error = assert_error(post(guarded, request(user("Describe.", *urls))), 400,
-                         code="too_many_pixels")
-    assert "13,600" in error["message"]
-
-
-# -- slow clients, connection cap, body buffering ------------------------------------------
-
-GUARDED = dict(header_timeout=1.0, body_timeout=1.0, max_connections=8,
-               max_body_bytes=150_000, max_buffered_body_bytes=200_000, max_request_pixels=10_000,
-               max_total_pixels=40_000)
-
-
-@pytest.fixture(scope="module")
-def guarded(loaded):
-    with LiveServer(*loaded, **GUARDED) as live:
-        yield live
-
-
-def raw_socket(server, data: bytes = b"") -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    if data:
-        sock.sendall(data)
-    return sock
-
-
-def read_response(sock: socket.socket) -> tuple[int, dict, bytes]:
-    """One HTTP response that ends with the connection (they all say Connection: close)."""
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
-    return int(lines[0].split()[1]), headers, body
-
-
-def assert_raw_error(raw: tuple[int, dict, bytes], status: int, code: str | None = None) -> dict:
-    got, headers, body = raw
-    assert got == status, raw
-    assert headers["content-type"].startswith("application/json"), headers
-    error = json.loads(body)["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if code is not None:
-        assert error["code"] == code, error
-    return error
-
-
-def assert_serving(server) -> None:
-    response = post(server, request("hi"))
-    assert response.status_code == 200, response.text
-
-
-def open_connections(server) -> int:
-    return len(server._server.server_state.connections)
-
-
-CHAT_HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-             b"Content-Type: application/json\r\n")
-
-
-def test_headers_that_never_finish_get_408(guarded):
-    with raw_socket(guarded, CHAT_HEAD) as sock:  # no blank line: headers never end
-        assert_raw_error(read_response(sock), 408, code="request_timeout")
-    assert_serving(guarded)
-
-
-def test_headers_trickled_on_a_kept_alive_connection_get_408(guarded):
-    with raw_socket(guarded, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n") as sock:
-        first = sock.recv(65536)
-        assert first.startswith(b"HTTP/1.1 200")
-        sock.sendall(b"GET /hea")  # the next request starts, and stops
-        assert_raw_error(read_response(sock), 408, code="request_timeout")
-    assert_serving(guarded)
-
-
-def test_a_body_that_never_finishes_gets_408(guarded):
-    with raw_socket(guarded, CHAT_HEAD + b"Content-Length: 500\r\n\r\n{\"model\":") as sock:
-        error = assert_raw_error(read_response(sock), 408, code="request_timeout")
-        assert "body" in error["message"]
-    assert_serving(guarded)
-
-
-def test_connections_beyond_the_cap_are_refused_with_503(guarded):
-    assert wait_until(lambda: open_connections(guarded) == 0)
-    held = [raw_socket(guarded) for _ in range(GUARDED["max_connections"])]
-    try:
-        assert wait_until(lambda: open_connections(guarded) == GUARDED["max_connections"])
-        with raw_socket(guarded) as extra:
-            error = assert_raw_error(read_response(extra), 503, code="server_busy")
-            assert str(GUARDED["max_connections"]) in error["message"]
-    finally:
-        for sock in held:
-            sock.close()
-    assert wait_until(lambda: open_connections(guarded) == 0)
-    assert_serving(guarded)
-
-
-def test_bodies_being_read_share_a_buffer_budget(guarded):
-    budget = guarded.app.state.body_budget
-    stalled = raw_socket(guarded, CHAT_HEAD + b"Content-Length: 149000\r\n\r\n" + b" " * 140_000)
-    try:
-        assert wait_until(lambda: budget.in_use >= 140_000)
-        error = assert_error(post(guarded, request("x" * 70_000)), 503, code="server_busy")
-        assert "200000" in error["message"]
-    finally:
-        stalled.close()
-    assert wait_until(lambda: budget.in_use == 0)
-    assert_serving(guarded)
-
-
-def test_disconnect_in_the_middle_of_the_body_is_499(guarded, caplog):
-    caplog.set_level(logging.INFO, logger="mlxvlm.server")
-
-    def count_499() -> int:
-        return guarded.service.counters.by_status.get(499, 0) if guarded.service.counters.by_status else 0
-
-    before = count_499()
-    with raw_socket(guarded, CHAT_HEAD + b"Content-Length: 900\r\n\r\n{\"model\": ") as sock:
-        assert wait_until(lambda: open_connections(guarded) >= 1)
-    assert wait_until(lambda: count_499() == before + 1)
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
-    metrics = httpx.get(f"{guarded.base_url}/metrics").text
-    assert 'mlxvlm_requests_total{status="499"}' in metrics
-    assert 'mlxvlm_requests_total{status="500"}' not in metrics
-    assert_serving(guarded)
-
-
-# -- protocol-level errors ------------------------------------------------------------------
-
-@pytest.mark.parametrize("raw", [
-    CHAT_HEAD + b"Content-Length: abc\r\n\r\n{}",
-    CHAT_HEAD + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
-    CHAT_HEAD + b"Content-Length: -1\r\n\r\n{}",
-    CHAT_HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
-    CHAT_HEAD + b"Transfer-Encoding: gzip\r\n\r\n{}",
-    b"GARBAGE\r\n\r\n",
-    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n",
-], ids=["length-not-a-number", "two-lengths", "negative-length", "bad-chunk-size",
-        "unknown-transfer-coding", "no-request-line", "malformed-header"])
-def test_protocol_errors_are_openai_shaped(guarded, raw):
-    with raw_socket(guarded, raw) as sock:
-        assert_raw_error(read_response(sock), 400, code="invalid_http")
-    assert_serving(guarded)
-
-
-def test_headers_too_large_are_431_in_one_piece_or_many(guarded):
-    big = CHAT_HEAD + b"X-Big: " + b"a" * 40_000 + b"\r\n\r\nxx"
-    with raw_socket(guarded, big) as sock:  # one send: h11 alone would parse it whole
-        assert_raw_error(read_response(sock), 431, code="headers_too_large")
-    with raw_socket(guarded, CHAT_HEAD) as sock:
-        try:
-            for _ in range(5):
-                sock.sendall(b"X-More: " + b"b" * 5_000 + b"\r\n")
-            sock.sendall(b"\r\n")
-        except OSError:  # the server may answer and close before the rest is sent
-            pass
-        status, _, body = read_response(sock)
-        assert status in (400, 431) and json.loads(body)["error"]["message"]
-    assert_serving(guarded)
-
-
 # -- API keys: several, and prefix reuse confined to one ----------------------------------------
 
 def test_several_api_keys_and_per_key_prefix_reuse(loaded, tmp_path):
@@ -611,7 +419,7 @@ def test_several_api_keys_and_per_key_prefix_reuse(loaded, tmp_path):
         assert cached("key-b") > 0
         with pytest.raises(openai.AuthenticationError):
             secured.client(api_key="key-c").models.list()
-    # Without keys the cache is shared by everyone (documented in the README).
+    # Without keys the cache is shared by everyone (documented in docs/server.md).
     with LiveServer(*loaded) as open_server:
         client = open_server.client()
         client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=2,
@@ -644,29 +452,3 @@ def test_remote_and_local_media_are_off_by_default(loaded, listener, media_dir):
         assert httpx.get(f"{default.base_url}/v1/models",
                          headers={"Origin": "http://evil.example"}).headers.get(
             "access-control-allow-origin") is None
-
-
-def test_api_key(loaded):
-    with LiveServer(*loaded, api_key="sekrit",
-                    allowed_origins=["http://ui.example"]) as secured:
-        url = f"{secured.base_url}/v1/chat/completions"
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
-            response = httpx.post(url, json=request("hi"), headers=headers)
-            assert_error(response, 401, code="invalid_api_key")
-            assert response.headers["www-authenticate"].startswith("Bearer")
-        assert_error(httpx.get(f"{secured.base_url}/metrics"), 401)
-        assert httpx.get(f"{secured.base_url}/health").status_code == 200
-        with pytest.raises(openai.AuthenticationError):
-            secured.client(api_key="wrong").models.list()
-        assert secured.client().chat.completions.create(
-            model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-            temperature=0).choices
-        # CORS is on for the allowed origin only; a preflight needs no key.
-        preflight = httpx.options(url, headers={
-            "Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization,content-type"})
-        assert preflight.status_code == 200
-        assert preflight.headers["access-control-allow-origin"] == "http://ui.example"
-        denied = httpx.options(url, headers={
-            "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
-        assert "access-control-allow-origin" not in denied.headers

@@ -12,7 +12,7 @@ from tiny import make_image
 import mlxvlm
 from mlxvlm.batching import BatchEngine, SamplingOptions, batch_generate
 from mlxvlm.errors import MlxvlmError, PromptTooLongError
-from mlxvlm.prefix_cache import PrefixCache, image_hash, prompt_key
+from mlxvlm.batching.prefix_cache import PrefixCache, image_hash, prompt_key
 from mlxvlm.prompt import prepare_inputs
 
 PROMPTS = [

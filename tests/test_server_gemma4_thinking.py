@@ -15,7 +15,7 @@ from server_harness import MODEL_ID, LiveServer
 from test_server_thinking_budget import run
 
 import mlxvlm
-from mlxvlm.server.answer_parts import GEMMA4_THINK, THINK, AnswerSplitter, marker_ids, think_format
+from mlxvlm.text.answer_parts import GEMMA4_THINK, THINK, AnswerSplitter, marker_ids, think_format
 from mlxvlm.server.thinking_budget import ThinkingBudget
 
 ANSWER = "<|channel>thought\nI think so.<channel|>It is blue."

@@ -23,7 +23,7 @@ from server_harness import MODEL_ID, LiveServer
 from tiny.gemma4 import CHAT_TEMPLATE
 
 import mlxvlm
-from mlxvlm.server.answer_parts import GEMMA4_TOOLS, AnswerSplitter, marker_ids, tool_format
+from mlxvlm.text.answer_parts import GEMMA4_TOOLS, AnswerSplitter, marker_ids, tool_format
 
 SYSTEM = "{%- if thinking or messages[0]['role'] == 'system' -%}"
 CONTENT = "{%- if message['content'] is string -%}"

@@ -60,6 +60,7 @@ class RecordingLoader:
 
 
 def registry(paths, loader, **config) -> ModelRegistry:
+    config.setdefault("min_loaded_seconds", 0)  # switch as soon as a model's answers are done
     config = ServerConfig(model_id=A, model_sources=paths, **config)
     return ModelRegistry(config, loader)
 
@@ -160,9 +161,10 @@ def test_a_model_is_unloaded_only_after_its_answer(paths, one_model_answers):
         answered_b: list[str] = []
         asking_b = threading.Thread(target=lambda: answered_b.append(ask(server.client(), B)))
         asking_b.start()
-        # B's request has taken A out of the loaded models, but A keeps its engine until
-        # its answer is done: B is not loaded yet.
-        assert wait_until(lambda: models.loaded_ids() == [])
+        # B's request waits: A keeps its engine until its answer is done, and B is not
+        # loaded yet.
+        assert wait_until(lambda: models.waiting(B) == 1)
+        assert models.loaded_ids() == [A]
         assert loader.calls == [A] and not answered_b
         gate.set()
         text = (first.choices[0].delta.content or "") + "".join(
@@ -198,6 +200,41 @@ def test_idle_models_are_unloaded(paths):
         models.close()
 
 
+def test_waiting_requests_are_served_by_model_in_arrival_order(paths):
+    loader = RecordingLoader()
+    models = registry({**paths, "tiny-c": paths[A]}, loader, max_loaded_models=1)
+
+    async def scenario() -> list[str]:
+        lease_a = await models.acquire(A)
+        served: list[str] = []
+
+        async def use(model_id: str) -> None:
+            lease = await models.acquire(model_id)
+            served.append(model_id)
+            lease.release()
+
+        waiting = []
+        for model_id in ("tiny-c", B, "tiny-c"):  # C's first request came first
+            waiting.append(asyncio.ensure_future(use(model_id)))
+            await asyncio.sleep(0)
+        leaving = asyncio.ensure_future(use(B))
+        await asyncio.sleep(0)
+        leaving.cancel()  # a request given up: it is no longer waited for
+        await asyncio.sleep(0)
+        assert models.waiting() == 3 and loader.calls == [A]  # A is still in use
+        lease_a.release()
+        await asyncio.wait_for(asyncio.gather(*waiting), 60)
+        return served
+
+    try:
+        # C's two requests share one load, B's follows; the cancelled one loads nothing.
+        assert asyncio.run(scenario()) == ["tiny-c", "tiny-c", B]
+        assert loader.calls == [A, "tiny-c", B]
+        assert models.waiting() == 0
+    finally:
+        models.close()
+
+
 def test_command_line_models(tmp_path, paths):
     for name in ("one", "two"):
         (tmp_path / name).mkdir()
@@ -205,12 +242,15 @@ def test_command_line_models(tmp_path, paths):
     (tmp_path / "notes").mkdir()
     args = build_parser().parse_args(["--model", paths[A], "--models-dir", str(tmp_path),
                                       "--max-loaded-models", "2",
-                                      "--idle-unload-seconds", "300"])
+                                      "--idle-unload-seconds", "300",
+                                      "--min-loaded-seconds", "2.5"])
     config = config_from_args(args)
     assert config.model_id == paths[A]
     assert config.model_sources == {paths[A]: paths[A], "one": str(tmp_path / "one"),
                                     "two": str(tmp_path / "two")}
     assert (config.max_loaded_models, config.idle_unload_seconds) == (2, 300)
+    assert config.min_loaded_seconds == 2.5
+    assert config_from_args(build_parser().parse_args(["--model", "x"])).min_loaded_seconds == 10
     renamed = config_from_args(build_parser().parse_args(
         ["--model", paths[A], "--served-model-name", "mine"]))
     assert renamed.model_sources == {"mine": paths[A]}

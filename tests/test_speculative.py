@@ -20,6 +20,7 @@ from mlxvlm.generate.acceptance import (
     residual_distribution,
 )
 from mlxvlm.generate.drafters import PromptLookupDrafter
+from mlxvlm.text.tokenization import processor_state
 from tiny import TinyCheckpoints, make_image
 
 IMAGE = make_image(112, 84, seed=1)
@@ -143,11 +144,11 @@ def test_stop_strings_eos_and_processors_inside_drafted_runs(models):
     assert (drafted.text, drafted.finish_reason) == (plain.text, "stop")
 
     eos = full.tokens[7]  # drafted and accepted inside a pass
-    processor.eos_token_ids = processor.eos_token_ids | {eos}
+    processor_state(processor).eos_token_ids = processor_state(processor).eos_token_ids | {eos}
     try:
         drafted = generate(model, processor, PROMPT, IMAGE, max_tokens=NEW, **self_draft)
     finally:
-        processor.eos_token_ids = processor.eos_token_ids - {eos}
+        processor_state(processor).eos_token_ids = processor_state(processor).eos_token_ids - {eos}
     assert drafted.finish_reason == "stop"
     assert drafted.tokens == full.tokens[: full.tokens.index(eos) + 1]
 
@@ -258,7 +259,7 @@ def test_bad_speculation_options_are_refused(models, options, message):
 
 
 def test_the_command_line_reports_acceptance(tiny_checkpoints, tmp_path, capsys):
-    from mlxvlm.cli import run_generate_cli
+    from mlxvlm.generate.__main__ import main as run_generate_cli
 
     path = tiny_checkpoints.path("qwen2_vl", "hub")
     image = tmp_path / "picture.png"

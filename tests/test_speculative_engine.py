@@ -13,7 +13,7 @@ import mlxvlm
 from mlxvlm.batching import BatchEngine, SamplingOptions
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.speculative import Speculation
-from mlxvlm.prefix_cache import PrefixCache, image_hash
+from mlxvlm.batching.prefix_cache import PrefixCache, image_hash
 from mlxvlm.prompt import prepare_inputs
 from mlxvlm.server.config import ServerConfig
 from parity import user

@@ -1,4 +1,4 @@
-"""Structured output by constrained decoding (mlxvlm/constrained.py, llguidance): on a
+"""Structured output by constrained decoding (mlxvlm/sampling/constrained.py, llguidance): on a
 random tiny model, every answer parses and validates against its schema -- through
 ``generate`` (greedy and sampled, token budgets short and long), chat completions'
 ``response_format`` (plain, streamed, several requests batched together), the Responses

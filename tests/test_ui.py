@@ -8,6 +8,7 @@ prefix shows up as a different text.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import socket
 import threading
@@ -23,9 +24,9 @@ from playwright.sync_api import expect, sync_playwright
 import mlxvlm
 from mlxvlm.ui.app import build_app, upload_media_options
 from mlxvlm.ui.conversation import NOTICE_TITLE
-from mlxvlm.ui.session import ChatSession
+from mlxvlm.ui.session import PREPARATION, ChatSession
 from mlxvlm.ui.stats import FAILED_TURN
-from av_media import coloured_frames, write_video
+from av_media import coloured_frames, write_repeating_video, write_video
 from tiny import make_image
 
 WAIT_S = 30  # upper bound of every wait; the happy paths take well under a second each
@@ -246,6 +247,26 @@ def test_answers_one_request_at_a_time(live, pictures):
         thread.join(WAIT_S)
     for question in questions:
         assert replies[question] == live.expected([user(question, pictures[0])], 24).text
+
+
+def test_a_conversations_video_does_not_hold_up_anothers_text(live, tmp_path, monkeypatch):
+    """One conversation sends a video of 6,000 4096 x 4096 frames (the decoding bounds
+    lifted for it: tens of CPU seconds); another's text chat is answered while it
+    decodes, and closing the first turn stops its decoding."""
+    policy = live.session.media_options
+    monkeypatch.setattr(live.session, "media_options", dataclasses.replace(
+        policy, max_video_decode_pixels=None, max_decode_seconds=None))
+    video = write_repeating_video(tmp_path / "repeating.mp4", 4096, 4096, 6000)
+    stats = PREPARATION.stats
+    cancelled = stats.cancelled
+    slow = ask(live.client(), "What happens?", video)
+    wait_until(lambda: stats.preparing["media"] == 1, "the video's decoding")
+    reply, _ = answer(ask(live.client(), "Hello?"))
+    assert reply == live.expected([user("Hello?")], 24).text
+    assert stats.preparing["media"] == 1  # answered while the video was still decoding
+    slow.cancel()
+    wait_until(lambda: stats.cancelled == cancelled + 1 and stats.preparing["media"] == 0,
+               "the video's decoding to stop")
 
 
 def chromium_path() -> str:

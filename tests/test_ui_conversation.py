@@ -169,14 +169,15 @@ def test_a_failed_turn_marks_the_earlier_figures_or_says_there_are_none():
 
 def test_the_sampling_controls_start_at_the_checkpoints_generation_config(tiny_checkpoints):
     from mlxvlm import load
-    from mlxvlm.sampling_defaults import checkpoint_defaults_from
+    from mlxvlm.sampling.defaults import checkpoint_defaults_from
+    from mlxvlm.text.tokenization import processor_state
     from mlxvlm.ui.app import build_app, upload_media_options
     from mlxvlm.ui.session import ChatSession
 
     model, processor = load(tiny_checkpoints.path("qwen2_vl", "hub"))
 
     def initial_values(defaults: dict) -> dict:
-        processor.sampling_defaults = checkpoint_defaults_from(defaults)
+        processor_state(processor).sampling_defaults = checkpoint_defaults_from(defaults)
         session = ChatSession(model, processor, "tiny", media_options=upload_media_options())
         config = build_app(session).get_config_file()
         return {c["props"]["label"]: c["props"]["value"] for c in config["components"]

@@ -39,11 +39,14 @@ class Models:
     def open(self, name: str) -> ChatSession:
         model, processor = mlxvlm.load(name)
         session = ChatSession(model, processor, name, media_options=upload_media_options())
-        close = session.close
+        # Weakly: the session holding a closure over its own method would be a cycle,
+        # which only the garbage collector frees (the test below checks that unloading
+        # frees the model at once).
+        close = weakref.WeakMethod(session.close)
 
         def logged_close():
             self.closed.append(self.paths[name])
-            close()
+            close()()
 
         session.close = logged_close
         self.opened.append(self.paths[name])

@@ -1,5 +1,7 @@
 """The chat UI reads, copies and serves only files uploaded through it, each only in the
-conversation that sent it (tiny Qwen2-VL checkpoint, a live app on 127.0.0.1).
+conversation that sent it: the app as users start it (``python -m mlxvlm.ui --model A
+--model B`` in a subprocess on a free loopback port; tiny Qwen2-VL and Qwen2.5-VL
+checkpoints), its private upload folder found under the ``GRADIO_TEMP_DIR`` it is given.
 
 The attacks go over raw HTTP, as gradio_client uploads any local path it is given (on
 one machine that is a genuine upload): a client names a server path, a URL or another
@@ -23,28 +25,49 @@ import httpx
 import pytest
 from gradio_client import Client, handle_file
 
-import mlxvlm
-from mlxvlm.ui.app import build_app, upload_media_options
-from mlxvlm.ui.session import ChatSession
-from mlxvlm.ui.uploads import process_uploads
-from test_ui import WAIT_S, free_port
+from server_process import UIProcess
 from tiny import make_image
 
+WAIT_S = 120  # upper bound of every wait (a turn for the other model loads it first)
 FILE_META = {"_type": "gradio.FileData"}
-# system, temperature, top_p, max_tokens, repetition_penalty, seed, model (None: the first)
-SETTINGS = ["", 0.0, 1.0, 8, 1.0, -1, None]
+# The chat's settings by their API names; the model is left to the page's default.
+SETTINGS = {"system_prompt": "", "temperature": 0.0, "top_p": 1.0, "max_tokens": 8,
+            "repetition_penalty": 1.0, "seed": -1}
 BARE_ERROR = {"error": None}  # what Gradio tells a client about a hidden exception
 
 
 class Page:
-    """A live app spoken to in raw HTTP, as the browser's client does."""
+    """A live app spoken to in raw HTTP, as the browser's client does; ``uploads`` is its
+    process's upload folder, ``models`` the models it offers (the first by default)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, uploads: Path, models: tuple[str, ...]):
         self.url = url.rstrip("/")
+        self.uploads = uploads
+        self.models = models
         self.http = httpx.Client(timeout=WAIT_S)
         config = self.http.get(f"{self.url}/config").json()
         self.types = {c["id"]: c["type"] for c in config["components"]}
         self.dependencies = config["dependencies"]
+        # The chat's settings by component: the /chat API names its parameters, which are
+        # the chat event's inputs less its conversation state.
+        info = self.http.get(f"{self.url}/gradio_api/info").json()
+        names = [p["parameter_name"] for p in info["named_endpoints"]["/chat"]["parameters"]]
+        inputs = self.dependencies[self.event("chat")]["inputs"]
+        self.setting_ids = dict(zip(names, [i for i in inputs if self.types[i] != "state"]))
+
+    def event(self, api_name: str) -> int:
+        return next(i for i, d in enumerate(self.dependencies) if d["api_name"] == api_name)
+
+    def turn(self, fn_index: int, message: dict | None = None, **settings) -> list:
+        """The inputs of an answering event: ``message`` in the message box (if it reads
+        one), nothing in the conversation's state, ``SETTINGS`` and ``settings``."""
+        by_id = {self.setting_ids[name]: value
+                 for name, value in {**SETTINGS, **settings}.items()}
+        return [message if self.types[i] == "multimodaltextbox" else by_id.get(i)
+                for i in self.dependencies[fn_index]["inputs"]]
+
+    def folder_listing(self) -> set[str]:
+        return {str(p.relative_to(self.uploads)) for p in self.uploads.rglob("*")}
 
     def upload(self, path: Path) -> str:
         with path.open("rb") as f:
@@ -79,26 +102,23 @@ class Page:
 
 
 @pytest.fixture(scope="module")
-def live(tiny_checkpoints):
-    model, processor = mlxvlm.load(tiny_checkpoints.path("qwen2_vl", "hub"))
-    session = ChatSession(
-        model, processor, "tiny-qwen2-vl", media_options=upload_media_options()
-    ).start()
-    app = build_app(session).queue()
-    app.launch(
-        server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True
-    )
-    try:
-        yield Page(app.local_url)
-    finally:
-        app.close()
-        session.close()
+def live(tiny_checkpoints, tmp_path_factory):
+    gradio_dir = tmp_path_factory.mktemp("gradio")
+    models = tuple(str(tiny_checkpoints.path(f, "hub")) for f in ("qwen2_vl", "qwen2_5_vl"))
+    with UIProcess("--model", models[0], "--model", models[1],
+                   env={"GRADIO_TEMP_DIR": str(gradio_dir)}) as ui:
+        (uploads,) = gradio_dir.glob("mlxvlm-ui-*")  # the process's private folder
+        page = Page(ui.base_url, uploads.resolve(), models)
+        try:
+            yield page
+        finally:
+            page.http.close()
 
 
 @pytest.fixture
 def named_paths(tmp_path, live) -> dict[str, str]:
     """Files a client may name without uploading them: each kind the app must refuse."""
-    uploads = process_uploads().directory
+    uploads = live.uploads
     secret = tmp_path / "secret.png"
     make_image(40, 40, seed=7).save(secret)
     notes = tmp_path / "notes.txt"
@@ -115,6 +135,9 @@ def named_paths(tmp_path, live) -> dict[str, str]:
     shared.mkdir(parents=True)
     other_app = shared / "other.png"
     shutil.copy(secret, other_app)
+    # The folder the user chose for Gradio's files, beside the app's own inside it.
+    beside = uploads.parent / f"beside-{secrets.token_hex(4)}.png"
+    shutil.copy(secret, beside)
     uploaded = live.upload(secret)  # for the URL below
     yield {
         "image": str(secret),
@@ -124,16 +147,13 @@ def named_paths(tmp_path, live) -> dict[str, str]:
         "symlink": str(link),
         "not uploaded, in the upload folder": str(placed),
         "in Gradio's shared folder": str(other_app),
+        "in GRADIO_TEMP_DIR, beside the upload folder": str(beside),
         "public URL": "http://example.com/cat.png",
         "local URL": f"{live.url}/gradio_api/file={uploaded}",
     }
     shutil.rmtree(planted)
     shutil.rmtree(shared)
-
-
-def folder_listing() -> set[str]:
-    root = process_uploads().directory
-    return {str(p.relative_to(root)) for p in root.rglob("*")}
+    beside.unlink()
 
 
 def inputs_naming(live: Page, fn_index: int, path: str, meta: bool = True) -> list | None:
@@ -167,8 +187,9 @@ def assert_refused(result: dict, what: str) -> None:
 def test_every_event_refuses_every_named_file_alike(live, named_paths):
     events = [i for i in range(len(live.dependencies)) if inputs_naming(live, i, "x")]
     # The chat endpoint, the page's submit / retry / option chains, the chatbot syncs...
-    assert 6 in events and 0 in events and len(events) >= 10, events
-    before = folder_listing()
+    named = {live.event(n) for n in ("chat", "_clear_and_save_textbox", "option_clicked")}
+    assert named <= set(events) and len(events) >= 10, events
+    before = live.folder_listing()
     for what, path in named_paths.items():
         for meta in (True, False):
             for fn_index in events:
@@ -182,14 +203,10 @@ def test_every_event_refuses_every_named_file_alike(live, named_paths):
                     )
                     continue
                 assert_refused(result, f"{what} via {name} (meta={meta})")
-    assert folder_listing() == before, "a named file was copied or downloaded"
+    assert live.folder_listing() == before, "a named file was copied or downloaded"
     for path in named_paths.values():
-        if not path.startswith("http") and not path.startswith(str(process_uploads().directory)):
+        if not path.startswith("http") and not path.startswith(str(live.uploads)):
             assert live.download(path).status_code == 403
-
-
-def event_named(live: Page, api_name: str) -> int:
-    return next(i for i, d in enumerate(live.dependencies) if d["api_name"] == api_name)
 
 
 def message(path: str, text: str = "What is it?") -> dict:
@@ -202,27 +219,28 @@ def test_another_conversations_upload_is_never_read(live, tmp_path):
     picture = tmp_path / "theirs.png"
     make_image(40, 40, seed=5).save(picture)
     theirs = live.upload(picture)
-    assert live.call(6, [message(theirs), None, *SETTINGS], "owner")["success"]
-    before = folder_listing()
+    chat = live.event("chat")
+    assert live.call(chat, live.turn(chat, message(theirs)), "owner")["success"]
+    before = live.folder_listing()
 
     # The chat endpoint.
-    assert_refused(live.call(6, [message(theirs), None, *SETTINGS], "thief-1"), "/chat")
+    assert_refused(live.call(chat, live.turn(chat, message(theirs)), "thief-1"), "/chat")
     # The page's own chain: the textbox is saved, then answered from the saved message.
-    save, answer = event_named(live, "_clear_and_save_textbox"), event_named(live, "_submit_fn")
+    save, answer = live.event("_clear_and_save_textbox"), live.event("_submit_fn")
     assert live.call(save, [message(theirs)], "thief-2")["success"]  # only stored
-    assert_refused(live.call(answer, [None, None, *SETTINGS], "thief-2"), "_submit_fn")
+    assert_refused(live.call(answer, live.turn(answer), "thief-2"), "_submit_fn")
     # A forged history, synced into the conversation's state, then a text-only turn.
-    sync = event_named(live, "lambda")
+    sync = live.event("lambda")
     history = [{"role": "user", "content": [{"type": "file", "file": {
         "path": theirs, "meta": FILE_META}}]},
         {"role": "assistant", "content": [{"type": "text", "text": "A picture."}]}]
     assert live.call(sync, [history], "thief-3")["success"]  # only stored
     assert_refused(
-        live.call(6, [{"text": "Describe it again.", "files": []}, None, *SETTINGS],
+        live.call(chat, live.turn(chat, {"text": "Describe it again.", "files": []}),
                   "thief-3"),
         "a forged history",
     )
-    assert folder_listing() == before
+    assert live.folder_listing() == before
 
 
 def test_a_chat_history_cannot_carry_a_component(live, named_paths):
@@ -231,7 +249,7 @@ def test_a_chat_history_cannot_carry_a_component(live, named_paths):
     events = [i for i, d in enumerate(live.dependencies)
               if "chatbot" in [live.types[c] for c in d["inputs"]]]
     assert len(events) >= 5, events
-    before = folder_listing()
+    before = live.folder_listing()
     for fn_index in events:
         for meta in (False, True):
             value = {"path": named_paths["image"], **({"meta": FILE_META} if meta else {})}
@@ -242,19 +260,19 @@ def test_a_chat_history_cannot_carry_a_component(live, named_paths):
                     for c in live.dependencies[fn_index]["inputs"]]
             result = live.call(fn_index, data, f"component-{fn_index}-{meta}")
             assert_refused(result, f"{live.dependencies[fn_index]['api_name']} (meta={meta})")
-    assert folder_listing() == before, "an image named in a component was re-encoded"
+    assert live.folder_listing() == before, "an image named in a component was re-encoded"
 
 
 def test_the_event_data_cannot_name_a_file(live, named_paths):
-    option_select = event_named(live, "option_clicked")
-    before = folder_listing()
+    option_select = live.event("option_clicked")
+    before = live.folder_listing()
     for what, path in named_paths.items():
         result = live.call(
             option_select, [[]], f"attacker-option-{what}",
             event_data={"index": 0, "value": {"path": path, "meta": FILE_META}},
         )
         assert result.get("success") is False, what
-    assert folder_listing() == before
+    assert live.folder_listing() == before
 
 
 def test_an_upload_is_answered_in_its_own_conversation_only(live, tmp_path):
@@ -263,22 +281,21 @@ def test_an_upload_is_answered_in_its_own_conversation_only(live, tmp_path):
     client = Client(live.url, verbose=False)
     reply, stats = client.predict(
         {"text": "What is in the picture?", "files": [handle_file(str(picture))]},
-        *SETTINGS, api_name="/chat",
+        api_name="/chat", **SETTINGS,
     )
     assert isinstance(reply, str) and reply and "prompt tokens" in stats
     # A follow-up keeps the picture (its history is this conversation's).
-    reply, _ = client.predict({"text": "And its colour?", "files": []}, *SETTINGS,
-                              api_name="/chat")
+    reply, _ = client.predict({"text": "And its colour?", "files": []}, api_name="/chat",
+                              **SETTINGS)
     assert isinstance(reply, str) and reply
 
     # The same bytes uploaded again by someone else are theirs to use too.
+    chat = live.event("chat")
     mine = live.upload(picture)
-    result = live.call(6, [{"text": "What is it?", "files": [
-        {"path": mine, "meta": FILE_META}]}, None, *SETTINGS], "second-user")
+    result = live.call(chat, live.turn(chat, message(mine)), "second-user")
     assert result["success"] and isinstance(result["output"]["data"][0], str)
     # ... but only by them: one upload, one conversation.
-    result = live.call(6, [{"text": "What is it?", "files": [
-        {"path": mine, "meta": FILE_META}]}, None, *SETTINGS], "third-user")
+    result = live.call(chat, live.turn(chat, message(mine)), "third-user")
     assert_refused(result, "an upload taken by another conversation")
     # The uploader's copy is what the page shows, and stays downloadable by them.
     assert live.download(mine).content == picture.read_bytes()
@@ -287,10 +304,13 @@ def test_an_upload_is_answered_in_its_own_conversation_only(live, tmp_path):
 def test_a_conversation_that_chose_a_model_still_refuses_named_files(live, named_paths):
     """Choosing a model updates the attachment box and the sliders: Gradio then gives the
     conversation new instances of them, which must refuse named files as the page's do."""
-    choose, chat = event_named(live, "choose_model"), event_named(live, "chat")
-    before = folder_listing()
+    choose, chat = live.event("choose_model"), live.event("chat")
+    other = live.models[1]  # loaded by the first choice, in place of the first model
+    before = live.folder_listing()
     for what, path in named_paths.items():
         session = f"chooser-{secrets.token_hex(4)}"
-        assert live.call(choose, ["tiny-qwen2-vl"], session)["success"]
-        assert_refused(live.call(chat, [message(path), None, *SETTINGS], session), what)
-    assert folder_listing() == before
+        chosen = live.call(choose, [other], session)
+        assert chosen["success"] and other in chosen["output"]["data"][0], chosen
+        assert_refused(live.call(chat, live.turn(chat, message(path), model_name=other),
+                                 session), what)
+    assert live.folder_listing() == before

@@ -11,7 +11,7 @@ from scripted_tokens import script_tokens
 
 import mlxvlm
 from mlxvlm.batching import BatchStep
-from mlxvlm.server.answer_parts import GEMMA4_THINK, AnswerSplitter
+from mlxvlm.text.answer_parts import GEMMA4_THINK, AnswerSplitter
 from mlxvlm.ui import session as session_module
 from mlxvlm.ui.session import ChatSession
 from mlxvlm.ui.thoughts import THOUGHTS_TITLE

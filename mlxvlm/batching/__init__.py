@@ -11,12 +11,13 @@ from mlxvlm.batching.engine import (
     Deliver,
     EngineFault,
     EngineStats,
+    SequenceFault,
     SequenceHandle,
 )
-from mlxvlm.option_ranges import MAX_TOP_LOGPROBS  # noqa: F401  (its old home)
+from mlxvlm.sampling.ranges import MAX_TOP_LOGPROBS  # noqa: F401  (its old home)
 from mlxvlm.sampling import SamplingOptions
 
 __all__ = [
     "BatchEngine", "BatchStep", "DecodeBatch", "Deliver", "EngineFault", "EngineStats",
-    "SamplingOptions", "SequenceHandle", "batch_generate",
+    "SamplingOptions", "SequenceFault", "SequenceHandle", "batch_generate",
 ]

@@ -9,6 +9,10 @@ one) and rotating caches that keep the prompt's media be used there.
 The batch holds each row's latest sampled token while it is still being computed: a
 step is scheduled on those tokens (``mx.async_eval``) before they are read, so building
 step n + 1 overlaps step n's computation, as mlx-lm's batch generator does.
+
+A row is one request's alone: its processors failing while a step is built (its
+``RowSampler.failure``) or its token drawn from no real distribution (``sane``, read
+with the tokens) is its own failure, which the engine delivers to that request only.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import mlx.nn as nn
 
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.loop import generation_stream
-from mlxvlm.sampling import RowSampler, sampling_step
+from mlxvlm.sampling import RowSampler, sampled_sanely, sampling_step
 
 
 class DecodeBatch:
@@ -35,6 +39,7 @@ class DecodeBatch:
         self.state: Any = None
         self.tokens: mx.array | None = None  # (B,) each row's latest sampled token
         self.logprobs: mx.array | None = None  # (B, vocabulary) and their distributions
+        self.sane: mx.array | None = None  # (B,) whether each token's draw was sound
         self.unread: list[bool] = []  # whose latest token is not delivered yet
 
     def __len__(self) -> int:
@@ -63,9 +68,11 @@ class DecodeBatch:
             self.cache, self.state = cache, state
         token = token.reshape(1).astype(mx.int32)
         logprobs = logprobs.reshape(1, -1)
+        sane = mx.array([True])  # the engine checked the first token after the prefill
         first = not self.rows
         self.tokens = token if first else mx.concatenate([self.tokens, token])
         self.logprobs = logprobs if first else mx.concatenate([self.logprobs, logprobs])
+        self.sane = sane if first else mx.concatenate([self.sane, sane])
         self.rows.append(seq)
         self.samplers.append(seq.row)
         self.unread.append(False)
@@ -78,13 +85,14 @@ class DecodeBatch:
         self.samplers = [self.samplers[i] for i in indices]
         self.unread = [self.unread[i] for i in indices]
         if not indices:
-            self.cache = self.state = self.tokens = self.logprobs = None
+            self.cache = self.state = self.tokens = self.logprobs = self.sane = None
             return
         if self.merged:
             for layer in self.cache:
                 layer.filter(indices)
         select = mx.array(indices)
         self.tokens, self.logprobs = self.tokens[select], self.logprobs[select]
+        self.sane = self.sane[select]
         self._batch_states()
 
     def clear(self) -> None:
@@ -107,8 +115,10 @@ class DecodeBatch:
             fed = self.tokens
             logits = self.model(fed[:, None], self.cache, state=self.state, last_only=True)
             self.quantize(self.cache)
-            tokens, logprobs = sampling_step(logits[:, -1, :], self.samplers, fed)
+            tokens, logprobs = sampling_step(logits[:, -1, :], self.samplers, fed,
+                                             isolate=True)
             self.tokens = tokens.astype(mx.int32)
             self.logprobs = logprobs
-        mx.async_eval(self.tokens, self.logprobs)
+            self.sane = sampled_sanely(tokens, logprobs)
+        mx.async_eval(self.tokens, self.logprobs, self.sane)
         self.unread = [True] * len(self.rows)

@@ -10,6 +10,12 @@ stop strings and token budget; every token is sampled by the same ``sampling_ste
 ``generate``'s. Between two decode steps the engine runs at most one prefill chunk, so a long
 prompt delays the running requests by one chunk at a time.
 
+A failure of one request's own -- its logits processors raising (a grammar the parser
+gives up on), its scores turning to NaN or ruling out every token -- ends that request
+alone (``SequenceFault`` or the processor's error), at its prefill or at the decode step
+it happens in; the others in the batch go on as if it had never been there. Only a
+fault of the step itself fails the whole batch.
+
 With a ``PrefixCache``, a finished request's cache is kept, and a later prompt that
 starts with the same tokens and images (the next turn of a conversation) continues from
 it: the shared prefix is neither prefilled nor are its images encoded again.
@@ -20,8 +26,10 @@ it: the shared prefix is neither prefilled nor are its images encoded again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -33,16 +41,17 @@ import numpy as np
 from mlxvlm.batching.decode import DecodeBatch
 from mlxvlm.batching.engine_thread import EngineThread
 from mlxvlm.models.base import materialize
-from mlxvlm.errors import MlxvlmError
+from mlxvlm.errors import MlxvlmError, bounded
 from mlxvlm.generate.cache import DEFAULT_QUANTIZED_KV_START, CacheOptions
 from mlxvlm.generate.loop import embed_prompt, fit_to_context, generation_stream, prefill_chunks
 from mlxvlm.generate.speculative import Speculation, SpeculationStats, speculative_decode
 from mlxvlm.generate.state_cache import StateSnapshots, is_state_cache, turn_boundaries
 from mlxvlm.generate.text import SequenceText, eos_token_ids
-from mlxvlm.prefix_cache import PrefixCache, prompt_key
+from mlxvlm.batching.prefix_cache import PrefixCache, prompt_key
 from mlxvlm.prompt import PreparedInputs
-from mlxvlm.sampling import RowSampler, SamplingOptions, sampling_step, token_logprobs
-from mlxvlm.tokenization import generation_tokenizer
+from mlxvlm.sampling import (RowSampler, SamplingOptions, sampled_sanely, sampling_step,
+                             token_logprobs)
+from mlxvlm.text.tokenization import generation_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +78,29 @@ class EngineFault(RuntimeError):
     """The engine itself failed while running a request (a fault, not bad input); the
     exception it delivers in place of further steps. Errors that belong to one request's
     own input (raised while preparing or prefilling it) are delivered as they are."""
+
+
+class SequenceFault(EngineFault):
+    """One sequence's own step went wrong (its scores held a NaN, or its logits
+    processors between them allowed no token): it ends alone, the others go on."""
+
+
+def _fault_of(error: Exception, what: str) -> EngineFault:
+    """``error`` as the fault callers see, its message bounded (a parser's message can
+    carry its whole grammar)."""
+    fault = EngineFault(f"{what} ({type(error).__name__}: {bounded(str(error))})")
+    fault.__cause__ = error
+    return fault
+
+
+def _log_failure(error: BaseException, what: str) -> None:
+    """A bounded line for a request's own mistake; for a fault, the traceback too, but
+    the message still bounded."""
+    if isinstance(error, MlxvlmError):
+        logger.info("%s: %s", what, bounded(str(error)))
+        return
+    trace = "".join(traceback.format_tb(error.__traceback__))
+    logger.error("%s: %s: %s\n%s", what, type(error).__name__, bounded(str(error)), trace)
 
 
 class SequenceHandle:
@@ -169,7 +201,7 @@ class BatchEngine(EngineThread):
         speculation buys one sequence."""
         if max_batch_size < 1:
             raise MlxvlmError(f"max_batch_size must be at least 1, got {max_batch_size}")
-        if getattr(model, "sharding", None) is not None:
+        if model.sharding is not None:
             raise MlxvlmError(
                 "a sharded model's ranks decode one sequence in step (stream_generate; the "
                 "server's sharded engine), not batches")
@@ -235,6 +267,10 @@ class BatchEngine(EngineThread):
                 "cache has no keep); use max_batch_size 1, a larger max_kv_size or fewer "
                 "max_tokens"
             )
+        if max_tokens < options.max_tokens:
+            # The processors count the same budget the sequence stops at (a grammar
+            # closes its answer in time for it).
+            options = dataclasses.replace(options, max_tokens=max_tokens)
         key = None
         if self.prefix_cache is not None and image_hashes is not None:
             key = prompt_key(np.asarray(inputs.input_ids[0]), self.placeholders, image_hashes,
@@ -279,11 +315,10 @@ class BatchEngine(EngineThread):
             try:
                 self.step()
             except Exception as e:  # never leave callers waiting on a dead thread
-                logger.exception("the batching engine failed; failing its requests")
-                failure = EngineFault(f"the engine failed ({type(e).__name__}: {e})")
-                failure.__cause__ = e
+                _log_failure(e, "the batching engine failed; failing its requests")
+                failure = _fault_of(e, "the engine failed")
                 for seq in self._drain():
-                    self._fail(seq, failure)
+                    self._fail(seq, failure, logged=True)
 
     def _drain(self) -> list[_Sequence]:
         with self._cond:
@@ -322,11 +357,12 @@ class BatchEngine(EngineThread):
             try:
                 self._decode_step()
             except Exception as e:  # a fault in the batch fails its requests, not the engine
-                logger.exception("a decode step failed; failing the requests in the batch")
-                failure = EngineFault(f"the decode step failed ({type(e).__name__}: {e})")
-                failure.__cause__ = e
+                # (a fault of one row's own, e.g. its grammar, ends that row alone: see
+                # _decode_step)
+                _log_failure(e, "a decode step failed; failing the requests in the batch")
+                failure = _fault_of(e, "the decode step failed")
                 for seq in self._batch.rows:
-                    self._fail(seq, failure)
+                    self._fail(seq, failure, logged=True)
                 self._batch.clear()
         self._update_gauges()
 
@@ -340,9 +376,18 @@ class BatchEngine(EngineThread):
                 self._speculating = None
             self._fail(seq, e)
 
-    def _fail(self, seq: _Sequence, error: BaseException) -> None:
+    def _fail(self, seq: _Sequence, error: BaseException, logged: bool = False) -> None:
         self.stats.requests_failed += 1
+        if not logged:
+            _log_failure(error, f"request {seq.handle.id} failed")
         self._deliver(seq, error)
+
+    @staticmethod
+    def _unsound(seq: _Sequence) -> SequenceFault:
+        """A token drawn from no real distribution ends its sequence, undelivered."""
+        return SequenceFault(
+            f"generation failed at token {len(seq.generated) + 1}: the model's scores "
+            "were not numbers, or the request's options left no token to choose")
 
     def _deliver(self, seq: _Sequence, item: "BatchStep | BaseException") -> None:
         try:
@@ -439,10 +484,13 @@ class BatchEngine(EngineThread):
             )[:, -1, :]
             self.cache_options.quantize(seq.cache)
             tokens, logprobs = sampling_step(logits, [seq.row])
-            mx.eval(tokens, logprobs)
+            sane = sampled_sanely(tokens, logprobs)
+            mx.eval(tokens, logprobs, sane)
             if seq.key is not None:  # the whole prompt: where its next turn resumes
                 seq.snapshots.record(seq.cache, evaluate=True)
         seq.embeddings = None
+        if not sane.item():
+            raise self._unsound(seq)
         now = time.perf_counter()
         self.stats.time_to_first_token_sum += now - seq.submitted_at
         self.stats.time_to_first_token_count += 1
@@ -500,6 +548,7 @@ class BatchEngine(EngineThread):
         started = time.perf_counter()
         self.stats.peak_batch_size = max(self.stats.peak_batch_size, len(batch))
         rows, tokens, logprobs, unread = list(batch.rows), batch.tokens, batch.logprobs, list(batch.unread)
+        batch_sane = batch.sane
         ending = {i for i, seq in enumerate(rows) if seq.row.sampled >= seq.text.max_tokens}
         last_caches = {i: batch.extract(i) for i in ending if self._keeps_cache(rows[i])}
         going_on = [i for i in range(len(rows)) if i not in ending]
@@ -508,19 +557,25 @@ class BatchEngine(EngineThread):
             batch.step()
 
         values = tokens.tolist()
+        sane = batch_sane.tolist()
         read_logprobs = None
         if any(seq.options.top_logprobs is not None for seq in rows):
             read_logprobs = np.asarray(logprobs.astype(mx.float32))
         position = {i: p for p, i in enumerate(going_on)}
         keep, delivered = [], 0
         for i, seq in enumerate(rows):
-            if not unread[i]:  # its first token, delivered after its prefill
-                keep.append(position[i])
+            # A row's own failure ends it alone; the batch goes on without it.
+            if unread[i] and not sane[i]:
+                self._fail(seq, self._unsound(seq))
                 continue
-            delivered += 1
-            wants = seq.options.top_logprobs is not None
-            outcome = self._emit(seq, values[i], read_logprobs[i] if wants else None)
-            if outcome is _RUNNING:
+            outcome = _RUNNING  # (a first token was delivered after its prefill)
+            if unread[i]:
+                delivered += 1
+                wants = seq.options.top_logprobs is not None
+                outcome = self._emit(seq, values[i], read_logprobs[i] if wants else None)
+            if outcome is _RUNNING and seq.row.failure is not None:
+                self._fail(seq, seq.row.failure)  # its next step could not be built
+            elif outcome is _RUNNING:
                 keep.append(position[i])
             elif outcome is _CANCELLED:
                 self.stats.requests_cancelled += 1

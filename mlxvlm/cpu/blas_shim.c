@@ -1,11 +1,12 @@
 /* mlxvlm's CPU threads, and cblas_sgemm for libmlx and mlxvlm's kernels.
  *
- * mlxvlm/_backend.py compiles this file with the system C compiler once (cached), loads
- * it with RTLD_GLOBAL before OpenBLAS and libmlx so that libmlx's cblas_sgemm resolves
- * here, and passes OpenBLAS's own functions and a thread count to mlxvlm_blas_init.
+ * mlxvlm/cpu/shim_build.py compiles this file with the system C compiler once (cached);
+ * mlxvlm/cpu/blas.py loads it with RTLD_GLOBAL before OpenBLAS and libmlx, so that
+ * libmlx's cblas_sgemm resolves here, and passes OpenBLAS's own functions and a thread
+ * count (and the spin time, both from mlxvlm/cpu/policy.py) to mlxvlm_blas_init.
  *
  * 1. One pool of threads for all of mlxvlm's CPU work. The CPU kernels (attention,
- *    norms, activations, 16-bit and quantized products; mlxvlm/kernels/cpu_parallel.h)
+ *    norms, activations, 16-bit and quantized products; mlxvlm/cpu/kernels/cpu_parallel.h)
  *    find mlxvlm_pool_run here, and the float32 products below run on it too, with
  *    OpenBLAS set to one thread. With OpenBLAS's own threads next to a pool of the
  *    kernels', a SmolVLM first token lost a third of the CPU during the attention kernel

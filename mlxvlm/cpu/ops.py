@@ -20,6 +20,8 @@ and CUDA it is plain MLX, exactly as if this package did not exist.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mlxvlm.cpu import attention as _attention
 from mlxvlm.cpu import blas as _blas
 from mlxvlm.cpu import fast_math as _fast_math
@@ -39,6 +41,9 @@ gated = _fast_math.gated
 
 rotary_takes_kernel = _rotary.takes_kernel
 rotary = _rotary.rotary
+
+if TYPE_CHECKING:  # the report's type, without importing the rewrites
+    from mlxvlm.cpu.fast_paths import FastPathReport as FastPathReport
 
 __all__ = [
     "scaled_dot_product_attention", "cached_attention", "gelu_tanh", "quick_gelu", "silu",

@@ -2,24 +2,26 @@
 
 This module is a leaf: it imports only the standard library at import time, because
 ``mlxvlm`` reads it (through ``mlxvlm.cpu.blas``) before ``mlx.core`` may be imported.
-It is the only Python code that reads the backend's ``MLXVLM_*`` variables. Each
-function reads its variable when called, never once at import: the tests (and a program
-that changes its environment) set a variable and see its effect on the next call.
+It is the only code in mlxvlm, Python or C++, that reads the backend's ``MLXVLM_*``
+variables: the C++ kernels and the BLAS shim are handed the values (tests/test_cpu_policy.py
+checks that nothing else reads them). Each function reads its variable when called, never
+once at import: the tests (and a program that changes its environment) set a variable
+and see its effect on the next call.
 
-The settings, by what reads them:
+The settings, by what uses them:
 
 - before MLX loads (``blas``, ``malloc``): ``MLXVLM_NO_OPENBLAS``,
   ``MLXVLM_NO_GEMV_FORWARD`` (the BLAS shim), ``MLXVLM_CPU_THREADS`` (the one pool's
-  size, also given to the kernels), ``MLXVLM_CPU_SPIN_US``, ``MLXVLM_NO_MALLOC_TUNING``;
+  size, also handed to the kernels for their own pool when there is no shim),
+  ``MLXVLM_CPU_SPIN_US``, ``MLXVLM_NO_MALLOC_TUNING``;
 - at load and per operation: ``MLXVLM_NO_CPU_FAST_PATHS`` (everything below off),
   ``MLXVLM_NO_CPU_KERNELS`` (the C++ kernels off, MLX compositions instead),
   ``MLXVLM_CPU_DEQUANTIZE_MAX_GB`` (how many quantized weights may become float32);
 - builds (``build_cache``): ``MLXVLM_REBUILD``;
-- read by the C++ kernels themselves: ``MLXVLM_CPU_ISA`` (caps the instruction set;
-  vector_math.h), ``MLXVLM_HALF_GEMM`` ("own" or "blas": how 16-bit and quantized
-  prefill products run; half_linear.cpp), ``MLXVLM_CPU_THREADS`` too when no shim
-  handed the kernels its pool (cpu_parallel.h). Python reads ``MLXVLM_CPU_ISA`` only to
-  say that a value is ignored.
+- handed to the C++ kernels once, when ``kernels.load`` imports them, before their first
+  call: ``MLXVLM_CPU_ISA`` (caps the instruction set; vector_math.h) and
+  ``MLXVLM_HALF_GEMM`` ("own" or "blas": how 16-bit and quantized prefill products
+  run; half_linear.cpp). The kernels decide both once per process.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ NO_KERNELS_ENV = "MLXVLM_NO_CPU_KERNELS"
 DEQUANTIZE_BUDGET_ENV = "MLXVLM_CPU_DEQUANTIZE_MAX_GB"
 REBUILD_ENV = "MLXVLM_REBUILD"
 ISA_ENV = "MLXVLM_CPU_ISA"
-HALF_GEMM_ENV = "MLXVLM_HALF_GEMM"  # read in C++ only; named here for the documentation
+HALF_GEMM_ENV = "MLXVLM_HALF_GEMM"
 
 ISAS = ("avx512", "avx2", "portable")
 # How long an idle pool thread spins for the next job before it sleeps (microseconds).
@@ -99,6 +101,19 @@ def dequantize_budget_bytes() -> int:
     except (ValueError, OSError, AttributeError):
         return 0
     return total // 2
+
+
+def isa_cap() -> str:
+    """The instruction set ``MLXVLM_CPU_ISA`` caps the kernels at (one of ISAS), or "" for
+    no cap (unset, or a value the kernels ignore: see ``isa_cap_ignored``)."""
+    cap = os.environ.get(ISA_ENV, "")
+    return cap if cap in ISAS else ""
+
+
+def half_gemm() -> str:
+    """``MLXVLM_HALF_GEMM`` as set ("" when unset): "own" or "blas" chooses how prefill's
+    16-bit and quantized products run; the kernels say that any other value is ignored."""
+    return os.environ.get(HALF_GEMM_ENV, "")
 
 
 def isa_cap_ignored() -> str | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxvlm.distributed.broadcast import broadcast_object
+from mlxvlm.distributed.broadcast import barrier, broadcast_object
 from mlxvlm.distributed.group import peer_lost
 
 
@@ -32,7 +32,7 @@ class GenerationJob:
 
 def leads(model) -> bool:
     """Whether this process is rank 0 of a sharded model."""
-    plan = getattr(model, "sharding", None)
+    plan = model.sharding
     return plan is not None and plan.rank == 0
 
 
@@ -43,20 +43,26 @@ def announce(model, job: GenerationJob) -> None:
 
 
 def release(model) -> None:
-    """Rank 0: tell the other ranks there is nothing more to run (they return)."""
+    """Rank 0: tell the other ranks there is nothing more to run (they return). Returns
+    once every rank has taken the release, so that a rank that failed to take it fails
+    this one too (``RankLostError``) rather than rank 0 ending well without it."""
     if leads(model):
         broadcast_object(None, model.sharding.group)
+        barrier(model.sharding.group)
 
 
 def next_job(model) -> GenerationJob | None:
-    """The other ranks: rank 0's next job, None at the end."""
-    return broadcast_object(None, model.sharding.group)
+    """The other ranks: rank 0's next job, None at the end (the release, acknowledged)."""
+    job = broadcast_object(None, model.sharding.group)
+    if job is None:
+        barrier(model.sharding.group)
+    return job
 
 
 def peer_checked(model, tokens):
     """``tokens`` (the loop's), with a collective that fails because another rank left
     reported as ``RankLostError`` rather than MLX's bare RuntimeError."""
-    plan = getattr(model, "sharding", None)
+    plan = model.sharding
     if plan is None:
         yield from tokens
         return

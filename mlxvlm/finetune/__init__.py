@@ -6,7 +6,8 @@ vision-language model on conversations with images, saving PEFT-format adapters.
 From Python: ``finetune(FinetuneConfig(model=..., data=..., ...))``. The pieces:
 ``data`` (records from JSONL or Hugging Face datasets), ``masking`` (assistant tokens
 through the chat template), ``dataset`` (checked examples and their order), ``tuning``
-(LoRA/DoRA/full), ``trainer`` (the loop), ``checkpoints`` (atomic save, resume), ``run``.
+(LoRA/DoRA/full), ``trainer`` (the loop), ``checkpoints`` (atomic save, resume),
+``progress`` (a bar on a terminal, plain lines in a log), ``run``.
 """
 
 from mlxvlm.finetune.config import FinetuneConfig

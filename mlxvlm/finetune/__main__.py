@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Optimizer steps (default: one epoch)")
     length.add_argument("--epochs", type=_in("epochs"), default=None,
                         help="Passes over the data (default: 1 unless --iters)")
-    loop.add_argument("--learning-rate", type=_in("learning_rate"), default=None,
+    # --lr: many training scripts' name; without it argparse reads it as --lr-schedule.
+    loop.add_argument("--learning-rate", "--lr", type=_in("learning_rate"), default=None,
                       help="Peak learning rate (default: 1e-4 for lora/dora, 1e-5 for full)")
     loop.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                       help="How the learning rate changes after the warmup")

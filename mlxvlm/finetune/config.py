@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.option_ranges import POSITIVE, Range, at_least
+from mlxvlm.sampling.ranges import POSITIVE, Range, at_least
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 # Without --learning-rate: the usual starting points for adapters and for full weights.

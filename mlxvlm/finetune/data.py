@@ -28,7 +28,12 @@ from mlxvlm.errors import MlxvlmError
 
 TRAIN_FILE = "train.jsonl"
 VALID_FILE = "valid.jsonl"
+FOLDER_LAYOUT = f"a data folder holds {TRAIN_FILE} and, for validation, {VALID_FILE}"
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # http:, https:, data: ...
+# A Hub dataset id as the Hub spells one (``name`` or ``owner/name``), then ``:split``.
+_HUB_DATASET = re.compile(r"^(?:[\w.-]+/)?[\w.-]+(?::[\w.-]+)?$")
+# What datasets' save_to_disk writes in a folder (a Dataset; a DatasetDict).
+_SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
 
 
 @dataclass
@@ -138,14 +143,16 @@ class _DatasetRecords(Sequence[Record]):
 
 def load_hf_dataset(spec: str, default_split: str) -> RecordSource:
     """A dataset saved with ``save_to_disk`` (a folder), or ``name[:split]`` on the Hub."""
+    path = Path(spec).expanduser()
     try:
         import datasets
     except ImportError:
+        what = ("a dataset saved with save_to_disk" if path.is_dir()
+                else "not a local JSONL file or folder")
         raise MlxvlmError(
-            f"{spec} is not a local JSONL file or folder; reading Hugging Face datasets "
+            f"{spec} is {what}; reading Hugging Face datasets "
             "needs the `datasets` package: pip install 'mlxvlm[train]'"
         ) from None
-    path = Path(spec).expanduser()
     if path.is_dir():
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
@@ -158,8 +165,10 @@ def load_hf_dataset(spec: str, default_split: str) -> RecordSource:
     try:
         loaded = datasets.load_dataset(name, split=split)
     except Exception as exc:  # datasets raises many types for a missing name or split
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise MlxvlmError(
-            f"cannot load dataset {spec!r}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            f"cannot load dataset {spec!r} from the Hub (there is no folder or file {spec} "
+            f"here either): {reason}"
         ) from None
     return RecordSource(f"{name}:{split}", _DatasetRecords(loaded, f"{name}:{split}"))
 
@@ -167,22 +176,35 @@ def load_hf_dataset(spec: str, default_split: str) -> RecordSource:
 # ----------------------------------------------------------------------------- entry
 
 
-def open_records(spec: str | os.PathLike, *, split: str = "train") -> RecordSource:
+def looks_like_a_path(text: str) -> bool:
+    """Whether ``--data`` names a local file or folder rather than a Hub dataset: what
+    starts as a path does, ends with a separator, names a JSON(L) file or cannot be a Hub
+    id (``owner/name[:split]``)."""
+    separators = tuple(s for s in (os.sep, os.altsep) if s)
+    return (text.startswith((".", "~", *separators)) or text.endswith(separators)
+            or text.endswith((".jsonl", ".json")) or not _HUB_DATASET.match(text))
+
+
+def open_records(spec: str | os.PathLike, *, split: str = "train",
+                 flag: str = "--data") -> RecordSource:
     """Records from ``spec`` (see the module docstring). ``split`` picks ``train.jsonl``
-    or ``valid.jsonl`` in a folder, and the split of a dataset."""
+    or ``valid.jsonl`` in a folder, and the split of a dataset; ``flag`` is the option
+    that gave ``spec``, for errors."""
     path = Path(spec).expanduser()
+    text = os.fspath(spec)
     if path.is_file():
         return read_jsonl(path)
     if path.is_dir():
         name = TRAIN_FILE if split == "train" else VALID_FILE
         if (path / name).is_file():
             return read_jsonl(path / name)
-        if any(path.glob("*.jsonl")):
-            raise MlxvlmError(f"{path} has no {name} (a data folder holds {TRAIN_FILE} and {VALID_FILE})")
+        if not any((path / saved).is_file() for saved in _SAVED_DATASET_FILES):
+            raise MlxvlmError(f"{flag} {text}: the folder has no {name} ({FOLDER_LAYOUT}; or "
+                              "give a dataset saved with datasets' save_to_disk)")
         return load_hf_dataset(str(path), split)
-    text = os.fspath(spec)
-    if text.endswith(".jsonl") or text.startswith((".", "/", "~")):
-        raise MlxvlmError(f"data file {text} does not exist")
+    if looks_like_a_path(text):
+        raise MlxvlmError(f"{flag} {text}: no such folder or file (looked for "
+                          f"{path.absolute()}; {FOLDER_LAYOUT})")
     return load_hf_dataset(text, split)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.prompt import special_tokens_option
+from mlxvlm.text.tokenization import chat_template_owner
 
 
 class MaskingError(MlxvlmError):
@@ -46,9 +47,9 @@ class EncodedConversation:
 
 
 def _template_owner(processor: Any):
-    for owner in (processor, getattr(processor, "tokenizer", None)):
-        if owner is not None and getattr(owner, "chat_template", None):
-            return owner
+    owner = chat_template_owner(processor)
+    if owner is not None:
+        return owner
     raise MaskingError(
         "this checkpoint has no chat template (chat_template.jinja or in "
         "tokenizer_config.json); fine-tuning needs one to find the assistant turns"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,13 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from mlxvlm.adapters import load_adapter_weights, save_adapter
+from mlxvlm.checkpoint.adapters import load_adapter_weights, save_adapter
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.finetune import checkpoints
 from mlxvlm.finetune.config import FinetuneConfig
 from mlxvlm.finetune.data import default_validation, open_records
 from mlxvlm.finetune.dataset import ExampleSet, prepare_examples
+from mlxvlm.finetune.progress import progress, say
 from mlxvlm.finetune.trainer import LoopSettings, Trainer, learning_rate_schedule, total_steps
 from mlxvlm.finetune.tuning import apply_tuning
 
@@ -49,21 +49,9 @@ class FinetuneResult:
     tuning: Any = None  # tuning.TuningSummary: what was trained
 
 
-def _say(line: str) -> None:
-    from tqdm import tqdm
-
-    tqdm.write(line, file=sys.stderr)
-
-
-def _progress(**kwargs):
-    from tqdm import tqdm
-
-    return tqdm(dynamic_ncols=True, file=sys.stderr, **kwargs)
-
-
 def _prepare(records, processor, config: FinetuneConfig, what: str) -> ExampleSet:
-    with _progress(total=len(records), desc=f"Checking {what} records", unit="record",
-                   leave=False) as bar:
+    with progress(total=len(records), desc=f"Checking {what} records", unit="record",
+                  leave=False) as bar:
         def tick(indices):
             for index in indices:
                 yield index
@@ -74,9 +62,9 @@ def _prepare(records, processor, config: FinetuneConfig, what: str) -> ExampleSe
             skip_bad_records=config.skip_bad_records, progress=tick,
         )
     for bad in examples.skipped[:20]:
-        _say(f"skipped {bad}")
+        say(f"skipped {bad}")
     if len(examples.skipped) > 20:
-        _say(f"skipped {len(examples.skipped) - 20} more bad records")
+        say(f"skipped {len(examples.skipped) - 20} more bad records")
     return examples
 
 
@@ -108,7 +96,7 @@ def _resume(output: Path, trajectory: dict, weights: _Weights, optimizer) -> int
     """Load the newest checkpoint; returns its step (0 when there is none)."""
     found = checkpoints.list_checkpoints(output)
     if not found:
-        _say(f"no checkpoint in {checkpoints.checkpoints_dir(output)}; starting from step 0")
+        say(f"no checkpoint in {checkpoints.checkpoints_dir(output)}; starting from step 0")
         return 0
     folder = found[-1]
     state, optimizer_state = checkpoints.read_checkpoint(folder)
@@ -123,7 +111,7 @@ def _resume(output: Path, trajectory: dict, weights: _Weights, optimizer) -> int
     weights.read(folder)
     optimizer.state = optimizer_state
     mx.eval(optimizer.state)
-    _say(f"resumed from {folder} (step {state['step']})")
+    say(f"resumed from {folder} (step {state['step']})")
     return int(state["step"])
 
 
@@ -141,7 +129,7 @@ def _write_full_model(model, model_path: Path, output: Path) -> None:
     """The fine-tuned model as an MLX checkpoint in ``output`` (its own files replaced one by
     one, each atomically; ``checkpoints/`` stays)."""
     from mlxvlm.convert import staged_checkpoint
-    from mlxvlm.loading import read_config
+    from mlxvlm.checkpoint.loading import read_config
 
     config = read_config(model_path)
     source_dtype = config.get("torch_dtype") or config.get("dtype")
@@ -158,7 +146,7 @@ def _write_full_model(model, model_path: Path, output: Path) -> None:
 def finetune(config: FinetuneConfig, *, callback: Any = None) -> FinetuneResult:
     """Run ``config``; ``callback`` is an ``mlx_lm.tuner.callbacks.TrainingCallback``
     (its ``on_train_loss_report`` / ``on_val_loss_report`` get each step's figures)."""
-    from mlxvlm.loading import load, resolve_model_path
+    from mlxvlm.checkpoint.loading import load, resolve_model_path
 
     output = Path(config.output).expanduser()
     if not config.resume and checkpoints.list_checkpoints(output):
@@ -169,7 +157,7 @@ def finetune(config: FinetuneConfig, *, callback: Any = None) -> FinetuneResult:
     # The data is opened (not yet checked) first: a wrong path fails before the model loads.
     train_records = open_records(config.data, split="train")
     val_records = (
-        open_records(config.val_data, split="validation") if config.val_data
+        open_records(config.val_data, split="validation", flag="--val-data") if config.val_data
         else default_validation(config.data)
     )
     model_path = resolve_model_path(config.model, config.revision, config.trust_remote_code)
@@ -181,7 +169,7 @@ def finetune(config: FinetuneConfig, *, callback: Any = None) -> FinetuneResult:
         target_modules=config.target_modules, num_layers=config.num_layers,
         train_vision=config.train_vision,
     )
-    _say(summary.describe())
+    say(summary.describe())
 
     train_set = _prepare(train_records, processor, config, "training")
     val_set = _prepare(val_records, processor, config, "validation") if val_records else None
@@ -211,9 +199,9 @@ def finetune(config: FinetuneConfig, *, callback: Any = None) -> FinetuneResult:
         steps_per_eval=config.steps_per_eval, val_batches=config.val_batches,
         save_every=config.save_every, seed=config.seed, grad_checkpoint=config.grad_checkpoint,
     )
-    _say(f"training on {len(train_set)} examples ({train_set.num_tokens:,} tokens) for "
+    say(f"training on {len(train_set)} examples ({train_set.num_tokens:,} tokens) for "
          f"{steps} steps of {config.batch_size} x {config.grad_accumulation_steps}")
-    with _progress(total=steps, initial=start, desc="Training", unit="step") as bar:
+    with progress(total=steps, initial=start, desc="Training", unit="step") as bar:
         trainer = Trainer(model, optimizer, train_set, settings, val_set=val_set, save=save,
                           callback=callback, progress=bar)
         report = trainer.run(start)
@@ -222,7 +210,7 @@ def finetune(config: FinetuneConfig, *, callback: Any = None) -> FinetuneResult:
         _write_full_model(model, model_path, output)
     else:
         weights.write(output)
-    _say(f"saved the {'model' if config.method == 'full' else 'adapter'} to {output}")
+    say(f"saved the {'model' if config.method == 'full' else 'adapter'} to {output}")
     return FinetuneResult(
         output=output,
         steps=steps,

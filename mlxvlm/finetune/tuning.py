@@ -17,7 +17,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 
-from mlxvlm.adapters import hf_module_parts
+from mlxvlm.checkpoint.adapters import hf_module_parts
 from mlxvlm.errors import MlxvlmError
 
 METHODS = ("lora", "dora", "full")

@@ -1,15 +1,274 @@
-"""``python -m mlxvlm.generate`` (and ``mlxvlm-generate``): the command line in
-``mlxvlm.cli`` over the shared loop."""
+"""``python -m mlxvlm.generate`` (and ``mlxvlm generate``, ``mlxvlm-generate``): answer a
+prompt about images, video or audio from the command line, over the shared loop.
+
+Flag names follow mlx-lm's where they exist. User errors (a missing image, an unknown
+model type, a prompt that does not fit) print one line to stderr and exit with code 2.
+"""
 
 from __future__ import annotations
 
+import argparse
+import sys
 from typing import Sequence
+
+from mlxvlm.cli import (OneLineParser, add_model_arguments, add_sampling_arguments,
+                        add_sharding_arguments, add_speculation_arguments, launched_rank,
+                        ranged, run_cli, sharded_load)
+from mlxvlm.sampling.ranges import Range, at_least
+
+# What MLX's quantized KV cache (mx.quantize) takes.
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+class _MediaAction(argparse.Action):
+    """--image/--video/--audio: extend ``dest`` and record every source with its kind, in
+    command-line order, in ``namespace.media``, so the prompt places them as given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        getattr(namespace, self.dest).extend(values)
+        if getattr(namespace, "media", None) is None:
+            namespace.media = []
+        namespace.media.extend((self.dest, value) for value in values)
+
+
+def add_media_arguments(parser: argparse.ArgumentParser) -> None:
+    from mlxvlm.media import DEFAULT_FPS, DEFAULT_MAX_FRAMES
+
+    for kind, what in (("image", "Image"), ("video", "Video"), ("audio", "Audio (or video) file")):
+        parser.add_argument(
+            f"--{kind}",
+            action=_MediaAction,
+            nargs="+",
+            default=[],
+            help=f"{what} path, http(s) URL or data URL; repeat or list several (media "
+            "enter the prompt in command-line order)",
+        )
+    parser.set_defaults(media=None)
+    parser.add_argument(
+        "--fps", type=ranged(Range(float, 0, 1000, low_open=True)), default=None,
+        help="Video frames sampled per second (default: the model's own rate, else "
+        f"{DEFAULT_FPS:g}); which frames: as the model's transformers processor picks them",
+    )
+    parser.add_argument(
+        "--max-frames", type=ranged(at_least(1)), default=DEFAULT_MAX_FRAMES,
+        help="Most frames per video",
+    )
+
+
+def cli_media_policy():
+    """The command line reads whatever path or URL its user names, and has no media
+    options: the fixes its media errors suggest name none."""
+    from mlxvlm.media import NO_NAMES, MediaPolicy
+
+    return MediaPolicy(names=NO_NAMES)
+
+
+def load_cli_media(args: argparse.Namespace, verbose: bool = False) -> list[tuple[str, object]]:
+    """Decode the command line's images and audio in order, and check that each video
+    opens and decodes (its first frame): before the slow model load, so that a bad file
+    fails fast. Videos are sampled once the model says how (:func:`sample_cli_videos`).
+    With ``verbose``, say what was read of each audio."""
+    from mlxvlm.media import load_audio, load_image, load_video
+
+    policy = cli_media_policy()
+    loaded = []
+    for kind, source in args.media or []:
+        if kind == "video":
+            load_video(source, num_frames=1, with_audio=False, policy=policy)
+            loaded.append((kind, source))
+            continue
+        load = load_image if kind == "image" else load_audio
+        media = load(source, policy=policy)
+        if verbose and kind == "audio":
+            print(f"[mlxvlm] {media.describe()}", file=sys.stderr)
+        loaded.append((kind, media))
+    return loaded
+
+
+def sample_cli_videos(media: list[tuple[str, object]], args: argparse.Namespace, processor,
+                      verbose: bool = False) -> list[tuple[str, object]]:
+    """The videos of ``load_cli_media``'s list decoded at --fps (the model's own rate if
+    not given) and sampled as the model's video processor samples; with ``verbose``,
+    say what was sampled."""
+    from mlxvlm.media import load_video
+    from mlxvlm.media.frame_sampling import sampler_for
+
+    video_processor = getattr(processor, "video_processor", None)
+    sampler = sampler_for(video_processor) if video_processor is not None else None
+    sampled = []
+    for kind, value in media:
+        if kind == "video":
+            value = load_video(value, fps=args.fps, max_frames=args.max_frames, sampler=sampler,
+                               policy=cli_media_policy())
+            if verbose:
+                print(f"[mlxvlm] {value.describe()}", file=sys.stderr)
+        sampled.append((kind, value))
+    return sampled
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="python -m mlxvlm.generate",
+        description="Generate text from a prompt and images, video or audio with a "
+        "vision-language or omni model.",
+    )
+    add_model_arguments(parser)
+    add_media_arguments(parser)
+    parser.add_argument(
+        "--prompt", "-p", default=None,
+        help="The prompt ('-' reads it from stdin; default: 'Describe this image.', or "
+        "video/audio after the first medium's kind, without media 'Hello')",
+    )
+    parser.add_argument("--system", default=None, help="System prompt (default: none)")
+    add_sampling_arguments(parser)
+    parser.add_argument(
+        "--stop", action="append", default=None,
+        help="Stop string (repeat for several; default: none, the end-of-sequence tokens stop)",
+    )
+    parser.add_argument(
+        "--max-kv-size",
+        type=ranged(at_least(1)),
+        default=None,
+        help="Rotating KV cache of this many tokens, keeping the prompt's media tokens "
+        "(default: a full cache)",
+    )
+    parser.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None,
+                        help="Quantize the KV cache to N bits (default: not quantized)")
+    parser.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, default=64,
+                        help="Values per scale of the quantized KV cache")
+    parser.add_argument(
+        "--quantized-kv-start",
+        type=ranged(at_least(0)),
+        default=5000,
+        help="Quantize the KV cache once it holds this many tokens (with --kv-bits)",
+    )
+    parser.add_argument("--prefill-step-size", type=ranged(at_least(1)), default=2048,
+                        help="Prompt tokens per prefill chunk")
+    add_speculation_arguments(parser)
+    add_sharding_arguments(parser)
+    parser.add_argument(
+        "--verbose", action="store_true",
+        help="Print statistics, backend details and where the sampling values came from to "
+        "stderr (under mlx.launch: what each rank holds)",
+    )
+    return parser
+
+
+def _prompt_text(args: argparse.Namespace) -> str:
+    if args.prompt == "-":
+        return sys.stdin.read()
+    if args.prompt is not None:
+        return args.prompt
+    kinds = [kind for kind, _ in args.media or []]
+    return f"Describe this {kinds[0]}." if kinds else "Hello"
+
+
+def _user_turn(text: str, media: list[tuple[str, object]]) -> list[dict]:
+    """One user turn: the decoded media in command-line order, then the text."""
+    content = [{"type": kind, kind: value} for kind, value in media]
+    return [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mlxvlm.cli import run_generate_cli
+    parser = build_parser()
+    args = parser.parse_args(argv)
 
-    return run_generate_cli(argv)
+    def body() -> int:
+        if launched_rank() != 0:  # rank 0 prints the answer; this rank follows it
+            from mlxvlm.generate.follower import follow
+
+            follow(*sharded_load(args))
+            return 0
+        _generate_on_rank0(args)
+        return 0
+
+    return run_cli(body)
+
+
+def _generate_on_rank0(args: argparse.Namespace) -> None:
+    """The CLI's work alone or on rank 0: media, model, the answer printed."""
+    import mlx.core as mx
+
+    from mlxvlm.cpu import ops
+
+    # Read the media first: a bad path should fail before a slow model load.
+    media = load_cli_media(args, verbose=args.verbose)
+    if args.verbose:
+        print(f"[mlxvlm] device: {mx.default_device()}", file=sys.stderr)
+        for what, status in ops.process_status():
+            print(f"[mlxvlm] {what}: {status}", file=sys.stderr)
+    model, processor = sharded_load(args)
+    try:
+        _answer(args, model, processor, media)
+    finally:  # the other ranks return, whether the answer came or not
+        from mlxvlm.distributed.jobs import release
+
+        release(model)
+
+
+def _answer(args: argparse.Namespace, model, processor, media) -> None:
+    import mlx.core as mx
+
+    from mlxvlm.cpu import ops
+    from mlxvlm.generate import CacheOptions, SpeculationOptions, stream_generate
+
+    media = sample_cli_videos(media, args, processor, verbose=args.verbose)
+    draft = None
+    if args.draft_model is not None:
+        from mlxvlm.generate.drafters import load_draft
+
+        draft = load_draft(args.draft_model)
+    if args.verbose:
+        if model.cpu_fast_paths is not None:
+            print(f"[mlxvlm] CPU fast paths: {model.cpu_fast_paths.describe()}", file=sys.stderr)
+        if mx.default_device() == mx.cpu:
+            print(f"[mlxvlm] CPU kernels: {ops.kernels_status()}", file=sys.stderr)
+            print("[mlxvlm] compute dtype: float32 (fastest on the CPU backend)", file=sys.stderr)
+    if args.verbose:
+        from mlxvlm.sampling.defaults import resolve
+        from mlxvlm.text.tokenization import processor_state
+
+        given = {name: getattr(args, name) for name in
+                 ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        chosen = resolve(given, processor_state(processor).sampling_defaults)
+        print(f"[mlxvlm] sampling: {chosen.describe()}", file=sys.stderr)
+    last = None
+    for last in stream_generate(
+        model,
+        processor,
+        _user_turn(_prompt_text(args), media),
+        system=args.system,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        repetition_context_size=args.repetition_context_size,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=dict(args.logit_bias) if args.logit_bias else None,
+        seed=args.seed,
+        stop=args.stop,
+        cache=CacheOptions(args.max_kv_size, args.kv_bits, args.kv_group_size,
+                           args.quantized_kv_start),
+        prefill_step_size=args.prefill_step_size,
+        speculation=SpeculationOptions(draft, args.num_draft_tokens,
+                                       args.prompt_lookup_num_tokens),
+    ):
+        print(last.text, end="", flush=True)
+    print()
+    if args.verbose and last is not None:
+        print(
+            f"[mlxvlm] prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s\n"
+            f"[mlxvlm] generation: {last.generation_tokens} tokens, "
+            f"{last.generation_tps:.1f} tokens/s ({last.finish_reason})\n"
+            f"[mlxvlm] peak memory: {last.peak_memory:.3f} GB",
+            file=sys.stderr,
+        )
+        if last.speculation is not None:
+            print(f"[mlxvlm] speculation: {last.speculation.describe()}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def text_prompt(input_ids: mx.array, placeholder_ids: set[int]) -> list[int]:
 def load_draft(path: str) -> tuple[nn.Module, Any]:
     """``(model, processor)`` of a draft checkpoint: an mlxvlm family's through ``load``,
     else a text model through mlx-lm's (processor None)."""
-    from mlxvlm.loading import load
+    from mlxvlm.checkpoint.loading import load
     from mlxvlm.models import UnsupportedModelError
 
     try:

@@ -154,7 +154,7 @@ def generate_tokens(
     quantize = quantize or (lambda _: None)
     input_ids = inputs.input_ids
     total = input_ids.shape[1]
-    sharding = getattr(model, "sharding", None)
+    sharding = model.sharding
     embeddings, state, done = prefill_prompt(model, inputs, cache, prefill_step_size,
                                              quantize, progress, embedded=embedded)
 
@@ -188,7 +188,17 @@ def generate_tokens(
         token = current[0].item()
         if n == 0:
             progress(total, total)
-        yield token, current[1]
+        try:
+            yield token, current[1]
+        except GeneratorExit:
+            # The caller stopped on this token (end of sequence, a stop string) with the
+            # next step already scheduled. On a sharded model that step's collectives
+            # are still in flight: they finish here, on every rank alike, so that the
+            # group's next collective (rank 0's next job or its release) is not read
+            # into this step's.
+            if ahead and sharding is not None:
+                mx.eval(*upcoming)
+            raise
         if last:
             break
         if not ahead:
@@ -205,11 +215,7 @@ def fit_to_context(model: nn.Module, prompt_tokens: int, max_tokens: int) -> int
     if context is None:
         return max_tokens
     if prompt_tokens >= context:
-        raise PromptTooLongError(
-            f"the prompt is {prompt_tokens} tokens long but the model's context is "
-            f"{context} tokens; shorten the prompt or use fewer/smaller images, shorter "
-            "videos (or a lower --fps) or shorter audio"
-        )
+        raise PromptTooLongError.of_tokens(prompt_tokens, context)
     return min(max_tokens, context - prompt_tokens)
 
 

@@ -76,6 +76,33 @@ class SpeculationStats:
                 f"per target pass ({self.target_passes} passes)")
 
 
+@dataclass(frozen=True)
+class SpeculationOptions:
+    """Speculative decoding for one ``generate`` call: a ``draft_model`` (a model, a
+    ``(model, processor)`` pair as ``load`` returns, or a checkpoint path) drafting
+    ``num_draft_tokens`` per pass, or prompt lookup drafting ``prompt_lookup_num_tokens``
+    from the prompt's own n-grams; neither set: no speculation."""
+
+    draft_model: Any = None
+    num_draft_tokens: int = 3
+    prompt_lookup_num_tokens: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.draft_model is not None or self.prompt_lookup_num_tokens is not None
+
+    @property
+    def drafted(self) -> int:
+        """Tokens drafted per pass."""
+        if self.prompt_lookup_num_tokens is None:
+            return self.num_draft_tokens
+        return self.prompt_lookup_num_tokens
+
+    def validate(self) -> None:
+        if self.draft_model is not None and self.prompt_lookup_num_tokens is not None:
+            raise MlxvlmError("choose a draft model or prompt lookup, not both")
+
+
 def check_speculation(options: SamplingOptions, sampler: Callable | None,
                       num_draft_tokens: int) -> None:
     if num_draft_tokens < 1:

@@ -3,6 +3,7 @@ audio) through the shared token loop, as text segments with running statistics."
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Sequence
@@ -13,18 +14,23 @@ import numpy as np
 
 from mlxvlm.distributed.jobs import GenerationJob, announce, leads, peer_checked
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.generate.cache import DEFAULT_QUANTIZED_KV_START, CacheOptions
+from mlxvlm.generate.cache import CacheOptions
 from mlxvlm.generate.drafters import make_drafter
+from mlxvlm.generate.keywords import build_options, fold_keywords
 from mlxvlm.generate.loop import embed_prompt, fit_to_context, generate_tokens
-from mlxvlm.generate.speculative import SpeculationStats, check_speculation, speculative_tokens
+from mlxvlm.generate.speculative import (
+    SpeculationOptions,
+    SpeculationStats,
+    check_speculation,
+    speculative_tokens,
+)
 from mlxvlm.generate.text import GenerationOutput, OutputFolder, SequenceText, eos_token_ids
-from mlxvlm.media import MediaPolicy
+from mlxvlm.media.options import MediaOptions
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
-from mlxvlm.constrained import json_schema_constraint
+from mlxvlm.sampling.constrained import json_schema_constraint
 from mlxvlm.sampling import RowSampler, SamplingOptions, token_logprobs
-from mlxvlm.sampling_defaults import checkpoint_defaults
-from mlxvlm.sampling_defaults import resolve as resolve_sampling
-from mlxvlm.tokenization import generation_tokenizer
+from mlxvlm.sampling.defaults import resolve as resolve_sampling
+from mlxvlm.text.tokenization import generation_tokenizer, processor_state, tokenizer_of
 
 
 @dataclass
@@ -52,7 +58,7 @@ class GenerationResult:
 def sampling_options(processor: Any, **given: Any) -> SamplingOptions:
     """``SamplingOptions`` from the Python API's keywords: those left out (None) from the
     checkpoint's generation_config.json, else greedy / off; validated."""
-    chosen = resolve_sampling(given, checkpoint_defaults(processor)).values
+    chosen = resolve_sampling(given, processor_state(processor).sampling_defaults).values
     options = SamplingOptions(**{**{k: v for k, v in given.items() if v is not None}, **chosen})
     options.validate()
     return options
@@ -66,98 +72,79 @@ def stream_generate(
     *,
     video: Any = None,
     audio: Any = None,
-    fps: float | None = None,
-    max_frames: int | None = None,
-    max_tokens: int = 256,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
-    repetition_context_size: int = 20,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    logit_bias: dict[int, float] | None = None,
-    top_logprobs: int | None = None,
-    seed: int | None = None,
-    max_kv_size: int | None = None,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
-    prefill_step_size: int = 2048,
-    stop: str | Sequence[str] | None = None,
-    json_schema: dict | bool | None = None,
-    system: str | None = None,
-    raw_prompt: bool = False,
-    sampler: Callable[[mx.array], mx.array] | None = None,
-    logits_processors: Sequence[Callable] | None = None,
-    prompt_progress_callback: Callable[[int, int], None] | None = None,
-    media_policy: MediaPolicy | None = None,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    draft_model: Any = None,
-    num_draft_tokens: int = 3,
-    prompt_lookup_num_tokens: int | None = None,
+    max_tokens: int | None = None,
+    sampling: SamplingOptions | None = None,
+    cache: CacheOptions | None = None,
+    media: MediaOptions | None = None,
+    speculation: SpeculationOptions | None = None,
+    **kwargs: Any,
 ) -> Generator[GenerationResult, None, None]:
     """Generate text for a prompt (a string or chat messages) and images, videos or audio,
-    step by step (``video``/``audio`` as ``prepare_inputs`` takes them; ``fps`` and
-    ``max_frames`` say how videos are sampled, see ``mlxvlm.media.load_video``).
+    step by step (``video``/``audio`` as ``prepare_inputs`` takes them).
 
     Each result carries the new text segment (possibly empty while a multi-byte character
     or a possible stop string is pending), the token, its log-probabilities and running
     statistics; the last one has ``finish_reason`` "stop" or "length".
 
-    A sampling value left out (None) comes from the checkpoint's generation_config.json,
-    else is greedy / off (see ``mlxvlm.sampling_defaults``). ``presence_penalty``,
-    ``frequency_penalty``, ``logit_bias`` (token id -> bias) and ``top_logprobs`` mean
-    what they mean in OpenAI's API (and the server). A ``seed`` samples the same tokens
-    here as in ``batch_generate`` and the server. ``chat_template_kwargs`` go to the chat
-    template (e.g. ``{"enable_thinking": False}`` for the Qwen3 and Qwen3.5 templates).
-    ``json_schema``: the answer is JSON valid under this schema (``True``: any JSON
-    object), by constrained decoding (``mlxvlm.constrained``).
+    ``max_tokens`` (256 unless ``sampling`` sets it) and the options objects:
+    ``sampling`` (``SamplingOptions``, used as given), ``cache`` (``CacheOptions``),
+    ``media`` (``MediaOptions``: ``fps``, ``max_frames``, ``media_policy``) and
+    ``speculation`` (``SpeculationOptions``). Each field of these may be given flat
+    instead (``temperature=``, ``max_kv_size=``, ``fps=``, ``draft_model=`` ...), but not
+    both ways. A flat sampling value left out (None) comes from the checkpoint's
+    generation_config.json, else is greedy / off (see ``mlxvlm.sampling.defaults``).
+    ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` (token id -> bias) and
+    ``top_logprobs`` mean what they mean in OpenAI's API (and the server). A ``seed``
+    samples the same tokens here as in ``batch_generate`` and the server.
+
+    The other keywords: ``system``, ``raw_prompt``, ``chat_template_kwargs`` (to the chat
+    template, e.g. ``{"enable_thinking": False}`` for the Qwen3 and Qwen3.5 templates),
+    ``json_schema`` (the answer is JSON valid under this schema, ``True``: any JSON
+    object, by constrained decoding, ``mlxvlm.sampling.constrained``), ``sampler``,
+    ``logits_processors``, ``prompt_progress_callback`` and ``prefill_step_size``.
     """
-    options = sampling_options(
-        processor, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        min_p=min_p, repetition_penalty=repetition_penalty,
-        repetition_context_size=repetition_context_size, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed, stop=stop,
-        top_logprobs=top_logprobs,
-    )
+    objects = dict(sampling=sampling, cache=cache, media=media, speculation=speculation)
+    folded = fold_keywords("stream_generate", objects, kwargs)
+    plain = folded.plain
+    if sampling is not None:
+        if max_tokens is not None:
+            raise TypeError("stream_generate() got both sampling= and max_tokens=: set "
+                            "max_tokens on the SamplingOptions instead")
+        # A copy: the grammar below is set on it, and the caller may reuse theirs.
+        options = build_options(SamplingOptions, dataclasses.replace(sampling), {})
+    else:
+        options = sampling_options(processor, max_tokens=256 if max_tokens is None else max_tokens,
+                                   **folded.grouped["sampling"])
+    json_schema = plain["json_schema"]
     if json_schema is not None and json_schema is not False:
         options.constraint = json_schema_constraint(
-            getattr(processor, "tokenizer", processor), eos_token_ids(processor),
+            tokenizer_of(processor), eos_token_ids(processor),
             None if json_schema is True else json_schema)
+    prefill_step_size = plain["prefill_step_size"]
     if prefill_step_size < 1:
         raise MlxvlmError(f"prefill_step_size must be at least 1, got {prefill_step_size}")
-    cache_options = CacheOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
-    cache_options.validate()
+    cache_options = build_options(CacheOptions, cache, folded.grouped["cache"])
+    media = build_options(MediaOptions, media, folded.grouped["media"])
+    speculation = build_options(SpeculationOptions, speculation, folded.grouped["speculation"])
 
     start = time.perf_counter()
     mx.reset_peak_memory()
-    video_options = {k: v for k, v in (("fps", fps), ("max_frames", max_frames)) if v is not None}
-    inputs = prepare_inputs(
-        processor,
-        prompt,
-        image,
-        video=video,
-        audio=audio,
-        system=system,
-        raw_prompt=raw_prompt,
-        feature_names=getattr(model, "feature_names", None),
-        media_policy=media_policy,
-        video_options=video_options,
-        chat_template_kwargs=chat_template_kwargs,
-    )
+
+    def prepare(target_processor: Any, target: nn.Module, max_context: int | None = None):
+        return prepare_inputs(
+            target_processor, prompt, image, video=video, audio=audio, system=plain["system"],
+            raw_prompt=plain["raw_prompt"], feature_names=getattr(target, "feature_names", None),
+            media_policy=media.media_policy, video_options=media.video_options(),
+            chat_template_kwargs=plain["chat_template_kwargs"], max_context=max_context)
+
+    # A rotating cache (max_kv_size) takes prompts longer than the context.
+    unbounded = cache_options.max_kv_size is not None
+    inputs = prepare(processor, model, None if unbounded else model.max_context)
     yield from generate_prepared(
         model, processor, inputs, options, cache_options, prefill_step_size=prefill_step_size,
-        sampler=sampler, logits_processors=logits_processors,
-        prompt_progress_callback=prompt_progress_callback, start=start,
-        fit_context=max_kv_size is None, draft_model=draft_model,
-        num_draft_tokens=num_draft_tokens, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-        prepare_draft_inputs=lambda draft_processor, draft: prepare_inputs(
-            draft_processor, prompt, image, video=video, audio=audio, system=system,
-            raw_prompt=raw_prompt, feature_names=getattr(draft, "feature_names", None),
-            media_policy=media_policy, video_options=video_options,
-            chat_template_kwargs=chat_template_kwargs),
+        sampler=plain["sampler"], logits_processors=plain["logits_processors"],
+        prompt_progress_callback=plain["prompt_progress_callback"], start=start,
+        fit_context=not unbounded, speculation=speculation, prepare_draft_inputs=prepare,
     )
 
 
@@ -175,17 +162,15 @@ def generate_prepared(
     start: float | None = None,
     fit_context: bool = True,
     job: GenerationJob | None = None,
-    draft_model: Any = None,
-    num_draft_tokens: int = 3,
-    prompt_lookup_num_tokens: int | None = None,
+    speculation: SpeculationOptions | None = None,
     prepare_draft_inputs: Callable | None = None,
 ) -> Generator[GenerationResult, None, None]:
     """``stream_generate`` from its prepared inputs and resolved options on. On rank 0 of
     a sharded model it runs the towers and sends the other ranks the job first; they come
-    here with that ``job`` (``mlxvlm.distributed.follower``). ``prepare_draft_inputs(
+    here with that ``job`` (``mlxvlm.generate.follower``). ``prepare_draft_inputs(
     processor, draft)``: the prompt as a draft model's own processor prepares it."""
-    speculates = draft_model is not None or prompt_lookup_num_tokens is not None
-    if speculates and getattr(model, "sharding", None) is not None:
+    speculates = speculation is not None and speculation.enabled
+    if speculates and model.sharding is not None:
         raise MlxvlmError("speculative decoding does not run on a sharded model yet: "
                           "leave out --draft-model and --prompt-lookup-num-tokens")
     start = time.perf_counter() if start is None else start
@@ -208,28 +193,27 @@ def generate_prepared(
         cache=cache, max_tokens=max_tokens, row=row, prefill_step_size=prefill_step_size,
         quantize=cache_options.quantize, prompt_progress_callback=prompt_progress_callback,
     )
-    speculation = None
+    stats = None
     if speculates:
-        if draft_model is not None and prompt_lookup_num_tokens is not None:
-            raise MlxvlmError("choose a draft model or prompt lookup, not both")
-        drafted = (num_draft_tokens if prompt_lookup_num_tokens is None
-                   else prompt_lookup_num_tokens)
-        check_speculation(options, sampler, drafted)
+        speculation.validate()
+        check_speculation(options, sampler, speculation.drafted)
         drafter = make_drafter(
-            model, inputs, options, draft_model=draft_model,
-            prompt_lookup=prompt_lookup_num_tokens is not None,
+            model, inputs, options, draft_model=speculation.draft_model,
+            prompt_lookup=speculation.prompt_lookup_num_tokens is not None,
             prepare_draft_inputs=prepare_draft_inputs,
             prefill_step_size=prefill_step_size,
         )
-        speculation = SpeculationStats()
+        stats = SpeculationStats()
         tokens = speculative_tokens(model, inputs, options=options, drafter=drafter,
-                                    num_draft_tokens=drafted, stats=speculation, **loop_options)
+                                    num_draft_tokens=speculation.drafted, stats=stats,
+                                    **loop_options)
     else:
         tokens = generate_tokens(model, inputs, embedded=embedded, **loop_options)
 
     prompt_tps = 0.0
     decode_start = start
-    for n, (token, logprobs) in enumerate(peer_checked(model, tokens)):
+    steps = peer_checked(model, tokens)
+    for n, (token, logprobs) in enumerate(steps):
         if n == 0:
             decode_start = time.perf_counter()
             prompt_tps = prompt_tokens / (decode_start - start)
@@ -245,7 +229,7 @@ def generate_prepared(
             generation_tps=(n + 1) / elapsed if elapsed > 0 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish_reason,
-            speculation=speculation,
+            speculation=stats,
             stop_string=text.stop_string,
         )
         if options.top_logprobs is not None:
@@ -254,6 +238,10 @@ def generate_prepared(
                 values, token, options.top_logprobs)
         yield result
         if finish_reason is not None:
+            # Closed now rather than whenever it is collected: on a sharded model this
+            # finishes the step the loop scheduled ahead, before the group's next
+            # collective (see generate_tokens), and a rank lost then is raised here.
+            steps.close()
             break
 
 

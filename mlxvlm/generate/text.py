@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from mlxvlm.tokenization import generation_tokenizer
+from mlxvlm.text.tokenization import processor_state
 
 
 class StopStrings:
@@ -97,8 +97,7 @@ class SequenceText:
 
 def eos_token_ids(processor: Any) -> set[int]:
     """Every end-of-sequence id (config.json, generation_config.json and tokenizer)."""
-    tokenizer = generation_tokenizer(processor)
-    return set(getattr(processor, "eos_token_ids", None) or tokenizer.eos_token_ids)
+    return set(processor_state(processor).eos_token_ids)
 
 
 @dataclass

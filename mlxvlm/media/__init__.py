@@ -7,10 +7,14 @@ input (shortened), says what was wrong and what to do about it.
 The package is layered so that video and audio reuse the lower half:
 
 - ``errors``     -- :class:`MediaError`, :func:`describe_source`
-- ``policy``     -- :class:`MediaPolicy`
+- ``policy``     -- :class:`MediaPolicy`; ``options`` -- :class:`MediaOptions` (a
+                    ``generate`` call's video sampling and policy); ``option_names`` -- what each entry point calls
+                    its options, for the fixes errors suggest
 - ``sources``    -- a path, http(s) URL (``public_net``: public addresses only), data URL
                     or bytes to encoded bytes, under the policy
 - ``budget``     -- :class:`PixelBudget`, a server's pixels across the requests it prepares
+- ``decode_work`` -- what decoding a request's video and audio costs (frames, pixels, CPU
+                    seconds) against the policy, and its cancellation (``preparing``)
 - ``images``     -- :func:`load_image`, :func:`load_images`
 - ``containers`` -- PyAV's containers opened safely over any source
 - ``audio``, ``video`` -- :func:`load_audio`, :func:`load_video` (frames sampled at ``fps``
@@ -19,8 +23,9 @@ The package is layered so that video and audio reuse the lower half:
 Decoding untrusted input is the risky part, so the limits are enforced as early as
 possible: ``max_bytes`` before a body is read in full (Content-Length, file size, base64
 length), ``max_pixels`` from the image header before any pixel data is decoded, a video's
-frame size from its header and the pixels of all its sampled frames before decoding, and
-an audio's length while it is decoded.
+frame size (``max_image_pixels``, as for an image), frame count and decoded pixels from
+its container before decoding and again while decoding, the CPU time of decoding and an
+audio's length while it is decoded.
 """
 
 from mlxvlm.media.audio import (
@@ -32,12 +37,18 @@ from mlxvlm.media.audio import (
     resample_audio,
 )
 from mlxvlm.media.budget import PixelBudget, PixelBudgetError, default_pixel_budget
-from mlxvlm.media.errors import MediaError, describe_source
+from mlxvlm.media.decode_work import PreparationCancelled, preparing
+from mlxvlm.media.errors import MediaError, MediaLimitError, describe_source
 from mlxvlm.media.images import ImageSource, load_image, load_images
+from mlxvlm.media.option_names import NO_NAMES, OptionNames
+from mlxvlm.media.options import MediaOptions
 from mlxvlm.media.policy import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_PIXELS,
     DEFAULT_TIMEOUT,
+    SERVED_MAX_DECODE_SECONDS,
+    SERVED_MAX_VIDEO_DECODE_PIXELS,
+    SERVED_MAX_VIDEO_FRAMES,
     MediaPolicy,
 )
 from mlxvlm.media.video import (
@@ -52,7 +63,9 @@ from mlxvlm.media.video import (
 )
 
 __all__ = [
-    "MediaError", "MediaPolicy", "ImageSource", "load_image", "load_images",
+    "MediaError", "MediaLimitError", "MediaOptions", "MediaPolicy", "OptionNames", "NO_NAMES",
+    "PreparationCancelled", "preparing", "SERVED_MAX_VIDEO_FRAMES",
+    "SERVED_MAX_VIDEO_DECODE_PIXELS", "SERVED_MAX_DECODE_SECONDS", "ImageSource", "load_image", "load_images",
     "describe_source", "Video", "Audio", "load_video", "load_audio", "resample_audio",
     "fit_pixel_budget", "sample_frame_indices", "PixelBudget", "PixelBudgetError",
     "default_pixel_budget", "DEFAULT_TIMEOUT", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_PIXELS",

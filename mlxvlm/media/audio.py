@@ -16,6 +16,7 @@ from mlxvlm.media.containers import (
     media_file,
     open_container,
 )
+from mlxvlm.media.decode_work import Decoding
 from mlxvlm.media.errors import describe_source, error
 from mlxvlm.media.policy import MediaPolicy
 
@@ -63,11 +64,13 @@ class AudioCollector:
     """Decoded audio frames -> one mono float32 track at ``rate`` Hz, at most
     ``max_seconds`` long (``strict``: longer is an error, else the rest is dropped)."""
 
-    def __init__(self, stream, rate: int | None, max_seconds: float, name: str, strict: bool):
+    def __init__(self, stream, rate: int | None, max_seconds: float, name: str, strict: bool,
+                 raise_it: str = ""):
         self.rate = rate or stream.rate
         self.source_rate, self.source_channels = stream.rate, stream.channels
         self.limit = int(max_seconds * self.rate)
         self.name, self.strict = name, strict
+        self.raise_it = raise_it  # the end of the fix when strict: OptionNames.raise_fix
         self.resampler = None
         self.chunks: list[np.ndarray] = []
         self.length = 0
@@ -95,7 +98,7 @@ class AudioCollector:
             if self.strict:
                 raise error("audio", self.name,
                             f"it is longer than the limit of {self.limit / self.rate:g} s",
-                            "cut it shorter, or raise max_seconds")
+                            f"cut it shorter{self.raise_it}")
             samples = samples[: self.limit - self.length]
             self.cut = True
         self.chunks.append(samples)
@@ -110,16 +113,21 @@ class AudioCollector:
 
 
 def _decode_audio(file, *, name: str, hint: str, sampling_rate: int | None,
-                  max_seconds: float) -> Audio:
+                  max_seconds: float, policy: MediaPolicy) -> Audio:
     import av
 
-    with open_container(file, kind="audio", name=name, hint=hint) as container:
+    with Decoding(policy, "audio", name) as work, \
+            open_container(file, kind="audio", name=name, hint=hint) as container:
         if not container.streams.audio:
             raise error("audio", name, "the file has no audio stream", AUDIO_FIX)
         stream = container.streams.audio[0]
-        collector = AudioCollector(stream, sampling_rate, max_seconds, name, strict=True)
+        if work.single_threaded:
+            stream.thread_count = 1
+        collector = AudioCollector(stream, sampling_rate, max_seconds, name, strict=True,
+                                   raise_it=policy.names.raise_fix("max_audio_seconds"))
         try:
             for frame in container.decode(stream):
+                work.step()
                 collector.add(frame)
             collector.flush()
         except av.FFmpegError as e:
@@ -155,7 +163,7 @@ def resample_audio(samples: np.ndarray, from_rate: int, to_rate: int, *,
 
 
 def _audio_from_array(samples: np.ndarray, rate: int | None, *, name: str,
-                      max_seconds: float) -> Audio:
+                      max_seconds: float, raise_it: str) -> Audio:
     fix = "pass a 1-D float array of mono samples in [-1, 1] with its sampling_rate"
     if rate is None:
         raise error("audio", name, "an array of samples needs its sampling rate", fix)
@@ -166,7 +174,7 @@ def _audio_from_array(samples: np.ndarray, rate: int | None, *, name: str,
         raise error("audio", name, "the array is empty", fix)
     if samples.size > max_seconds * rate:
         raise error("audio", name, f"it is longer than the limit of {max_seconds:g} s",
-                    "cut it shorter, or raise max_seconds")
+                    f"cut it shorter{raise_it}")
     if not np.isfinite(samples).all():
         raise error("audio", name, "the samples contain NaN or infinity", fix)
     return Audio(samples.astype(np.float32), int(rate), name, int(rate), 1)
@@ -195,17 +203,20 @@ def load_audio(
     check_positive("audio", name, max_seconds=max_seconds)
     if sampling_rate is not None:
         check_positive("audio", name, sampling_rate=sampling_rate)
+    raise_it = policy.names.raise_fix("max_audio_seconds")
     if isinstance(source, Audio):
         audio = source
     elif isinstance(source, tuple) and len(source) == 2 and isinstance(source[0], np.ndarray):
-        audio = _audio_from_array(source[0], source[1], name=name, max_seconds=max_seconds)
+        audio = _audio_from_array(source[0], source[1], name=name, max_seconds=max_seconds,
+                                  raise_it=raise_it)
     elif isinstance(source, np.ndarray):
-        audio = _audio_from_array(source, sampling_rate, name=name, max_seconds=max_seconds)
+        audio = _audio_from_array(source, sampling_rate, name=name, max_seconds=max_seconds,
+                                  raise_it=raise_it)
     elif isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
         file, hint = media_file(source, kind="audio", policy=policy, max_bytes=max_bytes)
         with file:
             return _decode_audio(file, name=name, hint=hint, sampling_rate=sampling_rate,
-                                 max_seconds=max_seconds)
+                                 max_seconds=max_seconds, policy=policy)
     else:
         raise error("audio", name, f"unsupported source type {type(source).__name__}",
                     "pass a path, an http(s) or data URL, bytes, or a float array with its "

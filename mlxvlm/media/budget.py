@@ -24,6 +24,7 @@ class PixelBudgetError(MediaError):
     def __init__(self, message: str, *, shared: bool):
         super().__init__(message)
         self.shared = shared
+        self.limit = "max_total_pixels" if shared else "max_request_pixels"
 
 
 def physical_memory() -> int | None:

@@ -8,7 +8,7 @@ import io
 import os
 from pathlib import Path
 
-from mlxvlm.media.errors import MediaError, error
+from mlxvlm.media.errors import MediaError, error, with_article
 from mlxvlm.media.policy import MediaPolicy
 from mlxvlm.media.sources import open_regular_file, read_source_bytes
 
@@ -23,16 +23,18 @@ def check_positive(kind: str, name: str, **positive: float) -> None:
                         f"pass a positive {option}")
 
 
-def _open_stream(path: Path, *, max_bytes: int, no_follow: bool, kind: str, name: str):
+def _open_stream(path: Path, *, max_bytes: int, no_follow: bool, kind: str, name: str,
+                 raise_it: str = ""):
     """A local file opened for PyAV to read as it goes (large videos stay on disk)."""
-    fd = open_regular_file(path, max_bytes=max_bytes, no_follow=no_follow, kind=kind, name=name)
+    fd = open_regular_file(path, max_bytes=max_bytes, no_follow=no_follow, kind=kind, name=name,
+                           raise_it=raise_it)
     return os.fdopen(fd, "rb")
 
 
 def media_file(source, *, kind: str, policy: MediaPolicy, max_bytes: int):
     """A seekable binary file over the source's encoded bytes, and a decoding hint."""
     data, hint = read_source_bytes(source, kind=kind, policy=policy, max_bytes=max_bytes,
-                                   local_reader=_open_stream)
+                                   bytes_option="max_bytes", local_reader=_open_stream)
     return (io.BytesIO(data) if isinstance(data, bytes) else data), hint
 
 
@@ -56,7 +58,8 @@ def open_container(file, *, kind: str, name: str, hint: str):
                     fix) from e
     if container.format.name.endswith("_pipe") or container.format.name == "image2":
         container.close()
-        raise error(kind, name, f"it is an image ({container.format.name}), not a {kind}",
+        raise error(kind, name, f"it is an image ({container.format.name}), not "
+                    f"{with_article(kind)} file",
                     f"pass it as an image, or {fix}")
     return container
 

@@ -26,6 +26,15 @@ class MediaError(MlxvlmError, ValueError):
     """
 
 
+class MediaLimitError(MediaError):
+    """An input passes one of the limits on what decoding it may cost; ``limit`` names
+    the ``MediaPolicy`` field (for counting refusals by limit)."""
+
+    def __init__(self, message: str, *, limit: str):
+        super().__init__(message)
+        self.limit = limit
+
+
 def _shorten(text: str, limit: int = _NAME_LIMIT) -> str:
     """Shorten from the middle, so both the start and the file name stay visible."""
     if len(text) <= limit:
@@ -83,6 +92,10 @@ def error(kind: str, name: str, reason: str, fix: str | None = None) -> MediaErr
     return MediaError(message)
 
 
+def limit_error(kind: str, name: str, reason: str, fix: str, *, limit: str) -> MediaLimitError:
+    return MediaLimitError(str(error(kind, name, reason, fix)), limit=limit)
+
+
 def with_article(kind: str) -> str:
     return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
 
@@ -91,8 +104,7 @@ def mb(n: int) -> str:
     return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n} bytes"
 
 
-def too_big(kind: str, name: str, size: str, max_bytes: int) -> MediaError:
-    return error(
-        kind, name, f"{size} is larger than the limit of {mb(max_bytes)}",
-        "use a smaller file, or raise max_bytes",
-    )
+def too_big(kind: str, name: str, size: str, max_bytes: int, raise_it: str = "") -> MediaError:
+    """``raise_it``: ``OptionNames.raise_fix`` of the option that sets ``max_bytes``."""
+    return error(kind, name, f"{size} is larger than the limit of {mb(max_bytes)}",
+                 f"use a smaller file{raise_it}")

@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from mlxvlm.media.budget import charge_pixels
-from mlxvlm.media.errors import MediaError, describe_source, error
+from mlxvlm.media.errors import MediaError, describe_source, error, limit_error
 from mlxvlm.media.policy import MediaPolicy
 from mlxvlm.media.sources import read_source_bytes
 
@@ -25,23 +25,25 @@ logger = logging.getLogger(__name__)
 ImageSource = Union[Image.Image, str, "os.PathLike[str]", bytes, bytearray, memoryview, np.ndarray]
 
 _warnings_lock = threading.Lock()
+TRUSTED = " if you trust the source"
 
 
-def _check_pixels(width: int, height: int, max_pixels: int, name: str) -> None:
+def _check_pixels(width: int, height: int, max_pixels: int, name: str, raise_it: str) -> None:
     if width <= 0 or height <= 0:
         raise error("image", name, f"the image has no pixels ({width}x{height})",
                     "check the image")
     if width * height > max_pixels:
-        raise error(
+        raise limit_error(
             "image", name,
             f"the image is {width}x{height} = {width * height:,} pixels, more than the "
             f"limit of {max_pixels:,}",
-            "downscale it, or raise max_pixels if you trust the source",
+            f"downscale it{raise_it}", limit="max_image_pixels",
         )
 
 
 
-def _decode_image(data: bytes, *, max_pixels: int, name: str, hint: str = "") -> Image.Image:
+def _decode_image(data: bytes, *, max_pixels: int, name: str, raise_it: str,
+                  hint: str = "") -> Image.Image:
     """Decode encoded image bytes, checking the pixel count before decoding any pixels."""
     try:
         with _warnings_lock, warnings.catch_warnings():
@@ -59,7 +61,7 @@ def _decode_image(data: bytes, *, max_pixels: int, name: str, hint: str = "") ->
     except Exception as e:  # plugins raise many types on malformed headers
         raise error("image", name, f"the image header is corrupt ({e.__class__.__name__}: {e})",
                     "check that the file is a complete image") from e
-    _check_pixels(image.width, image.height, max_pixels, name)
+    _check_pixels(image.width, image.height, max_pixels, name, raise_it)
     charge_pixels(image.width * image.height, name)
     try:
         image.load()
@@ -101,7 +103,8 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def _image_from_array(array: np.ndarray, *, max_pixels: int, name: str) -> Image.Image:
+def _image_from_array(array: np.ndarray, *, max_pixels: int, name: str,
+                      raise_it: str) -> Image.Image:
     fix = "pass a uint8 array of shape (H, W), (H, W, 3) or (H, W, 4)"
     if array.dtype != np.uint8:
         raise error("image", name, f"the array has dtype {array.dtype}, not uint8", fix)
@@ -109,7 +112,7 @@ def _image_from_array(array: np.ndarray, *, max_pixels: int, name: str) -> Image
         array = array[:, :, 0]
     if not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))):
         raise error("image", name, f"the array has shape {tuple(array.shape)}", fix)
-    _check_pixels(array.shape[1], array.shape[0], max_pixels, name)
+    _check_pixels(array.shape[1], array.shape[0], max_pixels, name, raise_it)
     # This shares the caller's buffer; load_image's _exif_transpose makes the copy.
     return Image.fromarray(np.ascontiguousarray(array))
 
@@ -143,11 +146,17 @@ def load_image(
     :class:`MediaError`.
     """
     policy = MediaPolicy.of(policy, **access)
+    # A fix names the option that set the limit: the argument, or the policy's field.
+    bytes_option = "max_image_bytes" if max_bytes is None else "max_bytes"
     max_bytes = policy.max_image_bytes if max_bytes is None else max_bytes
-    max_pixels = policy.max_image_pixels if max_pixels is None else max_pixels
+    if max_pixels is None:
+        max_pixels = policy.max_image_pixels
+        pixels_fix = policy.names.raise_fix("max_image_pixels", TRUSTED)
+    else:
+        pixels_fix = f", or raise max_pixels{TRUSTED}"
     name = describe_source(source)
     if isinstance(source, Image.Image):
-        _check_pixels(source.width, source.height, max_pixels, name)
+        _check_pixels(source.width, source.height, max_pixels, name, pixels_fix)
         try:
             source.load()
         except Exception as e:
@@ -155,11 +164,13 @@ def load_image(
                         "check that the file is a complete image") from e
         image = source
     elif isinstance(source, np.ndarray):
-        image = _image_from_array(source, max_pixels=max_pixels, name=name)
+        image = _image_from_array(source, max_pixels=max_pixels, name=name,
+                                  raise_it=pixels_fix)
     elif isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
         data, hint = read_source_bytes(source, kind="image", policy=policy,
-                                       max_bytes=max_bytes)
-        image = _decode_image(data, max_pixels=max_pixels, name=name, hint=hint)
+                                       max_bytes=max_bytes, bytes_option=bytes_option)
+        image = _decode_image(data, max_pixels=max_pixels, name=name, raise_it=pixels_fix,
+                              hint=hint)
     else:
         raise error(
             "image", name, f"unsupported source type {type(source).__name__}",

@@ -1,9 +1,13 @@
-"""Where media may come from: one frozen :class:`MediaPolicy` that every loader reads its
-source under, from the caller down to the bytes (``sources``), instead of five keyword
+"""Where media may come from and what decoding them may cost: one frozen
+:class:`MediaPolicy` that every loader reads its source under, from the caller down to the
+bytes (``sources``) and the decoder (``decode_work``), instead of a dozen keyword
 arguments passed through each signature.
 
-An image's limits are part of it (a server sets them once for every image it reads); a
-video's and an audio's are their loaders' own arguments, since they differ by kind.
+An image's limits are part of it (a server sets them once for every image it reads), as
+are the bounds on a video decoder's work; how many frames to sample and the sound track's
+length are their loaders' own arguments, since they describe what is wanted, not what
+may be spent. ``names`` says what the caller's entry point calls each option, for the
+fixes errors suggest.
 """
 
 from __future__ import annotations
@@ -14,10 +18,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mlxvlm.media.option_names import PYTHON_NAMES, OptionNames
+
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_BYTES = 50 * 2**20
 # Pillow's own default for Image.MAX_IMAGE_PIXELS (~ a 13k x 13k image).
 DEFAULT_MAX_PIXELS = 178_956_970
+
+# What an entry point that decodes strangers' media (the server, the chat UI) lets the
+# videos of one request cost; the Python API and the generate CLI, which decode the
+# caller's own files, bound nothing by default. Every frame is decoded to sample from it,
+# so a video's cost is its frames times their size, whatever is kept: a 10-minute video at
+# 30 fps is 18,000 frames; 10 G pixels are ~4,800 1080p frames or ~10,800 720p ones; a
+# decoder thread does a few hundred million pixels per CPU second on a slow core.
+SERVED_MAX_VIDEO_FRAMES = 18_000
+SERVED_MAX_VIDEO_DECODE_PIXELS = 10_000_000_000
+SERVED_MAX_DECODE_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -32,7 +48,17 @@ class MediaPolicy:
       and link-local targets are refused (the server sets it).
     - ``timeout``: seconds for each network operation and for the whole download.
     - ``max_image_bytes``, ``max_image_pixels``: :func:`~mlxvlm.media.load_image`'s
-      ``max_bytes`` and ``max_pixels`` when it is not given them.
+      ``max_bytes`` and ``max_pixels`` when it is not given them; ``max_image_pixels`` is
+      also the largest video frame (``load_video``'s ``max_frame_pixels``).
+    - ``max_video_frames``: the most frames a video may hold (each is decoded, whichever
+      are kept), from the container before decoding and counted while decoding.
+    - ``max_video_decode_pixels``: the pixels of all frames decoded for one request's
+      videos (one ``load_video`` call outside a server's request), from the container's
+      claims before decoding and counted while decoding.
+    - ``max_decode_seconds``: CPU seconds decoding one request's videos and audio; a
+      decoder under this bound runs on the caller's thread only, so that all of its work
+      is counted.
+    - None: no bound. ``names``: what the caller's entry point calls each option.
     """
 
     allow_remote: bool = True
@@ -42,6 +68,10 @@ class MediaPolicy:
     timeout: float | None = DEFAULT_TIMEOUT
     max_image_bytes: int = DEFAULT_MAX_BYTES
     max_image_pixels: int = DEFAULT_MAX_PIXELS
+    max_video_frames: int | None = None
+    max_video_decode_pixels: int | None = None
+    max_decode_seconds: float | None = None
+    names: OptionNames = PYTHON_NAMES
 
     @classmethod
     def of(cls, policy: "MediaPolicy | Mapping[str, Any] | None" = None, /,
@@ -61,6 +91,34 @@ class MediaPolicy:
                             f"MediaPolicy has {', '.join(sorted(_FIELDS))}")
         base = policy or _DEFAULT
         return dataclasses.replace(base, **options) if options else base
+
+    @classmethod
+    def served(cls, **options: Any) -> "MediaPolicy":
+        """A policy for strangers' media: the decoding bounds ``SERVED_*`` (``options``
+        replace any field)."""
+        bounds = dict(max_video_frames=SERVED_MAX_VIDEO_FRAMES,
+                      max_video_decode_pixels=SERVED_MAX_VIDEO_DECODE_PIXELS,
+                      max_decode_seconds=SERVED_MAX_DECODE_SECONDS)
+        return cls(**{**bounds, **options})
+
+    def other_ways(self, besides: str) -> str:
+        """``"send the file as a data URL or ..."``: the ways this policy takes a file
+        other than ``besides`` (``"remote"``, ``"local"``)."""
+        ways = ["a data URL"]
+        if self.allow_remote and besides != "remote":
+            ways.append("an http(s) URL")
+        if self.allow_local and besides != "local":
+            ways.append("a local path" + (" inside the allowed folder" if self.allowed_dir
+                                          else ""))
+        return "send the file as " + " or ".join(ways)
+
+    def refused_fix(self, refused: str) -> str:
+        """The fix for a source refused by its kind (``"remote"``, ``"local"``): the
+        other ways, and the option that allows this one where the entry point has it."""
+        option = getattr(self.names, f"allow_{refused}")
+        what = {"remote": "remote URLs", "local": "local files"}[refused]
+        fix = self.other_ways(besides=refused)
+        return f"{fix}, or allow {what} with {option}" if option else fix
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(MediaPolicy))

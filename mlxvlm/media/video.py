@@ -24,10 +24,11 @@ from mlxvlm.media.containers import (
     media_file,
     open_container,
 )
-from mlxvlm.media.errors import MediaError, describe_source, error
+from mlxvlm.media.decode_work import Decoding
+from mlxvlm.media.errors import MediaError, describe_source, error, limit_error
 from mlxvlm.media.frame_sampling import FALLBACK_FPS, FrameSampler
-from mlxvlm.media.images import load_image
-from mlxvlm.media.policy import DEFAULT_MAX_PIXELS, MediaPolicy
+from mlxvlm.media.images import TRUSTED, load_image
+from mlxvlm.media.policy import MediaPolicy
 
 DEFAULT_FPS = FALLBACK_FPS
 # Qwen's reference utilities (qwen-vl-utils) sample at most 768 frames.
@@ -107,82 +108,115 @@ def downscale_note(width: int, height: int, out_w: int, out_h: int, max_pixels: 
 
 
 
-def _count_frames(file, *, name: str, hint: str) -> int:
+def _count_frames(file, *, name: str, hint: str, work: Decoding) -> int:
     """Frames of a video stream whose container does not say (WebM, some MKV): its
     non-empty packets, counted without decoding."""
     import av
 
+    most = work.policy.max_video_frames
     with open_container(file, kind="video", name=name, hint=hint) as container:
         stream = container.streams.video[0]
+        count = 0
         try:
-            return sum(1 for packet in container.demux(stream) if packet.size)
+            for packet in container.demux(stream):
+                work.step()
+                count += bool(packet.size)
+                if most is not None and count > most:
+                    break  # enough to refuse it (claim's at_least)
         except av.FFmpegError as e:
             raise decode_error("video", name, e) from e
+        return count
+
+
+def _frame_size_fix(policy: MediaPolicy, explicit: bool) -> str:
+    if explicit:
+        return f"downscale it, or raise max_frame_pixels{TRUSTED}"
+    return "downscale it" + policy.names.raise_fix("max_image_pixels", TRUSTED)
+
+
+def _check_frame_size(width: int, height: int, max_frame_pixels: int, name: str,
+                      fix: str) -> None:
+    if width * height > max_frame_pixels:
+        raise limit_error("video", name,
+                          f"its frames are {width}x{height} = {width * height:,} pixels, "
+                          f"more than the limit of {max_frame_pixels:,}", fix,
+                          limit="max_image_pixels")
+
 
 def _decode_video(file, *, name: str, hint: str, fps: float | None, num_frames: int | None,
                   sampler: FrameSampler | None, max_frames: int, max_pixels: int,
-                  max_frame_pixels: int, audio_rate: int | None, with_audio: bool,
-                  max_audio_seconds: float) -> Video:
+                  max_frame_pixels: int, frame_size_fix: str, audio_rate: int | None,
+                  with_audio: bool, max_audio_seconds: float, policy: MediaPolicy) -> Video:
     import av
 
-    with open_container(file, kind="video", name=name, hint=hint) as container:
-        if not container.streams.video:
-            raise error("video", name, "the file has no video stream",
-                        "pass it as audio if it is a sound file, or " + VIDEO_FIX)
-        stream = container.streams.video[0]
-        width, height = stream.codec_context.width, stream.codec_context.height
-        if width <= 0 or height <= 0:
-            raise error("video", name, f"the video has no pixels ({width}x{height})", VIDEO_FIX)
-        if width * height > max_frame_pixels:
-            raise error("video", name,
-                        f"its frames are {width}x{height} = {width * height:,} pixels, more "
-                        f"than the limit of {max_frame_pixels:,}",
-                        "downscale it, or raise max_frame_pixels if you trust the source")
-        source_fps = float(stream.average_rate or stream.guessed_rate or 0)
-        total = stream.frames
-        has_audio = with_audio and bool(container.streams.audio)
-    if source_fps <= 0:
-        raise error("video", name, "the container does not say its frame rate", VIDEO_FIX)
-    if total <= 0:
-        total = _count_frames(file, name=name, hint=hint)
-    if total <= 0:
-        raise error("video", name, "the video has no frames", "check the file")
+    with Decoding(policy, "video", name) as work:
+        with open_container(file, kind="video", name=name, hint=hint) as container:
+            if not container.streams.video:
+                raise error("video", name, "the file has no video stream",
+                            "pass it as audio if it is a sound file, or " + VIDEO_FIX)
+            stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if width <= 0 or height <= 0:
+                raise error("video", name, f"the video has no pixels ({width}x{height})",
+                            VIDEO_FIX)
+            _check_frame_size(width, height, max_frame_pixels, name, frame_size_fix)
+            source_fps = float(stream.average_rate or stream.guessed_rate or 0)
+            total = stream.frames
+            has_audio = with_audio and bool(container.streams.audio)
+        if source_fps <= 0:
+            raise error("video", name, "the container does not say its frame rate", VIDEO_FIX)
+        counted = total <= 0
+        if counted:
+            total = _count_frames(file, name=name, hint=hint, work=work)
+        if total <= 0:
+            raise error("video", name, "the video has no frames", "check the file")
+        # Before decoding anything: what the container says decoding will cost.
+        work.claim(total, width, height, at_least=counted)
 
-    wanted = sample_frame_indices(total, source_fps, fps, max_frames, num_frames=num_frames,
-                                  sampler=sampler)
-    out_w, out_h = fit_pixel_budget(width, height, len(wanted), max_pixels)
-    charge_pixels(len(wanted) * out_w * out_h, name)
-    frames, indices, times = [], [], []
-    collector = None
-    with open_container(file, kind="video", name=name, hint=hint) as container:
-        video = container.streams.video[0]
-        video.thread_type = "AUTO"
-        streams = [video]
-        if has_audio:
-            streams.append(container.streams.audio[0])
-            collector = AudioCollector(streams[1], audio_rate, max_audio_seconds, name,
-                                        strict=False)
-        next_index, position = 0, 0
-        try:
-            for packet in container.demux(*streams):
-                for frame in packet.decode():
-                    if packet.stream.type == "audio":
-                        collector.add(frame)
-                        continue
-                    if next_index < len(wanted) and position == wanted[next_index]:
-                        frames.append(frame.to_ndarray(format="rgb24", width=out_w,
-                                                       height=out_h, interpolation="AREA"))
-                        indices.append(position)
-                        times.append(frame.time if frame.time is not None
-                                     else position / source_fps)
-                        next_index += 1
-                    position += 1
-                if next_index == len(wanted) and collector is None:
-                    break
-            if collector is not None:
-                collector.flush()
-        except av.FFmpegError as e:
-            raise decode_error("video", name, e) from e
+        wanted = sample_frame_indices(total, source_fps, fps, max_frames, num_frames=num_frames,
+                                      sampler=sampler)
+        out_w, out_h = fit_pixel_budget(width, height, len(wanted), max_pixels)
+        charge_pixels(len(wanted) * out_w * out_h, name)
+        frames, indices, times = [], [], []
+        collector = None
+        with open_container(file, kind="video", name=name, hint=hint) as container:
+            video = container.streams.video[0]
+            if work.single_threaded:
+                video.thread_count = 1
+            else:
+                video.thread_type = "AUTO"
+            streams = [video]
+            if has_audio:
+                streams.append(container.streams.audio[0])
+                collector = AudioCollector(streams[1], audio_rate, max_audio_seconds, name,
+                                           strict=False)
+            next_index, position = 0, 0
+            try:
+                for packet in container.demux(*streams):
+                    work.step()
+                    for frame in packet.decode():
+                        if packet.stream.type == "audio":
+                            collector.add(frame)
+                            work.step()
+                            continue
+                        # A container may understate its frames or change their size.
+                        _check_frame_size(frame.width, frame.height, max_frame_pixels, name,
+                                          frame_size_fix)
+                        work.frame(frame.width, frame.height)
+                        if next_index < len(wanted) and position == wanted[next_index]:
+                            frames.append(frame.to_ndarray(format="rgb24", width=out_w,
+                                                           height=out_h, interpolation="AREA"))
+                            indices.append(position)
+                            times.append(frame.time if frame.time is not None
+                                         else position / source_fps)
+                            next_index += 1
+                        position += 1
+                    if next_index == len(wanted) and collector is None:
+                        break
+                if collector is not None:
+                    collector.flush()
+            except av.FFmpegError as e:
+                raise decode_error("video", name, e) from e
     if not frames:
         raise error("video", name, "no frame could be decoded", "check that the file is a "
                     "complete video")
@@ -196,7 +230,7 @@ def _decode_video(file, *, name: str, hint: str, fps: float | None, num_frames: 
 
 
 def _video_from_frames(frames: Any, *, name: str, fps: float, max_pixels: int,
-                       max_frame_pixels: int, policy: MediaPolicy) -> Video:
+                       max_frame_pixels: int | None, policy: MediaPolicy) -> Video:
     """Frames given directly (an array or a list of images): taken as they are, as a video
     at ``fps`` frames per second, downscaled only to fit ``max_pixels``. Frames named by
     path or URL are read under the same ``policy`` as any source."""
@@ -238,7 +272,7 @@ def load_video(
     num_frames: int | None = None,
     sampler: FrameSampler | None = None,
     max_pixels: int = DEFAULT_MAX_VIDEO_PIXELS,
-    max_frame_pixels: int = DEFAULT_MAX_PIXELS,
+    max_frame_pixels: int | None = None,
     with_audio: bool = True,
     audio_rate: int | None = DEFAULT_AUDIO_RATE,
     max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
@@ -262,7 +296,10 @@ def load_video(
     - ``max_pixels``: the budget of all sampled frames together; frames are downscaled
       while decoding to fit it (``Video.note`` says so).
     - ``max_frame_pixels``: the largest frame size accepted from the header, before
-      decoding anything.
+      decoding anything, and of every frame decoded (None: the policy's
+      ``max_image_pixels``, as for an image). The policy also bounds the decoder's work
+      (``max_video_frames``, ``max_video_decode_pixels``, ``max_decode_seconds``; see
+      ``mlxvlm.media.decode_work``).
     - ``with_audio``: also decode the first sound track, mono at ``audio_rate`` Hz (None:
       its own rate), into ``Video.audio``; a track longer than ``max_audio_seconds`` is cut.
     - ``policy``, the ``access`` keywords and ``max_bytes``: as for :func:`load_image` (a
@@ -285,9 +322,12 @@ def load_video(
                     "pass a path, an http(s) or data URL, bytes, a (T, H, W, 3) uint8 array "
                     "or a list of frames")
     file, hint = media_file(source, kind="video", policy=policy, max_bytes=max_bytes)
+    frame_size_fix = _frame_size_fix(policy, explicit=max_frame_pixels is not None)
     with file:
         return _decode_video(file, name=name, hint=hint, fps=fps, num_frames=num_frames,
                              sampler=sampler, max_frames=int(max_frames),
-                             max_pixels=max_pixels, max_frame_pixels=max_frame_pixels,
-                             audio_rate=audio_rate, with_audio=with_audio,
-                             max_audio_seconds=max_audio_seconds)
+                             max_pixels=max_pixels,
+                             max_frame_pixels=max_frame_pixels or policy.max_image_pixels,
+                             frame_size_fix=frame_size_fix, audio_rate=audio_rate,
+                             with_audio=with_audio, max_audio_seconds=max_audio_seconds,
+                             policy=policy)

@@ -9,7 +9,7 @@ knows nothing about any one family.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,6 +17,10 @@ from mlx_lm.models.cache import KVCache
 
 from mlxvlm.models.feature_cache import FeatureCache
 from mlxvlm.models.processor_utils import pil_processor
+
+if TYPE_CHECKING:  # for the annotations only
+    from mlxvlm.cpu.ops import FastPathReport
+    from mlxvlm.distributed.group import ShardPlan
 from mlxvlm.models.weights import is_hf_naming, rename_prefix
 
 # ``args`` fields that name a placeholder token (``placeholder_token_ids``' default).
@@ -78,7 +82,7 @@ class VisionLanguageModel(nn.Module):
     Both have defaults: no state stays None, and a state object may provide
     ``batch(states)`` (static) and ``prefix(length)`` itself, as ``MRopeState`` does.
 
-    For adapters saved in PEFT's format (``mlxvlm.adapters``):
+    For adapters saved in PEFT's format (``mlxvlm.checkpoint.adapters``):
 
     ``hf_module_name(name)``
         The transformers module path of our module ``name``: ``sanitize`` for module
@@ -91,6 +95,11 @@ class VisionLanguageModel(nn.Module):
 
     # Names of processor outputs (besides input_ids) that ``embed`` consumes.
     feature_names: tuple[str, ...] = ()
+    # Set by loading on the model it returns; these defaults are a model built otherwise's.
+    # This rank's shard of the language model under mlx.launch (None: the whole model).
+    sharding: ShardPlan | None = None
+    # What the CPU fast paths did (None: not applied, ``load(..., cpu_fast_paths=False)``).
+    cpu_fast_paths: FastPathReport | None = None
     # The family's parsed config: a class with ``from_hf(config)`` (``from_config``'s default).
     args_class: type | None = None
     # ``(hf_prefix, ours)`` pairs: a Hugging Face tensor name's prefix and ours for it. The

@@ -1,4 +1,5 @@
-"""LLaVA-OneVision (Li et al., 2024): LLaVA-NeXT with a SigLIP tower, a Qwen2 decoder
+"""LLaVA-OneVision (Li et al., 2024): LLaVA (``llava.Model``) taking images by LLaVA-NeXT's
+AnyRes (``llava_next.anyres_features``), with a SigLIP tower, a Qwen2 decoder
 and one recipe per kind of input.
 
 A single image is tiled with AnyRes as in LLaVA-NeXT, and an unpadded feature map larger
@@ -35,9 +36,13 @@ def max_tiles(vision_aspect_ratio: str) -> int:
     return int(match.group(1))
 
 
-class Model(llava_next.Model):
+class Model(llava.Model):
     feature_names = ("pixel_values", "image_sizes", "batch_num_images", "pixel_values_videos")
     processor_class = "LlavaOnevisionProcessor"
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.image_newline = mx.zeros((args.text.hidden_size,))
 
     @classmethod
     def load_video_processor(cls, model_path):
@@ -54,6 +59,15 @@ class Model(llava_next.Model):
             mx.array(pixel_values_videos) if not isinstance(pixel_values_videos, mx.array)
             else pixel_values_videos)
         return merge.merge_features(h, positions, videos, "video placeholder tokens"), state
+
+    def image_features(self, pixel_values: mx.array, image_sizes: Any = None,
+                       batch_num_images: Any = None, **features: Any) -> mx.array:
+        """LLaVA-NeXT's AnyRes images (``llava_next.anyres_features``), tiled only where
+        an image is alone in its prompt and shrunk to ``anyres_max_N`` tiles."""
+        def num_tiles(index: int, image_size: np.ndarray) -> int:
+            return self.num_tiles(index, image_size, batch_num_images)
+
+        return llava_next.anyres_features(self, pixel_values, image_sizes, num_tiles, self.shrink)
 
     def video_features(self, pixel_values_videos: mx.array) -> mx.array:
         """(videos, frames, C, H, W) -> each video's tokens (its frames' pooled feature
@@ -92,14 +106,15 @@ class Model(llava_next.Model):
             "vision_aspect_ratio": args.vision_aspect_ratio,
         }
 
-    def num_tiles(self, index: int, image_size: np.ndarray, batch_num_images: Any = None, **_) -> int:
+    def num_tiles(self, index: int, image_size: np.ndarray, batch_num_images: Any = None) -> int:
         """AnyRes tiles for an image alone in its prompt, the overview only for an image
         among several (the processor's ``batch_num_images`` counts images per prompt)."""
         if batch_num_images is not None:
             alone = [n == 1 for n in np.asarray(batch_num_images).reshape(-1).tolist() for _ in range(n)]
             if not alone[index]:
                 return 1
-        return super().num_tiles(index, image_size)
+        return anyres.num_tiles(image_size, llava_next.pinpoints(self.args),
+                                self.args.vision.image_size)
 
     def shrink(self, grid: mx.array) -> mx.array:
         side = self.args.vision.patches_per_side

@@ -6,7 +6,7 @@ Qwen2-VL's multimodal RoPE, so that image tokens carry their (row, column) posit
 ERNIE-4.5 is the Llama-style decoder of ``layers/mrope_decoder.py`` with one ``use_bias``
 switch for every projection, an explicit head size and M-RoPE sections in three blocks;
 the prompt's M-RoPE ids are Qwen2-VL's (text after an image continues ``max(h, w)`` past
-its start), so the family is Qwen2-VL's ``Model`` with its own tower and config.
+its start), so the family is a ``qwen_vl_base.QwenVLModel`` with its own tower and config.
 
 Checkpoint names (as mlx-community publishes them): ``visual.embeddings.*``,
 ``visual.layers.N.self_attn.qkv`` (q/k/v fused), ``visual.post_layernorm``,
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxvlm.models import qwen2_vl
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import text_config, token_id
 from mlxvlm.models.layers.mrope_decoder import LanguageModel, TextConfig, default_mrope
 from mlxvlm.models.layers.navit_vision import NavitVisionConfig, NavitVisionModel, convert_hf_weight
 from mlxvlm.models.processor_utils import tokenizer_and_chat_template
+from mlxvlm.models.qwen_vl_base import QwenVLModel
 from mlxvlm.models.weights import (
     LM_HEAD_NAMES,
     TEXT_MODEL_NAMES,
@@ -103,7 +103,7 @@ class ModelArgs:
     tokens_per_second: float | None = None
 
 
-class Model(qwen2_vl.Model):
+class Model(QwenVLModel):
     feature_names = ("pixel_values", "image_grid_thw")
     hf_prefixes = HF_PREFIXES
     mlx_prefixes = MLX_PREFIXES
@@ -112,9 +112,12 @@ class Model(qwen2_vl.Model):
     processor_videos = False
 
     def __init__(self, args: ModelArgs):
-        VisionLanguageModel.__init__(self, args)
+        super().__init__(args)
         self.visual = NavitVisionModel(args.vision)
         self.language_model = LanguageModel(args.text)
+
+    # The tower where the Qwen-VL code looks for it (checkpoints name it ``visual``).
+    vision_tower = property(lambda self: self.visual)
 
     @classmethod
     def from_config(cls, config: dict) -> "Model":
@@ -173,11 +176,6 @@ class Model(qwen2_vl.Model):
             tokenizer=tokenizer,
             chat_template=chat_template,
         )
-
-    # -- the tower --------------------------------------------------------------------
-
-    def encode_vision(self, pixels: mx.array, grids) -> tuple[mx.array, list]:
-        return self.visual.encode(pixels, grids)
 
 
 # Module names for callers outside the models package (tests, tools).

@@ -28,7 +28,7 @@ from typing import Any, Iterable
 import mlx.core as mx
 import numpy as np
 
-from mlxvlm.models import merge, qwen2_5_vl, qwen2_vl
+from mlxvlm.models import merge, qwen2_5_vl
 from mlxvlm.models.config_utils import token_id
 from mlxvlm.models.feature_cache import cached_features
 from mlxvlm.models.layers.mrope_decoder import (
@@ -39,7 +39,12 @@ from mlxvlm.models.layers.mrope_decoder import (
     VisionSpan,
     mrope_position_ids,
 )
-from mlxvlm.models.layers.qwen_vision import VisionConfig, convert_hf_weight, grids_thw
+from mlxvlm.models.layers.qwen_vision import (
+    QwenVisionTransformer,
+    VisionConfig,
+    convert_hf_weight,
+    grids_thw,
+)
 from mlxvlm.models.layers.whisper_audio import (
     AudioConfig,
     AudioEncoder,
@@ -47,10 +52,12 @@ from mlxvlm.models.layers.whisper_audio import (
     sanitize_conv_weights,
 )
 from mlxvlm.models.processor_utils import image_only, tokenizer_and_chat_template
+from mlxvlm.models.qwen_vl_base import HF_PREFIXES as QWEN_VL_PREFIXES
+from mlxvlm.models.qwen_vl_base import LM_HEAD, ModelArgs, QwenVLModel, join_deepstack
 from mlxvlm.models.weights import fuse_linears, is_hf_naming, map_hf_weights
 
 # Hugging Face name prefix -> ours (after "thinker." is dropped).
-HF_PREFIXES = (("model.audio_tower.", "audio_tower."), *qwen2_vl.HF_PREFIXES)
+HF_PREFIXES = (("model.audio_tower.", "audio_tower."), *QWEN_VL_PREFIXES)
 HF_ONLY_PREFIXES = ("thinker.", "talker.", "token2wav.", "model.", "visual.", "lm_head.")
 # Parts of the Hub checkpoint the thinker does not use: speech output, and the audio
 # tower's start/end embeddings, which only the talker reads.
@@ -85,7 +92,7 @@ def convert_audio_weight(name: str, value: mx.array) -> mx.array | None:
 
 
 @dataclass
-class OmniArgs(qwen2_vl.ModelArgs):
+class OmniArgs(ModelArgs):
     audio: AudioConfig | None = None
     audio_token_id: int = 151646
     audio_start_token_id: int = 151647
@@ -94,7 +101,7 @@ class OmniArgs(qwen2_vl.ModelArgs):
     seconds_per_chunk: float = 2
 
 
-class Model(qwen2_vl.Model):
+class Model(QwenVLModel):
     feature_names = (
         "pixel_values",
         "image_grid_thw",
@@ -112,6 +119,8 @@ class Model(qwen2_vl.Model):
 
     def __init__(self, args: OmniArgs):
         super().__init__(args)
+        self.vision_tower = QwenVisionTransformer(args.vision)
+        self.language_model = LanguageModel(args.text)
         self.audio_tower = AudioEncoder(args.audio)
 
     @classmethod
@@ -176,7 +185,7 @@ class Model(qwen2_vl.Model):
             weights, self.hf_to_mlx_name,
             towers={"vision_tower.": convert_hf_weight, "audio_tower.": convert_audio_weight},
             skip_prefixes=UNUSED, skip_suffixes=BUFFERS,
-            drop={qwen2_vl.LM_HEAD} if self.args.text.tie_word_embeddings else (),
+            drop={LM_HEAD} if self.args.text.tie_word_embeddings else (),
         )
         return fuse_vision_qkv(sanitized)
 
@@ -215,7 +224,7 @@ class Model(qwen2_vl.Model):
         elif (ids == args.audio_token_id).any():
             raise ValueError("the prompt has audio placeholder tokens but no audio features")
         state = self.rope_state(ids, image_grids, video_grids, video_second_per_grid, mel_frames)
-        state.deepstack = self.deepstack(taps)
+        state.deepstack = join_deepstack(taps)  # Qwen3-Omni's tower taps DeepStack rows
         return h, state
 
     def rope_state(self, ids: np.ndarray, image_grid_thw: Any = None, video_grid_thw: Any = None,

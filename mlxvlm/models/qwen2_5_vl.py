@@ -1,18 +1,16 @@
 """Qwen2.5-VL (Bai et al., 2025): Qwen2-VL with a leaner ViT — RMSNorm and SwiGLU blocks,
 attention within windows of ``window_size`` pixels except in the few
 ``fullatt_block_indexes`` blocks — and M-RoPE whose temporal axis follows absolute time
-(``tokens_per_second``) for videos. The decoder and everything else are Qwen2-VL's.
+(``tokens_per_second``) for videos. The decoder is Qwen2-VL's (``layers/mrope_decoder.py``);
+the rest is ``qwen_vl_base.QwenVLModel``'s.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
-
-from mlxvlm.models import qwen2_vl
-from mlxvlm.models.config_utils import vision_config
-from mlxvlm.models.layers.qwen_vision import VisionConfig
+from mlxvlm.models.config_utils import token_id, vision_config
+from mlxvlm.models.layers.mrope_decoder import LanguageModel, TextConfig
+from mlxvlm.models.layers.qwen_vision import QwenVisionTransformer, VisionConfig
+from mlxvlm.models.qwen_vl_base import ModelArgs, QwenVLModel, timed_spans
 
 
 def vision_config_from_hf(config: dict) -> VisionConfig:
@@ -26,21 +24,26 @@ def vision_config_from_hf(config: dict) -> VisionConfig:
     )
 
 
-class Model(qwen2_vl.Model):
+class Model(QwenVLModel):
     processor_class = "Qwen2_5_VLProcessor"
+    video_positions = staticmethod(timed_spans)
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.vision_tower = QwenVisionTransformer(args.vision)
+        self.language_model = LanguageModel(args.text)
 
     @classmethod
-    def vision_config_from_hf(cls, config: dict) -> VisionConfig:
-        return vision_config_from_hf(config)
-
-    def video_time_interval(self, index: int, second_per_grid_ts: Any) -> float:
-        """Temporal positions advance ``tokens_per_second`` per second of video."""
-        seconds = 1.0
-        if second_per_grid_ts is not None:
-            seconds = float(np.asarray(second_per_grid_ts, dtype=np.float32).reshape(-1)[index])
-        tokens_per_second = self.args.tokens_per_second
-        # transformers' default when the config does not say
-        return (4 if tokens_per_second is None else tokens_per_second) * seconds
+    def from_config(cls, config: dict) -> "Model":
+        return cls(
+            ModelArgs(
+                text=TextConfig.from_hf(config),
+                vision=vision_config_from_hf(config),
+                image_token_id=token_id(config, "image_token", 151655),
+                video_token_id=token_id(config, "video_token", 151656),
+                tokens_per_second=vision_config(config).get("tokens_per_second"),
+            )
+        )
 
 
 # Module names for callers outside the models package (tests, tools).

@@ -20,7 +20,6 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxvlm.models import qwen3_vl
-from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import text_config, token_id
 from mlxvlm.models.layers.hybrid_decoder import (
     FULL,
@@ -30,7 +29,8 @@ from mlxvlm.models.layers.hybrid_decoder import (
 )
 from mlxvlm.models.layers.mrope_decoder import default_mrope
 from mlxvlm.models.layers.qwen_vision import QwenVisionTransformer
-from mlxvlm.models.qwen2_vl import ModelArgs
+from mlxvlm.models.qwen_video import Qwen3VideoProcessor
+from mlxvlm.models.qwen_vl_base import VISION_FEATURES, ModelArgs, QwenVLModel, frame_spans
 
 # transformers' PreTrainedConfig.default_theta (Qwen3.5 configs always name theirs).
 DEFAULT_ROPE_THETA = 10_000.0
@@ -90,12 +90,16 @@ def text_config_from_hf(config: dict) -> HybridTextConfig:
     )
 
 
-class Model(qwen3_vl.Model):
+class Model(QwenVLModel):
+    # Images and videos are prompted as Qwen3-VL prompts them.
+    feature_names = VISION_FEATURES
     processor_class = "Qwen3VLProcessor"
+    video_processor_class = Qwen3VideoProcessor
+    video_positions = staticmethod(frame_spans)
 
     def __init__(self, args: ModelArgs):
-        VisionLanguageModel.__init__(self, args)
-        self.vision_tower = QwenVisionTransformer(args.vision)
+        super().__init__(args)
+        self.vision_tower = QwenVisionTransformer(args.vision)  # Qwen3-VL's, no DeepStack
         self.language_model = HybridLanguageModel(args.text)
 
     @classmethod

@@ -245,9 +245,6 @@ class Model(qwen2_5_omni.Model):
         return InterleavedAudioVideoSpan(video, audio_tokens, args.video_token_id,
                                          args.audio_token_id)
 
-    def deepstack(self, taps: list):
-        return qwen3_vl.join_deepstack(taps)
-
 
 # Module names for callers outside the models package (tests, tools).
 is_hf_checkpoint = Model.is_hf_checkpoint

@@ -12,27 +12,22 @@
 
 Checkpoint names (mlx-community's): ``vision_tower.*`` (``patch_embed``, ``pos_embed``,
 ``blocks``, ``merger``, ``deepstack_merger_list``), ``language_model.model.*`` and
-``language_model.lm_head`` unless tied — the Qwen2-VL names, so its ``sanitize`` applies.
+``language_model.lm_head`` unless tied — the Qwen-VL names ``qwen_vl_base`` maps. DeepStack's
+rows reach the decoder through ``qwen_vl_base.join_deepstack``.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import mlx.core as mx
-import numpy as np
-
-from mlxvlm.models import qwen2_vl
 from mlxvlm.models.config_utils import text_config, token_id, vision_config
-from mlxvlm.models.layers.mrope_decoder import (
-    DeepstackFeatures,
-    TextConfig,
-    VisionSpan,
-    default_mrope,
-)
-from mlxvlm.models.layers.qwen_vision import VisionConfig
-from mlxvlm.models.qwen2_vl import ModelArgs
+from mlxvlm.models.layers.mrope_decoder import LanguageModel, TextConfig, default_mrope
+from mlxvlm.models.layers.qwen_vision import QwenVisionTransformer, VisionConfig
 from mlxvlm.models.qwen_video import Qwen3VideoProcessor
+from mlxvlm.models.qwen_vl_base import (
+    VISION_FEATURES,
+    ModelArgs,
+    QwenVLModel,
+    frame_spans,
+)
 
 # transformers' Qwen3VLTextConfig.default_theta
 DEFAULT_ROPE_THETA = 500_000.0
@@ -86,15 +81,16 @@ def vision_config_from_hf(config: dict, default_deepstack=(8, 16, 24)) -> Vision
     )
 
 
-def frame_grids(video_grids: np.ndarray) -> np.ndarray:
-    """Each video's (t, h, w) as t grids of (1, h, w): frames are prompted one by one."""
-    return np.repeat(video_grids, video_grids[:, 0], axis=0) * np.array([0, 1, 1]) + [1, 0, 0]
-
-
-class Model(qwen2_vl.Model):
-    feature_names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+class Model(QwenVLModel):
+    feature_names = VISION_FEATURES
     processor_class = "Qwen3VLProcessor"
     video_processor_class = Qwen3VideoProcessor
+    video_positions = staticmethod(frame_spans)
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.vision_tower = QwenVisionTransformer(args.vision)  # DeepStack taps included
+        self.language_model = LanguageModel(args.text)
 
     @classmethod
     def from_config(cls, config: dict) -> "Model":
@@ -106,25 +102,6 @@ class Model(qwen2_vl.Model):
                 video_token_id=token_id(config, "video_token", 151656),
             )
         )
-
-    def video_spans(self, video_grids: np.ndarray, second_per_grid_ts: Any) -> list[VisionSpan]:
-        """Frames are prompted one by one, each its own (1, h, w) grid."""
-        return [VisionSpan(tuple(g)) for g in frame_grids(video_grids)]
-
-    def deepstack(self, taps: list) -> DeepstackFeatures | None:
-        return join_deepstack(taps)
-
-
-def join_deepstack(taps) -> DeepstackFeatures | None:
-    """Images' and videos' DeepStack rows in prompt order (as transformers joins them)."""
-    if not taps or not taps[0][1]:
-        return None
-    positions = np.concatenate([p for p, _ in taps])
-    order = np.argsort(positions, kind="stable")
-    layers = [mx.concatenate([rows[i] for _, rows in taps])[mx.array(order)]
-              for i in range(len(taps[0][1]))]
-    mx.eval(layers)  # the loop evaluates embeddings and arrays, not this dataclass
-    return DeepstackFeatures(positions[order], layers)
 
 
 # Module names for callers outside the models package (tests, tools).

@@ -1,5 +1,6 @@
 """``python -m mlxvlm.server --model M [--model N ...]``: load the first model and serve
-them with uvicorn; under mlx.launch, one model sharded over the ranks (rank 0 serves)."""
+them (``listener.serve``: uvicorn under the connection guards); under mlx.launch, one model
+sharded over the ranks (rank 0 serves)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import logging
 import sys
 from typing import Sequence
 
-from mlxvlm.cli import (add_sharding_arguments, launched_rank, require_extra, run_cli,
-                        sharded_load)
+from mlxvlm.cli import (add_sharding_arguments, launched_rank, open_listener, require_extra,
+                        run_cli, sharded_load)
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.server.config import ServerConfig, build_parser, config_from_args
 
@@ -34,17 +35,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if sharded:
             single_model(args, config)
         if launched_rank() != 0:  # rank 0 serves HTTP; this rank follows its requests
-            from mlxvlm.distributed.follower import follow
+            from mlxvlm.generate.follower import follow
 
             follow(*sharded_load(args))
             return
-        # Before the slow model load: without the extra, say how to install it.
+        # Before the slow model load: without the extra, say how to install it; a port in
+        # use is said at once too, and stays ours while the model loads.
         require_extra("server", "the server", ("fastapi", "uvicorn"))
-        import uvicorn
+        from mlxvlm.server.listener import serve
 
-        from mlxvlm.sampling_defaults import checkpoint_defaults
+        listener = open_listener(config.host, config.port)
+        from mlxvlm.text.tokenization import processor_state
         from mlxvlm.server.app import create_app, create_registry_app
-        from mlxvlm.server.chat import describe_sampling_defaults
+        from mlxvlm.server.chat_completions import describe_sampling_defaults
         from mlxvlm.server.models_registry import ModelRegistry, checkpoint_loader
 
         if config.host not in _LOOPBACK and not config.api_key:
@@ -55,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if sharded:
             model, processor = sharded_load(args)
             logger.info("requests that leave sampling fields out get: %s",
-                        describe_sampling_defaults(checkpoint_defaults(processor)))
+                        describe_sampling_defaults(processor_state(processor).sampling_defaults))
             app = create_app(model, processor, config)
         else:
             registry = ModelRegistry(config, checkpoint_loader(
@@ -66,10 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             service = registry.preload(config.model_id)
             logger.info("requests to %r that leave sampling fields out get: %s",
                         config.model_id,
-                        describe_sampling_defaults(checkpoint_defaults(service.processor)))
+                        describe_sampling_defaults(processor_state(service.processor).sampling_defaults))
             app = create_registry_app(registry)
-        uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        serve(app, config, listener, log_level=args.log_level)
 
     return run_cli(serve)
 

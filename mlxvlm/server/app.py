@@ -12,8 +12,8 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from mlxvlm.server.config import ServerConfig
 from mlxvlm.server.errors import install_error_handlers
-from mlxvlm.server.responses import ResponseStore
-from mlxvlm.server.routes import chat, messages, models, responses
+from mlxvlm.server.response_store import ResponseStore
+from mlxvlm.server.routes import anthropic_messages, chat, models, responses
 from mlxvlm.server.security import (
     APIKeyMiddleware,
     BodyBudget,
@@ -48,7 +48,9 @@ def create_registry_app(registry: ModelRegistry) -> FastAPI:
     app.state.models = registry
     app.state.config = config
     app.state.body_budget = BodyBudget(config.max_buffered_body_bytes)
-    app.state.response_store = ResponseStore(config.max_stored_responses)
+    app.state.response_store = ResponseStore(config.max_stored_responses,
+                                             config.max_stored_response_bytes,
+                                             config.max_total_stored_response_bytes)
     install_error_handlers(app)
     # Added last = outermost: the Host is checked first (DNS rebinding), then CORS
     # answers preflights before the key is checked.
@@ -71,6 +73,6 @@ def create_registry_app(registry: ModelRegistry) -> FastAPI:
     app.add_middleware(StatusCounting, counters=registry.counters)
     app.include_router(models.router)
     app.include_router(chat.router)
-    app.include_router(messages.router)
+    app.include_router(anthropic_messages.router)
     app.include_router(responses.router)
     return app

@@ -10,11 +10,23 @@ from dataclasses import dataclass, field
 from mlxvlm.cli import (OneLineParser, add_model_arguments, add_speculation_arguments,
                         checkpoint_folders, ranged)
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.option_ranges import NON_NEGATIVE, PORT, POSITIVE, SAMPLING, at_least
+from mlxvlm.media import (SERVED_MAX_DECODE_SECONDS, SERVED_MAX_VIDEO_DECODE_PIXELS,
+                          SERVED_MAX_VIDEO_FRAMES, OptionNames)
+from mlxvlm.sampling.ranges import NON_NEGATIVE, PORT, POSITIVE, SAMPLING, at_least
 
 MiB = 2**20
 # Byte and pixel limits: any bound a machine could hold.
 _HUGE = 2**62
+
+# The flags behind the media policy's options, for the fixes media errors suggest; a
+# video's or audio's encoded size has no flag of its own (--max-body-bytes bounds what a
+# request carries).
+MEDIA_OPTION_NAMES = OptionNames(
+    allow_remote="--allow-remote-media", allow_local="--allowed-media-dir",
+    timeout="--media-timeout", max_image_bytes="--max-image-bytes",
+    max_image_pixels="--max-image-pixels", max_video_frames="--max-video-frames",
+    max_video_decode_pixels="--max-video-decode-pixels",
+    max_decode_seconds="--max-media-decode-seconds", max_bytes=None, max_audio_seconds=None)
 
 
 @dataclass
@@ -33,7 +45,11 @@ class ServerConfig:
     max_queue: int = 32
     max_body_bytes: int = 32 * MiB
     max_image_bytes: int = 20 * MiB
-    max_image_pixels: int = 25_000_000
+    max_image_pixels: int = 25_000_000  # video frames too
+    # What decoding one request's videos and audio may cost (see media.decode_work).
+    max_video_frames: int = SERVED_MAX_VIDEO_FRAMES
+    max_video_decode_pixels: int = SERVED_MAX_VIDEO_DECODE_PIXELS
+    max_media_decode_seconds: float = SERVED_MAX_DECODE_SECONDS
     # Decoded pixels (images and video frames) of one request and of all requests being
     # prepared at once; None: sized to this machine's memory (media.default_pixel_budget).
     max_request_pixels: int | None = None
@@ -46,8 +62,12 @@ class ServerConfig:
     max_tokens: int = 512  # when a request does not say
     prefill_step_size: int = 2048
     prompt_cache_size: int = 8  # finished conversations kept for prefix reuse; 0: off
-    # Responses kept for previous_response_id (per server, least recently used out); 0: off
+    # Responses kept for previous_response_id, per API key, and their bytes per key and
+    # for all keys (response_store: a key's least recently used make room, never
+    # another key's); 0 responses: off
     max_stored_responses: int = 256
+    max_stored_response_bytes: int = 128 * MiB
+    max_total_stored_response_bytes: int = 512 * MiB
     prepare_workers: int = 2
     retry_after_seconds: int = 1
     # Speculative decoding (needs max_concurrency 1; see BatchEngine's speculation).
@@ -59,6 +79,10 @@ class ServerConfig:
     # unloaded (0: never).
     max_loaded_models: int = 1
     idle_unload_seconds: float = 0.0
+    # A model in use stays loaded at least this long before another model's waiting
+    # requests unload it: the bound on how often a busy server switches (an idle model
+    # gives way at once; see models_registry).
+    min_loaded_seconds: float = 10.0
     # The models served: id -> local path or Hub repo (model_sources); None: model_id alone.
     model_sources: dict[str, str] | None = None
 
@@ -81,20 +105,28 @@ class ServerConfig:
                      "max_buffered_body_bytes"):
             if getattr(self, name) < 1:
                 raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_stored_response_bytes", "max_total_stored_response_bytes"):
+            if getattr(self, name) < 1:
+                raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_total_stored_response_bytes < self.max_stored_response_bytes:
+            raise MlxvlmError(
+                f"max_total_stored_response_bytes ({self.max_total_stored_response_bytes}) "
+                f"must be at least max_stored_response_bytes "
+                f"({self.max_stored_response_bytes})")
         if self.max_buffered_body_bytes < self.max_body_bytes:
             raise MlxvlmError(
                 f"max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at least "
                 f"max_body_bytes ({self.max_body_bytes})")
-        for name in ("header_timeout", "body_timeout"):
+        for name in ("header_timeout", "body_timeout", "max_media_decode_seconds"):
             if not getattr(self, name) > 0:
                 raise MlxvlmError(f"{name} must be above 0 seconds, got {getattr(self, name)}")
         for name in ("max_concurrency", "max_body_bytes", "max_image_bytes",
                      "max_image_pixels", "max_tokens", "prefill_step_size", "prepare_workers",
-                     "max_loaded_models"):
+                     "max_loaded_models", "max_video_frames", "max_video_decode_pixels"):
             if getattr(self, name) < 1:
                 raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_queue", "prompt_cache_size", "max_stored_responses",
-                     "idle_unload_seconds"):
+                     "idle_unload_seconds", "min_loaded_seconds"):
             if getattr(self, name) < 0:
                 raise MlxvlmError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.draft_model is not None and self.prompt_lookup_num_tokens is not None:
@@ -122,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle-unload-seconds", type=ranged(NON_NEGATIVE), default=0.0,
                         help="Unload a model unused for this many seconds (default 0: "
                         "never)")
+    parser.add_argument("--min-loaded-seconds", type=ranged(NON_NEGATIVE), default=10.0,
+                        help="Seconds a loaded model in use keeps taking its requests "
+                        "before requests for another model waiting for its place unload it "
+                        "(after its answers in flight); one idle for a second gives way at "
+                        "once")
     parser.add_argument("--served-model-name", default=None,
                         help="Model name clients use, for a single --model (default: the "
                         "--model value)")
@@ -148,22 +185,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allowed-origins", nargs="+", default=[],
                         help="Origins allowed by CORS (default: none, CORS off)")
     parser.add_argument("--allow-remote-media", action="store_true",
-                        help="Fetch http(s) image URLs (public addresses only)")
+                        help="Fetch http(s) media URLs (public addresses only)")
     parser.add_argument("--allowed-media-dir", default=None,
-                        help="Allow local image paths inside this folder (default: none)")
+                        help="Allow local media paths inside this folder (default: none)")
     parser.add_argument("--max-concurrency", type=ranged(at_least(1)), default=8,
                         help="Requests decoded together in one batch")
     parser.add_argument("--max-queue", type=ranged(at_least(0)), default=32,
                         help="Requests waiting beyond those; more get 429")
     parser.add_argument("--max-body-bytes", type=ranged(at_least(1, _HUGE)), default=32 * MiB,
                         help="Largest request body (413 above)")
+    parser.add_argument("--max-buffered-body-bytes", type=ranged(at_least(1, _HUGE)),
+                        default=None,
+                        help="Bytes of all request bodies being read at once; a body that "
+                        "would pass it gets 503 (default: 8 times --max-body-bytes)")
     parser.add_argument("--max-image-bytes", type=ranged(at_least(1, _HUGE)), default=20 * MiB,
                         help="Largest encoded image")
     parser.add_argument("--max-image-pixels", type=ranged(at_least(1, _HUGE)), default=25_000_000,
-                        help="Largest image width*height, checked before decoding")
+                        help="Largest image or video frame width*height, checked before "
+                        "decoding (default 25000000)")
+    parser.add_argument("--max-video-frames", type=ranged(at_least(1)),
+                        default=SERVED_MAX_VIDEO_FRAMES,
+                        help="Frames a video may hold (each one is decoded to sample from "
+                        "them), from its container before decoding and counted while "
+                        f"decoding (default {SERVED_MAX_VIDEO_FRAMES})")
+    parser.add_argument("--max-video-decode-pixels", type=ranged(at_least(1, _HUGE)),
+                        default=SERVED_MAX_VIDEO_DECODE_PIXELS,
+                        help="Pixels of all video frames decoded for one request (frames x "
+                        "width x height), from the containers before decoding and counted "
+                        f"while decoding (default {SERVED_MAX_VIDEO_DECODE_PIXELS})")
+    parser.add_argument("--max-media-decode-seconds", type=ranged(POSITIVE),
+                        default=SERVED_MAX_DECODE_SECONDS,
+                        help="CPU seconds decoding one request's videos and audio, each "
+                        f"on one thread (default {SERVED_MAX_DECODE_SECONDS:g})")
     parser.add_argument("--max-request-pixels", type=ranged(at_least(1, _HUGE)), default=None,
                         help="Decoded pixels of all images and video frames of one request "
-                        "(default: sized to memory, see the README)")
+                        "(default: sized to memory, see docs/server.md)")
     parser.add_argument("--max-total-pixels", type=ranged(at_least(1, _HUGE)), default=None,
                         help="Decoded pixels of all requests being prepared at once "
                         "(default: sized to memory)")
@@ -177,8 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-cache-size", type=ranged(at_least(0)), default=8,
                         help="Finished conversations kept for prefix reuse (0: off)")
     parser.add_argument("--max-stored-responses", type=ranged(at_least(0)), default=256,
-                        help="Responses API answers kept for previous_response_id, least "
-                        "recently used dropped first (0: none kept)")
+                        help="Responses API answers kept for previous_response_id per API "
+                        "key, the key's least recently used dropped first (0: none kept)")
+    parser.add_argument("--max-stored-response-bytes", type=ranged(at_least(1, _HUGE)),
+                        default=128 * MiB,
+                        help="Bytes of stored responses per API key (an image or long "
+                        "text counted once per key)")
+    parser.add_argument("--max-total-stored-response-bytes", type=ranged(at_least(1, _HUGE)),
+                        default=512 * MiB,
+                        help="Bytes of stored responses of all keys; a response that does "
+                        "not fit is not stored, no other key's is dropped")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="Least severe log messages shown")
@@ -248,16 +312,23 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_concurrency=args.max_concurrency,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
+        max_buffered_body_bytes=args.max_buffered_body_bytes,
         max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels,
+        max_video_frames=args.max_video_frames,
+        max_video_decode_pixels=args.max_video_decode_pixels,
+        max_media_decode_seconds=args.max_media_decode_seconds,
         media_timeout=args.media_timeout,
         max_tokens=args.max_tokens,
         prefill_step_size=args.prefill_step_size,
         prompt_cache_size=args.prompt_cache_size,
         max_stored_responses=args.max_stored_responses,
+        max_stored_response_bytes=args.max_stored_response_bytes,
+        max_total_stored_response_bytes=args.max_total_stored_response_bytes,
         draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         max_loaded_models=args.max_loaded_models,
         idle_unload_seconds=args.idle_unload_seconds,
+        min_loaded_seconds=args.min_loaded_seconds,
     )

@@ -9,9 +9,10 @@ from typing import Any, Awaitable, Callable
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
-from mlxvlm.server.chat import warn_unknown_fields
+from mlxvlm.server.chat_completions import warn_unknown_fields
 from mlxvlm.server.config import ServerConfig
 from mlxvlm.server.errors import validation_error
+from mlxvlm.server.lifetime import client_gone
 from mlxvlm.server.logprobs import TokenBytes
 from mlxvlm.server.models_registry import ModelRegistry
 from mlxvlm.server.schemas import ChatCompletionRequest
@@ -43,11 +44,12 @@ async def json_body(request: Request, schema: type[BaseModel]) -> BaseModel:
 
 def service_of(body: Callable[[Request], Awaitable[Any]]) -> Callable:
     """A dependency: the service of the model that the request read by ``body`` names
-    (loaded first if need be; 404 for a model not served), held until the exchange
-    ends."""
+    (loaded first if need be, unless the client leaves meanwhile; 404 for a model not
+    served), held until the exchange ends."""
 
     async def model_service(request: Request, parsed: Any = Depends(body)) -> GenerationService:
-        return await get_models(request).lease_for(request.scope, parsed.model)
+        return await get_models(request).lease_for(request.scope, parsed.model,
+                                                   lambda: client_gone(request))
 
     return model_service
 

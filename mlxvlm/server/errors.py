@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 logger = logging.getLogger("mlxvlm.server")
 
@@ -116,7 +117,25 @@ def validation_error(errors: list[dict]) -> APIError:
     path = [p for p in path if p not in ("body", "str", "list", "dict")]
     param = ".".join(path) or None
     message = first["msg"]
+    # A validator's own ValueError reaches us as "Value error, <its message>".
+    message = message.removeprefix("Value error, ")
     return APIError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def not_found_message(request: Request) -> str:
+    """A 404's message; where the path exists under ``/v1`` (a client whose base URL
+    lacks it, such as ``OpenAI(base_url="http://127.0.0.1:8080")``), say so."""
+    path = request.url.path
+    if not path.startswith("/v1/"):
+        under_v1 = "/v1" + (path if path.startswith("/") else "/" + path)
+        scope = {**request.scope, "path": under_v1, "path_params": {}}
+        # Any match counts: a PARTIAL one is the right path with another method.
+        if any(route.matches(scope)[0] is not Match.NONE for route in request.app.routes):
+            base = str(request.base_url).rstrip("/")
+            return (f"no route {path}: the API is under /v1, at {under_v1} (OpenAI clients "
+                    f"take base_url={base}/v1; Anthropic's take {base})")
+    return f"no route {path} (the API is under /v1: /v1/chat/completions, /v1/responses, " \
+           "/v1/messages, /v1/models)"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -133,6 +152,8 @@ def install_error_handlers(app: FastAPI) -> None:
         status = error.status_code
         message = error.detail if isinstance(error.detail, str) else "request failed"
         code = "not_found" if status == 404 else None
+        if status == 404 and error.detail == "Not Found":  # no route, not a route's own 404
+            message = not_found_message(request)
         return error_response(APIError(status, message, code=code, headers=error.headers),
                               request.url.path)
 

@@ -74,15 +74,20 @@ class RequestLifetime:
         raise ClientDisconnected
 
     async def _wait_for_disconnect(self) -> None:
-        # The body has been read, so the next ASGI message is the disconnect.
-        while (await self.request.receive())["type"] != "http.disconnect":
-            pass
+        await client_gone(self.request)
 
     def event_stream(self, events: AsyncIterator[str]) -> StreamingResponse:
         """The response that streams ``events`` and, however it ends, releases this
         request."""
         self._handed_to_response = True
         return _EventStreamResponse(events, self)
+
+
+async def client_gone(request: Request) -> None:
+    """Returns once the client of ``request``, whose body has been read, goes away (the
+    next ASGI message is then the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class _EventStreamResponse(StreamingResponse):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mlxvlm.server.models_registry import ModelRegistry
+from mlxvlm.server.service import REFUSAL_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -15,9 +16,10 @@ def _metric(lines: list[str], name: str, kind: str, help_text: str, samples) -> 
         lines.append(f"{name}{{{label_text}}} {value}" if label_text else f"{name} {value}")
 
 
-def render_metrics(models: ModelRegistry) -> str:
+def render_metrics(models: ModelRegistry, app_state) -> str:
     """The server's counts, then each loaded model's engine (labelled by model where the
-    server serves several)."""
+    server serves several). ``app_state``: the app's state, with the listener's
+    ``protocol.ConnectionLimits`` where it runs under them."""
     counters = models.counters
     services = models.services()
     labelled = len(models.ids()) > 1
@@ -35,12 +37,60 @@ def render_metrics(models: ModelRegistry) -> str:
       [({"status": str(code)}, n) for code, n in sorted((counters.by_status or {}).items())])
     m("mlxvlm_requests_rejected_busy_total", "counter",
       "Requests refused with 429 because the queue was full", [({}, counters.rejected_busy)])
+    connections = getattr(app_state, "connection_limits", None)
+    if connections is not None:
+        m("mlxvlm_connections_open", "gauge", "Client connections open now",
+          [({}, connections.open)])
+        m("mlxvlm_connections_refused_total", "counter",
+          "Connections refused at --max-connections (answered 503)",
+          [({}, connections.refused)])
+        m("mlxvlm_connections_timed_out_total", "counter",
+          "Connections closed because their headers or body did not arrive in time "
+          "(--header-timeout, --body-timeout)", [({}, connections.timed_out)])
+    m("mlxvlm_body_bytes_buffered", "gauge",
+      "Bytes of request bodies being read now (at most --max-buffered-body-bytes)",
+      [({}, app_state.body_budget.in_use)])
+    reasons = sorted(set(REFUSAL_REASONS) | set(counters.refused))
+    m("mlxvlm_requests_refused_total", "counter",
+      "Requests refused with 400 for passing a limit, by reason: a media limit (e.g. "
+      "max_video_decode_pixels), context_length, grammar (it cannot run), max_tokens (too "
+      "few for a whole answer of its grammar)",
+      [({"reason": reason}, counters.refused.get(reason, 0)) for reason in reasons])
+    preparation = counters.preparation
+    m("mlxvlm_requests_preparing", "gauge",
+      "Requests being prepared now (template, media decoding, processor), by whether they "
+      "carry media (each kind has its own workers)",
+      [({"inputs": kind}, n) for kind, n in sorted(preparation.preparing.items())])
+    m("mlxvlm_preparations_cancelled_total", "counter",
+      "Requests whose preparation was stopped (or never started) because their client "
+      "went away", [({}, preparation.cancelled)])
     m("mlxvlm_models_loaded", "gauge", "Models loaded now", [({}, len(services))])
     m("mlxvlm_model_loads_total", "counter", "Models loaded (at start or on first use)",
       [({}, models.loads)])
     m("mlxvlm_model_unloads_total", "counter",
       "Models unloaded (to make room, or unused for --idle-unload-seconds)",
       [({}, models.unloads)])
+    m("mlxvlm_model_waiting_requests", "gauge",
+      "Requests waiting for their model to be loaded", [({}, models.waiting())])
+    m("mlxvlm_model_waits_abandoned_total", "counter",
+      "Requests whose client left while they waited for their model to be loaded",
+      [({}, models.waits_abandoned)])
+    m("mlxvlm_model_waits_refused_total", "counter",
+      "Requests refused with 429 because too many already waited for their model",
+      [({}, models.waits_refused)])
+    store = getattr(app_state, "response_store", None)
+    if store is not None:
+        m("mlxvlm_stored_responses", "gauge",
+          "Responses kept for previous_response_id", [({}, len(store))])
+        m("mlxvlm_stored_response_bytes", "gauge",
+          "Estimated bytes of the stored responses (an image once per API key)",
+          [({}, store.bytes)])
+        m("mlxvlm_stored_responses_evicted_total", "counter",
+          "Stored responses dropped to make room for newer ones of the same API key",
+          [({}, store.evicted)])
+        m("mlxvlm_stored_responses_refused_total", "counter",
+          "Responses not stored because they did not fit their API key's or the "
+          "server's byte bound", [({}, store.refused)])
     m("mlxvlm_requests_in_flight", "gauge",
       "Requests admitted and not finished (preparing, queued or generating)",
       per_model(lambda s: s.in_flight))

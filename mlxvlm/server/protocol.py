@@ -136,6 +136,12 @@ class ConnectionLimits:
     log: RateLimitedLog = field(default_factory=RateLimitedLog)
     refused: int = 0  # connections refused at the cap, for /metrics
     timed_out: int = 0  # connections closed for slow headers or bodies
+    # uvicorn's set of this server's open connections, once one has been made.
+    server_connections: set = field(default_factory=set)
+
+    @property
+    def open(self) -> int:
+        return len(self.server_connections)
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -154,6 +160,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         limits = self.limits
+        limits.server_connections = self.connections
         if len(self.connections) >= limits.max_connections:
             self._refused = True
             limits.refused += 1

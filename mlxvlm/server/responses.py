@@ -1,7 +1,7 @@
 """OpenAI's Responses API over the chat machinery: a ``ResponsesRequest`` (with the
 conversation of the response it continues) as the ``ChatCompletionRequest`` it means,
 generated steps as a response object or its stream of events, and the bounded store of
-answered conversations that ``previous_response_id`` continues."""
+answered conversations that ``previous_response_id`` continues (``response_store``)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from typing import Any, AsyncIterator
 
 from mlxvlm.batching import BatchStep
-from mlxvlm.server.answer_parts import Part, ToolCall
+from mlxvlm.text.answer_parts import Part, ToolCall
 from mlxvlm.server.answering import split_steps, stream_failure, whole_answer
+from mlxvlm.server.chat_completions import as_chat_request
 from mlxvlm.server.errors import APIError, error_body
+from mlxvlm.server.response_store import ResponseStore
 from mlxvlm.server.responses_schemas import ResponsesRequest
 from mlxvlm.server.schemas import ChatCompletionRequest
 from mlxvlm.server.service import TokenStream
@@ -24,34 +25,6 @@ from mlxvlm.server.tools import AnswerPlan
 logger = logging.getLogger("mlxvlm.server")
 
 Conversation = list[dict[str, Any]]
-
-
-class ResponseStore:
-    """Answered conversations by response id, at most ``max_items`` (least recently used
-    dropped first), each visible only under the API key (namespace) that made it."""
-
-    def __init__(self, max_items: int):
-        self.max_items = max_items
-        self._items: OrderedDict[tuple[str | None, str], Conversation] = OrderedDict()
-
-    def get(self, namespace: str | None, response_id: str) -> Conversation | None:
-        key = (namespace, response_id)
-        conversation = self._items.get(key)
-        if conversation is not None:
-            self._items.move_to_end(key)
-        return conversation
-
-    def put(self, namespace: str | None, response_id: str, conversation: Conversation) -> None:
-        if self.max_items == 0:
-            return
-        self._items[(namespace, response_id)] = conversation
-        self._items.move_to_end((namespace, response_id))
-        while len(self._items) > self.max_items:
-            self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
 
 
 def _part(part: Any) -> dict[str, Any]:
@@ -107,7 +80,7 @@ def to_chat_request(request: ResponsesRequest, earlier: Conversation) -> ChatCom
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
     messages += earlier + input_messages(request)
-    return ChatCompletionRequest.model_validate({
+    return as_chat_request({
         "model": request.model,
         "messages": messages,
         "max_tokens": request.max_output_tokens,
@@ -119,6 +92,7 @@ def to_chat_request(request: ResponsesRequest, earlier: Conversation) -> ChatCom
             "name": t.name, "description": t.description, "parameters": t.parameters}}
             for t in request.tools] if request.tools else None,
         "tool_choice": _chat_tool_choice(request.tool_choice),
+        "parallel_tool_calls": request.parallel_tool_calls,
         "chat_template_kwargs": _template_kwargs(request),
         "thinking_budget": request.reasoning.max_tokens if request.reasoning else None,
     })
@@ -168,6 +142,7 @@ class ResponseWriter:
         self.store = store
         self.namespace = namespace
         self.plan = plan
+        self.stored: bool | None = None  # once answered: whether the store kept it
         self._sequence = 0
 
     def _format(self) -> dict[str, Any]:
@@ -195,9 +170,10 @@ class ResponseWriter:
             "max_output_tokens": request.max_output_tokens,
             "model": self.model,
             "output": output or [],
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": request.previous_response_id,
-            "store": request.store,
+            # False where the store could not keep it (too large for its bounds).
+            "store": request.store if self.stored is None else self.stored,
             "temperature": request.temperature,
             "top_p": request.top_p,
             "text": {"format": self._format()},
@@ -211,6 +187,7 @@ class ResponseWriter:
 
     def _remember(self, items: list[dict]) -> None:
         if not self.request.store:
+            self.stored = False
             return
         text = "".join(part["text"] for item in items if item["type"] == "message"
                        for part in item["content"])
@@ -221,7 +198,7 @@ class ResponseWriter:
                 {"id": c["call_id"], "type": "function",
                  "function": {"name": c["name"], "arguments": c["arguments"]}}
                 for c in calls]
-        self.store.put(self.namespace, self.id, self.conversation + [answer])
+        self.stored = self.store.put(self.namespace, self.id, self.conversation + [answer])
 
     async def body(self, first: BatchStep, stream: TokenStream) -> dict[str, Any]:
         parts, _, step = await whole_answer(first, stream, self.plan)

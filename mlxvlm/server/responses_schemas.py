@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
-from mlxvlm.option_ranges import SAMPLING
-from mlxvlm.server.schemas import FunctionDefinition, StrictModel
+from mlxvlm.sampling.ranges import SAMPLING
+from mlxvlm.server.schemas import FunctionDefinition, StrictModel, check_tool_choice
 
 
 class InputText(StrictModel):
@@ -113,3 +113,11 @@ class ResponsesRequest(StrictModel):
     tool_choice: Literal["auto", "none", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning: Reasoning | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _chosen_tool_exists(cls, value, info: ValidationInfo):
+        check_tool_choice(value.name if isinstance(value, NamedFunctionChoice) else None,
+                          value == "required" and "required",
+                          {tool.name for tool in info.data.get("tools") or []})
+        return value

@@ -1,7 +1,7 @@
 """The request body of ``POST /v1/chat/completions``, validated strictly.
 
 Types are strict (a string is not a number, ``1.0`` is not an integer); the numeric
-ranges are ``mlxvlm.option_ranges``' (OpenAI's where OpenAI has the field), shared with
+ranges are ``mlxvlm.sampling.ranges``' (OpenAI's where OpenAI has the field), shared with
 the command lines, and exclude NaN and infinities (which Python's json writes). Fields this server does not know are kept in ``model_extra`` so that the
 route can log them instead of silently dropping them.
 """
@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from mlxvlm.option_ranges import SAMPLING
+from mlxvlm.sampling.ranges import SAMPLING
 
 # Up to this many stop strings (OpenAI allows 4; some clients send a few more).
 MAX_STOP_STRINGS = 16
@@ -121,6 +121,16 @@ def _ranged(name: str):
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 
+def check_tool_choice(named: str | None, requiring: str | None, names: set[str]) -> None:
+    """A tool choice that names a function not among the tools (``named``), or requires
+    a call (``requiring``: its value, e.g. "required") where there are no tools, is the
+    client's mistake: a ValueError, which validation answers with a 400."""
+    if named is not None and named not in names:
+        raise ValueError(f"tool_choice names {named!r}, which is not one of the tools")
+    if requiring and not names:
+        raise ValueError(f"tool_choice {requiring!r} needs tools")
+
+
 def _set_only_with(flag: str, message: str):
     """A field validator: the field may be set only when the earlier field ``flag`` is
     true."""
@@ -184,13 +194,9 @@ class ChatCompletionRequest(StrictModel):
     @field_validator("tool_choice")
     @classmethod
     def _named_tool_exists(cls, value, info: ValidationInfo):
-        tools = info.data.get("tools") or []
-        if isinstance(value, NamedToolChoice) and value.function.name not in {
-                tool.function.name for tool in tools}:
-            raise ValueError(f"tool_choice names {value.function.name!r}, which is not "
-                             "one of the tools")
-        if value == "required" and not tools:
-            raise ValueError("tool_choice 'required' needs tools")
+        check_tool_choice(value.function.name if isinstance(value, NamedToolChoice) else None,
+                          value == "required" and "required",
+                          {tool.function.name for tool in info.data.get("tools") or []})
         return value
 
     @field_validator("logit_bias")

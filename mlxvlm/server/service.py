@@ -5,15 +5,17 @@ Admission is counted from the moment a request is accepted until its last token 
 cancellation): ``max_concurrency`` requests decode together and ``max_queue`` more may
 wait or be prepared; beyond that the server answers 429 at once instead of letting work
 pile up. A request whose client goes away is cancelled in the engine, which frees its
-batch slot at the next step.
+batch slot at the next step, or in its preparation, whose media decoding stops at the
+next frame (``mlxvlm.preparation``: requests with media and text-only ones are prepared
+by workers of their own).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -21,10 +23,12 @@ import mlx.core as mx
 from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
 from mlxvlm.generate.speculative import Speculation
 from mlxvlm.media import MediaPolicy, PixelBudget, load_image
-from mlxvlm.prefix_cache import PrefixCache, image_hash
+from mlxvlm.batching.prefix_cache import PrefixCache, image_hash
+from mlxvlm.preparation import PreparationPools, PreparationStats
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
-from mlxvlm.server.config import ServerConfig
+from mlxvlm.server.config import MEDIA_OPTION_NAMES, ServerConfig
 from mlxvlm.server.logprobs import TokenBytes
+from mlxvlm.text.tokenization import tokenizer_of
 
 
 @dataclass
@@ -34,6 +38,10 @@ class PreparedRequest:
     cache_namespace: str | None = None  # prefixes are shared only within one namespace
 
 
+# Why a request was refused for its grammar (``RequestCounters.refuse``).
+REFUSAL_REASONS = ("grammar", "max_tokens")
+
+
 @dataclass
 class RequestCounters:
     """Totals for /metrics that the engine does not see."""
@@ -41,11 +49,25 @@ class RequestCounters:
     accepted: int = 0
     rejected_busy: int = 0
     by_status: dict[int, int] | None = None
+    # Requests refused with a 400 for passing a limit, by reason: a media limit's name
+    # (an error's ``limit``, e.g. "max_video_decode_pixels"), "context_length", or for
+    # their grammar: "grammar" (it cannot run: invalid, or more than llguidance's parser
+    # allows), "max_tokens" (too few for a whole answer).
+    refused: dict[str, int] = field(default_factory=dict)
+    preparation: PreparationStats = field(default_factory=PreparationStats)
 
     def count(self, status: int) -> None:
         if self.by_status is None:
             self.by_status = {}
         self.by_status[status] = self.by_status.get(status, 0) + 1
+
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+
+
+def has_media(messages: list[dict]) -> bool:
+    return any(isinstance(m["content"], list) and any(p["type"] != "text" for p in m["content"])
+               for m in messages)
 
 
 def speculation_of(config: ServerConfig) -> Speculation | None:
@@ -74,8 +96,8 @@ class GenerationService:
             if config.prompt_cache_size > 0
             else None
         )
-        if getattr(model, "sharding", None) is not None:  # under mlx.launch: rank 0
-            from mlxvlm.distributed.serving import ShardedEngine
+        if model.sharding is not None:  # under mlx.launch: rank 0
+            from mlxvlm.batching.sharded_engine import ShardedEngine
 
             self.engine = ShardedEngine(model, processor,
                                         prefill_step_size=config.prefill_step_size)
@@ -92,23 +114,23 @@ class GenerationService:
         # and video headers before decoding (see media.PixelBudget).
         self.pixels = pixels or PixelBudget(config.max_request_pixels, config.max_total_pixels)
         self.capacity = config.max_concurrency + config.max_queue
-        self.vocab_size = len(getattr(processor, "tokenizer", processor))
+        self.vocab_size = len(tokenizer_of(processor))
         self.in_flight = 0  # only touched on the event loop
         self.counters = counters or RequestCounters()
         self.token_bytes = TokenBytes(self.engine.tokenizer)
         self.started_at = time.time()
-        # Image decoding and the processor (tokenizer, image preprocessing) run here, so
-        # that they neither block the event loop nor touch the engine's thread.
-        self._prepare_pool = ThreadPoolExecutor(
-            max_workers=config.prepare_workers, thread_name_prefix="mlxvlm-prepare"
-        )
+        # Media decoding and the processor (tokenizer, image preprocessing) run here, so
+        # that they neither block the event loop nor touch the engine's thread; text-only
+        # requests have workers of their own, which media never hold.
+        self._pools = PreparationPools(config.prepare_workers, config.prepare_workers,
+                                       stats=self.counters.preparation)
 
     def start(self) -> None:
         self.engine.start()
 
     def close(self) -> None:
         self.engine.close()
-        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        self._pools.close()
 
     # -- admission ----------------------------------------------------------------
 
@@ -135,6 +157,10 @@ class GenerationService:
             timeout=c.media_timeout,
             max_image_bytes=c.max_image_bytes,
             max_image_pixels=c.max_image_pixels,
+            max_video_frames=c.max_video_frames,
+            max_video_decode_pixels=c.max_video_decode_pixels,
+            max_decode_seconds=c.max_media_decode_seconds,
+            names=MEDIA_OPTION_NAMES,
         )
 
     def _prepare(self, messages: list[dict], cache_namespace: str | None,
@@ -171,6 +197,7 @@ class GenerationService:
             feature_names=getattr(self.model, "feature_names", None),
             media_policy=policy,
             chat_template_kwargs=template_options,
+            max_context=self.model.max_context,
         )
         # MLX evaluates a graph only on the thread that built it (its streams are
         # per thread), so the inputs must be concrete before they reach the engine.
@@ -183,10 +210,12 @@ class GenerationService:
                       template_options: dict | None = None) -> PreparedRequest:
         """``cache_namespace`` (the client's API key id) confines prefix reuse to the
         requests of one client; ``template_options`` go to the chat template (tools,
-        thinking)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prepare_pool, self._prepare, messages,
-                                          cache_namespace, template_options)
+        thinking). Cancelling the awaiting task (the client went away) stops the
+        preparation at its next media frame."""
+        job = self._pools.submit(
+            functools.partial(self._prepare, messages, cache_namespace, template_options),
+            media=has_media(messages))
+        return await job.result()
 
     # -- generation -----------------------------------------------------------------
 

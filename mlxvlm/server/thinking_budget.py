@@ -17,7 +17,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxvlm.server.answer_parts import THINK, ThinkFormat
+from mlxvlm.sampling.constrained import ends_with, tag_progress
+from mlxvlm.text.answer_parts import THINK, ThinkFormat
 
 
 def tag_ids(tokenizer: Any, tag: str) -> tuple[int, ...]:
@@ -36,10 +37,6 @@ class ThinkingBudget:
 
     def processor(self, max_tokens: int) -> "ThinkingBudgetProcessor":
         return ThinkingBudgetProcessor(self)
-
-
-def _ends_with(tokens: list[int], tag: tuple[int, ...]) -> bool:
-    return len(tokens) >= len(tag) and tuple(tokens[-len(tag):]) == tag
 
 
 class ThinkingBudgetProcessor:
@@ -75,9 +72,9 @@ class ThinkingBudgetProcessor:
         for token in new:
             self.tokens.append(int(token))
             self.seen += 1
-            if self.thinking_from is None and _ends_with(self.tokens, open_ids):
+            if self.thinking_from is None and ends_with(self.tokens, open_ids):
                 self.thinking_from = self.seen
-            elif self.thinking_from is not None and _ends_with(self.tokens, close_ids):
+            elif self.thinking_from is not None and ends_with(self.tokens, close_ids):
                 self.done = True
                 break
         # Only the last tags' length matters for what comes.
@@ -91,12 +88,9 @@ class ThinkingBudgetProcessor:
             return None
         if self.seen - self.thinking_from < self.budget.budget:
             return None
-        close_ids = self.budget.close_ids
         # A tag forced part way (or begun by the model) goes on where it is.
-        for begun in range(len(close_ids) - 1, 0, -1):
-            if _ends_with(self.tokens, close_ids[:begun]):
-                return close_ids[begun]
-        return close_ids[0]
+        close_ids = self.budget.close_ids
+        return close_ids[tag_progress(self.tokens, close_ids)]
 
     def __call__(self, history: mx.array, logits: mx.array) -> mx.array:
         if not self.done:

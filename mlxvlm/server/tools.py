@@ -1,48 +1,72 @@
 """Tools and thinking in a chat request: what the chat template is given (``tools``, the
-template's own options), how the answer is split (``answer_parts``), and for
-``tool_choice`` "required" or a named function the grammar that makes the answer a call
-whose arguments validate against the function's parameters."""
+template's own options) or, where the template renders no tools, the conversation with
+the tools described and earlier calls as text (``generic_tools``); how the answer is
+split (``answer_parts``); and the grammar (``tool_grammars``) that makes the answer a
+call whose arguments validate against the function's parameters, for ``tool_choice``
+"required" or a named function, and for "auto" on the generic format once a call
+begins."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from mlxvlm.constrained import ConstraintError, GrammarConstraint, lark_constraint
+from mlxvlm.sampling.constrained import ConstraintError, GrammarConstraint, lark_constraint
 from mlxvlm.generate.text import eos_token_ids
-from mlxvlm.server.answer_parts import (GEMMA4_TOOLS, AnswerSplitter, ThinkFormat, ToolFormat,
+from mlxvlm.text.answer_parts import (GENERIC_TOOLS, AnswerSplitter, ThinkFormat, ToolFormat,
                                         marker_ids, think_format, tool_format)
 from mlxvlm.server.errors import APIError
+from mlxvlm.server.generic_tools import as_plain_turns, describe_tools, with_description
 from mlxvlm.server.schemas import ChatCompletionRequest, NamedToolChoice
-
-
-def chat_template(processor: Any) -> str:
-    template = getattr(processor, "chat_template", None) or getattr(
-        getattr(processor, "tokenizer", None), "chat_template", None)
-    return template if isinstance(template, str) else json.dumps(template or "")
+from mlxvlm.server.template_traits import template_traits
+from mlxvlm.server.tool_grammars import calls_grammar, text_or_calls_grammar
+from mlxvlm.text.tokenization import chat_template_text, tokenizer_of
 
 
 class AnswerPlan:
-    """One request's tools and thinking: set up from the request and the processor,
-    then, once the prompt is rendered, ``splitter()`` for its answer."""
+    """One request's tools and thinking: set up from the request and the processor;
+    ``conversation`` gives the messages the template renders; once the prompt is
+    rendered, ``splitter()`` for its answer."""
 
     def __init__(self, chat: ChatCompletionRequest, processor: Any):
-        template = chat_template(processor)
+        template = chat_template_text(processor)
         self.processor = processor
         self.tool_choice = chat.tool_choice or "auto"
+        self.parallel = chat.parallel_tool_calls is not False
+        traits = template_traits(processor, template)
+        native = tool_format(template) if traits.renders_tools else None
+        # Without a format of the template's own, calls and results go through it as
+        # text in the generic format, and the tools are described in the prompt.
+        self.generic = native is None
+        self.takes_system = traits.takes_system
         wants_tools = bool(chat.tools) and self.tool_choice != "none"
-        self.format: ToolFormat | None = tool_format(template) if wants_tools else None
-        if wants_tools and self.format is None:
-            raise APIError(400, "this model's chat template has no tool calling; send the "
-                           "request without tools", param="tools")
+        self.format: ToolFormat | None = (native or GENERIC_TOOLS) if wants_tools else None
         self.tools = chat.tools if wants_tools else []
         self.prompt_text = ""  # the rendered prompt, once prepared
         self.think: ThinkFormat | None = think_format(template)
         self.thinking = self.think is not None
         self.template_options: dict[str, Any] = dict(chat.chat_template_kwargs or {})
-        if self.tools:
+        self.description: str | None = None
+        if self.tools and self.generic:
+            choice = self.tool_choice.function.name if isinstance(
+                self.tool_choice, NamedToolChoice) else self.tool_choice
+            self.description = describe_tools(self.tools, choice, self.parallel)
+        elif self.tools:
             self.template_options["tools"] = [tool.model_dump(exclude_none=True)
                                               for tool in self.tools]
+
+    @property
+    def forces_calls(self) -> bool:
+        """"required" or a named function: the answer is calls only."""
+        return bool(self.tools) and self.tool_choice != "auto"
+
+    def conversation(self, messages: list[dict]) -> list[dict]:
+        """The messages (``chat.to_messages``' shape) as the template is to render them."""
+        if not self.generic:
+            return messages
+        messages = as_plain_turns(messages)
+        if self.description is not None:
+            messages = with_description(messages, self.description, self.takes_system)
+        return messages
 
     def splitter(self) -> AnswerSplitter:
         reasoning_first = self.thinking and self.think.opened_by(self.prompt_text)
@@ -51,73 +75,30 @@ class AnswerPlan:
     def kept_token_ids(self) -> frozenset[int]:
         """The special tokens the answer's text keeps: the thinking and tool-call markers,
         where they are special tokens (Gemma 4's), so that the splitter sees them."""
-        return marker_ids(getattr(self.processor, "tokenizer", self.processor), self.think,
+        return marker_ids(tokenizer_of(self.processor), self.think,
                           self.format)
 
     def constraint(self) -> GrammarConstraint | None:
         """For "required" or a named function: an answer that is one call (or several,
-        for "required") in the family's format."""
-        if not self.tools or self.tool_choice == "auto":
+        for "required" with parallel calls) in the format. For "auto" on the generic
+        format: text, or calls that validate once begun. None: no grammar."""
+        if not self.tools:
             return None
-        if isinstance(self.tool_choice, NamedToolChoice):
-            chosen = [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+        tokenizer = tokenizer_of(self.processor)
+        if self.tool_choice == "auto":
+            if self.format is not GENERIC_TOOLS:
+                return None  # a template's own format is read from the answer as it is
+            lark = text_or_calls_grammar(self.format, self.tools, tokenizer, self.parallel)
         else:
-            chosen = self.tools
-        tokenizer = getattr(self.processor, "tokenizer", self.processor)
-        several = self.tool_choice == "required"
-        if self.format is GEMMA4_TOOLS:
-            lark = _gemma4_call_grammar(chosen, tokenizer, several)
-        else:
-            schema = {"anyOf": [_call_schema(tool) for tool in chosen]} if len(chosen) > 1 \
-                else _call_schema(chosen[0])
-            lark = _call_grammar(self.format, schema, tokenizer, several=several)
+            if isinstance(self.tool_choice, NamedToolChoice):
+                chosen = [t for t in self.tools
+                          if t.function.name == self.tool_choice.function.name]
+            else:
+                chosen = self.tools
+            several = self.tool_choice == "required" and self.parallel
+            lark = calls_grammar(self.format, chosen, tokenizer, several)
         try:
             return lark_constraint(tokenizer, eos_token_ids(self.processor), lark,
                                    "the tools' parameters")
         except ConstraintError as error:
             raise APIError(400, str(error), param="tools") from None
-
-
-def _call_schema(tool: Any) -> dict:
-    parameters = tool.function.parameters or {"type": "object", "properties": {}}
-    return {"type": "object",
-            "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
-def _literal(text: str, tokenizer: Any) -> str:
-    """``text`` in the grammar: a special token by its id (its bytes never match text),
-    anything else as a string."""
-    special = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
-               if getattr(t, "special", False)}
-    if text in special:
-        return f"<[{special[text]}]>"
-    return json.dumps(text)
-
-
-def _call_grammar(fmt: ToolFormat, schema: dict, tokenizer: Any, several: bool) -> str:
-    opening = _literal(fmt.open, tokenizer)
-    if fmt.close is None:  # Mistral: [TOOL_CALLS] then a JSON list of calls
-        listed = {"type": "array", "items": schema, "minItems": 1}
-        if not several:
-            listed["maxItems"] = 1
-        return f"start: {opening} calls\ncalls: %json {json.dumps(listed)}\n"
-    more = ' ("\\n" block)*' if several else ""
-    return (f"start: block{more}\n"
-            f'block: {opening} "\\n" call "\\n" {_literal(fmt.close, tokenizer)}\n'
-            f"call: %json {json.dumps(schema)}\n")
-
-
-def _gemma4_call_grammar(chosen: list, tokenizer: Any, several: bool) -> str:
-    """Gemma 4's ``<|tool_call>call:NAME{...}<tool_call|>`` with the arguments as JSON
-    under the function's parameters (Gemma's own quoting has no schema grammar; the
-    parser reads either)."""
-    fmt = GEMMA4_TOOLS
-    rules = [f"start: block{'+' if several else ''}",
-             f"block: {_literal(fmt.open, tokenizer)} call {_literal(fmt.close, tokenizer)}",
-             "call: " + " | ".join(f"call_{i}" for i in range(len(chosen)))]
-    for i, tool in enumerate(chosen):
-        parameters = tool.function.parameters or {"type": "object", "properties": {}}
-        rules.append(f"call_{i}: {json.dumps('call:' + tool.function.name)} arguments_{i}")
-        rules.append(f"arguments_{i}: %json {json.dumps(parameters)}")
-    return "\n".join(rules) + "\n"

@@ -4,9 +4,11 @@
 ``conversation`` Gradio's chat history -> mlxvlm chat messages
 ``session``      the model behind the chat: one answer at a time, streaming, stop, stats
 ``thoughts``     a thinking model's thoughts in a folded box, apart from its answer
-``models``       the models the chat offers, loaded when chosen (at most N at a time)
+``models``       the models the chat offers, loaded when chosen (at most N at a time),
+                 switched fairly between conversations (``model_pool``, as the server)
 ``uploads``      which files the chat may read: uploads only, each by its conversation
 ``fields``       Gradio's file handling on the page, held to those uploads
+``api_inputs``   the chat's API takes a plain-text message too
 ``app``          the Gradio page
 ``__main__``     the command line
 """

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Sequence
 
-from mlxvlm.cli import (OneLineParser, add_model_arguments, checkpoint_folders, ranged,
-                        require_extra, run_cli)
+from mlxvlm.cli import (OneLineParser, add_model_arguments, checkpoint_folders, open_listener,
+                        port_in_use, ranged, require_extra, run_cli)
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.option_ranges import PORT, at_least
+from mlxvlm.model_pool import MIN_LOADED_SECONDS
+from mlxvlm.sampling.ranges import NON_NEGATIVE, PORT, at_least
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Models kept loaded at once; choosing another unloads the least recently used",
     )
     parser.add_argument(
+        "--min-loaded-seconds", type=ranged(NON_NEGATIVE), default=MIN_LOADED_SECONDS,
+        help="Seconds a loaded model in use keeps answering its conversations before those "
+        f"waiting for another model unload it (default {MIN_LOADED_SECONDS:g}); one idle "
+        "for a second gives way at once",
+    )
+    parser.add_argument(
         "--host", default="127.0.0.1",
         help="Address to listen on (default: 127.0.0.1, this machine only)",
     )
@@ -52,14 +60,46 @@ def model_names(args: argparse.Namespace) -> list[str]:
     return names
 
 
+def require_free_port(host: str, port: int) -> None:
+    """Fail at once, before a load that may take minutes, where Gradio could not listen
+    on ``host``:``port``: bound and let go here, the port is Gradio's to bind later."""
+    open_listener(host, port).close()
+
+
+def launch(app, host: str, port: int) -> None:
+    try:
+        app.queue().launch(server_name=host, server_port=port)
+    except OSError as exc:
+        # Taken since require_free_port (Gradio says so with its own environment variable).
+        if "empty port" in str(exc):
+            raise port_in_use(host, port) from None
+        raise
+
+
+def log_to_stderr() -> None:
+    """The chat's own lines on stderr (models loaded and unloaded, failed answers);
+    Gradio's and its HTTP clients' stay as they are."""
+    chat_log = logging.getLogger("mlxvlm.ui")
+    if any(getattr(h, "mlxvlm_ui", False) for h in chat_log.handlers):
+        return  # main() again in one process
+    handler = logging.StreamHandler()
+    handler.mlxvlm_ui = True
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    chat_log.addHandler(handler)
+    chat_log.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    log_to_stderr()
 
     def body() -> int:
         names = model_names(args)
-        # Before the slow model load: without the extra, say how to install it.
+        # Before the slow model load: without the extra, say how to install it; a port
+        # that is taken, say so.
         require_extra("ui", "the chat UI", ("gradio",))
-        from mlxvlm.loading import load
+        require_free_port(args.host, args.port)
+        from mlxvlm.checkpoint.loading import load
 
         def open_session(name: str):
             model, processor = load(
@@ -78,13 +118,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from mlxvlm.ui.models import ModelRegistry
 
-        registry = ModelRegistry(names, open_session, args.max_loaded_models)
-        with registry.use(names[0]):
-            pass
-        from mlxvlm.ui.app import build_app
-
+        registry = ModelRegistry(names, open_session, args.max_loaded_models,
+                                 args.min_loaded_seconds)
         try:
-            build_app(registry).queue().launch(server_name=args.host, server_port=args.port)
+            # Before the page, and its errors as the loader says them.
+            registry.preload(names[0])
+            from mlxvlm.ui.app import build_app
+
+            launch(build_app(registry), args.host, args.port)
         finally:
             registry.close()
         return 0

@@ -8,21 +8,37 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from mlxvlm.media import MediaPolicy
-from mlxvlm.sampling_defaults import checkpoint_defaults, resolve
+from mlxvlm.media import NO_NAMES, MediaPolicy
+from mlxvlm.model_pool import PoolError
+from mlxvlm.sampling.defaults import resolve
+from mlxvlm.text.tokenization import processor_state
+from mlxvlm.ui.api_inputs import accept_text_messages
 from mlxvlm.ui.fields import guard_file_handling
 from mlxvlm.ui.models import ModelRegistry
-from mlxvlm.ui.session import ChatSession
+from mlxvlm.ui.session import YIELD_EVERY_S, ChatSession, notice
+from mlxvlm.ui.stats import stale_markdown
 from mlxvlm.ui.uploads import process_uploads, watch_upload_route
 
 # The slider's top when the model does not say how long its context is.
 MAX_TOKENS_CAP = 8192
+PAGE_HEADING = "mlxvlm chat"
+# How the empty chat's hint names one attachment of each kind.
+ONE_OF_KIND = {"image": "an image", "video": "a video", "audio": "a sound"}
+# Turns answered (or waiting for their model, then for their turn on it) at once, per
+# way in (the page, the API); more wait in Gradio's queue (whose default is one at a
+# time). Above one, so that the model pool sees every conversation waiting and serves a
+# loaded model's before switching, and so that a conversation prepares its turn while
+# another's runs: one conversation's video does not hold up another's text chat.
+CONVERSATIONS_AT_ONCE = 16
 
 
 def upload_media_options() -> MediaPolicy:
     """Limits for reading attachments: only files in this process's upload folder (the
-    chat accepts only uploads, see ``uploads``; this is the media reader's own check)."""
-    return MediaPolicy(allow_remote=False, allowed_dir=str(process_uploads().directory))
+    chat accepts only uploads, see ``uploads``; this is the media reader's own check),
+    and the bounds on decoding a server's strangers' media; the page has no options to
+    name in errors."""
+    return MediaPolicy.served(allow_remote=False, allowed_dir=str(process_uploads().directory),
+                              names=NO_NAMES)
 
 
 def model_labels(names: list[str]) -> list[tuple[str, str]]:
@@ -32,9 +48,25 @@ def model_labels(names: list[str]) -> list[tuple[str, str]]:
     return [(s if short.count(s) == 1 else n, n) for s, n in zip(short, names)]
 
 
+def waiting_markdown(name: str) -> str:
+    """The side panel while a turn or a choice waits for its model to be loaded."""
+    return f"Waiting for `{name}` to be loaded…"
+
+
 def model_markdown(session: ChatSession) -> str:
-    return (f"**Model** `{session.model_name}`  \nfamily `{session.model_type}` · context "
+    """Under the picker (whose label is the heading): what the chosen model is."""
+    return (f"`{session.model_name}`  \nfamily `{session.model_type}` · context "
             f"{session.max_context or 'unknown'} tokens")
+
+
+def chat_hint(session: ChatSession) -> str:
+    """What the empty chat says to do, for what the model takes."""
+    kinds = [ONE_OF_KIND.get(kind.name, kind.name) for kind in session.kinds]
+    if not kinds:
+        return "**Ask anything.** This model reads text only: type below and press Enter."
+    listed = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+    return (f"**Ask about {listed}.** Attach files with the message box's upload button "
+            "(or drop them on the box), type a question and press Enter.")
 
 
 def attachment_box(session: ChatSession) -> dict[str, Any]:
@@ -50,7 +82,7 @@ def attachment_box(session: ChatSession) -> dict[str, Any]:
 def control_values(session: ChatSession) -> dict[str, Any]:
     """Where the sampling controls start: the checkpoint's generation_config.json (greedy
     where it sets nothing), as the CLI and the server do for values left out."""
-    initial = resolve({}, checkpoint_defaults(session.processor)).values
+    initial = resolve({}, processor_state(session.processor).sampling_defaults).values
     return {
         "temperature": initial["temperature"],
         "top_p": max(0.05, initial["top_p"]),
@@ -73,15 +105,31 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
         session.uploads = uploads
         box, initial, panel = attachment_box(session), control_values(session), \
             model_markdown(session)
+        hint = chat_hint(session)
         title, stats_text = f"mlxvlm · {session.model_name}", session.stats_markdown()
 
-    def respond(message, history, system, temperature, top_p, max_tokens,
+    # The parameters' names are the /chat API's (gradio_client's keyword arguments).
+    def respond(message, history, system_prompt, temperature, top_p, max_tokens,
                 repetition_penalty, seed, model_name=None,
                 request: gr.Request = None) -> Iterator[tuple[Any, str]]:
-        with registry.use(model_name or first) as chosen:
+        # Before waiting for the model: a file named but not uploaded here loads nothing.
+        uploads.admit(getattr(request, "session_hash", None), message, history)
+        name = model_name or first
+        wait = registry.wait_for(name)
+        try:
+            try:
+                # Gradio closes a generator only between two items: yielding while the
+                # model is not ours yet, a conversation whose client left stops waiting.
+                while (chosen := wait.wait(YIELD_EVERY_S)) is None:
+                    yield [], waiting_markdown(name)
+            except PoolError as error:
+                yield notice(str(error)), stale_markdown(None)
+                return
             chosen.uploads = uploads  # every session reads only this page's uploads
-            yield from chosen.respond(message, history, system, temperature, top_p,
+            yield from chosen.respond(message, history, system_prompt, temperature, top_p,
                                       max_tokens, repetition_penalty, seed, request=request)
+        finally:
+            wait.release()
 
     with gr.Blocks(title=title, analytics_enabled=False) as app:
         with gr.Row(equal_height=False):
@@ -89,13 +137,17 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
             # controls already rendered, or it puts them in an accordion under the chat.
             chat_column = gr.Column(scale=3)
             with gr.Column(scale=1, min_width=280):
+                # Shown with one model too: its label is the side panel's one heading.
                 picker = gr.Dropdown(model_labels(registry.names), value=first, label="Model",
-                                     visible=len(registry.names) > 1, elem_id="model-picker")
-                model_panel = gr.Markdown(panel, elem_id="model-panel")
-                stats = gr.Markdown(stats_text, elem_id="answer-stats")
-                system = gr.Textbox(
-                    label="System prompt", lines=3, placeholder="(the model's default)"
-                )
+                                     interactive=len(registry.names) > 1,
+                                     elem_id="model-picker")
+                # Labels name these outputs in the API (gradio_client's view_api).
+                model_panel = gr.Markdown(panel, label="Model details", elem_id="model-panel")
+                stats = gr.Markdown(stats_text, label="Last answer's figures",
+                                    elem_id="answer-stats")
+                # A value: the API's system_prompt may be left out, as the page leaves it.
+                system = gr.Textbox(value="", label="System prompt", lines=3,
+                                    placeholder="(the model's default)")
                 temperature = gr.Slider(0.0, 2.0, value=initial["temperature"], step=0.05,
                                         label="Temperature (0: greedy)")
                 top_p = gr.Slider(0.05, 1.0, value=initial["top_p"], step=0.05, label="Top-p")
@@ -108,6 +160,8 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
 
         with chat_column:
             textbox = gr.MultimodalTextbox(
+                label="Message",
+                show_label=False,
                 file_count="multiple",
                 stop_btn=True,  # a given textbox brings its own buttons
                 elem_id="message",
@@ -116,34 +170,45 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
             chat = gr.ChatInterface(
                 respond,
                 multimodal=True,
-                chatbot=gr.Chatbot(label="Chat", height=560, elem_id="chat"),
+                chatbot=gr.Chatbot(label="Chat", height=560, elem_id="chat", placeholder=hint),
                 textbox=textbox,
                 additional_inputs=[
                     system, temperature, top_p, max_tokens, repetition_penalty, seed, picker
                 ],
                 additional_outputs=[stats],
                 api_name="chat",
+                concurrency_limit=CONVERSATIONS_AT_ONCE,
+                title=PAGE_HEADING,
                 fill_height=True,
                 analytics_enabled=False,
             )
 
-        def choose(name: str):
-            with registry.use(name) as chosen:
-                values = control_values(chosen)
-                return (model_markdown(chosen), chosen.stats_markdown(),
-                        gr.MultimodalTextbox(**attachment_box(chosen)),
-                        gr.Slider(value=values["temperature"]),
-                        gr.Slider(value=values["top_p"]),
-                        gr.Slider(maximum=values["max_tokens_cap"],
-                                  value=min(256, values["max_tokens_cap"])),
-                        gr.Slider(value=values["repetition_penalty"]), [], [], [])
+        chosen_outputs = [model_panel, stats, textbox, temperature, top_p, max_tokens,
+                          repetition_penalty, chat.chatbot, chat.chatbot_state,
+                          chat.chatbot_value]
 
-        picker.change(
-            choose, [picker],
-            [model_panel, stats, textbox, temperature, top_p, max_tokens, repetition_penalty,
-             chat.chatbot, chat.chatbot_state, chat.chatbot_value],
-            api_name="choose_model",
-        )
+        def choose(name: str):
+            wait = registry.wait_for(name)
+            try:
+                while (chosen := wait.wait(YIELD_EVERY_S)) is None:  # as ``respond`` waits
+                    yield (waiting_markdown(name),
+                           *[gr.skip()] * (len(chosen_outputs) - 1))
+                values = control_values(chosen)
+                yield (model_markdown(chosen), chosen.stats_markdown(),
+                       gr.MultimodalTextbox(**attachment_box(chosen)),
+                       gr.Slider(value=values["temperature"]),
+                       gr.Slider(value=values["top_p"]),
+                       gr.Slider(maximum=values["max_tokens_cap"],
+                                 value=min(256, values["max_tokens_cap"])),
+                       gr.Slider(value=values["repetition_penalty"]),
+                       gr.Chatbot(value=[], placeholder=chat_hint(chosen)), [], [])
+            except PoolError as error:
+                raise gr.Error(str(error)) from None
+            finally:
+                wait.release()
+
+        picker.change(choose, [picker], chosen_outputs, api_name="choose_model")
     guard_file_handling(app, uploads)
+    accept_text_messages(app)
     watch_upload_route(app, uploads)
     return app

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from mlxvlm.media import MediaError, load_image
-from mlxvlm.prefix_cache import image_hash
+from mlxvlm.batching.prefix_cache import image_hash
 
 
 @dataclass(frozen=True)

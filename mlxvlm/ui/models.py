@@ -1,42 +1,111 @@
 """The models the chat offers, loaded when chosen: at most ``max_loaded`` at a time
-(default one), the least recently used unloaded first once no answer is using it.
+(default one), switched as the server switches them (``model_pool``): a conversation
+whose model is not loaded waits, in arrival order; one load serves every conversation
+waiting for that model; a model in use keeps its place for ``min_loaded_seconds`` (one
+idle for a second gives way at once); a conversation whose client left stops waiting,
+and no model is loaded for nobody.
 
-The chat's own small registry (the server keeps its own): a name is the ``--model``
-spelling (a path or a Hub repo id), or a checkpoint folder found under ``--models-dir``.
+A name is the ``--model`` spelling (a path or a Hub repo id), or a checkpoint folder found
+under ``--models-dir``. The pool lives on an event loop of its own, in a thread: Gradio
+answers each conversation in a worker thread, and they all wait through it.
 """
 
 from __future__ import annotations
 
-import gc
+import asyncio
+import concurrent.futures
+import logging
 import threading
-from collections import OrderedDict
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-import mlx.core as mx
-
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.model_pool import MIN_LOADED_SECONDS, Lease, ModelPool
 
 if TYPE_CHECKING:  # not at run time: the command line loads a model before Gradio
     from mlxvlm.ui.session import ChatSession
+
+log = logging.getLogger(__name__)
 
 # name -> a started ChatSession for it (loads the model)
 OpenSession = Callable[[str], "ChatSession"]
 
 
-class ModelRegistry:
-    """The offered ``names`` (the first is the one the page starts with); ``use(name)``
-    gives that model's session, loading it (and unloading another) if needed."""
+class ModelWait:
+    """One conversation's wait for a model, then its hold on it, until ``release``."""
 
-    def __init__(self, names: Sequence[str], open_session: OpenSession, max_loaded: int = 1):
+    def __init__(self, loop: asyncio.AbstractEventLoop, pool: ModelPool, name: str):
+        self.name = name
+        self._loop = loop
+        self._task: asyncio.Task | None = None
+        self._ended = False
+        # The lease, handed from the pool's loop to the waiting thread.
+        self._granted: concurrent.futures.Future[Lease] = concurrent.futures.Future()
+        loop.call_soon_threadsafe(self._begin, pool, name)
+
+    def _begin(self, pool: ModelPool, name: str) -> None:  # on the loop
+        if self._ended:
+            self._granted.cancel()
+            return
+        self._task = asyncio.ensure_future(pool.acquire(name))
+        self._task.add_done_callback(self._settle)
+
+    def _settle(self, task: asyncio.Task) -> None:  # on the loop
+        if task.cancelled():
+            self._granted.cancel()
+        elif task.exception() is not None:
+            self._granted.set_exception(task.exception())
+        else:
+            self._granted.set_result(task.result())
+
+    def wait(self, timeout: float | None = None) -> ChatSession | None:
+        """The model's session once it is this conversation's; None if ``timeout``
+        passed first. Raises ``model_pool.PoolError`` (e.g. the model failed to load)."""
+        try:
+            return self._granted.result(timeout).model
+        except concurrent.futures.TimeoutError:
+            return None
+
+    def release(self) -> None:
+        """Stop waiting, or give the model back (any thread; more than once is fine)."""
+        try:
+            self._loop.call_soon_threadsafe(self._end)
+        except RuntimeError:  # the registry is closed, and its models with it
+            pass
+
+    def _end(self) -> None:  # on the loop
+        if self._ended:
+            return
+        self._ended = True
+        task = self._task
+        if task is None:
+            return
+        if not task.done():
+            # Its client left (Gradio closed the turn): the pool drops the waiter (and
+            # gives back a lease granted meanwhile).
+            log.info("a conversation left while waiting for %r", self.name)
+            task.cancel()
+        elif not task.cancelled() and task.exception() is None:
+            task.result().release()
+
+
+class ModelRegistry:
+    """The offered ``names`` (the first is the one the page starts with); ``wait_for``
+    (or ``use``) gives a model's session, loading it (and unloading another) if needed."""
+
+    def __init__(self, names: Sequence[str], open_session: OpenSession, max_loaded: int = 1,
+                 min_loaded_seconds: float = MIN_LOADED_SECONDS):
         if not names:
             raise MlxvlmError("give at least one --model (or --models-dir)")
         self.names = list(dict.fromkeys(names))
-        self.open_session = open_session
-        self.max_loaded = max(1, max_loaded)
-        self._loaded: OrderedDict[str, ChatSession] = OrderedDict()
-        self._users: dict[str, int] = {}
-        self._changed = threading.Condition()
+        self.pool: ModelPool[ChatSession] = ModelPool(
+            {name: name for name in self.names}, lambda name, _source: open_session(name),
+            close=lambda session: session.close(), max_loaded=max(1, max_loaded),
+            min_loaded_seconds=min_loaded_seconds, log=log)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name="mlxvlm-ui-models", daemon=True)
+        self._thread.start()
 
     @classmethod
     def of_session(cls, session: ChatSession) -> "ModelRegistry":
@@ -46,53 +115,46 @@ class ModelRegistry:
             raise MlxvlmError(f"{name} was closed")
 
         registry = cls([session.model_name], cannot_reopen)
-        registry._loaded[session.model_name] = session
+        registry._on_loop(lambda: registry.pool.add(session.model_name, session))
         return registry
+
+    def _on_loop(self, call: Callable):
+        """``call()``'s result, run on the pool's loop (its state is the loop's alone)."""
+        async def run():
+            return call()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
 
     @property
     def loaded(self) -> list[str]:
-        with self._changed:
-            return list(self._loaded)
+        return self._on_loop(self.pool.loaded_names)
 
-    def _unload_one(self) -> bool:
-        """Unload the least recently used model no answer is using (False: none is free)."""
-        free = next((name for name in self._loaded if not self._users.get(name)), None)
-        if free is None:
-            return False
-        self._loaded.pop(free).close()
-        # The model's arrays go with the last reference to it, which may sit in a cycle.
-        gc.collect()
-        mx.clear_cache()
-        return True
+    def preload(self, name: str) -> None:
+        """Load ``name`` now, before any conversation (its loader's errors raised as
+        they are)."""
+        self._on_loop(lambda: self.pool.preload(name))
 
-    def _session(self, name: str) -> ChatSession:
+    def wait_for(self, name: str) -> ModelWait:
+        """Start waiting for ``name``'s session (``MlxvlmError`` for a name not offered);
+        the caller ends with ``release``."""
         if name not in self.names:
             raise MlxvlmError(f"{name!r} is not one of this chat's models")
-        if name in self._loaded:
-            self._loaded.move_to_end(name)
-            return self._loaded[name]
-        while len(self._loaded) >= self.max_loaded:
-            if not self._unload_one():
-                self._changed.wait()  # until an answer on a loaded model ends
-        # Under the lock: one load at a time, and no answer starts on a half-swapped set.
-        self._loaded[name] = session = self.open_session(name)
-        return session
+        return ModelWait(self._loop, self.pool, name)
 
     @contextmanager
     def use(self, name: str) -> Iterator[ChatSession]:
-        """``name``'s session, kept loaded until the block ends."""
-        with self._changed:
-            session = self._session(name)
-            self._users[name] = self._users.get(name, 0) + 1
+        """``name``'s session (waiting as long as it takes), kept loaded until the block
+        ends."""
+        wait = self.wait_for(name)
         try:
-            yield session
+            yield wait.wait()
         finally:
-            with self._changed:
-                self._users[name] -= 1
-                self._changed.notify_all()
+            wait.release()
 
     def close(self) -> None:
-        with self._changed:
-            for session in self._loaded.values():
-                session.close()
-            self._loaded.clear()
+        if self._loop.is_closed():
+            return
+        self._on_loop(self.pool.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()

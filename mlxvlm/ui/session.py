@@ -3,14 +3,17 @@
 The model runs on the server's batching engine (``mlxvlm.batching``) with a batch of one
 and a prompt-prefix cache: a follow-up turn continues from the KV cache the previous
 turn left, so the shared prefix is not prefilled again and, when the new turn adds only
-text, no earlier image is encoded again. Answers are serialized by a lock (the engine
-owns the one model; the page's other users wait their turn), and ``respond`` is the
+text, no earlier image is encoded again. A turn is prepared in ``PREPARATION``'s workers
+(turns with attachments apart from text-only ones, each stopped when its turn is
+closed); answers are serialized by a lock (the engine owns the one model; the page's
+other users wait their turn), and ``respond`` is the
 generator Gradio's ``ChatInterface`` streams from: when Gradio closes it (the stop
 button), the request is cancelled and the engine stops computing it at its next step.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -24,19 +27,25 @@ import mlx.core as mx
 from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.media import MediaPolicy
-from mlxvlm.prefix_cache import PrefixCache
+from mlxvlm.batching.prefix_cache import PrefixCache
+from mlxvlm.preparation import PreparationPools
 from mlxvlm.prompt import prepare_inputs
 from mlxvlm.ui.conversation import NOTICE_TITLE, attachment_paths, build_conversation
 from mlxvlm.ui.media_kinds import supported_kinds
 from mlxvlm.ui.stats import NO_ANSWER_YET, AnswerStats, stale_markdown
 from mlxvlm.ui.thoughts import ThoughtsAndAnswer, kept_token_ids, template_thinks
-from mlxvlm.ui.uploads import AttachmentRefused, Uploads
+from mlxvlm.ui.uploads import Uploads
 
 log = logging.getLogger(__name__)
 
 # How often a waiting ``respond`` yields (nothing new): Gradio can only close a generator
 # between two items, so this bounds how long a stop waits during a queue wait or a prefill.
 YIELD_EVERY_S = 0.25
+# Turns are prepared (conversation, media decoding, processor) off Gradio's threads, by
+# every model's sessions together: at most two turns with attachments at a time, and
+# text-only turns on workers of their own, so that no conversation's video holds up
+# another's text chat.
+PREPARATION = PreparationPools(2, 2, name="mlxvlm-ui-prepare")
 
 
 @dataclass
@@ -153,18 +162,8 @@ class ChatSession:
 
     def _check_attachments(self, message, history, request) -> None:
         """Refuse (``AttachmentRefused``) any file the conversation did not upload."""
-        if self.uploads is None:
-            return
-        session = getattr(request, "session_hash", None)
-        new, earlier = attachment_paths(history, message)
-        if (new or earlier) and session is None:
-            raise AttachmentRefused()
-        for path in new:
-            if not self.uploads.claim(session, path):
-                raise AttachmentRefused()
-        for path in earlier:
-            if not self.uploads.owns(session, path):
-                raise AttachmentRefused()
+        if self.uploads is not None:
+            self.uploads.admit(getattr(request, "session_hash", None), message, history)
 
     def respond(
         self,
@@ -186,26 +185,24 @@ class ChatSession:
         whose uploads it may read. A file it did not upload raises ``AttachmentRefused``,
         which Gradio answers with a bare error, as it does its own refusals."""
         self._check_attachments(message, history, request)
+        new, earlier = attachment_paths(history, message)
+        job = PREPARATION.submit(
+            functools.partial(self._prepare, message, history, system, temperature, top_p,
+                              max_tokens, repetition_penalty, seed),
+            media=bool(new or earlier))
         try:
-            settings = Settings.from_controls(
-                system, temperature, top_p, max_tokens, repetition_penalty, seed
-            )
-            conversation = build_conversation(
-                history, message, self.kinds, self.media_options, self.placeholders
-            )
-            inputs = prepare_inputs(
-                self.processor,
-                conversation.messages,
-                system=settings.system,
-                feature_names=getattr(self.model, "feature_names", None),
-                media_policy=self.media_options,
-            )
-            # MLX evaluates a graph only on the thread that built it: the engine's thread
-            # must get concrete arrays.
-            mx.eval(inputs.input_ids, list(inputs.features.values()))
+            while True:
+                try:
+                    settings, conversation, inputs = job.future.result(timeout=YIELD_EVERY_S)
+                    break
+                except TimeoutError:
+                    yield [], self.stats_markdown()
         except (MlxvlmError, ValueError, TypeError) as e:
             yield notice(_readable(e)), self.failed_stats_markdown()
             return
+        finally:
+            if not job.future.done():  # closed by Gradio (stop button, page gone)
+                job.stop()
 
         while not self._turn.acquire(timeout=YIELD_EVERY_S):
             yield [], self.stats_markdown()
@@ -214,6 +211,29 @@ class ChatSession:
             yield from self._answer(inputs, settings, conversation.image_hashes, reply)
         finally:
             self._turn.release()
+
+    def _prepare(self, message, history, system, temperature, top_p, max_tokens,
+                 repetition_penalty, seed):
+        """The turn's settings, conversation and model inputs (in a preparation worker:
+        media decoding stops there when the turn is closed)."""
+        settings = Settings.from_controls(
+            system, temperature, top_p, max_tokens, repetition_penalty, seed
+        )
+        conversation = build_conversation(
+            history, message, self.kinds, self.media_options, self.placeholders
+        )
+        inputs = prepare_inputs(
+            self.processor,
+            conversation.messages,
+            system=settings.system,
+            feature_names=getattr(self.model, "feature_names", None),
+            media_policy=self.media_options,
+            max_context=self.model.max_context,
+        )
+        # MLX evaluates a graph only on the thread that built it: the engine's thread
+        # must get concrete arrays.
+        mx.eval(inputs.input_ids, list(inputs.features.values()))
+        return settings, conversation, inputs
 
     def _answer(
         self, inputs, settings: Settings, image_hashes, reply: ThoughtsAndAnswer

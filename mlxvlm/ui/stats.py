@@ -29,7 +29,7 @@ class AnswerStats:
     def markdown(self) -> str:
         return "\n".join(
             [
-                "| last answer | |",
+                "| figure | last answer |",
                 "| --- | --- |",
                 f"| prompt tokens | {self.prompt_tokens} ({self.reused_tokens} reused) |",
                 f"| prompt speed | {self.prompt_tps:.1f} tokens/s |",

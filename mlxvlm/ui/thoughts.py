@@ -1,7 +1,7 @@
 """A thinking model's answer as the chat shows it: the thoughts in Gradio's folded
 thought box (a message with a metadata title), the answer beside it.
 
-The split is the server's (``mlxvlm.server.answer_parts``: ``<think>`` ... ``</think>``
+The split is the server's (``mlxvlm.text.answer_parts``: ``<think>`` ... ``</think>``
 or Gemma 4's ``<|channel>thought`` ... ``<channel|>``, whose special-token markers the
 answer's text keeps, for a template that teaches them, held back only where a marker may
 still begin), so the
@@ -12,33 +12,26 @@ checkpoints' chat templates do with earlier turns' reasoning.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
-from mlxvlm.server.answer_parts import (AnswerSplitter, ThinkFormat, as_think_format, marker_ids,
+from mlxvlm.text.answer_parts import (AnswerSplitter, ThinkFormat, as_think_format, marker_ids,
                                         think_format)
+from mlxvlm.text.tokenization import chat_template_text, tokenizer_of
 
 # The metadata title of a thought box; conversation.py leaves such messages out of the
 # model's view (the answer beside them stays).
 THOUGHTS_TITLE = "💭 Thinking"
 
 
-def chat_template(processor: Any) -> str:
-    template = getattr(processor, "chat_template", None) or getattr(
-        getattr(processor, "tokenizer", None), "chat_template", None
-    )
-    return template if isinstance(template, str) else json.dumps(template or "")
-
-
 def template_thinks(processor: Any) -> ThinkFormat | None:
     """The thinking format the checkpoint's chat template teaches (None: none)."""
-    return think_format(chat_template(processor))
+    return think_format(chat_template_text(processor))
 
 
 def kept_token_ids(processor: Any, fmt: ThinkFormat | None) -> frozenset[int]:
     """The special tokens the answer's text keeps for the split (Gemma 4's markers)."""
-    return marker_ids(getattr(processor, "tokenizer", processor), fmt)
+    return marker_ids(tokenizer_of(processor), fmt)
 
 
 class ThoughtsAndAnswer:

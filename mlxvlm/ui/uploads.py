@@ -29,7 +29,9 @@ import tempfile
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
+
+from mlxvlm.ui.conversation import attachment_paths
 
 # The Gradio settings that name folders it serves files from.
 UPLOAD_DIR_VARIABLE = "GRADIO_TEMP_DIR"
@@ -84,6 +86,20 @@ class Uploads:
     def owns(self, session: str, path: str | os.PathLike) -> bool:
         with self._lock:
             return _key(path) in self._owners.get(session, ())
+
+    def admit(self, session: str | None, message: dict | str, history: Sequence[dict]) -> None:
+        """Refuse (``AttachmentRefused``) a turn naming any file ``session`` did not
+        upload: new attachments must be uploads no other conversation took, earlier ones
+        the conversation's own."""
+        new, earlier = attachment_paths(history, message)
+        if (new or earlier) and session is None:
+            raise AttachmentRefused()
+        for path in new:
+            if not self.claim(session, path):
+                raise AttachmentRefused()
+        for path in earlier:
+            if not self.owns(session, path):
+                raise AttachmentRefused()
 
     def require_upload(self, path: str | os.PathLike | None) -> None:
         """For Gradio's file handling: refuse, before any copy or download, a file or URL

@@ -27,8 +27,8 @@ MLX primitives (C++ in this folder, compiled on first use by ``build.py``):
   times ``up`` (gated MLPs), vectorised and threaded.
 
 Used only on MLX's CPU backend (``fast_paths``, ``attention``, ``fast_math``);
-``MLXVLM_NO_CPU_KERNELS=1`` opts out, and so does ``MLXVLM_NO_CPU_FAST_PATHS`` (both read
-in ``policy``). When the build is not possible (no C++ compiler, Python headers or
+``MLXVLM_NO_CPU_KERNELS=1`` opts out, and so does ``MLXVLM_NO_CPU_FAST_PATHS`` (every
+``MLXVLM_*`` setting is read in ``policy``; ``load`` hands the kernels theirs). When the build is not possible (no C++ compiler, Python headers or
 nanobind) mlxvlm keeps its MLX-only paths and ``describe()`` says why. The instruction
 set (AVX-512, AVX2 or portable loops) is chosen at run time; ``MLXVLM_CPU_ISA=avx2`` or
 ``portable`` caps it. Figures are in benchmarks/README.md.
@@ -91,6 +91,9 @@ def _build_and_import() -> ModuleType | None:
         module = _import(build(verbose=True))
         module.set_sgemm(_sgemm_address())
         module.set_threads(policy.cpu_threads())  # for its own pool, without the shim
+        # Before the first kernel runs: the kernels decide both once per process.
+        module.set_isa_cap(policy.isa_cap())
+        module.set_half_gemm(policy.half_gemm())
         _smoke_call(module)
     except (BuildError, OSError, ImportError, AttributeError, TypeError, RuntimeError,
             subprocess.SubprocessError) as exc:

@@ -1,5 +1,5 @@
 // The float32 matrix product the kernels use: the process's cblas_sgemm (OpenBLAS when
-// mlxvlm loaded it, see mlxvlm/_backend.py), whose address Python hands over at start-up
+// mlxvlm loaded it, see mlxvlm/cpu/blas.py), whose address Python hands over at start-up
 // so that this library needs no link-time BLAS.
 #pragma once
 

@@ -56,6 +56,14 @@ struct PrefillChoice {
 };
 const PrefillChoice& prefill_choice();
 
+// MLXVLM_HALF_GEMM's value ("own", "blas", "" for unset, or anything else, which
+// prefill_choice says it ignores), handed in by Python (mlxvlm/cpu/policy.py, the one
+// reader of MLXVLM_* settings) through set_half_gemm before the first kernel runs.
+inline std::string& half_gemm_setting() {
+  static std::string value;
+  return value;
+}
+
 template <class Gemv, class Weights>
 void compact_matmul(const float* x, int64_t rows, int64_t K, int64_t N, const float* bias,
                     const float* addend, float* y, Gemv&& gemv, const Weights& weights,

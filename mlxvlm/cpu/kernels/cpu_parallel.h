@@ -2,7 +2,7 @@
 //
 // MLX's CPU backend runs every primitive on its stream's single worker thread; the
 // kernels here split their loops over a pool (the calling thread is worker 0). When
-// mlxvlm loaded its BLAS shim (mlxvlm/_blas_shim.c, Linux with OpenBLAS), that is the
+// mlxvlm loaded its BLAS shim (mlxvlm/cpu/blas_shim.c, Linux with OpenBLAS), that is the
 // shim's pool, which the float32 products run on too: one set of threads, spinning
 // briefly between jobs, so that neither OpenBLAS's idle threads spin next to a kernel
 // nor each operation of a decoding step wakes a sleeping thread. Without the shim the
@@ -93,8 +93,8 @@ class ThreadPool {
   bool stopping_ = false;
 };
 
-// The kernels' own pool's size: set from Python (mlxvlm._backend.cpu_threads, the one
-// place that reads MLXVLM_CPU_THREADS and the affinity mask) before the pool is made.
+// The kernels' own pool's size: set from Python (mlxvlm/cpu/policy.py's cpu_threads, the
+// one place that reads MLXVLM_CPU_THREADS and the affinity mask) before the pool is made.
 inline int& configured_threads() {
   static int threads = 0;
   return threads;

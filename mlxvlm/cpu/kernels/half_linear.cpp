@@ -181,8 +181,7 @@ void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Hal
 // AVX-512 units are no wider than its AVX2 ones (Zen 4 runs 512-bit operations in two
 // halves) may do better with the BLAS.
 PrefillChoice choose_prefill() {
-  const char* set = std::getenv("MLXVLM_HALF_GEMM");
-  const std::string wanted = set ? set : "";
+  const std::string& wanted = half_gemm_setting();
   // An unknown value is said and left aside (like MLXVLM_CPU_ISA's).
   const std::string ignored = wanted.empty() || wanted == "own" || wanted == "blas" ? ""
       : "; MLXVLM_HALF_GEMM='" + wanted + "' ignored (expected own or blas)";

@@ -1,4 +1,4 @@
-// The operations this library adds to MLX (CPU only; see mlxvlm/kernels/__init__.py).
+// The operations this library adds to MLX (CPU only; see mlxvlm/cpu/kernels/__init__.py).
 #pragma once
 
 #include <optional>

@@ -22,9 +22,13 @@ NB_MODULE(_mlxvlm_cpu_kernels, m) {
         "address"_a, "Use the cblas_sgemm at this address for the float32 products.");
   m.def("set_threads", [](int threads) { mlxvlm::configured_threads() = threads; }, "threads"_a,
         "The size of the kernels' own pool (used without the BLAS shim), before first use.");
+  m.def("set_isa_cap", [](std::string cap) { mlxvlm::isa_cap_setting() = std::move(cap); },
+        "cap"_a, "Cap the instruction set (avx512, avx2, portable; empty: none), before first use.");
+  m.def("set_half_gemm", [](std::string value) { mlxvlm::half_gemm_setting() = std::move(value); },
+        "value"_a, "How prefill's products run (own, blas; empty: measured), before first use.");
   m.def("threads", [] { return mlxvlm::thread_pool().size(); });
   m.def("shares_blas_pool", [] { return mlxvlm::thread_pool().shared(); },
-        "Whether the kernels run on the BLAS shim's threads (mlxvlm/_blas_shim.c).");
+        "Whether the kernels run on the BLAS shim's threads (mlxvlm/cpu/blas_shim.c).");
   m.def("simd", [] { return mlxvlm::isa_name(); });
   m.def("prefill_products", [] { return mlxvlm::prefill_choice().why; },
         "How prefill's 16-bit and quantized products run here, and why (decided at first use).");

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -26,6 +27,13 @@ enum class Half { bfloat16, float16 };
 // suspects one, run the narrower code paths.
 enum class Isa { portable = 0, avx2 = 1, avx512 = 2 };
 
+// The cap, handed in by Python (mlxvlm/cpu/policy.py, the one reader of MLXVLM_*
+// settings) through set_isa_cap before the first kernel runs: "" for none.
+inline std::string& isa_cap_setting() {
+  static std::string cap;
+  return cap;
+}
+
 inline Isa detect_isa() {
 #ifdef MLXVLM_X86
   Isa found = Isa::portable;
@@ -38,12 +46,9 @@ inline Isa detect_isa() {
 #else
   Isa found = Isa::portable;
 #endif
-  if (const char* cap = std::getenv("MLXVLM_CPU_ISA")) {
-    Isa wanted = std::strcmp(cap, "portable") == 0 ? Isa::portable
-                 : std::strcmp(cap, "avx2") == 0   ? Isa::avx2
-                                                   : Isa::avx512;
-    if (wanted < found) found = wanted;
-  }
+  const std::string& cap = isa_cap_setting();
+  Isa wanted = cap == "portable" ? Isa::portable : cap == "avx2" ? Isa::avx2 : Isa::avx512;
+  if (wanted < found) found = wanted;
   return found;
 }
 

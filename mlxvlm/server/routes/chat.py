@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from mlxvlm.batching import BatchStep
-from mlxvlm.server.answer_parts import AnswerSplitter, Part
+from mlxvlm.text.answer_parts import AnswerSplitter, Part
 from mlxvlm.server.answering import (
     answer,
     plan_answer,
@@ -18,7 +18,7 @@ from mlxvlm.server.answering import (
     steps,
     stream_failure,
 )
-from mlxvlm.server.chat import (
+from mlxvlm.server.chat_completions import (
     SSE_DONE,
     CompletionWriter,
     sse,

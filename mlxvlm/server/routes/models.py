@@ -3,7 +3,7 @@ the server rather than of a model."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
 from mlxvlm.server import metrics
@@ -41,5 +41,7 @@ async def get_model(model_id: str, models: ModelRegistry = Depends(get_models)) 
 
 
 @router.get("/metrics")
-async def get_metrics(models: ModelRegistry = Depends(get_models)) -> PlainTextResponse:
-    return PlainTextResponse(metrics.render_metrics(models), media_type=metrics.CONTENT_TYPE)
+async def get_metrics(request: Request,
+                      models: ModelRegistry = Depends(get_models)) -> PlainTextResponse:
+    return PlainTextResponse(metrics.render_metrics(models, request.app.state),
+                             media_type=metrics.CONTENT_TYPE)

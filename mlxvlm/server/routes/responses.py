@@ -12,12 +12,8 @@ from fastapi.responses import Response
 from mlxvlm.server.answering import answer, plan_answer
 from mlxvlm.server.deps import body_dependencies
 from mlxvlm.server.errors import APIError
-from mlxvlm.server.responses import (
-    ResponseStore,
-    ResponseWriter,
-    input_messages,
-    to_chat_request,
-)
+from mlxvlm.server.response_store import ResponseStore
+from mlxvlm.server.responses import ResponseWriter, input_messages, to_chat_request
 from mlxvlm.server.responses_schemas import ResponsesRequest
 from mlxvlm.server.security import KEY_ID
 from mlxvlm.server.service import GenerationService
@@ -44,8 +40,8 @@ async def responses(request: Request, body: Body, service: Service, store: Store
         if earlier is None:
             raise APIError(400, f"previous response {body.previous_response_id!r} not found "
                            "(it was not stored, or this server no longer keeps it: "
-                           "--max-stored-responses)", param="previous_response_id",
-                           code="previous_response_not_found")
+                           "--max-stored-responses and --max-stored-response-bytes)",
+                           param="previous_response_id", code="previous_response_not_found")
     chat = to_chat_request(body, earlier)
     options, plan = plan_answer(chat, service)
     writer = ResponseWriter(service.config.model_id, body, earlier + input_messages(body), store,

@@ -10,8 +10,8 @@ from fastapi.responses import Response
 
 from mlxvlm.server.answering import answer, plan_answer
 from mlxvlm.server.deps import body_dependencies
-from mlxvlm.server.messages import MessageWriter, to_chat_request
-from mlxvlm.server.messages_schemas import MessagesRequest
+from mlxvlm.server.anthropic_messages import MessageWriter, to_chat_request
+from mlxvlm.server.anthropic_schemas import MessagesRequest
 from mlxvlm.server.service import GenerationService
 
 router = APIRouter()

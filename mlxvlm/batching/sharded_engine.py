@@ -23,7 +23,7 @@ from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.cache import CacheOptions
 from mlxvlm.generate.loop import fit_to_context
 from mlxvlm.generate.stream import generate_prepared
-from mlxvlm.tokenization import generation_tokenizer
+from mlxvlm.text.tokenization import generation_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +54,18 @@ class ShardedEngine(EngineThread):
             self._cond.notify()
         return handle
 
-    def close(self, timeout: float | None = 10.0) -> None:
-        """Stop taking requests, finish the running one, then release the other ranks."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop taking requests, finish the running one, then release the other ranks.
+        By default the running request is waited out: every rank runs it to its end, and
+        a release sent while it runs would be read into its steps' collectives. Past a
+        ``timeout`` the other ranks are left unreleased (they stop with this process)."""
         pending = self._stop_thread(timeout, self._take_waiting)
         for _, _, _, deliver, _ in pending:
-            deliver(MlxvlmError("the engine is shutting down"))
+            _deliver(deliver, MlxvlmError("the engine is shutting down"))
+        if self._thread is not None and self._thread.is_alive():
+            logger.warning("the running request did not end within %s s: the other ranks "
+                           "are not released and stop when this process exits", timeout)
+            return
         release(self.model)
 
     def _take_waiting(self) -> list:
@@ -76,13 +83,13 @@ class ShardedEngine(EngineThread):
                 self._generate(*request)
             except MlxvlmError as exc:
                 self.stats.requests_failed += 1
-                request[3](exc)
+                _deliver(request[3], exc)
             except Exception as exc:  # never leave a caller waiting on a dead thread
                 logger.exception("the sharded engine failed a request")
                 self.stats.requests_failed += 1
                 fault = EngineFault(f"the engine failed ({type(exc).__name__}: {exc})")
                 fault.__cause__ = exc
-                request[3](fault)
+                _deliver(request[3], fault)
             finally:
                 self.stats.active = 0
 
@@ -100,12 +107,24 @@ class ShardedEngine(EngineThread):
             self.stats.generated_tokens += 1
             if handle.cancelled:
                 continue
-            deliver(BatchStep(
-                text=result.text, token=result.token, finish_reason=result.finish_reason,
-                prompt_tokens=result.prompt_tokens, cached_tokens=0,
-                generation_tokens=result.generation_tokens, logprob=result.logprob,
-                top_logprobs=result.top_logprobs, stop_string=result.stop_string))
+            if not _deliver(deliver, BatchStep(
+                    text=result.text, token=result.token, finish_reason=result.finish_reason,
+                    prompt_tokens=result.prompt_tokens, cached_tokens=0,
+                    generation_tokens=result.generation_tokens, logprob=result.logprob,
+                    top_logprobs=result.top_logprobs, stop_string=result.stop_string)):
+                handle.cancelled = True  # a broken consumer: the rest goes undelivered
         if handle.cancelled:
             self.stats.requests_cancelled += 1
         else:
             self.stats.requests_finished += 1
+
+
+def _deliver(deliver, item) -> bool:
+    """``deliver(item)``; False where the consumer raised. Its failure must not leave the
+    loop: the other ranks run the generation to its end, so this rank must too."""
+    try:
+        deliver(item)
+    except Exception:
+        logger.exception("a request's consumer failed; the rest of its answer is dropped")
+        return False
+    return True

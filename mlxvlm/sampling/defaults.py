@@ -4,7 +4,9 @@ In order, as vLLM does it: the value the caller gave; the checkpoint's
 ``generation_config.json`` (its ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
 ``repetition_penalty``; ``do_sample: false`` means greedy); the entry point's own default
 (greedy for the CLI and the Python API, OpenAI's for the server). ``load`` reads the
-checkpoint's values once and keeps them on the processor (``processor.sampling_defaults``);
+checkpoint's values once and keeps them in the processor's state
+(``text.tokenization.processor_state(processor).sampling_defaults``, also readable as
+``processor.sampling_defaults``);
 every entry point resolves through ``resolve`` below.
 """
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from mlxvlm.option_ranges import SAMPLING, check
+from mlxvlm.sampling.ranges import SAMPLING, check
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +79,6 @@ def checkpoint_defaults_from(config: Mapping[str, Any]) -> CheckpointDefaults:
     if values.get("repetition_penalty") == 1.0:
         values["repetition_penalty"] = None  # 1 is no penalty: no processor to run
     return CheckpointDefaults(values, source, tuple(ignored))
-
-
-def checkpoint_defaults(processor: Any) -> CheckpointDefaults:
-    """What ``load`` kept on ``processor`` (nothing for a processor built elsewhere)."""
-    defaults = getattr(processor, "sampling_defaults", None)
-    return defaults if isinstance(defaults, CheckpointDefaults) else NO_CHECKPOINT_DEFAULTS
 
 
 @dataclass(frozen=True)

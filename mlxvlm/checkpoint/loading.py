@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlxvlm.errors import CheckpointError, ModelNotFoundError
 from mlxvlm.models import get_family
 from mlxvlm.models.base import materialize
-from mlxvlm.quantization import apply_quantization
+from mlxvlm.checkpoint.quantization import apply_quantization
 
 # Files a checkpoint needs; code files only with trust_remote_code.
 _ALLOW_PATTERNS = [
@@ -250,9 +250,10 @@ def load(
     """Load a model and its processor from a local directory or a Hugging Face repo.
 
     Returns ``(model, processor)``. The processor is the transformers processor of the
-    family (built without torch), with two attributes added for generation:
-    ``processor.detokenizer_tokenizer`` (mlx-lm's TokenizerWrapper, for streaming
-    detokenization) and ``processor.eos_token_ids``.
+    family (built without torch); what generation needs from it (the streaming
+    detokenizer's TokenizerWrapper, every end-of-sequence id, generation_config.json's
+    sampling values) is ``mlxvlm.text.tokenization.processor_state(processor)``.
+    ``processor.sampling_defaults`` stays readable (docs/python-api.md).
 
     ``dtype``: compute dtype for floating weights; by default float32 on the CPU backend
     (faster there than float16/bfloat16) and the checkpoint's own dtype elsewhere.
@@ -267,7 +268,7 @@ def load(
     reading only its shard's weights; ``model.sharding`` is then the rank's plan. Without
     a launched group (one process) it loads the whole model.
     """
-    from mlxvlm.tokenization import attach_generation_tokenizer
+    from mlxvlm.text.tokenization import attach_processor_state
 
     model_path = resolve_model_path(path_or_repo, revision, trust_remote_code)
     config = read_config(model_path)
@@ -288,15 +289,15 @@ def load(
     else:
         model = load_model(model_path, config, dtype=dtype, sharding=sharding)
     processor = family.Model.load_processor(model_path, config)
-    attach_generation_tokenizer(
-        processor, model_path, collect_eos_token_ids(model_path, config, processor.tokenizer)
-    )
-    from mlxvlm.sampling_defaults import read_checkpoint_defaults
+    from mlxvlm.sampling.defaults import read_checkpoint_defaults
 
     # generation_config.json's sampling values, for the requests that leave them out.
-    processor.sampling_defaults = read_checkpoint_defaults(model_path)
+    state = attach_processor_state(
+        processor, collect_eos_token_ids(model_path, config, processor.tokenizer),
+        read_checkpoint_defaults(model_path))
+    processor.sampling_defaults = state.sampling_defaults  # documented: read by users
     if adapter_path is not None:
-        from mlxvlm.adapters import load_adapter
+        from mlxvlm.checkpoint.adapters import load_adapter
 
         load_adapter(model, adapter_path)
     # Again, after the fast paths and the adapter: what they built is concrete too, so

@@ -11,9 +11,10 @@ from typing import Any, AsyncIterator
 
 from mlxvlm.batching import BatchStep
 from mlxvlm.server.answering import split_steps, stream_failure, whole_answer
-from mlxvlm.server.answer_parts import Part, ToolCall
-from mlxvlm.server.errors import ANTHROPIC_PATH, APIError, error_body
-from mlxvlm.server.messages_schemas import MessagesRequest
+from mlxvlm.text.answer_parts import Part, ToolCall
+from mlxvlm.server.chat_completions import as_chat_request
+from mlxvlm.server.errors import ANTHROPIC_PATH, error_body
+from mlxvlm.server.anthropic_schemas import MessagesRequest
 from mlxvlm.server.schemas import ChatCompletionRequest
 from mlxvlm.server.service import TokenStream
 from mlxvlm.server.tools import AnswerPlan
@@ -60,13 +61,10 @@ def _chat_messages(message: Any) -> list[dict[str, Any]]:
 
 
 def _tool_choice(request: MessagesRequest) -> Any:
-    choice = request.tool_choice
+    choice = request.tool_choice  # its name checked by MessagesRequest
     if choice is None:
         return None
     if choice.type == "tool":
-        if not choice.name:
-            raise APIError(400, "tool_choice of type 'tool' needs the tool's name",
-                           param="tool_choice")
         return {"type": "function", "function": {"name": choice.name}}
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
@@ -84,7 +82,7 @@ def to_chat_request(request: MessagesRequest) -> ChatCompletionRequest:
     template_kwargs = None
     if request.thinking is not None:
         template_kwargs = {"enable_thinking": request.thinking.type != "disabled"}
-    return ChatCompletionRequest.model_validate({
+    return as_chat_request({
         "model": request.model,
         "messages": messages,
         "max_tokens": request.max_tokens,
@@ -97,6 +95,8 @@ def to_chat_request(request: MessagesRequest) -> ChatCompletionRequest:
             "name": t.name, "description": t.description, "parameters": t.input_schema}}
             for t in request.tools] if request.tools else None,
         "tool_choice": _tool_choice(request),
+        "parallel_tool_calls": False if request.tool_choice is not None
+        and request.tool_choice.disable_parallel_tool_use else None,
         "chat_template_kwargs": template_kwargs,
         "thinking_budget": request.thinking.budget_tokens
         if request.thinking is not None and request.thinking.type != "disabled" else None,

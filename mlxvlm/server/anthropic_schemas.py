@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
-from mlxvlm.option_ranges import SAMPLING
-from mlxvlm.server.schemas import MAX_STOP_STRINGS, StrictModel
+from mlxvlm.sampling.ranges import SAMPLING
+from mlxvlm.server.schemas import MAX_STOP_STRINGS, StrictModel, check_tool_choice
 
 
 class TextBlock(StrictModel):
@@ -102,3 +102,14 @@ class MessagesRequest(StrictModel):
     tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _chosen_tool_exists(cls, value, info: ValidationInfo):
+        if value is not None:
+            if value.type == "tool" and not value.name:
+                raise ValueError("tool_choice of type 'tool' needs the tool's name")
+            check_tool_choice(value.name if value.type == "tool" else None,
+                              value.type == "any" and "any",
+                              {tool.name for tool in info.data.get("tools") or []})
+        return value

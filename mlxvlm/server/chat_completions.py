@@ -9,17 +9,19 @@ import time
 import uuid
 from typing import Any
 
+from pydantic import ValidationError
+
 from mlxvlm.batching import BatchStep
 from mlxvlm.sampling import SamplingOptions
-from mlxvlm.sampling_defaults import FIELDS as SAMPLING_FIELDS
-from mlxvlm.sampling_defaults import (
+from mlxvlm.sampling.defaults import FIELDS as SAMPLING_FIELDS
+from mlxvlm.sampling.defaults import (
     NO_CHECKPOINT_DEFAULTS,
     OPENAI_DEFAULTS,
     CheckpointDefaults,
     describe_checkpoint,
     resolve,
 )
-from mlxvlm.server.errors import APIError
+from mlxvlm.server.errors import APIError, validation_error
 from mlxvlm.server.schemas import ChatCompletionRequest
 
 logger = logging.getLogger("mlxvlm.server")
@@ -39,6 +41,16 @@ def warn_unknown_fields(request: Any) -> None:
     if unknown:
         logger.warning("ignoring request fields this server does not support: %s",
                        ", ".join(unknown))
+
+
+def as_chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat completions request another API's request (Messages, Responses) means.
+    What chat completions' rules refuse in it is the client's mistake, a 400, as it is
+    on chat completions (each API validates its own fields first, with its own names)."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as error:
+        raise validation_error(error.errors()) from None
 
 
 def to_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -64,6 +64,9 @@ class ToolFormat:
 
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
+# The format this server teaches a model whose chat template renders no tools
+# (generic_tools): Hermes' markers around a {"name", "arguments"} object.
+GENERIC_TOOLS = ToolFormat("generic", "<tool_call>", "</tool_call>")
 MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", None)
 # Gemma 4: <|tool_call>call:NAME{key:value,...}<tool_call|>, keys bare, strings between
 # <|"|> quotes (no escaping), other values as JSON writes them.
@@ -102,15 +105,28 @@ def thinks(chat_template: str | None) -> bool:
     return think_format(chat_template) is not None
 
 
+def special_token_ids(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's special added tokens by their text."""
+    return {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+            if getattr(t, "special", False)}
+
+
 def marker_ids(tokenizer: Any, *formats: ThinkFormat | ToolFormat | None) -> frozenset[int]:
     """The ids of the formats' special-token markers, for the answer's text to keep (the
     detokenizer drops special tokens otherwise); a format adds none when its markers are
-    plain text or the tokenizer does not have them all as single tokens."""
+    plain text or the tokenizer does not have them all as single tokens. A tool format
+    of plain-text markers keeps those this tokenizer holds as special tokens (the
+    generic format's ``<tool_call>`` on a tokenizer that made it special)."""
     ids: set[int] = set()
     for fmt in formats:
-        if fmt is None or not fmt.special:
+        if fmt is None:
             continue
         markers = fmt.markers if isinstance(fmt, ToolFormat) else (fmt.open, fmt.close)
+        if not fmt.special:
+            if isinstance(fmt, ToolFormat):
+                special = special_token_ids(tokenizer)
+                ids.update(special[m] for m in markers if m in special)
+            continue
         encoded = [tokenizer.encode(m, add_special_tokens=False) for m in markers]
         if all(len(e) == 1 for e in encoded):
             ids.update(int(e[0]) for e in encoded)

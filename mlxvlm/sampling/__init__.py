@@ -14,8 +14,8 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.option_ranges import SAMPLING, at_least, check
-from mlxvlm.sampling_defaults import invalid_sampling_value
+from mlxvlm.sampling.ranges import SAMPLING, at_least, check
+from mlxvlm.sampling.defaults import invalid_sampling_value
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -59,7 +59,7 @@ class SamplingOptions:
     """How one sequence is sampled and when it stops, for every path (``generate``, the
     batching engine, the server, the UI). The defaults are greedy; callers that let a
     checkpoint's generation_config.json fill in values resolve them first (see
-    ``mlxvlm.sampling_defaults``). Penalties and ``logit_bias`` have OpenAI's meaning."""
+    ``mlxvlm.sampling.defaults``). Penalties and ``logit_bias`` have OpenAI's meaning."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -75,7 +75,7 @@ class SamplingOptions:
     stop: str | Sequence[str] | None = None
     # None: no log-probabilities; k >= 0: the chosen token's plus the k most likely.
     top_logprobs: int | None = None
-    # A grammar the answer must follow (mlxvlm.constrained.GrammarConstraint).
+    # A grammar the answer must follow (mlxvlm.sampling.constrained.GrammarConstraint).
     constraint: Any = None
     # More per-sequence logits processors, each made by ``.processor(max_tokens)`` as
     # the grammar's is (e.g. the server's thinking budget); they run before the grammar.
@@ -85,7 +85,7 @@ class SamplingOptions:
     kept_token_ids: frozenset = frozenset()
 
     def validate(self) -> None:
-        """Every value within the ranges all entry points share (``mlxvlm.option_ranges``)."""
+        """Every value within the ranges all entry points share (``mlxvlm.sampling.ranges``)."""
         names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "repetition_context_size", "presence_penalty", "frequency_penalty", "seed",
                  "top_logprobs")
@@ -150,6 +150,8 @@ class RowSampler:
             # the batching engine's thread could not evaluate another thread's lazy slice.
             mx.eval(self.history)
         self.sampled = 0
+        # What ended this sequence alone in a batched step (see ``sampling_step``).
+        self.failure: Exception | None = None
 
     @property
     def shares_sampler(self) -> bool:
@@ -158,21 +160,34 @@ class RowSampler:
 
 
 def sampling_step(
-    logits: mx.array, rows: Sequence[RowSampler], fed: mx.array | None = None
+    logits: mx.array, rows: Sequence[RowSampler], fed: mx.array | None = None, *,
+    isolate: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """The one sampling step of every path: last-position ``logits`` (one row per
     sequence) through each row's processors, normalized to log-probabilities, one token
     sampled per row. ``fed``: the token each row was just fed (its processors see it),
-    None for a prompt's last chunk. Returns ``(tokens, logprobs)``, lazily."""
+    None for a prompt's last chunk. Returns ``(tokens, logprobs)``, lazily.
+
+    ``isolate`` (a batch of several requests): a row whose processors raise (its grammar
+    fails, say) keeps the error in ``row.failure`` and is sampled from its bare logits,
+    a token its caller must not deliver; the other rows are not touched. Without it the
+    error is raised."""
     if any(row.processors for row in rows):
         parts = []
         for i, row in enumerate(rows):
-            row_logits = logits if len(rows) == 1 else logits[i : i + 1]
+            bare = logits if len(rows) == 1 else logits[i : i + 1]
+            row_logits = bare
             if row.processors:
                 if fed is not None:
                     row.history = mx.concatenate([row.history, fed[i : i + 1]])
-                for processor in row.processors:
-                    row_logits = processor(row.history, row_logits)
+                if row.failure is None:
+                    try:
+                        for processor in row.processors:
+                            row_logits = processor(row.history, row_logits)
+                    except Exception as error:
+                        if not isolate:
+                            raise
+                        row.failure, row_logits = error, bare
             parts.append(row_logits)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -180,6 +195,14 @@ def sampling_step(
     for row in rows:
         row.sampled += 1
     return tokens, logprobs
+
+
+def sampled_sanely(tokens: mx.array, logprobs: mx.array) -> mx.array:
+    """Per row, lazily: whether its token was drawn from a real distribution (a finite
+    log-probability). False where the row's scores held a NaN, or where its processors
+    between them allowed no token at all (the sampler then picks an arbitrary one)."""
+    chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)
+    return mx.isfinite(chosen.reshape(-1))
 
 
 def _sample_rows(rows: Sequence[RowSampler], logprobs: mx.array) -> mx.array:
