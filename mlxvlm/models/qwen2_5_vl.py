@@ -7,8 +7,8 @@ the rest is ``qwen_vl_base.QwenVLModel``'s.
 
 from __future__ import annotations
 
-from mlxvlm.models.config_utils import token_id, vision_config
-from mlxvlm.models.layers.mrope_decoder import LanguageModel, TextConfig
+from mlxvlm.models.config_utils import vision_config
+from mlxvlm.models.layers.mrope_decoder import LanguageModel
 from mlxvlm.models.layers.qwen_vision import QwenVisionTransformer, VisionConfig
 from mlxvlm.models.qwen_vl_base import ModelArgs, QwenVLModel, timed_spans
 
@@ -35,15 +35,7 @@ class Model(QwenVLModel):
 
     @classmethod
     def from_config(cls, config: dict) -> "Model":
-        return cls(
-            ModelArgs(
-                text=TextConfig.from_hf(config),
-                vision=vision_config_from_hf(config),
-                image_token_id=token_id(config, "image_token", 151655),
-                video_token_id=token_id(config, "video_token", 151656),
-                tokens_per_second=vision_config(config).get("tokens_per_second"),
-            )
-        )
+        return cls(ModelArgs.from_hf(config, vision_config_from_hf(config)))
 
 
 # Module names for callers outside the models package (tests, tools).

@@ -25,6 +25,7 @@ import numpy as np
 
 from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
+from mlxvlm.models.config_utils import token_id, vision_config
 from mlxvlm.models.feature_cache import active_cache, cached_features, join_rows, split_rows
 from mlxvlm.models.layers.mrope_decoder import (
     DeepstackFeatures,
@@ -62,6 +63,19 @@ class ModelArgs:
     video_token_id: int
     # Temporal M-RoPE step per second of video (Qwen2.5-VL); None: one step per frame grid.
     tokens_per_second: float | None = None
+
+
+    @classmethod
+    def from_hf(cls, config: dict, vision: VisionConfig) -> "ModelArgs":
+        """A Qwen2-style M-RoPE model's arguments from its config, with the family's own
+        reading of its vision config."""
+        return cls(
+            text=TextConfig.from_hf(config),
+            vision=vision,
+            image_token_id=token_id(config, "image_token", 151655),
+            video_token_id=token_id(config, "video_token", 151656),
+            tokens_per_second=vision_config(config).get("tokens_per_second"),
+        )
 
 
 # -- how a family places its videos in time (``QwenVLModel.video_positions``) ----------
