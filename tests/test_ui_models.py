@@ -6,6 +6,7 @@ answered as ``mlxvlm.generate`` answers it."""
 
 from __future__ import annotations
 
+import time
 import weakref
 from pathlib import Path
 
@@ -200,6 +201,11 @@ def test_browser_picks_the_omni_model_and_its_microphone_recording_is_answered(
             page.locator("#model-picker input").click()
             page.get_by_role("option", name="qwen2_5_omni-hub").click()
             expect(page.locator("#model-panel")).to_contain_text("qwen2_5_omni")
+            # The figures panel shows the model's previous answer's figures while this
+            # one is prepared and streamed: this answer is complete once the model's
+            # figures are new and the page shows them.
+            with models.registry.use(omni) as omni_session:
+                earlier = omni_session.last_stats
             max_tokens = page.locator("#max-tokens input[type=number]")
             max_tokens.fill("24")
             max_tokens.press("Enter")
@@ -211,7 +217,13 @@ def test_browser_picks_the_omni_model_and_its_microphone_recording_is_answered(
             textbox = page.locator("#message textarea")
             textbox.fill("What do you hear?")
             textbox.press("Enter")
-            page.locator("#answer-stats").get_by_text("prompt tokens").wait_for()
+            deadline = time.monotonic() + WAIT_S
+            while omni_session.last_stats is earlier and time.monotonic() < deadline:
+                time.sleep(0.05)
+            figures = omni_session.last_stats
+            assert figures is not earlier, "the answer did not finish"
+            expect(page.locator("#answer-stats")).to_contain_text(
+                f"{figures.prompt_tokens} ({figures.reused_tokens} reused)")
             page.locator('#chat button[aria-label="Copy message"]').last.click()
             shown = page.evaluate("navigator.clipboard.readText()")
         finally:
