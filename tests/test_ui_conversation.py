@@ -190,3 +190,28 @@ def test_the_sampling_controls_start_at_the_checkpoints_generation_config(tiny_c
     assert sampled["Repetition penalty (1: off)"] == 1.1
     greedy = initial_values({"do_sample": False, "temperature": 0.7})
     assert greedy["Temperature (0: greedy)"] == 0.0 and greedy["Top-p"] == 1.0
+
+
+def test_during_a_turn_the_figures_panel_says_they_are_the_previous_answers(tiny_checkpoints):
+    """While a turn is prepared and streamed the panel shows the model's previous
+    figures marked as such (they may be another conversation's); the turn's last update
+    shows its own figures, unmarked."""
+    from mlxvlm import load
+    from mlxvlm.ui.session import ChatSession
+    from mlxvlm.ui.stats import NO_ANSWER_YET, TURN_UNDER_WAY, earlier_markdown
+
+    assert earlier_markdown(None) == NO_ANSWER_YET
+    session = ChatSession(*load(tiny_checkpoints.path("qwen2_vl", "hub")), "tiny").start()
+    try:
+        first = list(session.respond("Describe a garden.", [], max_tokens=12))
+        assert all(TURN_UNDER_WAY not in panel for _, panel in first)
+        assert first[-1][1] == session.last_stats.markdown()
+        earlier = session.last_stats
+        second = list(session.respond("Describe a house.", [], max_tokens=12))
+        assert len(second) > 1
+        for _, panel in second[:-1]:
+            assert panel == f"{TURN_UNDER_WAY}\n\n{earlier.markdown()}"
+        assert session.last_stats is not earlier
+        assert second[-1][1] == session.last_stats.markdown()
+    finally:
+        session.close()

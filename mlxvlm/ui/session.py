@@ -32,7 +32,7 @@ from mlxvlm.preparation import PreparationPools
 from mlxvlm.prompt import prepare_inputs
 from mlxvlm.ui.conversation import NOTICE_TITLE, attachment_paths, build_conversation
 from mlxvlm.ui.media_kinds import supported_kinds
-from mlxvlm.ui.stats import NO_ANSWER_YET, AnswerStats, stale_markdown
+from mlxvlm.ui.stats import NO_ANSWER_YET, AnswerStats, earlier_markdown, stale_markdown
 from mlxvlm.ui.thoughts import ThoughtsAndAnswer, kept_token_ids, template_thinks
 from mlxvlm.ui.uploads import Uploads
 
@@ -156,6 +156,10 @@ class ChatSession:
     def stats_markdown(self) -> str:
         return self.last_stats.markdown() if self.last_stats else NO_ANSWER_YET
 
+    def earlier_stats_markdown(self) -> str:
+        """The panel while a turn is under way: the earlier figures, marked."""
+        return earlier_markdown(self.last_stats)
+
     def failed_stats_markdown(self) -> str:
         """The panel after a turn that gave no answer: the earlier figures, marked."""
         return stale_markdown(self.last_stats)
@@ -196,7 +200,7 @@ class ChatSession:
                     settings, conversation, inputs = job.future.result(timeout=YIELD_EVERY_S)
                     break
                 except TimeoutError:
-                    yield [], self.stats_markdown()
+                    yield [], self.earlier_stats_markdown()
         except (MlxvlmError, ValueError, TypeError) as e:
             yield notice(_readable(e)), self.failed_stats_markdown()
             return
@@ -205,7 +209,7 @@ class ChatSession:
                 job.stop()
 
         while not self._turn.acquire(timeout=YIELD_EVERY_S):
-            yield [], self.stats_markdown()
+            yield [], self.earlier_stats_markdown()
         try:
             reply = ThoughtsAndAnswer(self.thinks, inputs.prompt_text)
             yield from self._answer(inputs, settings, conversation.image_hashes, reply)
@@ -255,7 +259,7 @@ class ChatSession:
                 try:
                     step = steps.get(timeout=YIELD_EVERY_S)
                 except queue.Empty:
-                    yield reply.reply(), self.stats_markdown()
+                    yield reply.reply(), self.earlier_stats_markdown()
                     continue
                 if isinstance(step, BaseException):
                     finished = True
@@ -270,7 +274,7 @@ class ChatSession:
                 if step.finish_reason is None:
                     if step.text:
                         reply.feed(step.text)
-                        yield reply.reply(), self.stats_markdown()
+                        yield reply.reply(), self.earlier_stats_markdown()
                     continue
                 finished = True
                 reply.feed(step.text)

@@ -47,6 +47,19 @@ NO_ANSWER_YET = "No answer yet."
 FAILED_TURN = "**The last turn gave no answer.** The figures are of the answer before it."
 
 
+# Above the figures while a turn is prepared or streamed (or once it was stopped): they
+# are the model's previous answer's, perhaps another conversation's, not this one's.
+TURN_UNDER_WAY = ("**Figures of the previous answer**; this answer's show when it is "
+                  "complete.")
+
+
+def earlier_markdown(stats: AnswerStats | None) -> str:
+    """The panel during a turn: the earlier figures (if any), marked as earlier."""
+    if stats is None:
+        return NO_ANSWER_YET
+    return TURN_UNDER_WAY + "\n\n" + stats.markdown()
+
+
 def stale_markdown(stats: AnswerStats | None) -> str:
     """The panel after a failed turn: the earlier figures (if any), marked as earlier."""
     if stats is None:
