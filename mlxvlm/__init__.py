@@ -3,14 +3,20 @@
     import mlxvlm
     model, processor = mlxvlm.load("mlx-community/Qwen2.5-VL-3B-Instruct-4bit")
     print(mlxvlm.generate(model, processor, "Describe this image.", image="cat.jpg").text)
+
+Importing the package loads nothing else: each public name is imported on first use, and
+the process set-up MLX and transformers need (``process_setup``) waits for their first
+import.
 """
 
+import importlib
+import sys
+import types
 import warnings
 
-from mlxvlm.cpu import startup
+from mlxvlm import process_setup
 
-# Must run before anything imports mlx.core (see mlxvlm.cpu.blas).
-startup.before_mlx()
+process_setup.install()
 
 # `python -m mlxvlm.generate` runs a module this package already imported (to export the
 # `generate` function, as mlx-lm does); runpy's warning about that is harmless here.
@@ -18,36 +24,44 @@ warnings.filterwarnings(
     "ignore", message=r"'mlxvlm\.\w+' found in sys.modules", category=RuntimeWarning
 )
 
-# Before mlx-lm (whose __init__ imports transformers): transformers, imported first here,
-# must find torch absent, or it imports it (see torch_free).
-from mlxvlm.torch_free import keep_transformers_off_torch  # noqa: E402
-
-keep_transformers_off_torch()
-
-from mlxvlm.generate import (  # noqa: E402
-    CacheOptions,
-    GenerationOutput,
-    GenerationResult,
-    SpeculationOptions,
-    generate,
-    stream_generate,
-)
-from mlxvlm.media.options import MediaOptions  # noqa: E402
-from mlxvlm.sampling import SamplingOptions  # noqa: E402
-from mlxvlm.checkpoint.loading import load  # noqa: E402
-from mlxvlm.batching import batch_generate  # noqa: E402
-
 __version__ = "0.1.0"
-__all__ = [
-    "load",
-    "generate",
-    "stream_generate",
-    "batch_generate",
-    "GenerationResult",
-    "GenerationOutput",
-    "SamplingOptions",
-    "CacheOptions",
-    "MediaOptions",
-    "SpeculationOptions",
-    "__version__",
-]
+
+# public name -> the module that defines it
+_PUBLIC = {
+    "load": "mlxvlm.checkpoint.loading",
+    "generate": "mlxvlm.generate",
+    "stream_generate": "mlxvlm.generate",
+    "GenerationResult": "mlxvlm.generate",
+    "GenerationOutput": "mlxvlm.generate",
+    "CacheOptions": "mlxvlm.generate",
+    "SpeculationOptions": "mlxvlm.generate",
+    "MediaOptions": "mlxvlm.media.options",
+    "SamplingOptions": "mlxvlm.sampling",
+    "batch_generate": "mlxvlm.batching",
+}
+__all__ = [*_PUBLIC, "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'mlxvlm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """``mlxvlm.generate`` is the function, as mlx-lm's is, though a subpackage has the
+    same name: importing the subpackage would otherwise bind it over the function."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, types.ModuleType) and name in _PUBLIC:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -8,7 +8,8 @@ configuration and RoPE utilities (``import torch``); processors, image and video
 processors do the same. That costs seconds and hundreds of MB at start-up for nothing:
 mlxvlm computes with MLX and asks processors for numpy arrays.
 
-So ``import mlxvlm`` makes transformers' probes answer "not installed": torch and its
+So mlxvlm (``process_setup``, as transformers is first imported) makes transformers'
+probes answer "not installed": torch and its
 companion packages are marked absent in ``sys.modules`` (``find_spec`` then returns None
 and ``import`` fails) only while transformers is imported and its probes run, and are then
 restored, so that the program itself can still ``import torch``. Acting at transformers'
@@ -24,6 +25,7 @@ transformers' torch models after importing mlxvlm, mlxvlm's parity tests).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
@@ -32,12 +34,21 @@ TORCH_PACKAGES = ("torch", "torchvision", "torchaudio", "torchcodec")
 _NO_ADVICE = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
 
 
-def keep_transformers_off_torch() -> bool:
-    """Import transformers with torch looking absent; True when this took effect."""
+def applies() -> bool:
+    """Whether transformers is still to be imported with torch looking absent: not when
+    the program asked for torch (``MLXVLM_ALLOW_TORCH``) or imported it or transformers
+    already."""
     if os.environ.get("MLXVLM_ALLOW_TORCH", "") not in ("", "0"):
         return False
-    if "transformers" in sys.modules or any(sys.modules.get(p) for p in TORCH_PACKAGES):
-        return False
+    return "transformers" not in sys.modules and not any(
+        sys.modules.get(p) for p in TORCH_PACKAGES)
+
+
+@contextlib.contextmanager
+def torch_hidden():
+    """Around transformers' own first import (``process_setup`` runs it inside):
+    torch looks absent while the import runs and then while every cached torch probe of
+    transformers answers, so that a probe first run later cannot find torch."""
     hidden = [p for p in TORCH_PACKAGES if p not in sys.modules]
     for package in hidden:
         sys.modules[package] = None  # type: ignore[assignment]
@@ -46,10 +57,9 @@ def keep_transformers_off_torch() -> bool:
     advisory = os.environ.get(_NO_ADVICE)
     os.environ[_NO_ADVICE] = "1"
     try:
+        yield
         from transformers.utils import import_utils
 
-        # Every cached torch probe answers now, while torch is hidden; a probe first run
-        # later would find torch and let a module import it.
         for name, probe in vars(import_utils).items():
             if name.startswith("is_torch") and name.endswith("available") and callable(probe):
                 if _takes_no_arguments(probe):
@@ -65,7 +75,6 @@ def keep_transformers_off_torch() -> bool:
         for package in hidden:
             if package in sys.modules and sys.modules[package] is None:
                 del sys.modules[package]
-    return True
 
 
 def _takes_no_arguments(function) -> bool:

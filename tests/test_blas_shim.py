@@ -142,7 +142,7 @@ def test_opt_out_leaves_the_shim_unused():
 def test_shim_builds_into_the_cache_directory(tmp_path):
     """A fresh cache directory: the shim is compiled there and loads."""
     probe = (
-        "import mlxvlm; from mlxvlm.cpu import blas\n"
+        "import mlxvlm, mlx.core; from mlxvlm.cpu import blas\n"
         "print(blas.gemv_forward_status)\n"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
@@ -439,6 +439,7 @@ FORK_PROBE = """
 import ctypes, os, signal
 import numpy as np
 import mlxvlm
+import mlx.core  # mlxvlm's BLAS set-up runs as MLX loads
 from mlxvlm.cpu import blas
 shim = blas.gemv_forward
 shim.cblas_sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,

@@ -17,7 +17,8 @@ the process (libmlx's ``cblas_sgemm`` and the CPU kernels'):
 Without a compiler the shim is skipped and said so, OpenBLAS keeps its own threads and
 the kernels their own pool; ``MLXVLM_NO_GEMV_FORWARD=1`` opts out of the shim alone.
 
-Nothing here imports MLX: ``mlxvlm/__init__.py`` calls ``preload_openblas`` first.
+Nothing here imports MLX: ``mlxvlm/process_setup.py`` calls ``preload_openblas`` just
+before MLX's first import.
 """
 
 from __future__ import annotations

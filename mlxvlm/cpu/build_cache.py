@@ -46,7 +46,8 @@ def compiler_version(compiler: str) -> str:
 
     Asked of the compiler once per installed binary (its resolved path, size and
     modification time) and kept in the cache directory: the BLAS shim's build checks
-    its fingerprint at every ``import mlxvlm``, which should not start a process."""
+    its fingerprint in every process that loads MLX after mlxvlm, which should not start
+    a process."""
     try:
         binary = Path(shutil.which(compiler) or compiler).resolve()
         info = binary.stat()
