@@ -30,14 +30,7 @@ def tiny(tiny_checkpoints):
 @pytest.fixture(scope="module")
 def reference(tiny):
     processor = colvision.reference_processor(tiny)
-
-    def vectors(item, processor=processor) -> np.ndarray:
-        inputs = processor(text=[item]) if isinstance(item, str) else processor(images=[item])
-        with torch.no_grad():
-            out = tiny.model(**inputs).embeddings[0]
-        return out[: int(inputs["attention_mask"][0].sum())].numpy()
-
-    return processor, vectors
+    return processor, colvision.reference_vectors(tiny, processor)
 
 
 @pytest.fixture(scope="module", params=["transformers", "hub"])
@@ -73,12 +66,11 @@ def test_a_mixed_batch_gives_each_input_its_own_vectors(loaded, reference):
 def test_scores_and_ranking_match_score_retrieval(loaded, reference):
     model, processor = loaded
     ref_processor, vectors = reference
-    pages = [torch.from_numpy(vectors(page)) for page in PAGES]
+    pages = [vectors(page) for page in PAGES]
     for query in QUERIES:
         ours = mlxvlm.rerank(model, processor, query, [{"image": p} for p in PAGES], batch_size=2)
-        # one pair at a time: score_retrieval pads a batch of pages with zero vectors
-        expected = [float(ref_processor.score_retrieval(
-            [torch.from_numpy(vectors(query))], [page])[0, 0]) for page in pages]
+        expected = [colvision.reference_maxsim(ref_processor, vectors(query), page)
+                    for page in pages]
         np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=1e-5)
         assert np.argsort(ours).tolist() == np.argsort(expected).tolist()
 

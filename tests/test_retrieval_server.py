@@ -12,8 +12,6 @@ import io
 import httpx
 import numpy as np
 import pytest
-import torch
-
 from server_process import ServerProcess
 from tiny import colvision, make_image
 
@@ -32,16 +30,7 @@ def data_url(image) -> str:
 def reference(tiny_checkpoints):
     tiny = tiny_checkpoints.model("colqwen2")
     processor = colvision.reference_processor(tiny)
-
-    def vectors(item) -> np.ndarray:
-        # what the server decodes: the PNG of the page
-        inputs = (processor(text=[item]) if isinstance(item, str)
-                  else processor(images=[item.convert("RGB")]))
-        with torch.no_grad():
-            out = tiny.model(**inputs).embeddings[0]
-        return out[: int(inputs["attention_mask"][0].sum())].numpy()
-
-    return processor, vectors
+    return processor, colvision.reference_vectors(tiny, processor)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +82,7 @@ def test_rerank_sorts_the_documents_by_maxsim(server, reference):
                                            "documents": documents, "top_n": 3})
     assert response.status_code == 200, response.text
     body = response.json()
-    query = torch.from_numpy(vectors(QUERY))
-    expected = [float(processor.score_retrieval([query], [torch.from_numpy(vectors(d))])[0, 0])
+    expected = [colvision.reference_maxsim(processor, vectors(QUERY), vectors(d))
                 for d in PAGES + ["a blue mat"]]
     order = sorted(range(4), key=lambda i: -expected[i])[:3]
     assert [r["index"] for r in body["results"]] == order

@@ -24,6 +24,8 @@ class RetrievalInputError(MlxvlmError, ValueError):
 def retrieval_input(value: Any, name: str = "input",
                     policy: MediaPolicy | None = None) -> RetrievalInput:
     """``value`` normalised; ``name`` says which input a refusal is about."""
+    if isinstance(value, RetrievalInput):
+        return value
     if isinstance(value, str):
         return RetrievalInput(text=value)
     if isinstance(value, Image.Image):
@@ -54,7 +56,7 @@ def retrieval_inputs(values: Any, use: RetrievalUse, name: str = "inputs",
                      policy: MediaPolicy | None = None) -> list[RetrievalInput]:
     """A list of inputs (one string, image or dict is a list of one) normalised for
     ``use``: a model that takes a text or an image, not both, refuses both."""
-    one = isinstance(values, (str, dict, Image.Image))
+    one = isinstance(values, (str, dict, Image.Image, RetrievalInput))
     items = [values] if one else values
     if not isinstance(items, Sequence) or isinstance(items, (bytes, bytearray)):
         raise RetrievalInputError(

@@ -79,3 +79,29 @@ def _split_processor_config(directory: Path) -> None:
     image.update(min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
     (directory / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
     (directory / "processor_config.json").write_text(json.dumps(processor, indent=2))
+
+
+def reference_vectors(tiny: TinyModel, processor=None):
+    """A function: a query (a string) or a page (a PIL image) -> transformers' vectors of
+    its tokens, float32 ``[tokens, dim]`` (the padding left out by the attention mask)."""
+    import torch
+
+    processor = processor or reference_processor(tiny)
+
+    def vectors(item) -> np.ndarray:
+        inputs = (processor(text=[item]) if isinstance(item, str)
+                  else processor(images=[item.convert("RGB")]))
+        with torch.no_grad():
+            out = tiny.model(**inputs).embeddings[0]
+        return out[: int(inputs["attention_mask"][0].sum())].numpy()
+
+    return vectors
+
+
+def reference_maxsim(processor, query: np.ndarray, page: np.ndarray) -> float:
+    """transformers' score_retrieval of one query against one page (one pair at a time:
+    it pads a batch of pages with zero vectors)."""
+    import torch
+
+    return float(processor.score_retrieval([torch.from_numpy(query)],
+                                           [torch.from_numpy(page)])[0, 0])
