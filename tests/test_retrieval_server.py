@@ -37,6 +37,7 @@ def reference(tiny_checkpoints):
 def server(tiny_checkpoints, tmp_path_factory):
     models_dir = tmp_path_factory.mktemp("models")
     (models_dir / "chat").symlink_to(tiny_checkpoints.path("qwen2_vl", "transformers"))
+    (models_dir / "colpali").symlink_to(tiny_checkpoints.path("colpali", "hub"))
     with ServerProcess("--model", str(tiny_checkpoints.path("colqwen2", "hub")),
                        "--served-model-name", "colqwen2", "--models-dir", str(models_dir),
                        "--api-key", KEY, "--max-body-bytes", "200000") as process:
@@ -97,7 +98,8 @@ def test_models_say_what_each_model_does(server):
     response = httpx.get(f"{server.base_url}/v1/models", timeout=30,
                          headers={"Authorization": f"Bearer {KEY}"})
     cards = {card["id"]: card["capabilities"] for card in response.json()["data"]}
-    assert cards == {"colqwen2": ["embed", "rerank"], "chat": ["chat"]}
+    assert cards == {"colqwen2": ["embed", "rerank"], "chat": ["chat"],
+                     "colpali": ["embed", "rerank"]}
 
 
 def test_wrong_kind_of_request_is_a_400(server):
@@ -130,3 +132,13 @@ def test_the_chat_routes_rules_apply(server, tmp_path):
     assert both.status_code == 400 and "not both" in both.json()["error"]["message"]
     malformed = post(server, "/v1/embeddings", {"model": "colqwen2", "input": [{"img": "x"}]})
     assert malformed.status_code == 400
+
+
+def test_colpali_is_served_too(server, tiny_checkpoints):
+    tiny = tiny_checkpoints.model("colpali")
+    vectors = colvision.reference_vectors(tiny)
+    client = server.openai_client(api_key=KEY)
+    result = client.embeddings.create(model="colpali", encoding_format="float",
+                                      input=[{"image": data_url(PAGES[1])}, QUERY])
+    for item, want in zip(result.data, [vectors(PAGES[1]), vectors(QUERY)]):
+        np.testing.assert_allclose(np.array(item.embedding), want, atol=1e-4, rtol=0)

@@ -42,6 +42,7 @@ FAMILIES: dict[str, str] = {
     "gemma4": "gemma4",
     # retrieval models (mlxvlm.retrieval): one vector per token
     "colqwen2": "colqwen2",
+    "colpali": "colpali",
 }
 
 

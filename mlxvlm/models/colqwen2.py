@@ -19,29 +19,21 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxvlm.models import qwen2_vl
+from mlxvlm.models.multi_vector import UNUSED_HEADS, projected_vectors, under_vlm
 from mlxvlm.models.qwen_vl_base import HF_PREFIXES, ModelArgs
 
-# transformers' module tree nests the Qwen2-VL model under ``vlm.``; the Hub's
-# vidore checkpoints were saved with the older ``vlm.model.*`` names.
-VLM_PREFIXES = tuple((f"vlm.{hf}", ours) for hf, ours in HF_PREFIXES) + (
+# transformers 5 names the Qwen2-VL model's modules ``vlm.visual.*``,
+# ``vlm.language_model.*``; the Hub's vidore checkpoints the older ``vlm.model.*``.
+VLM_PREFIXES = under_vlm(HF_PREFIXES) + (
     ("vlm.visual.", "vision_tower."),
     ("vlm.language_model.", "language_model.model."),
 )
-# The retrieval checkpoints some tools save keep the generation head of the backbone.
-UNUSED = ("vlm.lm_head.", "lm_head.", "language_model.lm_head.")
-
-
-def projected_vectors(hidden: mx.array, projection: nn.Linear) -> mx.array:
-    """Each token's retrieval vector: the projection of its last hidden state, L2-normalized
-    (as transformers divides by the norm: a zero vector stays NaN there too)."""
-    vectors = projection(hidden)
-    return vectors / mx.linalg.norm(vectors, axis=-1, keepdims=True)
 
 
 class Model(qwen2_vl.Model):
     hf_prefixes = VLM_PREFIXES
     mlx_prefixes = ("vision_tower.", "language_model.")  # embedding_proj_layer: both
-    unused_weight_prefixes = UNUSED
+    unused_weight_prefixes = UNUSED_HEADS
     # A text query or a page image, never a video (transformers' processor takes none).
     processor_videos = False
 
@@ -57,12 +49,12 @@ class Model(qwen2_vl.Model):
         args.text = dataclasses.replace(args.text, tie_word_embeddings=True)
         return cls(args, config.get("embedding_dim", 128))
 
-    def retrieval_vectors(self, input_ids: mx.array, pixel_values=None,
+    def retrieval_vectors(self, input_ids: mx.array, lengths: mx.array, pixel_values=None,
                           image_grid_thw=None) -> mx.array:
-        """(B, L, embedding_dim) normalized vectors for a right-padded batch of prompts;
-        ``pixel_values``/``image_grid_thw``: the processor's, for the batch's images in
-        row order. Attention is causal, so a row's padding after its tokens changes none
-        of them."""
+        """(B, L, embedding_dim) normalized vectors for a right-padded batch of prompts
+        (``lengths``: each row's tokens); ``pixel_values``/``image_grid_thw``: the
+        processor's, for the batch's images in row order. Attention is causal, so a row's
+        padding after its tokens changes none of them."""
         batch, length = input_ids.shape
         # The placeholders of all rows, in row order, take the images' tokens in order.
         h, *_ = self.embed_vision(input_ids.reshape(1, batch * length),

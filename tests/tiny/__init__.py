@@ -38,6 +38,7 @@ BUILDERS = {
     "gemma4": "tiny.gemma4",
     "gemma4_moe": "tiny.gemma4",
     "colqwen2": "tiny.colvision",
+    "colpali": "tiny.colvision",
 }
 
 

@@ -1,7 +1,8 @@
-"""ColQwen2 against transformers' ColQwen2ForRetrieval (float32, a tiny random
-checkpoint saved in both layouts and loaded through mlxvlm.load): the same token counts
-and vectors within 1e-4 for queries and page images, alone and batched, and the same
-MaxSim scores and ranking as transformers' score_retrieval."""
+"""ColQwen2 and ColPali against transformers' ColQwen2ForRetrieval and
+ColPaliForRetrieval (float32, tiny random checkpoints saved in both layouts and loaded
+through mlxvlm.load): the same token counts and vectors within 1e-4 for queries and page
+images, alone and batched, and the same MaxSim scores and ranking as transformers'
+score_retrieval."""
 
 from __future__ import annotations
 
@@ -22,9 +23,17 @@ QUERIES = ["A red cat sits on a blue mat", "What changed between them?"]
 PAGES = [make_image(64, 48, seed=1), make_image(100, 60, seed=2), make_image(56, 90, seed=3)]
 
 
+FAMILIES = ("colqwen2", "colpali")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def tiny(tiny_checkpoints):
-    return tiny_checkpoints.model("colqwen2")
+def tiny(tiny_checkpoints, family):
+    return tiny_checkpoints.model(family)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +43,8 @@ def reference(tiny):
 
 
 @pytest.fixture(scope="module", params=["transformers", "hub"])
-def loaded(request, tiny_checkpoints):
-    return mlxvlm.load(tiny_checkpoints.path("colqwen2", request.param))
+def loaded(request, tiny_checkpoints, family):
+    return mlxvlm.load(tiny_checkpoints.path(family, request.param))
 
 
 def as_input(item):
@@ -75,9 +84,9 @@ def test_scores_and_ranking_match_score_retrieval(loaded, reference):
         assert np.argsort(ours).tolist() == np.argsort(expected).tolist()
 
 
-def test_the_checkpoints_prompt_prefixes_are_used(tiny_checkpoints, tiny, tmp_path):
-    directory = tmp_path / "colqwen2-prefixed"
-    shutil.copytree(tiny_checkpoints.path("colqwen2", "transformers"), directory)
+def test_the_checkpoints_prompt_prefixes_are_used(tiny_checkpoints, tiny, family, tmp_path):
+    directory = tmp_path / f"{family}-prefixed"
+    shutil.copytree(tiny_checkpoints.path(family, "transformers"), directory)
     config = json.loads((directory / "processor_config.json").read_text())
     config["query_prefix"] = "Find: "
     (directory / "processor_config.json").write_text(json.dumps(config))
