@@ -25,7 +25,7 @@ class NotARetrievalModelError(MlxvlmError, ValueError):
 
 def retrieval_use(model: Any, action: str = "embed") -> RetrievalUse:
     """The model's retrieval use, or a one-line refusal naming what the model is for."""
-    use = getattr(model, "retrieval", None)
+    use = model.retrieval
     if use is None:
         raise NotARetrievalModelError(
             f"this model generates text and has no retrieval use; {action} needs an "
@@ -44,7 +44,7 @@ class RetrievalOnlyModelError(MlxvlmError, ValueError):
 def check_generates(model: Any) -> None:
     """Refuse to generate with a retrieval model: its head (if any) was never trained to
     write, so an answer would be noise."""
-    use = getattr(model, "retrieval", None)
+    use = model.retrieval
     if use is not None:
         what = "a reranker" if use.kind == "reranker" else "an embedding model"
         raise RetrievalOnlyModelError(
