@@ -44,7 +44,14 @@ def reference(tiny):
 
 @pytest.fixture(scope="module", params=["transformers", "hub"])
 def loaded(request, tiny_checkpoints, family):
+    """The family's checkpoint in each layout."""
     return mlxvlm.load(tiny_checkpoints.path(family, request.param))
+
+
+@pytest.fixture(scope="module")
+def one_layout(tiny_checkpoints, family):
+    """The family's checkpoint in transformers' layout (the layouts load alike)."""
+    return mlxvlm.load(tiny_checkpoints.path(family, "transformers"))
 
 
 def as_input(item):
@@ -63,8 +70,8 @@ def test_each_query_and_page_matches_transformers(loaded, reference):
         np.testing.assert_allclose(ours, expected, atol=TOLERANCE, rtol=0)
 
 
-def test_a_mixed_batch_gives_each_input_its_own_vectors(loaded, reference):
-    model, processor = loaded
+def test_a_mixed_batch_gives_each_input_its_own_vectors(one_layout, reference):
+    model, processor = one_layout
     _, vectors = reference
     items = QUERIES + PAGES
     batched = mlxvlm.embed(model, processor, [as_input(i) for i in items], batch_size=len(items))
@@ -72,8 +79,8 @@ def test_a_mixed_batch_gives_each_input_its_own_vectors(loaded, reference):
         np.testing.assert_allclose(ours, vectors(item), atol=TOLERANCE, rtol=0)
 
 
-def test_scores_and_ranking_match_score_retrieval(loaded, reference):
-    model, processor = loaded
+def test_scores_and_ranking_match_score_retrieval(one_layout, reference):
+    model, processor = one_layout
     ref_processor, vectors = reference
     pages = [vectors(page) for page in PAGES]
     for query in QUERIES:
@@ -101,8 +108,8 @@ def test_the_checkpoints_prompt_prefixes_are_used(tiny_checkpoints, tiny, family
     np.testing.assert_allclose(ours, expected, atol=TOLERANCE, rtol=0)
 
 
-def test_inputs_the_model_cannot_take_are_refused(loaded):
-    model, processor = loaded
+def test_inputs_the_model_cannot_take_are_refused(one_layout):
+    model, processor = one_layout
     with pytest.raises(RetrievalInputError, match=r"inputs\[0\]: .*not both"):
         mlxvlm.embed(model, processor, [{"text": "a page", "image": PAGES[0]}])
     with pytest.raises(RetrievalInputError, match=r"inputs\[1\]: unknown key 'img'"):
@@ -118,8 +125,8 @@ def test_a_chat_model_has_no_retrieval_use(tiny_checkpoints):
         mlxvlm.embed(model, processor, "a query")
 
 
-def test_a_retrieval_model_does_not_generate(loaded):
-    model, processor = loaded
+def test_a_retrieval_model_does_not_generate(one_layout):
+    model, processor = one_layout
     with pytest.raises(RetrievalOnlyModelError, match="embedding model .*mlxvlm.embed"):
         mlxvlm.generate(model, processor, "hello", max_tokens=2)
     with pytest.raises(RetrievalOnlyModelError):
