@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import mlxvlm
+from mlxvlm.errors import MlxvlmError
 from mlxvlm.retrieval.api import NotARetrievalModelError, RetrievalOnlyModelError
 from mlxvlm.retrieval.inputs import RetrievalInputError
 from tiny import colvision, make_image
@@ -116,6 +117,18 @@ def test_inputs_the_model_cannot_take_are_refused(one_layout):
         mlxvlm.embed(model, processor, ["ok", {"img": "x.png"}])
     with pytest.raises(RetrievalInputError, match="empty"):
         mlxvlm.embed(model, processor, [])
+    with pytest.raises(MlxvlmError, match="batch_size must be a positive integer"):
+        mlxvlm.embed(model, processor, ["a"], batch_size=0)
+
+
+def test_a_long_list_shows_its_progress(one_layout, capsys):
+    model, processor = one_layout
+    capsys.readouterr()
+    mlxvlm.embed(model, processor, QUERIES * 2, batch_size=3, progress=True)
+    err = capsys.readouterr().err
+    assert "embedding" in err and "4/4" in err
+    mlxvlm.embed(model, processor, QUERIES * 2, batch_size=3)  # short lists: no bar
+    assert "embedding" not in capsys.readouterr().err
 
 
 def test_a_chat_model_has_no_retrieval_use(tiny_checkpoints):

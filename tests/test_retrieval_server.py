@@ -132,6 +132,11 @@ def test_the_chat_routes_rules_apply(server, tmp_path):
     assert both.status_code == 400 and "not both" in both.json()["error"]["message"]
     malformed = post(server, "/v1/embeddings", {"model": "colqwen2", "input": [{"img": "x"}]})
     assert malformed.status_code == 400
+    too_long = post(server, "/v1/embeddings", {"model": "colqwen2", "input": "cat " * 1100})
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
+    resized = post(server, "/v1/embeddings", {"model": "colqwen2", "input": "hi", "dimensions": 8})
+    assert resized.status_code == 400 and resized.json()["error"]["param"] == "dimensions"
 
 
 def test_colpali_is_served_too(server, tiny_checkpoints):

@@ -78,7 +78,7 @@ def encode(model: Any, processor: Any, items: Sequence[RetrievalInput], *,
     use = retrieval_use(model)
     method = {"query": use.embed_query, "document": use.embed_documents,
               "any": use.embed}[role]
-    size = check_batch_size(batch_size or use.batch_size)
+    size = check_batch_size(use.batch_size if batch_size is None else batch_size)
     vectors, tokens = [], []
     with progress_bar(len(items), progress, "embedding") as advance:
         for batch in batches(items, size):
@@ -136,7 +136,7 @@ def score_documents(model: Any, processor: Any, query: Any, documents: Any,
     query_item = retrieval_input(query, "query", policy)
     check_takes(query_item, use, "query")
     items = retrieval_inputs(documents, use, "documents", policy)
-    size = check_batch_size(batch_size or use.batch_size)
+    size = check_batch_size(use.batch_size if batch_size is None else batch_size)
     if use.kind == "reranker":
         scores, tokens = [], 0
         with progress_bar(len(items), progress, "reranking") as advance:
