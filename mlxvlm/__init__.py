@@ -38,6 +38,8 @@ _PUBLIC = {
     "MediaOptions": "mlxvlm.media.options",
     "SamplingOptions": "mlxvlm.sampling",
     "batch_generate": "mlxvlm.batching",
+    "embed": "mlxvlm.retrieval.api",
+    "rerank": "mlxvlm.retrieval.api",
 }
 __all__ = [*_PUBLIC, "__version__"]
 
@@ -55,8 +57,9 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """``mlxvlm.generate`` is the function, as mlx-lm's is, though a subpackage has the
-    same name: importing the subpackage would otherwise bind it over the function."""
+    """``mlxvlm.generate`` and ``mlxvlm.embed`` are functions (as mlx-lm's ``generate``
+    is), though subpackages (the commands) have the same names: importing one would
+    otherwise bind it over the function."""
 
     def __setattr__(self, name: str, value) -> None:
         if isinstance(value, types.ModuleType) and name in _PUBLIC:

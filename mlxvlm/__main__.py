@@ -27,6 +27,8 @@ COMMANDS = (
     Command("server", "mlxvlm.server.__main__",
             "OpenAI- and Anthropic-compatible HTTP server"),
     Command("ui", "mlxvlm.ui.__main__", "chat with a model in the browser (Gradio)"),
+    Command("embed", "mlxvlm.embed.__main__",
+            "embed texts and pictures, rank them against a query, index a folder"),
     Command("finetune", "mlxvlm.finetune.__main__",
             "fine-tune a model (LoRA, DoRA, QLoRA or full) on conversations"),
     Command("convert", "mlxvlm.convert",

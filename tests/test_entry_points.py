@@ -14,7 +14,7 @@ import pytest
 from mlxvlm.generate.__main__ import build_parser as build_generate_parser
 from mlxvlm.sampling.ranges import RangeType
 
-ENTRY_POINTS = ["generate", "convert", "fuse", "benchmark", "finetune", "server", "ui"]
+ENTRY_POINTS = ["generate", "convert", "fuse", "benchmark", "finetune", "server", "ui", "embed"]
 
 
 def parser_of(name: str) -> argparse.ArgumentParser:
@@ -26,6 +26,8 @@ def parser_of(name: str) -> argparse.ArgumentParser:
         from mlxvlm.server.config import build_parser
     elif name == "ui":
         from mlxvlm.ui.__main__ import build_parser
+    elif name == "embed":  # ``mlxvlm.embed`` is also the API's function
+        from mlxvlm.embed.__main__ import build_parser
     else:
         build_parser = __import__(f"mlxvlm.{name}", fromlist=["build_parser"]).build_parser
     return build_parser()
@@ -225,7 +227,8 @@ def test_python_m_mlxvlm_lists_the_commands_and_imports_none(tmp_path):
     assert "mlxvlm-generate" in done.stdout and "python -m mlxvlm.generate" in done.stdout
     imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines()
                 if line.startswith("import time:") and "|" in line}
-    commands = {"mlxvlm.cli", "mlxvlm.generate.__main__", "mlxvlm.server", "mlxvlm.ui",
+    commands = {"mlxvlm.cli", "mlxvlm.generate.__main__", "mlxvlm.embed.__main__",
+                "mlxvlm.server", "mlxvlm.ui",
                 "mlxvlm.finetune", "mlxvlm.convert", "mlxvlm.fuse", "mlxvlm.benchmark",
                 "gradio", "fastapi"}
     assert not imported & commands, imported & commands

@@ -218,8 +218,10 @@ def test_every_family_model_satisfies_the_contract(model_type):
 @pytest.mark.parametrize("module_name", FAMILY_MODULES)
 def test_family_names_transformers_names_as_hugging_face_ones(module_name):
     Model = importlib.import_module(f"mlxvlm.models.{module_name}").Model
-    # transformers' module tree of every family starts at model. (or thinker. for Omni)
-    hf_names = [hf + "weight" for hf, _ in Model.hf_prefixes if hf.startswith("model.")]
+    # transformers' module tree of every family starts at model. (or thinker. for Omni;
+    # the retrieval models' at vlm., their backbone)
+    hf_names = [hf + "weight" for hf, _ in Model.hf_prefixes
+                if hf.startswith(("model.", "vlm."))]
     assert hf_names and Model.is_hf_checkpoint(hf_names)
 
 
@@ -285,8 +287,10 @@ def _module_name(path: Path) -> str:
 MODEL_FILES = sorted(MODELS_DIR.rglob("*.py"))
 # What the models package may import from the rest of mlxvlm: the layers below it.
 # The CPU backend only through its door (mlxvlm.cpu.ops); the shard plan's type (the
-# base class's ``sharding``).
-BELOW_MODELS = ("mlxvlm.errors", "mlxvlm.cpu.ops", "mlxvlm.distributed.group")
+# base class's ``sharding``); the retrieval use's (the base class's ``retrieval``, a
+# module of the same floor that imports no family).
+BELOW_MODELS = ("mlxvlm.errors", "mlxvlm.cpu.ops", "mlxvlm.distributed.group",
+                "mlxvlm.retrieval.use")
 
 
 def test_models_import_nothing_from_above_them():

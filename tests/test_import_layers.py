@@ -22,14 +22,16 @@ LAYERS = (
     ("process_setup", "distributed", "media", "model_pool", "sampling", "prompt_length"),
     # the families; text handling; preparing off the caller's thread
     ("models", "text", "preparation"),
-    # checkpoints read and written; a conversation turned into a model's inputs
-    ("checkpoint", "prompt"),
+    # what a model does besides generating; a conversation turned into a model's inputs
+    ("retrieval", "prompt"),
+    # checkpoints read and written
+    ("checkpoint",),
     # one sequence; what every command shares
     ("generate", "cli"),
     # many sequences: continuous batching, the prefix cache, the sharded engine; convert
     ("batching", "convert"),
-    # commands over convert and the loop
-    ("finetune", "fuse", "benchmark"),
+    # commands over convert, the loop and the uses
+    ("finetune", "fuse", "benchmark", "embed"),
     # the serving commands and the command list
     ("server", "ui", "__main__"),
 )
@@ -47,6 +49,22 @@ def module_names() -> dict[str, Path]:
     return names
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node but those under ``if TYPE_CHECKING:``: an import for annotations only
+    never runs, so it is no edge of the graph (models/base.py names the types of what
+    loading sets on a model, some from floors above)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in (
+                    "TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
 def imports(modules: dict[str, Path]) -> dict[str, set[str]]:
     """Module -> the mlxvlm modules it imports (a submodule, not its package, when the
     import names one)."""
@@ -54,7 +72,7 @@ def imports(modules: dict[str, Path]) -> dict[str, set[str]]:
     for name, path in modules.items():
         found: set[str] = set()
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in _runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):

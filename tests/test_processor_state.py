@@ -58,7 +58,8 @@ def test_model_attributes_are_declared_on_the_base_class(loaded):
     _, model, _ = loaded
     assert model.sharding is None  # one process: the whole model
     assert model.cpu_fast_paths is not None  # load's report (off, or what it did)
-    for name in ("sharding", "cpu_fast_paths"):
+    assert model.retrieval is None  # a chat model
+    for name in ("sharding", "cpu_fast_paths", "retrieval"):
         assert name in VisionLanguageModel.__annotations__
         assert getattr(VisionLanguageModel, name) is None
 
@@ -85,7 +86,8 @@ def test_a_processor_built_by_hand_gets_its_state_on_first_use(loaded):
 
 
 # Attributes mlxvlm owns the home of: read them from it, never guess with getattr/hasattr.
-OWNED = {"tokenizer", "sharding", "cpu_fast_paths", "eos_token_ids", "detokenizer_tokenizer",
+OWNED = {"tokenizer", "sharding", "cpu_fast_paths", "retrieval", "eos_token_ids",
+         "detokenizer_tokenizer",
          "sampling_defaults", STATE_ATTRIBUTE}
 # The one reader of the processor's state attribute.
 STATE_READER = PACKAGE / "text" / "tokenization.py"

@@ -27,7 +27,7 @@ from typing import Any, Iterable
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models import gemma2
+from mlx_lm.models import gemma, gemma2
 from mlx_lm.models.base import create_attention_mask
 
 from mlxvlm.models import merge
@@ -69,9 +69,15 @@ CHECKPOINT_PREFIXES = (
 # ----------------------------------------------------------------------------- config
 
 
+# The text models PaliGemma's family builds: PaliGemma 2's Gemma 2. (PaliGemma 1's Gemma
+# is built for ColPali, ``models/colpali.py``, whose parity is tested; generation with it
+# is not, so the family itself still refuses it.)
+GENERATIVE_TEXT_MODELS = ("gemma2",)
+
+
 @dataclass
 class ModelArgs:
-    text: gemma2.ModelArgs
+    text: gemma2.ModelArgs | gemma.ModelArgs
     vision: siglip.SiglipVisionConfig
     image_token_id: int
     projection_dim: int
@@ -80,32 +86,40 @@ class ModelArgs:
     max_position_embeddings: int
 
     @classmethod
-    def from_hf(cls, config: dict) -> "ModelArgs":
+    def from_hf(cls, config: dict,
+                text_models: tuple[str, ...] = GENERATIVE_TEXT_MODELS) -> "ModelArgs":
         """From either layout; the Hub's sub-configs name only what differs from the
-        defaults, so the config is read through transformers' own classes."""
+        defaults, so the config is read through transformers' own classes.
+        ``text_models``: the text model types accepted ("gemma2", "gemma")."""
         config = as_transformers_reads_it(config)
         text = config["text_config"]
-        if text["model_type"] != "gemma2":
+        if text["model_type"] not in text_models:
             raise NotImplementedError(
                 f"PaliGemma with a {text['model_type']!r} text model is not supported "
-                "(PaliGemma 2's gemma2 is)"
+                f"({', '.join(text_models)} is)"
             )
         rope = text["rope_parameters"]
         if rope.get("rope_type", "default") != "default":
             raise NotImplementedError(f"rope type {rope['rope_type']!r} is not supported")
-        layer_types = text.get("layer_types") or [
-            "sliding_attention" if i % 2 == 0 else "full_attention"
-            for i in range(text["num_hidden_layers"])
-        ]
-        return cls(
-            text=gemma2.ModelArgs(
+        if text["model_type"] == "gemma":  # Gemma 1: full attention in every layer
+            layer_types = ["full_attention"] * text["num_hidden_layers"]
+            text_args = gemma.ModelArgs(model_type="gemma", **decoder_sizes(text),
+                                        rope_theta=float(rope["rope_theta"]))
+        else:
+            layer_types = text.get("layer_types") or [
+                "sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(text["num_hidden_layers"])
+            ]
+            text_args = gemma2.ModelArgs(
                 model_type="gemma2",
                 **decoder_sizes(text),
                 rope_theta=float(rope["rope_theta"]),
                 attn_logit_softcapping=text["attn_logit_softcapping"],
                 final_logit_softcapping=text["final_logit_softcapping"],
                 query_pre_attn_scalar=text["query_pre_attn_scalar"],
-            ),
+            )
+        return cls(
+            text=text_args,
             vision=siglip.SiglipVisionConfig.from_hf(config["vision_config"]),
             image_token_id=config["image_token_index"],
             projection_dim=config["projection_dim"],
@@ -152,15 +166,20 @@ def prefix_lm_mask(offset: int, n: int, prefix: int, window: int | None) -> mx.a
 
 
 class TextModel(ScaledEmbeddingDecoder):
-    """mlx-lm's Gemma 2 blocks under Gemma's scaled embeddings (``language_model.model``)."""
+    """mlx-lm's Gemma 2 (or Gemma) blocks under Gemma's scaled embeddings
+    (``language_model.model``)."""
 
     def __init__(self, args: ModelArgs):
         text = args.text
-        super().__init__(
-            text.vocab_size, text.hidden_size,
-            [gemma2.TransformerBlock(text) for _ in range(text.num_hidden_layers)],
-            gemma2.RMSNorm(text.hidden_size, eps=text.rms_norm_eps),
-        )
+        blocks = gemma if text.model_type == "gemma" else gemma2
+        layers = [blocks.TransformerBlock(text) for _ in range(text.num_hidden_layers)]
+        if blocks is gemma:
+            # transformers runs every Gemma's MLP with the tanh GELU (a config's "gelu"
+            # is read as it), which mlx-lm's Gemma 2 MLP has and its Gemma one has not.
+            for layer in layers:
+                layer.mlp = gemma2.MLP(text.hidden_size, text.intermediate_size)
+        super().__init__(text.vocab_size, text.hidden_size, layers,
+                         blocks.RMSNorm(text.hidden_size, eps=text.rms_norm_eps))
         self.args = args
 
     def masks(self, h: mx.array, cache: Any, prefix: int) -> dict[bool, Any]:
@@ -179,18 +198,28 @@ class TextModel(ScaledEmbeddingDecoder):
                 masks[sliding] = self._for_grouped_heads(mask)
         return masks
 
+    def padded_masks(self, lengths: mx.array, length: int) -> dict[bool, Any]:
+        """Masks for a right-padded batch of whole prefixes (``lengths``: each row's
+        tokens): every token sees every token of its own row, in both kinds of layer."""
+        keys = mx.arange(length)[None] < lengths[:, None]
+        mask = self._for_grouped_heads(keys[:, None, None, :])
+        return {sliding: mask for sliding in set(self.args.sliding_layers)}
+
     def _for_grouped_heads(self, mask: Any) -> Any:
         """mlx-lm's Gemma 2 attention splits the query heads per key/value head into a
         5-D (B, kv, repeats, L, S) score array; a batched cache's per-row mask (B, 1, L, S)
         must gain that axis to broadcast by row."""
         text = self.args.text
-        grouped = text.num_attention_heads != text.num_key_value_heads
+        grouped = (text.model_type == "gemma2"
+                   and text.num_attention_heads != text.num_key_value_heads)
         if grouped and isinstance(mask, mx.array) and mask.ndim == 4:
             return mx.expand_dims(mask, 2)
         return mask
 
-    def __call__(self, h: mx.array, cache: list[Any], prefix: int) -> mx.array:
-        masks = self.masks(h, cache[0], prefix)
+    def __call__(self, h: mx.array, cache: list[Any], prefix: int,
+                 masks: dict[bool, Any] | None = None) -> mx.array:
+        """``masks``: given (``padded_masks``), instead of the prefix-LM's."""
+        masks = masks if masks is not None else self.masks(h, cache[0], prefix)
         for layer, c, sliding in zip(self.layers, cache, self.args.sliding_layers):
             h = layer(h, masks[sliding], c)
         return self.norm(h)
@@ -199,7 +228,7 @@ class TextModel(ScaledEmbeddingDecoder):
 class LanguageModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.softcap = args.text.final_logit_softcapping
+        self.softcap = getattr(args.text, "final_logit_softcapping", None)
         self.model = TextModel(args)
 
     def __call__(
