@@ -1,0 +1,52 @@
+"""What a checkpoint's sentence-transformers files say: ``modules.json`` lists the
+modules a ``SentenceTransformer`` or ``CrossEncoder`` chains (each with its class path
+and the folder of its ``config.json``). Detectors read it to tell an embedding model or a
+reranker from a chat model of the same ``model_type``; nothing here imports
+sentence-transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def st_modules(model_path: Path) -> list[tuple[str, dict]]:
+    """``modules.json``'s modules in order, each as (its class name, its config): e.g.
+    ``("Pooling", {"pooling_mode": "lasttoken", ...})``; [] without the file. The input
+    module (folder "") has no config of its own here."""
+    entries = _read_json(Path(model_path) / "modules.json")
+    if not isinstance(entries, list):
+        return []
+    modules = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        name = str(entry.get("type", "")).rsplit(".", 1)[-1]
+        folder = str(entry.get("path", ""))
+        config = _read_json(Path(model_path) / folder / "config.json") if folder else None
+        modules.append((name, config if isinstance(config, dict) else {}))
+    return modules
+
+
+def pools_last_token(config: dict) -> bool:
+    """A Pooling module's config asks for the last token (sentence-transformers 5's
+    ``pooling_mode`` or the older ``pooling_mode_lasttoken`` switch)."""
+    return config.get("pooling_mode") == "lasttoken" or config.get("pooling_mode_lasttoken") is True
+
+
+def named(model_path: Path, model_name: str) -> bool:
+    """Whether the checkpoint's folder (or the Hub cache's ``models--Org--Name`` above its
+    snapshot) carries ``model_name``, case apart: the Hub's repository name, for
+    checkpoints without sentence-transformers files."""
+    parts = Path(model_path).resolve().parts
+    names = [parts[-1]]
+    if len(parts) >= 3 and parts[-2] == "snapshots":
+        names.append(parts[-3])
+    return any(model_name.lower() in name.lower() for name in names)
