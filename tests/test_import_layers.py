@@ -16,7 +16,7 @@ LAYERS = (
     # building blocks that import nothing of mlxvlm but errors (and the CPU door)
     ("errors", "torch_free", "cpu", "distributed", "model_pool"),
     # the families, and what reads or shapes a model's inputs and outputs
-    ("models", "media", "text", "sampling", "prompt_length"),
+    ("models", "media", "text", "sampling", "prompt_length", "retrieval"),
     # checkpoints read and written; a conversation turned into a model's inputs
     ("checkpoint", "prompt", "preparation"),
     # one sequence

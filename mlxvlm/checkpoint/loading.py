@@ -296,6 +296,9 @@ def load(
         processor, collect_eos_token_ids(model_path, config, processor.tokenizer),
         read_checkpoint_defaults(model_path))
     processor.sampling_defaults = state.sampling_defaults  # documented: read by users
+    from mlxvlm.retrieval.detection import detect_use
+
+    model.retrieval = detect_use(config, model_path)
     if adapter_path is not None:
         from mlxvlm.checkpoint.adapters import load_adapter
 

@@ -21,6 +21,7 @@ from mlxvlm.models.processor_utils import pil_processor
 if TYPE_CHECKING:  # for the annotations only
     from mlxvlm.cpu.ops import FastPathReport
     from mlxvlm.distributed.group import ShardPlan
+    from mlxvlm.retrieval.use import RetrievalUse
 from mlxvlm.models.weights import is_hf_naming, rename_prefix
 
 # ``args`` fields that name a placeholder token (``placeholder_token_ids``' default).
@@ -100,6 +101,9 @@ class VisionLanguageModel(nn.Module):
     sharding: ShardPlan | None = None
     # What the CPU fast paths did (None: not applied, ``load(..., cpu_fast_paths=False)``).
     cpu_fast_paths: FastPathReport | None = None
+    # What the model does for retrieval (embedding, reranking), found by
+    # ``mlxvlm.retrieval.detection`` at load; None: a generative model.
+    retrieval: RetrievalUse | None = None
     # The family's parsed config: a class with ``from_hf(config)`` (``from_config``'s default).
     args_class: type | None = None
     # ``(hf_prefix, ours)`` pairs: a Hugging Face tensor name's prefix and ours for it. The
