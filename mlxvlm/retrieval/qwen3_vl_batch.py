@@ -21,7 +21,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlxvlm.prompt import render_chat, special_tokens_option
+from mlxvlm.errors import MlxvlmError
+from mlxvlm.text.tokenization import chat_template_owner
 
 # The official scripts (scripts/qwen3_vl_embedding.py, qwen3_vl_reranker.py in the
 # model repos) size every image through qwen_vl_utils: a multiple of 32 pixels (16-pixel
@@ -59,12 +60,18 @@ class Prepared:
 
 
 def prepare(processor: Any, conversation: Conversation, feature_names: Sequence[str]) -> Prepared:
-    """The conversation through the chat template (with the generation prompt, as both
-    scripts render it) and the processor, its images already sized (``fit_image``)."""
-    text = render_chat(processor, conversation.messages)
+    """The conversation through the chat template (with the generation prompt) and the
+    processor with its default special tokens, its images sized by ``fit_image``: as
+    both scripts prepare their inputs."""
+    template_owner = chat_template_owner(processor)
+    if template_owner is None:
+        raise MlxvlmError("this checkpoint has no chat template (chat_template.jinja or in "
+                          "tokenizer_config.json), which its prompts are written with")
+    text = template_owner.apply_chat_template(conversation.messages, tokenize=False,
+                                              add_generation_prompt=True)
     images = [fit_image(image) for image in conversation.images]
     outputs = processor(text=[text], images=images or None, do_resize=False,
-                        return_tensors="np", **special_tokens_option(processor, text))
+                        return_tensors="np")
     features = {name: mx.array(np.asarray(value)) for name, value in outputs.items()
                 if name in feature_names and value is not None}
     return Prepared(np.asarray(outputs["input_ids"]).reshape(-1), features)
