@@ -37,8 +37,10 @@ def st_modules(model_path: Path) -> list[tuple[str, dict]]:
 
 def pools_last_token(config: dict) -> bool:
     """A Pooling module's config asks for the last token (sentence-transformers 5's
-    ``pooling_mode`` or the older ``pooling_mode_lasttoken`` switch)."""
-    return config.get("pooling_mode") == "lasttoken" or config.get("pooling_mode_lasttoken") is True
+    ``pooling_mode``, a name or a list of one, or the older ``pooling_mode_lasttoken``
+    switch)."""
+    mode = config.get("pooling_mode")
+    return mode in ("lasttoken", ["lasttoken"]) or config.get("pooling_mode_lasttoken") is True
 
 
 def named(model_path: Path, model_name: str) -> bool:
