@@ -1,8 +1,11 @@
 """Tiny Qwen3-VL-Embedding and Qwen3-VL-Reranker checkpoints in the Hub's layout.
 
-Both are plain Qwen3-VL checkpoints (``tiny/qwen.py``'s, in its "hub" layout) whose
-tokenizer also holds the words "yes" and "no" (the reranker reads their logits), with
-the sentence-transformers files the Hub repos carry beside them:
+Both are plain Qwen3-VL checkpoints (``tiny/qwen.py``'s) whose tokenizer also holds the
+words "yes" and "no" (the reranker reads their logits), with the sentence-transformers
+files the Hub repos carry beside them. Qwen/Qwen3-VL-Embedding-2B's config.json is
+transformers 5's (``rope_parameters`` in ``text_config``), so the embedding checkpoint is
+written in ``tiny/qwen.py``'s "transformers" layout; the reranker in its "hub" layout
+(transformers 4.57's, as Qwen3-VL's first checkpoints).
 
 - embedding: ``modules.json`` of Transformer, Pooling (``1_Pooling``, last token) and
   Normalize (``2_Normalize``);
@@ -48,7 +51,7 @@ def _write_module(directory: Path, folder: str, config: dict) -> None:
 
 
 def save_embedding(tiny: TinyModel, directory: Path) -> Path:
-    directory = save_checkpoint(tiny, directory, "hub")
+    directory = save_checkpoint(tiny, directory, "transformers")
     hidden = tiny.model.config.text_config.hidden_size
     _write_module(directory, "1_Pooling", {"embedding_dimension": hidden,
                                            "pooling_mode": "lasttoken", "include_prompt": True})
