@@ -37,12 +37,18 @@ from mlxvlm.sampling import SamplingOptions  # noqa: E402
 from mlxvlm.checkpoint.loading import load  # noqa: E402
 from mlxvlm.batching import batch_generate  # noqa: E402
 
+# The command's package first: importing it later would rebind ``mlxvlm.embed`` to it.
+import mlxvlm.embed  # noqa: E402, F401
+from mlxvlm.retrieval.api import embed, rerank  # noqa: E402
+
 __version__ = "0.1.0"
 __all__ = [
     "load",
     "generate",
     "stream_generate",
     "batch_generate",
+    "embed",
+    "rerank",
     "GenerationResult",
     "GenerationOutput",
     "SamplingOptions",

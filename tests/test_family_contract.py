@@ -218,8 +218,10 @@ def test_every_family_model_satisfies_the_contract(model_type):
 @pytest.mark.parametrize("module_name", FAMILY_MODULES)
 def test_family_names_transformers_names_as_hugging_face_ones(module_name):
     Model = importlib.import_module(f"mlxvlm.models.{module_name}").Model
-    # transformers' module tree of every family starts at model. (or thinker. for Omni)
-    hf_names = [hf + "weight" for hf, _ in Model.hf_prefixes if hf.startswith("model.")]
+    # transformers' module tree of every family starts at model. (or thinker. for Omni;
+    # the retrieval models' at vlm., their backbone)
+    hf_names = [hf + "weight" for hf, _ in Model.hf_prefixes
+                if hf.startswith(("model.", "vlm."))]
     assert hf_names and Model.is_hf_checkpoint(hf_names)
 
 

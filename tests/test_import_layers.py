@@ -24,7 +24,7 @@ LAYERS = (
     # many sequences: continuous batching, the prefix cache, the sharded engine
     ("batching",),
     # the commands
-    ("__main__", "cli", "server", "ui", "finetune", "convert", "fuse", "benchmark"),
+    ("__main__", "cli", "server", "ui", "finetune", "convert", "fuse", "benchmark", "embed"),
 )
 # Entry points inside the shared loop's packages.
 ENTRY_MODULES = {"mlxvlm.generate.__main__"}

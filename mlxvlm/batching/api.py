@@ -16,6 +16,7 @@ from mlxvlm.generate.stream import sampling_options
 from mlxvlm.generate.text import GenerationOutput, OutputFolder
 from mlxvlm.media.options import MediaOptions
 from mlxvlm.prompt import prepare_inputs
+from mlxvlm.retrieval.api import check_generates
 from mlxvlm.sampling import SamplingOptions
 
 
@@ -68,6 +69,7 @@ def batch_generate(
     answers equal ``generate``'s for the same prompt. Returns one ``GenerationOutput``
     per prompt, in order.
     """
+    check_generates(model)
     objects = dict(sampling=sampling, cache=cache, media=media)
     folded = fold_keywords("batch_generate", objects, kwargs, groups=BATCH_GROUPS, plain={},
                            explicit=BATCH_EXPLICIT)

@@ -27,6 +27,7 @@ from mlxvlm.generate.speculative import (
 from mlxvlm.generate.text import GenerationOutput, OutputFolder, SequenceText, eos_token_ids
 from mlxvlm.media.options import MediaOptions
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
+from mlxvlm.retrieval.api import check_generates
 from mlxvlm.sampling.constrained import json_schema_constraint
 from mlxvlm.sampling import RowSampler, SamplingOptions, token_logprobs
 from mlxvlm.sampling.defaults import resolve as resolve_sampling
@@ -103,6 +104,7 @@ def stream_generate(
     object, by constrained decoding, ``mlxvlm.sampling.constrained``), ``sampler``,
     ``logits_processors``, ``prompt_progress_callback`` and ``prefill_step_size``.
     """
+    check_generates(model)
     objects = dict(sampling=sampling, cache=cache, media=media, speculation=speculation)
     folded = fold_keywords("stream_generate", objects, kwargs)
     plain = folded.plain

@@ -1,0 +1,125 @@
+"""ColQwen2 against transformers' ColQwen2ForRetrieval (float32, a tiny random
+checkpoint saved in both layouts and loaded through mlxvlm.load): the same token counts
+and vectors within 1e-4 for queries and page images, alone and batched, and the same
+MaxSim scores and ranking as transformers' score_retrieval."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import mlxvlm
+from mlxvlm.retrieval.api import NotARetrievalModelError, RetrievalOnlyModelError
+from mlxvlm.retrieval.inputs import RetrievalInputError
+from tiny import colvision, make_image
+
+TOLERANCE = 1e-4
+QUERIES = ["A red cat sits on a blue mat", "What changed between them?"]
+PAGES = [make_image(64, 48, seed=1), make_image(100, 60, seed=2), make_image(56, 90, seed=3)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoints):
+    return tiny_checkpoints.model("colqwen2")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    processor = colvision.reference_processor(tiny)
+
+    def vectors(item, processor=processor) -> np.ndarray:
+        inputs = processor(text=[item]) if isinstance(item, str) else processor(images=[item])
+        with torch.no_grad():
+            out = tiny.model(**inputs).embeddings[0]
+        return out[: int(inputs["attention_mask"][0].sum())].numpy()
+
+    return processor, vectors
+
+
+@pytest.fixture(scope="module", params=["transformers", "hub"])
+def loaded(request, tiny_checkpoints):
+    return mlxvlm.load(tiny_checkpoints.path("colqwen2", request.param))
+
+
+def as_input(item):
+    return item if isinstance(item, str) else {"image": item}
+
+
+def test_each_query_and_page_matches_transformers(loaded, reference):
+    model, processor = loaded
+    assert model.retrieval.kind == "multi_vector"
+    _, vectors = reference
+    for item in QUERIES + PAGES:
+        ours = mlxvlm.embed(model, processor, [as_input(item)])[0]
+        expected = vectors(item)
+        assert ours.dtype == np.float32
+        assert ours.shape == expected.shape  # one vector per token, the same tokens
+        np.testing.assert_allclose(ours, expected, atol=TOLERANCE, rtol=0)
+
+
+def test_a_mixed_batch_gives_each_input_its_own_vectors(loaded, reference):
+    model, processor = loaded
+    _, vectors = reference
+    items = QUERIES + PAGES
+    batched = mlxvlm.embed(model, processor, [as_input(i) for i in items], batch_size=len(items))
+    for ours, item in zip(batched, items):
+        np.testing.assert_allclose(ours, vectors(item), atol=TOLERANCE, rtol=0)
+
+
+def test_scores_and_ranking_match_score_retrieval(loaded, reference):
+    model, processor = loaded
+    ref_processor, vectors = reference
+    pages = [torch.from_numpy(vectors(page)) for page in PAGES]
+    for query in QUERIES:
+        ours = mlxvlm.rerank(model, processor, query, [{"image": p} for p in PAGES], batch_size=2)
+        # one pair at a time: score_retrieval pads a batch of pages with zero vectors
+        expected = [float(ref_processor.score_retrieval(
+            [torch.from_numpy(vectors(query))], [page])[0, 0]) for page in pages]
+        np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=1e-5)
+        assert np.argsort(ours).tolist() == np.argsort(expected).tolist()
+
+
+def test_the_checkpoints_prompt_prefixes_are_used(tiny_checkpoints, tiny, tmp_path):
+    directory = tmp_path / "colqwen2-prefixed"
+    shutil.copytree(tiny_checkpoints.path("colqwen2", "transformers"), directory)
+    config = json.loads((directory / "processor_config.json").read_text())
+    config["query_prefix"] = "Find: "
+    (directory / "processor_config.json").write_text(json.dumps(config))
+    model, processor = mlxvlm.load(directory)
+    ref = colvision.reference_processor(tiny)
+    ref.query_prefix = "Find: "
+    inputs = ref(text=[QUERIES[0]])
+    with torch.no_grad():
+        expected = tiny.model(**inputs).embeddings[0].numpy()
+    ours = mlxvlm.embed(model, processor, QUERIES[0])[0]
+    assert ours.shape[0] == int(inputs["attention_mask"].sum())
+    np.testing.assert_allclose(ours, expected, atol=TOLERANCE, rtol=0)
+
+
+def test_inputs_the_model_cannot_take_are_refused(loaded):
+    model, processor = loaded
+    with pytest.raises(RetrievalInputError, match=r"inputs\[0\]: .*not both"):
+        mlxvlm.embed(model, processor, [{"text": "a page", "image": PAGES[0]}])
+    with pytest.raises(RetrievalInputError, match=r"inputs\[1\]: unknown key 'img'"):
+        mlxvlm.embed(model, processor, ["ok", {"img": "x.png"}])
+    with pytest.raises(RetrievalInputError, match="empty"):
+        mlxvlm.embed(model, processor, [])
+
+
+def test_a_chat_model_has_no_retrieval_use(tiny_checkpoints):
+    model, processor = mlxvlm.load(tiny_checkpoints.path("qwen2_vl", "transformers"))
+    assert model.retrieval is None
+    with pytest.raises(NotARetrievalModelError, match="no retrieval use"):
+        mlxvlm.embed(model, processor, "a query")
+
+
+def test_a_retrieval_model_does_not_generate(loaded):
+    model, processor = loaded
+    with pytest.raises(RetrievalOnlyModelError, match="embedding model .*mlxvlm.embed"):
+        mlxvlm.generate(model, processor, "hello", max_tokens=2)
+    with pytest.raises(RetrievalOnlyModelError):
+        mlxvlm.batch_generate(model, processor, ["hello"], max_tokens=2)
