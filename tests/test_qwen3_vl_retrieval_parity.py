@@ -150,3 +150,18 @@ def test_checkpoints_are_recognized_as_the_hub_ships_them(folders, embedder, rer
     named = detect_use(config, folders["named"])
     assert isinstance(named, Qwen3VLReranker) and named.yes_id is None
     assert mlxvlm.load(folders["plain"])[0].retrieval is None
+
+
+def test_through_the_python_api(tiny, embedder, reranker, tmp_path):
+    import mlxvlm
+
+    picture = tmp_path / "a.png"
+    IMAGE_A.save(picture)
+    # A string, an image file, text with an image; batches of 2 cut the list.
+    vectors = mlxvlm.embed(*embedder, [ITEMS[0]["text"], {"image": str(picture)}, ITEMS[2]],
+                           batch_size=2)
+    assert vectors.dtype == np.float32 and vectors.shape == (3, 64)
+    np.testing.assert_allclose(vectors, reference_embeddings(tiny, ITEMS), atol=ATOL, rtol=0)
+    scores = mlxvlm.rerank(*reranker, QUERY["text"], DOCUMENTS, batch_size=3)
+    np.testing.assert_allclose(scores, reference_scores(tiny, QUERY, DOCUMENTS), atol=ATOL,
+                               rtol=0)
