@@ -165,3 +165,20 @@ def test_through_the_python_api(tiny, embedder, reranker, tmp_path):
     scores = mlxvlm.rerank(*reranker, QUERY["text"], DOCUMENTS, batch_size=3)
     np.testing.assert_allclose(scores, reference_scores(tiny, QUERY, DOCUMENTS), atol=ATOL,
                                rtol=0)
+
+
+def test_a_quantized_conversion_stays_an_embedder_and_a_reranker(folders, embedder, reranker,
+                                                                  tmp_path):
+    import mlxvlm
+    from mlxvlm.convert import convert
+
+    path = convert(str(folders["embedding"]), tmp_path / "embedding-8bit", quantize=True,
+                   q_bits=8).path
+    model, processor = mlxvlm.load(path)
+    assert model.retrieval.kind == "single_vector"
+    quantized = mlxvlm.embed(model, processor, ITEMS)
+    assert (np.sum(quantized * mlxvlm.embed(*embedder, ITEMS), axis=1) > 0.99).all()
+    path = convert(str(folders["reranker"]), tmp_path / "reranker-8bit", quantize=True,
+                   q_bits=8).path
+    retrieval = mlxvlm.load(path)[0].retrieval
+    assert (retrieval.kind, retrieval.yes_id) == ("reranker", reranker[0].retrieval.yes_id)

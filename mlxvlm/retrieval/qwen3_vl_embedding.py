@@ -73,15 +73,15 @@ class Qwen3VLEmbedding(RetrievalUse):
 
 def detect(config: dict, model_path) -> Qwen3VLEmbedding | None:
     """A ``qwen3_vl`` checkpoint whose sentence-transformers modules pool the last token
-    and normalize (the Hub's Qwen3-VL-Embedding repos); without ``modules.json``, one
-    whose Hub name says Qwen3-VL-Embedding."""
+    and normalize (the Hub's Qwen3-VL-Embedding repos); where ``modules.json`` or its
+    Pooling config is missing, one whose Hub name says Qwen3-VL-Embedding."""
     if config.get("model_type") != "qwen3_vl":
         return None
     modules = st_modules(model_path)
-    if modules:
-        names = [name for name, _ in modules]
-        pooling = [settings for name, settings in modules if name == "Pooling"]
-        if pooling and pools_last_token(pooling[0]) and "Normalize" in names:
-            return Qwen3VLEmbedding()
+    pooling = [settings for name, settings in modules if name == "Pooling"]
+    if pooling and pooling[0] is not None:
+        normalizes = any(name == "Normalize" for name, _ in modules)
+        return Qwen3VLEmbedding() if pools_last_token(pooling[0]) and normalizes else None
+    if modules and not pooling:  # another sentence-transformers model (a reranker)
         return None
     return Qwen3VLEmbedding() if named(model_path, "Qwen3-VL-Embedding") else None

@@ -78,15 +78,18 @@ class Qwen3VLReranker(RetrievalUse):
 
 def detect(config: dict, model_path) -> Qwen3VLReranker | None:
     """A ``qwen3_vl`` checkpoint whose sentence-transformers modules end in a
-    ``LogitScore`` of a true and a false token (the Hub's Qwen3-VL-Reranker repos);
-    without ``modules.json``, one whose Hub name says Qwen3-VL-Reranker."""
+    ``LogitScore`` (the Hub's Qwen3-VL-Reranker repos), scoring with the true and false
+    token ids its config names; without ``modules.json``, one whose Hub name says
+    Qwen3-VL-Reranker."""
     if config.get("model_type") != "qwen3_vl":
         return None
     modules = st_modules(model_path)
-    if modules:
-        for name, settings in modules:
-            yes, no = settings.get("true_token_id"), settings.get("false_token_id")
-            if name == "LogitScore" and isinstance(yes, int) and isinstance(no, int):
+    for name, settings in modules:
+        if name == "LogitScore":
+            yes, no = (settings or {}).get("true_token_id"), (settings or {}).get("false_token_id")
+            if isinstance(yes, int) and isinstance(no, int):
                 return Qwen3VLReranker(yes, no)
+            return Qwen3VLReranker()  # its config lost: "yes" and "no" from the vocabulary
+    if modules:  # another sentence-transformers model (an embedder)
         return None
     return Qwen3VLReranker() if named(model_path, "Qwen3-VL-Reranker") else None

@@ -17,22 +17,33 @@ def _read_json(path: Path):
         return None
 
 
-def st_modules(model_path: Path) -> list[tuple[str, dict]]:
-    """``modules.json``'s modules in order, each as (its class name, its config): e.g.
-    ``("Pooling", {"pooling_mode": "lasttoken", ...})``; [] without the file. The input
-    module (folder "") has no config of its own here."""
+def _entries(model_path: Path) -> list[dict]:
     entries = _read_json(Path(model_path) / "modules.json")
     if not isinstance(entries, list):
         return []
+    return [entry for entry in entries if isinstance(entry, dict)]
+
+
+def st_modules(model_path: Path) -> list[tuple[str, dict | None]]:
+    """``modules.json``'s modules in order, each as (its class name, its config): e.g.
+    ``("Pooling", {"pooling_mode": "lasttoken", ...})``; [] without the file. The config
+    is None where its folder's ``config.json`` is missing or unreadable (a copy that
+    kept ``modules.json`` alone), and for the input module (folder "")."""
     modules = []
-    for entry in entries:
-        if not isinstance(entry, dict):
-            continue
+    for entry in _entries(model_path):
         name = str(entry.get("type", "")).rsplit(".", 1)[-1]
         folder = str(entry.get("path", ""))
         config = _read_json(Path(model_path) / folder / "config.json") if folder else None
-        modules.append((name, config if isinstance(config, dict) else {}))
+        modules.append((name, config if isinstance(config, dict) else None))
     return modules
+
+
+def module_folders(model_path: Path) -> list[str]:
+    """The folders of ``modules.json``'s modules that have one (``1_Pooling`` ...): what a
+    copy of the checkpoint (``mlxvlm.convert``) carries along to stay recognizable."""
+    folders = [str(entry.get("path", "")) for entry in _entries(model_path)]
+    return [folder for folder in folders
+            if folder and (Path(model_path) / folder).is_dir() and ".." not in Path(folder).parts]
 
 
 def pools_last_token(config: dict) -> bool:
