@@ -182,3 +182,14 @@ def test_a_quantized_conversion_stays_an_embedder_and_a_reranker(folders, embedd
                    q_bits=8).path
     retrieval = mlxvlm.load(path)[0].retrieval
     assert (retrieval.kind, retrieval.yes_id) == ("reranker", reranker[0].retrieval.yes_id)
+
+
+def test_an_input_longer_than_the_context_is_refused(embedder, reranker):
+    import mlxvlm
+    from mlxvlm.errors import PromptTooLongError
+
+    long_text = "A red cat sits on a blue mat. " * 200  # the tiny model's context: 1024
+    with pytest.raises(PromptTooLongError, match="context"):
+        mlxvlm.embed(*embedder, [long_text])
+    with pytest.raises(PromptTooLongError, match="context"):
+        mlxvlm.rerank(*reranker, "cat", [long_text])

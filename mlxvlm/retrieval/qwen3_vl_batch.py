@@ -21,8 +21,9 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlxvlm.errors import MlxvlmError
-from mlxvlm.text.tokenization import chat_template_owner
+from mlxvlm.errors import MlxvlmError, PromptTooLongError
+from mlxvlm.prompt_length import check_prompt_length
+from mlxvlm.text.tokenization import chat_template_owner, tokenizer_of
 
 # The official scripts (scripts/qwen3_vl_embedding.py, qwen3_vl_reranker.py in the
 # model repos) size every image through qwen_vl_utils: a multiple of 32 pixels (16-pixel
@@ -59,22 +60,28 @@ class Prepared:
     features: dict[str, mx.array]
 
 
-def prepare(processor: Any, conversation: Conversation, feature_names: Sequence[str]) -> Prepared:
+def prepare(processor: Any, conversation: Conversation, feature_names: Sequence[str],
+            context: int | None = None) -> Prepared:
     """The conversation through the chat template (with the generation prompt) and the
     processor with its default special tokens, its images sized by ``fit_image``: as
-    both scripts prepare their inputs."""
+    both scripts prepare their inputs. Longer than ``context`` (the model's) is a
+    ``PromptTooLongError``, the text found too long before it is tokenized."""
     template_owner = chat_template_owner(processor)
     if template_owner is None:
         raise MlxvlmError("this checkpoint has no chat template (chat_template.jinja or in "
                           "tokenizer_config.json), which its prompts are written with")
     text = template_owner.apply_chat_template(conversation.messages, tokenize=False,
                                               add_generation_prompt=True)
+    check_prompt_length(tokenizer_of(processor), text, context)
     images = [fit_image(image) for image in conversation.images]
     outputs = processor(text=[text], images=images or None, do_resize=False,
                         return_tensors="np")
+    ids = np.asarray(outputs["input_ids"]).reshape(-1)
+    if context is not None and len(ids) > context:
+        raise PromptTooLongError.of_tokens(len(ids), context)
     features = {name: mx.array(np.asarray(value)) for name, value in outputs.items()
                 if name in feature_names and value is not None}
-    return Prepared(np.asarray(outputs["input_ids"]).reshape(-1), features)
+    return Prepared(ids, features)
 
 
 @dataclass
@@ -110,7 +117,8 @@ def last_token_states(model: Any, processor: Any,
                       conversations: Sequence[Conversation]) -> tuple[mx.array, list[int]]:
     """Each conversation's hidden state at its last token, float32 (B, hidden), from one
     decoder pass over the batch, and each conversation's token count."""
-    prepared = [prepare(processor, c, model.feature_names) for c in conversations]
+    prepared = [prepare(processor, c, model.feature_names, model.max_context)
+                for c in conversations]
     lengths = [len(p.input_ids) for p in prepared]
     width = max(lengths)
     embeddings, positions, ids = [], [], []
