@@ -120,3 +120,18 @@ class RetrievalUse:
         d = self.embed_documents(model, processor, documents, instruction)
         scores = [self.similarity(q.vectors[0], v) for v in d.vectors]
         return Scored(scores, q.tokens[0] + sum(d.tokens), passes=2)
+
+
+# What a model serves, by its use (None: a generative model): the server's /v1/models
+# and the routes a model answers read this.
+CAPABILITIES: dict[str | None, tuple[str, ...]] = {
+    None: ("chat",),
+    "multi_vector": ("embed", "rerank"),
+    "single_vector": ("embed", "rerank"),
+    "reranker": ("rerank",),
+}
+
+
+def capabilities(use: RetrievalUse | None) -> tuple[str, ...]:
+    """``chat``, ``embed``, ``rerank``: what a model with ``use`` does."""
+    return CAPABILITIES[None if use is None else use.kind]

@@ -52,6 +52,8 @@ class ModelRegistry:
         self.config = config
         self._load_model = load
         self.started_at = time.time()
+        # Model id -> what its checkpoint does, read once before it is loaded.
+        self._capabilities: dict[str, tuple[str, ...] | None] = {}
         # What every model's service shares: the server's answer counts and its budget
         # of decoded pixels.
         self.counters = RequestCounters()
@@ -110,6 +112,22 @@ class ModelRegistry:
 
     def services(self) -> list[tuple[str, GenerationService]]:
         return self.pool.items()
+
+    def capabilities(self, model_id: str) -> list[str] | None:
+        """What the model does ("chat", "embed", "rerank"): its loaded use's, else its
+        checkpoint's as loading would detect it, read from the local directory or the
+        Hugging Face cache without loading it (None: not known before it is loaded, a
+        Hub repo not downloaded yet)."""
+        from mlxvlm.retrieval.use import capabilities
+
+        try:
+            return list(capabilities(self.pool.get(model_id).model.retrieval))
+        except KeyError:
+            pass
+        if model_id not in self._capabilities:
+            self._capabilities[model_id] = checkpoint_capabilities(self.sources[model_id])
+        found = self._capabilities[model_id]
+        return None if found is None else list(found)
 
     def unknown_model(self, name: str) -> APIError:
         served = ", ".join(repr(m) for m in self.ids()[:8])
@@ -199,6 +217,34 @@ def checkpoint_loader(config: ServerConfig, *, revision: str | None = None,
                     trust_remote_code=trust_remote_code)
 
     return load_checkpoint
+
+
+def checkpoint_capabilities(source: str) -> tuple[str, ...] | None:
+    """What the checkpoint at ``source`` (a directory, or a Hub repo in the local cache)
+    does, from its config.json and the files beside it; None where neither is found."""
+    import json
+    from pathlib import Path
+
+    from mlxvlm.retrieval.detection import detect_use
+    from mlxvlm.retrieval.use import capabilities
+
+    path = Path(source).expanduser()
+    config_file = path / "config.json"
+    if not path.is_dir():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(source, "config.json")
+        except Exception:  # not a repo id
+            return None
+        if not isinstance(cached, str):
+            return None
+        config_file = Path(cached)
+    try:
+        config = json.loads(config_file.read_text())
+        return capabilities(detect_use(config, config_file.parent))
+    except (OSError, ValueError):
+        return None
 
 
 def _no_loader(model_id: str, path: str) -> tuple[Any, Any]:

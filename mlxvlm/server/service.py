@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import mlx.core as mx
 
@@ -29,6 +30,9 @@ from mlxvlm.prompt import PreparedInputs, prepare_inputs
 from mlxvlm.server.config import MEDIA_OPTION_NAMES, ServerConfig
 from mlxvlm.server.logprobs import TokenBytes
 from mlxvlm.text.tokenization import tokenizer_of
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -124,6 +128,9 @@ class GenerationService:
         # requests have workers of their own, which media never hold.
         self._pools = PreparationPools(config.prepare_workers, config.prepare_workers,
                                        stats=self.counters.preparation)
+        # A retrieval model's passes (embeddings, reranking) run in the media workers,
+        # one request's at a time: MLX evaluates one graph per model at once here.
+        self.model_lock = threading.Lock()
 
     def start(self) -> None:
         self.engine.start()
@@ -216,6 +223,17 @@ class GenerationService:
             functools.partial(self._prepare, messages, cache_namespace, template_options),
             media=has_media(messages))
         return await job.result()
+
+    async def run_retrieval(self, work: Callable[[MediaPolicy], T], media: bool) -> T:
+        """``work(policy)``: a retrieval request's inputs read under the server's media
+        rules, and the model's passes over them (under ``model_lock``), in a preparation
+        worker (off the event loop and the engine's thread), its images charged to the
+        pixel budget; stopped at its next media frame if the awaiting task is cancelled."""
+        def job() -> T:
+            with self.pixels.request():
+                return work(self.media_policy())
+
+        return await self._pools.submit(job, media=media).result()
 
     # -- generation -----------------------------------------------------------------
 

@@ -14,11 +14,14 @@ router = APIRouter()
 
 
 def model_card(models: ModelRegistry, model_id: str) -> dict:
+    """OpenAI's model object, with what the model does: ``capabilities``, some of
+    "chat", "embed" and "rerank" (null where it is not known before the model loads)."""
     return {
         "id": model_id,
         "object": "model",
         "created": int(models.started_at),
         "owned_by": "mlxvlm",
+        "capabilities": models.capabilities(model_id),
     }
 
 
