@@ -6,17 +6,23 @@ checkpoint in the Hub's layout with the sentence-transformers files the Hub repo
 Embeddings of text, an image and both, in one padded batch, within 1e-4 and of unit
 norm; the instruction is the system turn; reranker scores within 1e-4 with the same
 ranking, the instruction respected; each checkpoint recognized as the Hub ships it (and
-a plain Qwen3-VL checkpoint left a chat model).
+a plain Qwen3-VL checkpoint left a chat model); both through ``mlxvlm.embed`` /
+``mlxvlm.rerank`` and through ``python -m mlxvlm.server`` (the openai client's
+``embeddings.create``, ``/v1/rerank``, ``/v1/models``).
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 
+import httpx
 import numpy as np
 import pytest
 
 from retrieval_reference import reference_embeddings, reference_scores
+from server_process import ServerProcess
 from tiny import make_image
 from tiny.qwen3_vl_retrieval import build_retrieval_model, save_embedding, save_plain, save_reranker
 
@@ -193,3 +199,50 @@ def test_an_input_longer_than_the_context_is_refused(embedder, reranker):
         mlxvlm.embed(*embedder, [long_text])
     with pytest.raises(PromptTooLongError, match="context"):
         mlxvlm.rerank(*reranker, "cat", [long_text])
+
+
+def data_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")  # lossless: the server decodes the same pixels
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_through_the_server(tiny, folders, tmp_path):
+    models_dir = tmp_path / "models"
+    models_dir.mkdir()
+    (models_dir / "reranker").symlink_to(folders["reranker"])
+    with ServerProcess("--model", str(folders["embedding"]), "--served-model-name", "embedder",
+                       "--models-dir", str(models_dir)) as server:
+        client = server.openai_client(api_key="unused")
+        result = client.embeddings.create(
+            model="embedder", input=[ITEMS[0]["text"], {"image": data_url(IMAGE_A)}],
+            encoding_format="float")
+        got = np.array([item.embedding for item in result.data], dtype=np.float32)
+        np.testing.assert_allclose(got, reference_embeddings(tiny, ITEMS[:2]), atol=ATOL, rtol=0)
+        instruction = "Retrieve images or text relevant to the user's query."
+        result = client.embeddings.create(model="embedder", input=ITEMS[0]["text"],
+                                          encoding_format="base64",
+                                          extra_body={"instruction": instruction})
+        got = np.frombuffer(base64.b64decode(result.data[0].embedding), dtype="<f4")
+        np.testing.assert_allclose(got, reference_embeddings(tiny, ITEMS[:1], instruction)[0],
+                                   atol=ATOL, rtol=0)
+
+        documents = [DOCUMENTS[0]["text"], {"image": data_url(IMAGE_A)},
+                     {"text": DOCUMENTS[2]["text"], "image": data_url(IMAGE_B)},
+                     DOCUMENTS[3]["text"]]
+        response = httpx.post(f"{server.base_url}/v1/rerank", timeout=120, json={
+            "model": "reranker", "query": QUERY["text"], "documents": documents, "top_n": 3})
+        assert response.status_code == 200, response.text
+        expected = reference_scores(tiny, QUERY, DOCUMENTS)
+        order = list(np.argsort(-expected)[:3])
+        results = response.json()["results"]
+        assert [r["index"] for r in results] == order
+        np.testing.assert_allclose([r["relevance_score"] for r in results], expected[order],
+                                   atol=ATOL, rtol=0)
+
+        cards = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"]
+        assert {c["id"]: c["capabilities"] for c in cards} == {
+            "embedder": ["embed", "rerank"], "reranker": ["rerank"]}
+        chat = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+            "model": "reranker", "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 400
