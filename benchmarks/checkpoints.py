@@ -12,6 +12,11 @@ Writes under benchmarks/checkpoints/ (git-ignored):
 - ``gemma4-e2b-bf16``: google/gemma-4-E2B-it's shapes (a 35-layer 1536-wide text model
   with per-layer inputs, the last 20 layers sharing KV, a 16-layer 768-wide vision tower
   at 280 soft tokens, E2B's 12-layer audio conformer), bfloat16, in the Hub's layout;
+- ``qwen3vl-embedding-2b-bf16``: Qwen/Qwen3-VL-Embedding-2B's shapes (a 24-layer
+  1024-wide ViT of 16-pixel patches with DeepStack taps after blocks 5, 11 and 17, a
+  28-layer 2048-wide Qwen3 decoder with interleaved M-RoPE, tied embeddings), bfloat16,
+  with the sentence-transformers files (last-token pooling, normalized) that make
+  ``mlxvlm.load`` recognize it as an embedding model;
 - ``*-4bit`` and ``*-8bit`` of each, made with ``python -m mlxvlm.convert``.
 
 Each is a Hugging Face checkpoint (config.json in the Hub's layout, safetensors,
@@ -82,6 +87,7 @@ class Parts:
         settings["processor_class"] = self.processor_config["processor_class"]
         preprocessor.write_text(json.dumps(settings, indent=2))
         for name, contents in self.files.items():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
             (target / name).write_text(json.dumps(contents, indent=2))
         if self.hub_config is not None:
             config = target / "config.json"
@@ -250,9 +256,61 @@ def gemma4_e2b():
     return Gemma4ForConditionalGeneration, config, parts, [1, 106]
 
 
+def qwen3vl_embedding_2b():
+    """Qwen/Qwen3-VL-Embedding-2B's shapes (its config.json, transformers 5's layout) and
+    sentence-transformers files: ``modules.json`` of Transformer, last-token Pooling and
+    Normalize, as the Hub repo's."""
+    from transformers import (Qwen2VLImageProcessorPil, Qwen3VLConfig,
+                              Qwen3VLForConditionalGeneration)
+
+    special = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+               "<|vision_start|>": 151652, "<|vision_end|>": 151653,
+               "<|image_pad|>": 151655, "<|video_pad|>": 151656}
+    tokenizer = word_level_tokenizer(151936, special, eos="<|im_end|>", pad="<|endoftext|>")
+    config = Qwen3VLConfig(
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+        vision_end_token_id=151653, tie_word_embeddings=True,
+        text_config=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                         vocab_size=151936, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                          "mrope_section": [24, 20, 20],
+                                          "mrope_interleaved": True},
+                         bos_token_id=151643, eos_token_id=151645, tie_word_embeddings=True),
+        vision_config=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                           out_hidden_size=2048, patch_size=16, spatial_merge_size=2,
+                           temporal_patch_size=2, num_position_embeddings=2304,
+                           deepstack_visual_indexes=[5, 11, 17]),
+    )
+    # The embedder sizes images itself (4 to 1800 merged tokens of 32 px); these limits
+    # are Qwen3-VL's preprocessor_config.json's.
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=16, min_pixels=65536, max_pixels=16777216,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    video = {"video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
+             "size": {"shortest_edge": 4096, "longest_edge": 25165824}, "patch_size": 16,
+             "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+             "image_std": [0.5, 0.5, 0.5], "do_sample_frames": True, "fps": 2,
+             "min_frames": 4, "max_frames": 768}
+    modules = [
+        {"idx": 0, "name": "0", "path": "",
+         "type": "sentence_transformers.base.modules.transformer.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.base.modules.normalize.Normalize"},
+    ]
+    pooling = {"embedding_dimension": 2048, "pooling_mode": "lasttoken", "include_prompt": True}
+    parts = Parts(tokenizer, image_processor, QWEN_TEMPLATE,
+                  {"processor_class": "Qwen3VLProcessor"}, "Qwen2VLImageProcessor",
+                  files={"video_preprocessor_config.json": video, "modules.json": modules,
+                         "1_Pooling/config.json": pooling, "2_Normalize/config.json": {}})
+    return Qwen3VLForConditionalGeneration, config, parts, [151645, 151643]
+
+
 BUILDERS = {
     "smolvlm-256m": smolvlm_256m, "qwen2vl-2b": qwen2vl_2b, "qwen2vl-mid": qwen2vl_mid,
-    "gemma4-e2b": gemma4_e2b,
+    "gemma4-e2b": gemma4_e2b, "qwen3vl-embedding-2b": qwen3vl_embedding_2b,
 }
 
 

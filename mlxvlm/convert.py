@@ -258,10 +258,16 @@ def write_config(config: dict, directory: Path) -> None:
 
 
 def copy_side_files(source: Path, directory: Path) -> None:
+    from mlxvlm.retrieval.sentence_transformers_files import module_folders
+
     for pattern in SIDE_FILE_PATTERNS:
         for file in source.glob(pattern):
             if file.is_file() and file.name not in NOT_SIDE_FILES:
                 shutil.copy2(file, directory / file.name)
+    # sentence-transformers' module folders (1_Pooling/ ...): how an embedding model or
+    # a reranker is recognized at load (mlxvlm/retrieval/detection.py).
+    for folder in module_folders(source):
+        shutil.copytree(source / folder, directory / folder, dirs_exist_ok=True)
 
 
 @contextlib.contextmanager

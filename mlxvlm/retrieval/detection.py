@@ -27,6 +27,8 @@ Detector = Callable[[dict, Path], "RetrievalUse | None"]
 
 DETECTORS: list[str] = [
     "mlxvlm.retrieval.colvision:detect",  # ColQwen2, ColPali (model_type colqwen2, colpali)
+    "mlxvlm.retrieval.qwen3_vl_embedding:detect",  # Qwen3-VL-Embedding (qwen3_vl + modules.json)
+    "mlxvlm.retrieval.qwen3_vl_reranker:detect",  # Qwen3-VL-Reranker (qwen3_vl + modules.json)
 ]
 
 

@@ -138,13 +138,15 @@ class DeepstackFeatures:
     positions: np.ndarray  # (V,) int
     layers: list[mx.array]  # each (V, hidden_size)
 
-    def window(self, offset: int, n: int) -> tuple[mx.array, list[mx.array]] | None:
-        """Chunk-local indices and per-layer rows for cache offsets [offset, offset + n)."""
+    def window(self, offset: int, n: int) -> tuple[tuple, list[mx.array]] | None:
+        """For cache offsets [offset, offset + n): the index of the chunk's vision rows in
+        its (1, n, width) hidden states, and their per-layer rows (a padded batch's state
+        gives (row, column) indices of its own, ``retrieval.qwen3_vl_batch``)."""
         first, last = np.searchsorted(self.positions, [offset, offset + n])
         if first == last:
             return None
         local = mx.array(self.positions[first:last] - offset)
-        return local, [features[first:last] for features in self.layers]
+        return (slice(None), local), [features[first:last] for features in self.layers]
 
 
 @dataclass
@@ -563,8 +565,8 @@ class Qwen2MRopeModel(MRopeDecoder):
         for index, (layer, layer_cache) in enumerate(layers, start=self.start_idx):
             h = layer(h, rotary, mask, layer_cache)
             if deepstack is not None and index < len(deepstack[1]):
-                local, features = deepstack
-                h = h.at[:, local].add(features[index][None].astype(h.dtype))
+                where, features = deepstack
+                h = h.at[where].add(features[index].astype(h.dtype))
         return self.norm(self.hand_on(h, cache))
 
 
