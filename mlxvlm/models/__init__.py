@@ -40,6 +40,11 @@ FAMILIES: dict[str, str] = {
     "qwen3_omni_moe": "qwen3_omni_moe",
     "qwen3_omni_moe_thinker": "qwen3_omni_moe",
     "gemma4": "gemma4",
+    # GLM-4.6V-Flash / GLM-4.1V (dense) and GLM-4.6V / GLM-4.5V (MoE); glm46v: what
+    # transformers' Glm46VForConditionalGeneration saves
+    "glm4v": "glm4v",
+    "glm4v_moe": "glm4v",
+    "glm46v": "glm4v",
 }
 
 

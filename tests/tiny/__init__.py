@@ -37,6 +37,8 @@ BUILDERS = {
     "qwen3_omni_moe": "tiny.qwen3_omni",
     "gemma4": "tiny.gemma4",
     "gemma4_moe": "tiny.gemma4",
+    "glm4v": "tiny.glm4v",
+    "glm4v_moe": "tiny.glm4v",
 }
 
 
