@@ -28,7 +28,7 @@ Layouts:
     the family's; the MoE's experts one tensor each (``mlp.experts.E.gate_proj.weight``)
     and its multi-token-prediction layer (``layers.2.*``) that transformers ignores; the
     image processor's ``preprocessor_config.json`` naming ``Glm46VProcessor``, the
-    template in ``chat_template.jinja``.
+    template in ``chat_template.jinja``, sampling values in ``generation_config.json``.
 """
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ TEXT_ROPE_THETA = 5000.0  # far from the default 1e4: reading the wrong key chan
 MIN_PIXELS = 2 * 28 * 28 * 2  # the image processor counts 2 frames per image
 MAX_PIXELS = 2 * 112 * 112
 MROPE_SECTION = [4, 2, 2]
+# sampling values a GLM-4.6V-Flash generation_config.json sets (as LM Studio shows them)
+GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.8, "top_p": 0.6, "top_k": 2}
 # Half the shared range: with the full one the tower's features grow large enough that
 # float32 rounding moves the logits past 1e-4 (the tower itself agrees to 1e-6 relative).
 GLM_INIT_RANGE = INIT_RANGE / 2
@@ -164,9 +166,9 @@ def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
     tokenizer = build_tokenizer()
     config = _config(family, tokenizer)
     if family == "glm4v_moe":
-        # the shared seed leaves the MoE's two-image answer a near tie (6.6e-4); the next
-        # one decides every parity prompt's 24 tokens by margins above 1e-3
-        seed += 1
+        # the shared seed (2) leaves one of the MoE's answers a near tie (below 1e-3);
+        # seed 5 decides every parity prompt's 24 tokens by margins above 2e-3
+        seed += 3
     torch.manual_seed(seed)
     model_class = (Glm4vMoeForConditionalGeneration if family == "glm4v_moe"
                    else Glm4vForConditionalGeneration)
@@ -174,9 +176,9 @@ def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
     generator = torch.Generator().manual_seed(seed + 1)
     perturb_constants(model, generator)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # the router's, zero at init
-                param.add_(0.5 * torch.randn(param.shape, generator=generator))
+                buffer.add_(0.5 * torch.randn(buffer.shape, generator=generator))
     eos = [tokenizer.convert_tokens_to_ids(t) for t in EOS_TOKENS]
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos[0]
@@ -223,6 +225,9 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
         "processor_class": "Glm46VProcessor",
     }
     (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    generation = json.loads((directory / "generation_config.json").read_text())
+    generation.update(GENERATION_DEFAULTS)
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
     write_safetensors(weights, directory)
     return directory
 
