@@ -344,6 +344,18 @@ def test_moe_router_bias_matters(tiny_checkpoints, loaded, reference):
     assert np.abs(logits - reference("glm4v_moe", "one_image").logits).max() > CAUGHT
 
 
+def test_a_bfloat16_conversion_keeps_the_router_bias_in_float32(tmp_path, tiny_checkpoints):
+    from mlxvlm.convert import convert
+
+    convert(str(tiny_checkpoints.path("glm4v_moe", "hub")), tmp_path / "bf16", dtype="bfloat16")
+    saved = {}
+    for shard in (tmp_path / "bf16").glob("*.safetensors"):
+        saved.update(mx.load(str(shard)))
+    dtypes = {name: value.dtype for name, value in saved.items()}
+    assert dtypes["language_model.model.layers.1.mlp.gate.e_score_correction_bias"] == mx.float32
+    assert dtypes["language_model.model.layers.1.mlp.gate.weight"] == mx.bfloat16
+
+
 def test_glm_ocr_style_switches_build(tiny_checkpoints):
     """The tower's GLM-OCR switches build the module GLM-OCR's checkpoints name."""
     from mlxvlm.models.layers.glm_vision import GlmVisionConfig, GlmVisionTransformer

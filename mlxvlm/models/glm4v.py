@@ -118,6 +118,12 @@ class Model(QwenVLModel):
     def from_config(cls, config: dict) -> "Model":
         return cls(ModelArgs.from_hf(config, moe=has_experts(config)))
 
+    @staticmethod
+    def cast_predicate(path: str) -> bool:
+        """The MoE router's score-correction bias stays float32 when a conversion casts
+        the rest (transformers keeps it so; mlx-lm's GLM-4.5 too)."""
+        return not path.endswith("e_score_correction_bias")
+
     # -- checkpoint and processor -----------------------------------------------------
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
