@@ -15,7 +15,8 @@ tokens, as the Hub's are; it adds no special tokens (the template writes
 ``<|user|>\\n``, images as ``<|begin_of_image|><|image|><|end_of_image|>``, an assistant
 turn as ``<|assistant|>\\n<think>reasoning</think>\\ncontent``, ``enable_thinking=False``
 adds ``/nothink`` and an empty thinking block. The processor is transformers'
-``Glm46VProcessor`` (as the Hub's checkpoints name it) over the PIL image processor.
+``Glm46VProcessor`` (as the Hub's checkpoints name it) over the PIL image processor and
+the torchvision video processor (a 3 s clip's 18 frames fit at 28 x 56).
 
 Layouts:
 
@@ -28,7 +29,8 @@ Layouts:
     the family's; the MoE's experts one tensor each (``mlp.experts.E.gate_proj.weight``)
     and its multi-token-prediction layer (``layers.2.*``) that transformers ignores; the
     image processor's ``preprocessor_config.json`` naming ``Glm46VProcessor``, the
-    template in ``chat_template.jinja``, sampling values in ``generation_config.json``.
+    template in ``chat_template.jinja``, the video processor's settings in
+    ``video_preprocessor_config.json``, sampling values in ``generation_config.json``.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ CHAT_TEMPLATE = (
 TEXT_ROPE_THETA = 5000.0  # far from the default 1e4: reading the wrong key changes the logits
 MIN_PIXELS = 2 * 28 * 28 * 2  # the image processor counts 2 frames per image
 MAX_PIXELS = 2 * 112 * 112
+# a whole video's pixels: a 3 s clip's 18 frames at 28 x 56
+VIDEO_MAX_PIXELS = 18 * 28 * 56
 MROPE_SECTION = [4, 2, 2]
 # sampling values a GLM-4.6V-Flash generation_config.json sets (as LM Studio shows them)
 GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.8, "top_p": 0.6, "top_k": 2}
@@ -115,13 +119,19 @@ def build_image_processor():
     )
 
 
+def build_video_processor():
+    """transformers' own (torchvision) video processor: the reference's, and saved with
+    the checkpoint as the Hub's carry it."""
+    from transformers import Glm46VVideoProcessor
+
+    return Glm46VVideoProcessor(size={"shortest_edge": MIN_PIXELS, "longest_edge": VIDEO_MAX_PIXELS})
+
+
 def build_processor(tokenizer, image_processor):
     from transformers import Glm46VProcessor
 
-    from mlxvlm.models.processor_utils import image_only
-
-    return image_only(Glm46VProcessor)(image_processor=image_processor, tokenizer=tokenizer,
-                                       video_processor=None, chat_template=CHAT_TEMPLATE)
+    return Glm46VProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                           video_processor=build_video_processor(), chat_template=CHAT_TEMPLATE)
 
 
 def _config(family: str, tokenizer):
@@ -196,10 +206,7 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tiny.model.save_pretrained(directory)
-    # the processor's parts (transformers cannot save a processor without its video one)
-    tiny.tokenizer.save_pretrained(directory)
-    tiny.image_processor.save_pretrained(directory)
-    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    build_processor(tiny.tokenizer, tiny.image_processor).save_pretrained(directory)
     if layout == "transformers":
         return directory
     if layout != "hub":
@@ -225,6 +232,10 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
         "processor_class": "Glm46VProcessor",
     }
     (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    processor_config = directory / "processor_config.json"
+    video = json.loads(processor_config.read_text()).get("video_processor") or {}
+    processor_config.unlink()  # the Hub's carry the video settings in a file of their own
+    (directory / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     generation = json.loads((directory / "generation_config.json").read_text())
     generation.update(GENERATION_DEFAULTS)
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
