@@ -3,9 +3,11 @@
 
 Parity: first-pass logits within 1e-4 and 24 greedy tokens for text, one image, two
 images of different aspect ratios and an image in a later turn, through
-``mlxvlm.stream_generate``; the same answer through the CLI's ``main``, the batching
-engine and two concurrent server requests; a later turn's request reusing the server's
-cached prefix; video frames inside a video block placed as transformers places them.
+``mlxvlm.stream_generate``; decode steps, chunked prefill; the same answer through the
+CLI's ``main``, the batching engine and two concurrent requests to ``python -m
+mlxvlm.server``; a later turn's request reusing the server's cached prefix; thoughts
+apart from the answer; video frames inside a video block placed as transformers places
+them (the video processor: test_glm4v_video.py).
 Guards show the tests can fail: another image changes the answer, and a wrong rope θ,
 the other head rotation, or a position table not resampled move the logits far away.
 """
@@ -26,11 +28,13 @@ from parity import (
     NEW_TOKENS,
     assert_another_image_changes_the_output,
     assert_batched_tokens_match,
+    assert_decode_steps_match,
     assert_wrong_model_is_caught,
     load_transformers_model,
     loaded,  # noqa: F401 (fixture)
     model_args_in_both_layouts,
     our_logits,
+    our_tokens,
     parameter_list,
     read_config,
     reference_fixture,
@@ -116,31 +120,50 @@ def chat(server, messages):
         model=server.config.model_id, messages=messages, max_tokens=NEW_TOKENS, temperature=0.0)
 
 
-def test_two_concurrent_server_requests_get_their_references(server, loaded, reference):
-    """An image request and a text one in flight at once (one batched decode) answer with
-    their references' text."""
+def test_two_concurrent_requests_to_the_server_entry_point(tiny_checkpoints, loaded, reference):
+    """``python -m mlxvlm.server`` as users start it: an image request and a text one in
+    flight at once (one batched decode) answer with their references' text."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from server_harness import png_data_url, user
+    from server_process import ServerProcess
 
     _, processor = loaded("glm4v", "hub")
     requests = {
         "one_image": [user("Describe this image.", png_data_url(IMAGE_A))],
         "text": [{"role": "user", "content": CASES["text"][0][0]["content"]}],
     }
-    answers = {}
+    with ServerProcess("--model", str(tiny_checkpoints.path("glm4v", "hub")),
+                       "--served-model-name", "glm") as server:
+        client = server.openai_client()
 
-    def ask(case):
-        answers[case] = chat(server, requests[case])
+        def ask(messages):
+            return client.chat.completions.create(model="glm", messages=messages,
+                                                  max_tokens=NEW_TOKENS, temperature=0.0)
 
-    threads = [threading.Thread(target=ask, args=(case,)) for case in requests]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+        with ThreadPoolExecutor(2) as pool:
+            answers = dict(zip(requests, pool.map(ask, requests.values())))
     for case, answer in answers.items():
         ref = reference("glm4v", case)
         assert answer_text(answer) == without_think_tags(reference_text(processor, ref))
         assert answer.usage.prompt_tokens == len(ref.input_ids)
-    assert set(answers) == set(requests)
+
+
+def test_thoughts_come_back_apart_from_the_answer(server, loaded, monkeypatch):
+    """The template teaches <think>: an answer that thinks first (scripted tokens through
+    the real engine) returns its thoughts as ``reasoning_content``."""
+    from scripted_tokens import script_tokens
+    from server_harness import png_data_url, user
+
+    from mlxvlm.text.answer_parts import THINK, think_format
+
+    _, processor = loaded("glm4v", "hub")
+    assert think_format(processor.chat_template) == THINK
+    tokenizer = processor.tokenizer
+    script_tokens(monkeypatch, tokenizer.encode("<think>A cat.</think>\nThe cat is red.")
+                  + [tokenizer.convert_tokens_to_ids("<|user|>")])
+    message = chat(server, [user("Describe this image.", png_data_url(IMAGE_A))]).choices[0].message
+    assert (message.reasoning_content, message.content) == ("A cat.", "The cat is red.")
 
 
 def test_later_turn_with_an_image_reuses_the_prefix(server, loaded, reference):
@@ -164,6 +187,39 @@ def test_sampling_defaults_come_from_generation_config(tiny_checkpoints, loaded)
     defaults = processor.sampling_defaults.values
     assert {k: defaults[k] for k in ("temperature", "top_p", "top_k")} == {
         k: written[k] for k in ("temperature", "top_p", "top_k")}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_steps_match_transformers(family, tiny_checkpoints, loaded, reference):
+    """Teacher-forced on the reference's answer, each decode step's logits are the ones
+    transformers computes for it in one pass (M-RoPE after the prompt)."""
+    model, processor = loaded(family, "hub")
+    assert_decode_steps_match(tiny_checkpoints.model(family).model, model, processor,
+                              CASES["two_images"], reference(family, "two_images"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_gives_the_same_tokens(family, loaded, reference):
+    """Chunks of 5 tokens cut through the images' runs."""
+    model, processor = loaded(family, "hub")
+    assert our_tokens(model, processor, *CASES["two_images"], prefill_step_size=5) == (
+        reference(family, "two_images").tokens)
+
+
+def test_glm41v_processor_checkpoints_take_images(tmp_path, tiny_checkpoints, reference):
+    """A checkpoint naming GLM-4.1V's ``Glm4vProcessor`` gets it (images only: its video
+    sampling is not ported) and the same image answer."""
+    import shutil
+
+    copy = tmp_path / "glm41v"
+    shutil.copytree(tiny_checkpoints.path("glm4v", "hub"), copy)
+    settings = json.loads((copy / "preprocessor_config.json").read_text())
+    settings.update(processor_class="Glm4vProcessor", image_processor_type="Glm4vImageProcessor")
+    (copy / "preprocessor_config.json").write_text(json.dumps(settings))
+    model, processor = load(copy)
+    assert type(processor).__name__ == "Glm4vProcessor" and processor.video_processor is None
+    ref = reference("glm4v", "one_image")
+    assert our_tokens(model, processor, *CASES["one_image"]) == ref.tokens
 
 
 # ----------------------------------------------------------------------------- video
@@ -323,14 +379,6 @@ def test_an_mlx_layout_checkpoint_loads_unchanged(family, tmp_path, tiny_checkpo
     mlx_model, processor = load(save_as_mlx_checkpoint(model, tiny_checkpoints.path(family, "hub"), tmp_path))
     _, logits = our_logits(mlx_model, processor, *CASES["two_images"])
     np.testing.assert_allclose(logits, reference(family, "two_images").logits, rtol=0, atol=LOGITS_ATOL)
-
-
-def test_thinking_template_is_split_by_the_server(loaded):
-    """The chat template teaches ``<think>``: the server and the UI split answers there."""
-    from mlxvlm.text.answer_parts import THINK, think_format
-
-    _, processor = loaded("glm4v", "hub")
-    assert think_format(processor.chat_template) == THINK
 
 
 def test_moe_router_bias_matters(tiny_checkpoints, loaded, reference):
