@@ -17,8 +17,8 @@ from tiny import make_image
 from tiny.glm4v import FAMILIES, build_video_processor
 from video_reference import transformers_inputs
 from mlxvlm import load, stream_generate
-from mlxvlm.media.frame_sampling import GlmDynamicSampler
-from mlxvlm.models.glm_video import Glm46VVideoProcessor
+from mlxvlm.media.frame_sampling import GlmDynamicSampler, GlmFpsSampler
+from mlxvlm.models.glm_video import Glm4vVideoProcessor, Glm46VVideoProcessor
 from mlxvlm.prompt import prepare_inputs
 
 torch = pytest.importorskip("torch")
@@ -86,6 +86,21 @@ def test_frame_sampling_is_transformers(total, fps):
     np.testing.assert_array_equal(ours, np.unique(theirs))
 
 
+@pytest.mark.parametrize("total,fps,asked", [
+    (30, 10, None), (40, 10, 1.0), (7, 30, None), (95, 24, 3.0), (2, 1, None),
+    (9000, 25, None), (12000, 30, 0.5),
+])
+def test_glm41v_frame_sampling_is_transformers(total, fps, asked):
+    """GLM-4.1V's processor: the fps asked (2 by default), spread past 300 s."""
+    from transformers import Glm4vVideoProcessor as TransformersProcessor
+    from transformers.video_utils import VideoMetadata
+
+    theirs = TransformersProcessor().sample_frames(
+        VideoMetadata(total_num_frames=total, fps=fps, duration=total / fps), fps=asked)
+    ours = GlmFpsSampler().indices(total, fps, fps=asked)
+    np.testing.assert_array_equal(ours, np.unique(theirs))
+
+
 @pytest.mark.parametrize("count,height,width", [(18, 64, 96), (7, 90, 40), (4, 28, 28)])
 def test_numpy_processor_is_transformers(count, height, width):
     """The same frames through both processors (sampling off): the same patches and
@@ -139,6 +154,30 @@ def test_the_prompt_carries_each_frame_pairs_timestamp(loaded, videos):
     stamps = [float(s) for s in re.findall(r"<\|end_of_image\|>(\d+\.\d) seconds", prompt)]
     assert len(stamps) == prompt.count("<|begin_of_image|>") == 9
     assert stamps[0] == 0.0 and stamps == sorted(set(stamps)) and stamps[-1] < 3
+
+
+def test_glm41v_processor_checkpoints_take_videos(tmp_path, tiny_checkpoints, videos):
+    """A checkpoint naming GLM-4.1V's processors: its frames (2 a second: 6 of the 3 s
+    clip) and whole-second timestamps, as transformers' own processor for it gives."""
+    import json
+    import shutil
+
+    copy = tmp_path / "glm41v"
+    shutil.copytree(tiny_checkpoints.path("glm4v", "transformers"), copy)
+    settings = json.loads((copy / "processor_config.json").read_text())
+    settings["processor_class"] = "Glm4vProcessor"
+    settings["video_processor"]["video_processor_type"] = "Glm4vVideoProcessor"
+    settings["image_processor"]["image_processor_type"] = "Glm4vImageProcessor"
+    (copy / "processor_config.json").write_text(json.dumps(settings))
+    model, processor = load(copy)
+    assert isinstance(processor.video_processor, Glm4vVideoProcessor)
+    messages = cases(videos)["video"]
+    batch = transformers_inputs(copy, messages)
+    inputs = prepare_inputs(processor, messages, feature_names=model.feature_names)
+    assert inputs.input_ids[0].tolist() == batch["input_ids"][0].tolist()
+    assert processor.tokenizer.decode(inputs.input_ids[0].tolist()).count("<|begin_of_image|>") == 3
+    np.testing.assert_allclose(np.array(inputs.features["pixel_values_videos"]),
+                               batch["pixel_values_videos"].numpy(), rtol=0, atol=1e-5)
 
 
 def test_another_video_changes_the_output(loaded, reference, videos):

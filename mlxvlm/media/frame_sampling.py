@@ -206,6 +206,33 @@ class GlmDynamicSampler(FrameSampler):
         return np.asarray(picked, dtype=np.int64)
 
 
+@dataclass(frozen=True)
+class GlmFpsSampler(FrameSampler):
+    """transformers' ``Glm4vVideoProcessor.sample_frames``: ``floor(seconds * fps)``
+    frames (at least one), frame ``ceil(i * source_fps / fps)`` for the i-th; a video
+    longer than ``max_duration`` seconds gets ``max_duration * fps`` frames spread over
+    it (every frame where that is all of them). The call's ``fps`` wins over the
+    processor's; ``num_frames`` is not read. GLM-4.1V, GLM-4.5V."""
+
+    fps: float | None = 2.0
+    max_duration: float = 300
+
+    def indices(self, total_frames, source_fps, *, fps=None, num_frames=None):
+        return super().indices(total_frames, source_fps, fps=self.fps if fps is None else fps)
+
+    def pick(self, total, source_fps, fps, num_frames):
+        last = total - 1
+        duration = total / source_fps
+        if duration <= self.max_duration:
+            count = max(math.floor(duration * fps), 1)
+            return [min(last, math.ceil(i * source_fps / fps)) for i in range(count)]
+        count = int(self.max_duration * fps)
+        if count >= total:
+            return np.arange(total)
+        seconds = np.linspace(0, duration, count, endpoint=True)
+        return [min(last, math.ceil(t * source_fps)) for t in seconds]
+
+
 # The ways a family's video processor may name in its ``frame_sampling`` attribute.
 SAMPLERS: dict[str, type[FrameSampler]] = {
     "spread": FrameSampler,
@@ -214,6 +241,7 @@ SAMPLERS: dict[str, type[FrameSampler]] = {
     "qwen3_vl": SpreadSampler,
     "smolvlm": SmolVLMSampler,
     "glm46v": GlmDynamicSampler,
+    "glm4v": GlmFpsSampler,
 }
 
 

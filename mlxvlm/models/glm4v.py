@@ -14,8 +14,8 @@ image continues ``max(h, w)`` past its start, as in Qwen2-VL.
 
 The processor is transformers' ``Glm46VProcessor`` (GLM-4.6V's: timestamps as "1.0
 seconds") or ``Glm4vProcessor`` (GLM-4.1V/4.5V's: whole seconds), whichever the
-checkpoint names, over the PIL image processor; GLM-4.6V's takes videos through mlxvlm's
-numpy twin of its video processor (``glm_video.py``), GLM-4.1V's images only.
+checkpoint names, over the PIL image processor and mlxvlm's numpy twin of its video
+processor (``glm_video.py``: each samples frames its own way).
 
 GLM-4.6V and GLM-4.5V (``glm4v_moe``) are this model with GLM-4.5's mixture-of-experts
 decoder, which the config picks (``has_experts``). Checkpoint names are mlx-community's:
@@ -33,7 +33,7 @@ import numpy as np
 
 from mlxvlm.models import merge
 from mlxvlm.models.config_utils import token_id, vision_config
-from mlxvlm.models.glm_video import Glm46VVideoProcessor
+from mlxvlm.models.glm_video import Glm4vVideoProcessor, Glm46VVideoProcessor
 from mlxvlm.models.layers.glm_decoder import GlmLanguageModel, GlmTextConfig
 from mlxvlm.models.layers.glm_vision import GlmVisionConfig, GlmVisionTransformer, convert_hf_weight
 from mlxvlm.models.layers.mrope_decoder import MRopeState, VisionSpan, mrope_position_ids
@@ -53,9 +53,8 @@ PROCESSORS = {
     "Glm46VProcessor": "Glm46VImageProcessorPil",
     "Glm4vProcessor": "Glm4vImageProcessorPil",
 }
-# processor class -> mlxvlm's numpy twin of its video processor (GLM-4.1V's samples
-# frames its own way, not ported: its checkpoints take images only)
-VIDEO_PROCESSORS = {"Glm46VProcessor": Glm46VVideoProcessor}
+# processor class -> mlxvlm's numpy twin of its video processor
+VIDEO_PROCESSORS = {"Glm46VProcessor": Glm46VVideoProcessor, "Glm4vProcessor": Glm4vVideoProcessor}
 
 
 @dataclass
@@ -149,8 +148,8 @@ class Model(QwenVLModel):
     @classmethod
     def load_processor(cls, model_path: str | Path, config: dict, video: bool | None = None):
         """transformers' GLM-V processor (the one the checkpoint names) over the
-        checkpoint's tokenizer, PIL image processor and chat template, and for GLM-4.6V's
-        processor mlxvlm's numpy video processor (``video=False``: images only)."""
+        checkpoint's tokenizer, PIL image processor and chat template, and mlxvlm's numpy
+        twin of its video processor (``video=False``: images only)."""
         import transformers
 
         from mlxvlm.models.processor_utils import image_only, tokenizer_and_chat_template
@@ -159,7 +158,7 @@ class Model(QwenVLModel):
         tokenizer, chat_template = tokenizer_and_chat_template(model_path)
         image_processor = getattr(transformers, PROCESSORS[processor_class])
         video_processor = None
-        if video is not False and processor_class in VIDEO_PROCESSORS:
+        if video is not False:
             video_processor = VIDEO_PROCESSORS[processor_class].from_pretrained(model_path)
         return image_only(getattr(transformers, processor_class))(
             image_processor=image_processor.from_pretrained(model_path),
