@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 
 import mlx.core as mx
 import numpy as np

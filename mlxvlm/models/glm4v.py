@@ -5,8 +5,8 @@ position table resampled bicubically to each image's aspect ratio, a convolution
 2 x 2 patches) and GLM-4's decoder under partial M-RoPE (``layers/glm_decoder.py``).
 
 The prompt: an image is ``<|begin_of_image|>`` + one ``<|image|>`` per merged token +
-``<|end_of_image|>``; a video is ``<|begin_of_video|>``, then per frame (two sampled
-frames per temporal patch) an image block followed by its timestamp as text, then
+``<|end_of_image|>``; a video is ``<|begin_of_video|>``, then per frame pair (one
+temporal patch) an image block followed by its timestamp as text, then
 ``<|end_of_video|>``. Frames use the image token too: a run of ``<|image|>`` inside a
 video block takes the next frame's features, and M-RoPE sees each frame as its own 1 x h
 x w grid (transformers' ``get_rope_index`` via ``mm_token_type_ids``). Text after an
@@ -110,7 +110,6 @@ def checkpoint_processor_class(model_path: str | Path) -> str:
 
 class Model(QwenVLModel):
     feature_names = VISION_FEATURES
-    video_processor_class = Glm46VVideoProcessor
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
