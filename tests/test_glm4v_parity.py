@@ -14,7 +14,6 @@ the other head rotation, or a position table not resampled move the logits far a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import mlx.core as mx
@@ -404,14 +403,21 @@ def test_a_bfloat16_conversion_keeps_the_router_bias_in_float32(tmp_path, tiny_c
 
 
 def test_glm_ocr_style_switches_build(tiny_checkpoints):
-    """The tower's GLM-OCR switches build the module GLM-OCR's checkpoints name."""
+    """The tower's and the decoder's GLM-OCR switches build the modules GLM-OCR's
+    checkpoints name (no position table, q/k norms and biases in the tower; no attention
+    biases in the decoder)."""
+    from mlxvlm.models.layers.glm_decoder import GlmLanguageModel, GlmTextConfig
     from mlxvlm.models.layers.glm_vision import GlmVisionConfig, GlmVisionTransformer
 
-    vision = read_config(tiny_checkpoints, "glm4v", "transformers")["vision_config"]
-    config = dataclasses.replace(GlmVisionConfig.from_hf(vision), attention_bias=True,
-                                 projection_biases=True, learned_positions=False, qk_norm=True,
-                                 mlp_width=64)
-    names = {name for name, _ in parameter_list(GlmVisionTransformer(config))}
+    config = read_config(tiny_checkpoints, "glm4v", "transformers")
+    vision = GlmVisionConfig.from_hf(config["vision_config"], attention_bias=True,
+                                     projection_biases=True, learned_positions=False,
+                                     qk_norm=True, mlp_width=64)
+    names = {name for name, _ in parameter_list(GlmVisionTransformer(vision))}
     assert {"blocks.0.attn.q_norm.weight", "blocks.0.attn.proj.bias",
             "blocks.0.mlp.up_proj.bias"} <= names
     assert not any(name.startswith(("embeddings.", "post_conv_layernorm.")) for name in names)
+    text = GlmTextConfig.from_hf(config, moe=False, attention_bias=False)
+    names = {name for name, _ in parameter_list(GlmLanguageModel(text))}
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert not any(name.endswith("_proj.bias") for name in names)

@@ -109,7 +109,7 @@ class GlmTextConfig:
                 n_group=text.get("n_group", 1),
                 topk_group=text.get("topk_group", 1),
             )
-        return cls(
+        fields = dict(
             hidden_size=text.get("hidden_size", 4096),
             num_hidden_layers=text.get("num_hidden_layers", 46 if moe else 40),
             intermediate_size=text.get("intermediate_size", 10944 if moe else 13696),
@@ -127,8 +127,9 @@ class GlmTextConfig:
             attention_bias=bool(text.get("attention_bias", True)),
             rotate_pairs=not moe,
             **moe_fields,
-            **switches,
         )
+        # a relative's own reading (GLM-OCR: no attention biases, its head size)
+        return cls(**{**fields, **switches})
 
 
 def rotate_pairs(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:

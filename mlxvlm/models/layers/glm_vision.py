@@ -88,8 +88,9 @@ class GlmVisionConfig:
 
     @classmethod
     def from_hf(cls, vision: dict, **switches) -> "GlmVisionConfig":
-        """transformers' Glm4vVisionConfig fields (its defaults where a key is missing)."""
-        return cls(
+        """transformers' Glm4vVisionConfig fields (its defaults where a key is missing);
+        ``switches`` override them (GLM-OCR's)."""
+        fields = dict(
             depth=vision.get("depth", 24),
             hidden_size=vision.get("hidden_size", 1536),
             num_heads=vision.get("num_heads", 12),
@@ -104,8 +105,8 @@ class GlmVisionConfig:
             rms_norm_eps=vision.get("rms_norm_eps", 1e-5),
             rope_theta=rope_parameters(vision, 10000.0)["rope_theta"],
             attention_bias=bool(vision.get("attention_bias", False)),
-            **switches,
         )
+        return cls(**{**fields, **switches})
 
 
 def _side(value) -> int:
