@@ -187,6 +187,23 @@ def test_sampling_defaults_come_from_generation_config(tiny_checkpoints, loaded)
         k: written[k] for k in ("temperature", "top_p", "top_k")}
 
 
+def test_thinking_off_matches_transformers(tiny_checkpoints, loaded, reference):
+    """``enable_thinking=False`` (the template adds /nothink and an empty thinking block)
+    gives another prompt, and transformers' tokens for it."""
+    from parity import assert_reference_is_decisive, reference_run
+
+    from mlxvlm.prompt import prepare_inputs
+
+    model, processor = loaded("glm4v", "hub")
+    off = {"enable_thinking": False}
+    ref = reference_run(tiny_checkpoints.model("glm4v").model, reference_processor(
+        tiny_checkpoints.model("glm4v")), *CASES["one_image"], **off)
+    inputs = prepare_inputs(processor, *CASES["one_image"], chat_template_kwargs=off)
+    assert inputs.input_ids[0].tolist() == ref.input_ids != reference("glm4v", "one_image").input_ids
+    assert_reference_is_decisive(ref)
+    assert our_tokens(model, processor, *CASES["one_image"], chat_template_kwargs=off) == ref.tokens
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decode_steps_match_transformers(family, tiny_checkpoints, loaded, reference):
     """Teacher-forced on the reference's answer, each decode step's logits are the ones
