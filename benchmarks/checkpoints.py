@@ -17,6 +17,9 @@ Writes under benchmarks/checkpoints/ (git-ignored):
   28-layer 2048-wide Qwen3 decoder with interleaved M-RoPE, tied embeddings), bfloat16,
   with the sentence-transformers files (last-token pooling, normalized) that make
   ``mlxvlm.load`` recognize it as an embedding model;
+- ``glm46v-flash-bf16``: zai-org/GLM-4.6V-Flash's shapes (9B: the GLM-V tower, 24 x 1536,
+  over a 40-layer 4096-wide GLM-4 decoder with partial M-RoPE), bfloat16 (about 20 GB on
+  disk, more while building: run it alone);
 - ``*-4bit`` and ``*-8bit`` of each, made with ``python -m mlxvlm.convert``.
 
 Each is a Hugging Face checkpoint (config.json in the Hub's layout, safetensors,
@@ -306,11 +309,57 @@ def qwen3vl_embedding_2b():
                   files={"video_preprocessor_config.json": video, "modules.json": modules,
                          "1_Pooling/config.json": pooling, "2_Normalize/config.json": {}})
     return Qwen3VLForConditionalGeneration, config, parts, [151645, 151643]
+GLM_TEMPLATE = (
+    "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n<think></think>\n{% endif %}"
+)
+
+
+def glm46v_flash():
+    """zai-org/GLM-4.6V-Flash's shapes: a 24-layer 1536-wide GLM-V tower (336-px position
+    table, 2 x 2 merging convolution) over a 40-layer 4096-wide GLM-4 decoder (32 heads,
+    2 key/value heads, half of each head under M-RoPE)."""
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Glm46VImageProcessorPil
+
+    special = {"<|endoftext|>": 151329, "[gMASK]": 151331, "<sop>": 151333,
+               "<|system|>": 151335, "<|user|>": 151336, "<|assistant|>": 151337,
+               "<|observation|>": 151338, "<|begin_of_image|>": 151339,
+               "<|end_of_image|>": 151340, "<|begin_of_video|>": 151341,
+               "<|end_of_video|>": 151342, "<|image|>": 151343, "<|video|>": 151344,
+               "<think>": 151350, "</think>": 151351}
+    tokenizer = word_level_tokenizer(151552, special, eos="<|endoftext|>", pad="<|endoftext|>")
+    eos_ids = [151329, 151336, 151338]
+    config = Glm4vConfig(
+        image_token_id=151343, video_token_id=151344, image_start_token_id=151339,
+        image_end_token_id=151340, video_start_token_id=151341, video_end_token_id=151342,
+        tie_word_embeddings=False,
+        text_config=dict(hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
+                         num_attention_heads=32, num_key_value_heads=2, vocab_size=151552,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5,
+                         attention_bias=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0,
+                                          "mrope_section": [8, 12, 12],
+                                          "partial_rotary_factor": 0.5},
+                         pad_token_id=151329, eos_token_id=eos_ids),
+        vision_config=dict(depth=24, hidden_size=1536, num_heads=12, out_hidden_size=4096,
+                           intermediate_size=13696, image_size=336, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, rms_norm_eps=1e-5),
+    )
+    image_processor = Glm46VImageProcessorPil(
+        size={"shortest_edge": 12544, "longest_edge": 47040000})
+    parts = Parts(tokenizer, image_processor, GLM_TEMPLATE,
+                  {"processor_class": "Glm46VProcessor"}, "Glm46VImageProcessor")
+    return Glm4vForConditionalGeneration, config, parts, eos_ids
 
 
 BUILDERS = {
     "smolvlm-256m": smolvlm_256m, "qwen2vl-2b": qwen2vl_2b, "qwen2vl-mid": qwen2vl_mid,
     "gemma4-e2b": gemma4_e2b, "qwen3vl-embedding-2b": qwen3vl_embedding_2b,
+    "glm46v-flash": glm46v_flash,
 }
 
 

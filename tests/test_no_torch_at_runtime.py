@@ -113,6 +113,28 @@ def test_lfm2_vl_images_import_no_torch(tiny_checkpoints):
     assert_torch_free(reports)
 
 
+def test_glm4v_video_imports_no_torch(tiny_checkpoints, tmp_path):
+    """GLM-4.6V's video processor is mlxvlm's (transformers' needs torchvision): a video
+    prompt (frames sampled, resized, timestamped) loads and generates without torch."""
+    pytest.importorskip("torch")
+    from av_media import coloured_frames, write_video
+
+    video = write_video(tmp_path / "clip.mp4", coloured_frames(20, 96, 64, seed=3), fps=10)
+    reports = run_child(
+        f"""
+        import mlxvlm
+        model, processor = mlxvlm.load(CHECKPOINT)
+        messages = [{{"role": "user", "content": [{{"type": "video", "video": {str(video)!r}}},
+                                                  {{"type": "text", "text": "What is shown?"}}]}}]
+        out = mlxvlm.generate(model, processor, messages, max_tokens=4)
+        assert out.generation_tokens == 4 and out.prompt_tokens > 40
+        report("generate")
+        """,
+        tiny_checkpoints.path("glm4v", "hub"),
+    )
+    assert_torch_free(reports)
+
+
 def test_server_answering_a_request_imports_no_torch(checkpoint):
     reports = run_child(
         """

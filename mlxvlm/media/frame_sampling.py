@@ -167,6 +167,72 @@ class SmolVLMSampler(FrameSampler):
         return np.linspace(start, end, count, dtype=int)
 
 
+@dataclass(frozen=True)
+class GlmDynamicSampler(FrameSampler):
+    """transformers' ``Glm46VVideoProcessor.sample_frames``: a rate chosen by the
+    video's length (3 frames a second up to 30 s, 1 up to 300 s, then 0.5; at most 2400 s
+    and 640 frames) times ``temporal_patch_size``, frames stepped at that rate from the
+    first up to the last whole second; too few (or too many) are spread evenly (truncated)
+    instead. The processor reads neither a call's ``fps`` nor ``num_frames``. GLM-4.6V,
+    GLM-4.6V-Flash. (Its last frame repeated to an even count there is the video
+    processor's padding to whole temporal patches here.)"""
+
+    temporal_patch_size: int = 2
+
+    def indices(self, total_frames, source_fps, *, fps=None, num_frames=None):
+        return super().indices(total_frames, source_fps, fps=0.0)
+
+    def pick(self, total, source_fps, fps, num_frames):
+        duration = total / source_fps
+        effective = min(duration, 2400)
+        rate = 3 if effective <= 30 else 1 if effective <= 300 else 0.5
+        count = min(int(effective * rate * self.temporal_patch_size), 640)
+        step = 1 / source_fps  # as there: timestamps i * (1 / fps), in Python floats
+        picked: list[int] = []
+        if total >= count:
+            second, last_second = 0.0, int(duration)
+            advance = 1 / (self.temporal_patch_size * rate)
+            for index in range(total):
+                if index * step >= second:
+                    second += advance
+                    picked.append(index)
+                    if second >= last_second:
+                        break
+        if len(picked) < count:
+            start, end = (picked[0], picked[-1]) if picked else (0, max(total - 1, 0))
+            return np.linspace(start, end, count, dtype=int)
+        if len(picked) > count:
+            return np.linspace(0, total - 1, count, dtype=int)
+        return np.asarray(picked, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class GlmFpsSampler(FrameSampler):
+    """transformers' ``Glm4vVideoProcessor.sample_frames``: ``floor(seconds * fps)``
+    frames (at least one), frame ``ceil(i * source_fps / fps)`` for the i-th; a video
+    longer than ``max_duration`` seconds gets ``max_duration * fps`` frames spread over
+    it (every frame where that is all of them). The call's ``fps`` wins over the
+    processor's; ``num_frames`` is not read. GLM-4.1V, GLM-4.5V."""
+
+    fps: float | None = 2.0
+    max_duration: float = 300
+
+    def indices(self, total_frames, source_fps, *, fps=None, num_frames=None):
+        return super().indices(total_frames, source_fps, fps=self.fps if fps is None else fps)
+
+    def pick(self, total, source_fps, fps, num_frames):
+        last = total - 1
+        duration = total / source_fps
+        if duration <= self.max_duration:
+            count = max(math.floor(duration * fps), 1)
+            return [min(last, math.ceil(i * source_fps / fps)) for i in range(count)]
+        count = int(self.max_duration * fps)
+        if count >= total:
+            return np.arange(total)
+        seconds = np.linspace(0, duration, count, endpoint=True)
+        return [min(last, math.ceil(t * source_fps)) for t in seconds]
+
+
 # The ways a family's video processor may name in its ``frame_sampling`` attribute.
 SAMPLERS: dict[str, type[FrameSampler]] = {
     "spread": FrameSampler,
@@ -174,6 +240,8 @@ SAMPLERS: dict[str, type[FrameSampler]] = {
     "qwen2_vl": QwenStepSampler,
     "qwen3_vl": SpreadSampler,
     "smolvlm": SmolVLMSampler,
+    "glm46v": GlmDynamicSampler,
+    "glm4v": GlmFpsSampler,
 }
 
 

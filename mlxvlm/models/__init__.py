@@ -43,6 +43,11 @@ FAMILIES: dict[str, str] = {
     # retrieval models (mlxvlm.retrieval): one vector per token
     "colqwen2": "colqwen2",
     "colpali": "colpali",
+    # GLM-4.6V-Flash / GLM-4.1V (dense) and GLM-4.6V / GLM-4.5V (MoE); glm46v: what
+    # transformers' Glm46VForConditionalGeneration saves
+    "glm4v": "glm4v",
+    "glm4v_moe": "glm4v",
+    "glm46v": "glm4v",
 }
 
 

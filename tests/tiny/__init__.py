@@ -39,6 +39,8 @@ BUILDERS = {
     "gemma4_moe": "tiny.gemma4",
     "colqwen2": "tiny.colvision",
     "colpali": "tiny.colvision",
+    "glm4v": "tiny.glm4v",
+    "glm4v_moe": "tiny.glm4v",
 }
 
 

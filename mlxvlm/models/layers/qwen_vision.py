@@ -172,12 +172,16 @@ def apply_rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, config: VisionConfig):
+    """``qkv_bias``/``proj_bias``: the Qwen towers have both; GLM-V's tower (which builds
+    on this one, ``glm_vision``) has neither, and adds per-head ``q_norm``/``k_norm``
+    where GLM-OCR's does."""
+
+    def __init__(self, config: VisionConfig, qkv_bias: bool = True, proj_bias: bool = True):
         super().__init__()
         self.num_heads = config.num_heads
         self.scale = config.head_dim**-0.5
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=qkv_bias)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=proj_bias)
 
     def __call__(self, x: mx.array, rotary, segments: Sequence[int]) -> mx.array:
         return self.proj(self.attend(x, rotary, segments))
@@ -188,6 +192,8 @@ class VisionAttention(nn.Module):
         N = x.shape[0]
         qkv = self.qkv(x).reshape(N, 3, self.num_heads, -1)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # (N, heads, head_dim)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
         # Rotated in this layout, each patch's heads side by side: on MLX's CPU backend the
         # element-wise products are ~3.5x faster than on the (heads, N, head_dim) views
         # (Qwen2-VL-2B: 24 -> 7 ms per tensor and layer).
