@@ -40,6 +40,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_omni_moe": "qwen3_omni_moe",
     "qwen3_omni_moe_thinker": "qwen3_omni_moe",
     "gemma4": "gemma4",
+    "mllama": "mllama",
 }
 
 

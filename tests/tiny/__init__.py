@@ -37,6 +37,7 @@ BUILDERS = {
     "qwen3_omni_moe": "tiny.qwen3_omni",
     "gemma4": "tiny.gemma4",
     "gemma4_moe": "tiny.gemma4",
+    "mllama": "tiny.mllama",
 }
 
 
