@@ -274,7 +274,8 @@ class BatchEngine(EngineThread):
         key = None
         if self.prefix_cache is not None and image_hashes is not None:
             key = prompt_key(np.asarray(inputs.input_ids[0]), self.placeholders, image_hashes,
-                             namespace=cache_namespace)
+                             namespace=cache_namespace,
+                             images_reach_every_token=self.model.media_condition_every_token)
         with self._cond:
             if self._closed:
                 raise MlxvlmError("the engine is shut down")

@@ -115,6 +115,11 @@ class VisionLanguageModel(nn.Module):
     # (transformers is imported only when a processor is built).
     processor_class: str | None = None
     image_processor_class: str | None = None
+    # Whether every prompt token's states depend on all of the prompt's images, not only
+    # the tokens from an image on (Llama 3.2 Vision: text before an image still attends
+    # to it through cross-attention). The prefix cache then shares a prefix only between
+    # prompts with the same images (``batching.prefix_cache.prompt_key``).
+    media_condition_every_token: bool = False
 
     def __init__(self, args: Any = None):
         """``args``: the family's parsed config (an ``args_class``), which the defaults
