@@ -57,7 +57,8 @@ IMAGE_B = make_image(30, 70, seed=2)  # two tiles stacked
 IMAGE_A2 = make_image(60, 40, seed=3)  # A's size, other content
 
 CASES, ALL_CASES = standard_cases(
-    IMAGE_A, IMAGE_B, IMAGE_A2, two_images=(None, "and", None, "Compare the two images."),
+    IMAGE_A, IMAGE_B, IMAGE_A2, text="Tell me a story about a red cat on a blue mat.",
+    two_images=(None, "and", None, "Compare the two images."),
 )
 
 

@@ -107,7 +107,7 @@ def _config(tokenizer):
     image = ids["<|image|>"]
     eos = [ids["<|end_of_text|>"], ids["<|eom_id|>"], ids["<|eot_id|>"]]
     text = dict(
-        vocab_size=image, hidden_size=48, intermediate_size=96, num_hidden_layers=5,
+        vocab_size=image, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
         num_attention_heads=2, num_key_value_heads=1, cross_attention_layers=[1, 3],
         rope_parameters=dict(ROPE), max_position_embeddings=1024, rms_norm_eps=1e-5,
         initializer_range=INIT_RANGE, bos_token_id=ids[BOS], eos_token_id=eos,
