@@ -12,6 +12,9 @@ Writes under benchmarks/checkpoints/ (git-ignored):
 - ``gemma4-e2b-bf16``: google/gemma-4-E2B-it's shapes (a 35-layer 1536-wide text model
   with per-layer inputs, the last 20 layers sharing KV, a 16-layer 768-wide vision tower
   at 280 soft tokens, E2B's 12-layer audio conformer), bfloat16, in the Hub's layout;
+- ``llama32-11b-vision-bf16``: meta-llama/Llama-3.2-11B-Vision-Instruct's shapes (a
+  32+8-layer 1280-wide tiled vision encoder at 560-px tiles, up to 4 tiles; a 40-layer
+  4096-wide Llama whose layers 3, 8, ..., 38 cross-attend to the image), bfloat16;
 - ``*-4bit`` and ``*-8bit`` of each, made with ``python -m mlxvlm.convert``.
 
 Each is a Hugging Face checkpoint (config.json in the Hub's layout, safetensors,
@@ -250,9 +253,53 @@ def gemma4_e2b():
     return Gemma4ForConditionalGeneration, config, parts, [1, 106]
 
 
+MLLAMA_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] | trim }}{%- else %}"
+    "{%- for part in message['content'] %}{%- if part['type'] == 'image' %}{{- '<|image|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] | trim }}{%- endif %}{%- endfor %}"
+    "{%- endif %}{{- '<|eot_id|>' }}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+def llama32_11b_vision():
+    from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaImageProcessorPil
+
+    special = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001,
+               "<|finetune_right_pad_id|>": 128004, "<|start_header_id|>": 128006,
+               "<|end_header_id|>": 128007, "<|eom_id|>": 128008, "<|eot_id|>": 128009,
+               "<|python_tag|>": 128010, "<|image|>": 128256}
+    tokenizer = word_level_tokenizer(128257, special, eos="<|eot_id|>",
+                                     pad="<|finetune_right_pad_id|>", bos="<|begin_of_text|>")
+    eos_ids = [128001, 128008, 128009]
+    config = MllamaConfig(
+        image_token_index=128256,
+        text_config=dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
+                         cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38],
+                         max_position_embeddings=131072, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                          "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192},
+                         bos_token_id=128000, eos_token_id=eos_ids, pad_token_id=128004),
+        vision_config=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                           num_global_layers=8, attention_heads=16, image_size=560,
+                           patch_size=14, max_num_tiles=4, vision_output_dim=7680,
+                           intermediate_layers_indices=[3, 7, 15, 23, 30]),
+    )
+    image_processor = MllamaImageProcessorPil(size={"height": 560, "width": 560},
+                                              max_image_tiles=4)
+    parts = Parts(tokenizer, image_processor, MLLAMA_TEMPLATE,
+                  {"processor_class": "MllamaProcessor"}, "MllamaImageProcessor")
+    return MllamaForConditionalGeneration, config, parts, eos_ids
+
+
 BUILDERS = {
     "smolvlm-256m": smolvlm_256m, "qwen2vl-2b": qwen2vl_2b, "qwen2vl-mid": qwen2vl_mid,
-    "gemma4-e2b": gemma4_e2b,
+    "gemma4-e2b": gemma4_e2b, "llama32-11b-vision": llama32_11b_vision,
 }
 
 

@@ -147,6 +147,22 @@ def test_server_entry_point_batches_and_reuses_the_picture(tiny_checkpoints, loa
     assert follow.choices[0].message.content == alone(follow_up, [IMAGE_A])
 
 
+def test_rotating_and_quantized_caches_leave_the_image_keys_alone(loaded, reference):
+    """--max-kv-size rotates and --kv-bits quantizes only the self-attention layers'
+    caches; until anything is evicted (or with 8 bits, at first) the answer is the
+    reference's."""
+    model, processor = loaded(FAMILY, "hub")
+    messages, images = CASES["two_images"]
+    ref = reference(FAMILY, "two_images")
+    rotating = mlxvlm.generate(model, processor, messages, image=images, temperature=0.0,
+                               max_tokens=NEW_TOKENS, max_kv_size=len(ref.input_ids) + NEW_TOKENS // 2)
+    assert rotating.tokens[: NEW_TOKENS // 2] == ref.tokens[: NEW_TOKENS // 2]
+    quantized = mlxvlm.generate(model, processor, messages, image=images, temperature=0.0,
+                                max_tokens=NEW_TOKENS, kv_bits=8, kv_group_size=32,
+                                quantized_kv_start=0)
+    assert len(quantized.tokens) == NEW_TOKENS and quantized.tokens[:4] == ref.tokens[:4]
+
+
 # ----------------------------------------------------------------- the prefix cache
 
 
