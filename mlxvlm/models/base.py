@@ -212,10 +212,13 @@ class VisionLanguageModel(nn.Module):
         of ours (old checkpoint names and the module tree); the most specific of ours
         wins, then table order, where families list the module tree first. The answer
         must map back onto ``name`` through ``sanitize``."""
-        matches = [(hf, ours) for hf, ours in self.hf_prefixes if name.startswith(ours)]
+        # (``name + "."``: a module that is a prefix's whole, such as a projector that is
+        # one linear layer.)
+        dotted = name + "."
+        matches = [(hf, ours) for hf, ours in self.hf_prefixes if dotted.startswith(ours)]
         matches.sort(key=lambda pair: -len(pair[1]))  # stable: table order among equals
         for hf_prefix, ours in matches:
-            candidate = hf_prefix + name[len(ours) :]
+            candidate = (hf_prefix + dotted[len(ours) :])[:-1]
             probe = {f"{candidate}.weight": mx.zeros((1, 1))}
             if list(self.sanitize(probe)) == [f"{name}.weight"]:
                 return candidate

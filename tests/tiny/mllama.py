@@ -49,7 +49,7 @@ SPECIAL_TOKENS = (
 # Llama 3.2 Vision Instruct's template, less its tool-calling and date preamble (the
 # release writes no system turn for a chat with images and none given).
 CHAT_TEMPLATE = (
-    "{{- bos_token }}"
+    "{{ bos_token }}"  # (the release writes {{- bos_token }}: the same at the start)
     "{%- for message in messages %}"
     "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] | trim }}"
@@ -94,6 +94,11 @@ def build_processor(tokenizer, image_processor=None):
     )
     return MllamaProcessor(image_processor=image_processor, tokenizer=tokenizer,
                            chat_template=CHAT_TEMPLATE)
+
+
+def reference_processor(tiny: TinyModel):
+    """transformers' processor over the tiny model's in-memory parts."""
+    return build_processor(tiny.tokenizer, tiny.image_processor)
 
 
 def _ids(tokenizer) -> dict[str, int]:
