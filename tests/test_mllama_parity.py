@@ -147,6 +147,20 @@ def test_server_entry_point_batches_and_reuses_the_picture(tiny_checkpoints, loa
     assert follow.choices[0].message.content == alone(follow_up, [IMAGE_A])
 
 
+def test_chunks_and_speculation_keep_the_image_keys(loaded, reference):
+    """A prompt prefilled 3 tokens at a time (the first chunk projects the image's keys,
+    later chunks read them at their own positions) and prompt-lookup speculation (passes
+    of several tokens, rejected ones trimmed from the self-attention caches only) give
+    the reference's tokens."""
+    model, processor = loaded(FAMILY, "hub")
+    messages, images = CASES["image_in_second_turn"]
+    expected = reference(FAMILY, "image_in_second_turn").tokens
+    for options in ({"prefill_step_size": 3}, {"prompt_lookup_num_tokens": 3}):
+        out = mlxvlm.generate(model, processor, messages, image=images, temperature=0.0,
+                              max_tokens=NEW_TOKENS, **options)
+        assert out.tokens == expected, options
+
+
 def test_rotating_and_quantized_caches_leave_the_image_keys_alone(loaded, reference):
     """--max-kv-size rotates and --kv-bits quantizes only the self-attention layers'
     caches; until anything is evicted (or with 8 bits, at first) the answer is the
