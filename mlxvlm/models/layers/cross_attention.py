@@ -36,7 +36,6 @@ from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import _BaseCache
 
 _source_ids = itertools.count(1)
 
@@ -51,7 +50,7 @@ def _pad_to(x: mx.array, length: int) -> mx.array:
     return x if missing == 0 else mx.pad(x, [(0, 0), (0, 0), (0, missing), (0, 0)])
 
 
-class CrossAttentionCache(_BaseCache):
+class CrossAttentionCache:
     """One cross-attention layer's keys and values of its rows' sources,
     (rows, kv_heads, source length, head_dim); empty until ``fill``."""
 
