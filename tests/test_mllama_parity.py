@@ -108,12 +108,13 @@ def test_batched_rows_get_transformers_tokens(loaded, reference):
 
 
 def test_server_entry_point_batches_and_reuses_the_picture(tiny_checkpoints, loaded):
-    """``python -m mlxvlm.server``: two requests with different pictures in flight at once
-    get their one-request answers; the next turn about the first picture reuses its
-    cached prefix (cross-attention keys included) and still answers as a fresh prompt."""
+    """``python -m mlxvlm.server``: two requests in flight at once, one picture and two
+    (of other tile layouts), get their one-request answers; the next turn about the first
+    picture reuses its cached prefix (cross-attention keys included) and still answers as
+    a fresh prompt."""
     model, processor = loaded(FAMILY, "hub")
     first = [url_user("Describe this image.", png_data_url(IMAGE_A))]
-    other = [url_user("What is in this picture?", png_data_url(IMAGE_B))]
+    other = [url_user("Compare the two images.", png_data_url(IMAGE_B), png_data_url(IMAGE_A2))]
     path = tiny_checkpoints.path(FAMILY, "hub")
     answers = {}
     with ServerProcess("--model", str(path), "--served-model-name", "tiny-mllama") as server:
@@ -141,7 +142,7 @@ def test_server_entry_point_batches_and_reuses_the_picture(tiny_checkpoints, loa
                                temperature=0.0).text
 
     assert answers["first"].choices[0].message.content == alone(first, [IMAGE_A])
-    assert answers["other"].choices[0].message.content == alone(other, [IMAGE_B])
+    assert answers["other"].choices[0].message.content == alone(other, [IMAGE_B, IMAGE_A2])
     follow = answers["follow_up"]
     assert follow.usage.prompt_tokens_details.cached_tokens > 0
     assert follow.choices[0].message.content == alone(follow_up, [IMAGE_A])
