@@ -240,6 +240,8 @@ def test_cross_attention_keys_are_projected_once(loaded):
     trimmed = copy.deepcopy(cross[0])
     assert trimmed.trim(3) == 0 and trimmed.keys is keys
     assert not hasattr(trimmed, "offset")
+    # A prompt-cache entry keeps the state without the image states (its keys are here).
+    assert model.stored_state(state).source is None and state.source is not None
 
 
 def test_batched_cross_attention_rows_pad_and_come_back():

@@ -624,7 +624,8 @@ class BatchEngine(EngineThread):
             # last sampled one (a speculating request's: the tokens it took in).
             fed = seq.generated[: seq.row.sampled - 1] if fed is None else fed
             key = np.concatenate([seq.key, np.asarray(fed, dtype=np.int64)])
-            self.prefix_cache.insert(key, cache, seq.state, seq.snapshots)
+            self.prefix_cache.insert(key, cache, self.model.stored_state(seq.state),
+                                     seq.snapshots)
 
     def _update_throughput(self, tokens: int, seconds: float) -> None:
         if seconds <= 0:

@@ -79,8 +79,14 @@ class VisionLanguageModel(nn.Module):
         The state for a new prompt that shares the first ``length`` tokens of the one
         ``state`` was made for and goes on with text only (prompt-cache reuse).
 
-    Both have defaults: no state stays None, and a state object may provide
-    ``batch(states)`` (static) and ``prefix(length)`` itself, as ``MRopeState`` does.
+    ``stored_state(state)``
+        What a prompt-cache entry keeps of a finished request's state: all that
+        ``prefix_state`` reads (default: the state itself; Llama 3.2 Vision's drops the
+        image states, whose keys its cache holds).
+
+    They have defaults: no state stays None, and a state object may provide
+    ``batch(states)`` (static), ``prefix(length)`` and ``stored()`` itself, as
+    ``MRopeState`` provides the first two.
 
     For adapters saved in PEFT's format (``mlxvlm.checkpoint.adapters``):
 
@@ -261,6 +267,10 @@ class VisionLanguageModel(nn.Module):
                 f"{type(state).__name__} has no prefix(length) for prompt-cache reuse"
             )
         return prefix(length)
+
+    def stored_state(self, state: Any) -> Any:
+        stored = getattr(state, "stored", None)
+        return state if stored is None else stored()
 
 
 def materialize(model: nn.Module) -> None:

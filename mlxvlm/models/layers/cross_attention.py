@@ -226,6 +226,10 @@ class CrossAttentionState:
             blocks.append(state.blocks[0])
         return CrossAttentionState(mask, blocks, block_size)
 
+    def stored(self) -> "CrossAttentionState":
+        """Without the source's states: a cache that keeps this state holds their keys."""
+        return replace(self, source=None)
+
     def prefix(self, length: int) -> "CrossAttentionState | None":
         """The state of a prompt that shares the first ``length`` tokens and goes on with
         text only: its source is the cached one (``source`` dropped), or none when the
