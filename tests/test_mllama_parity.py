@@ -284,6 +284,20 @@ def test_text_before_the_image_reads_it(loaded, reference):
     assert np.abs(logits[:before] - ref[:before]).max() > 100 * LOGITS_ATOL
 
 
+def test_the_tiles_padding_mask_matters(loaded, reference, monkeypatch):
+    """Without the vision encoder's padding mask (the image's unused tiles and each
+    tile's padded positions) the logits are far off the reference."""
+    from mlxvlm.models.feature_cache import no_feature_cache
+    from mlxvlm.models.layers import mllama_vision
+
+    model, processor = loaded(FAMILY, "hub")
+    monkeypatch.setattr(mllama_vision, "padding_attention_mask", lambda *_: None)
+    with no_feature_cache():  # (neither the cached features nor new ones without the mask)
+        input_ids, embeddings, state = embedded(model, processor, *CASES["one_image"])
+    logits = first_pass(model, input_ids, embeddings, state)
+    assert np.abs(logits - reference(FAMILY, "one_image").logits).max() > 100 * LOGITS_ATOL
+
+
 # -------------------------------------------------------------- checkpoints and names
 
 
