@@ -20,6 +20,9 @@ Writes under benchmarks/checkpoints/ (git-ignored):
 - ``glm46v-flash-bf16``: zai-org/GLM-4.6V-Flash's shapes (9B: the GLM-V tower, 24 x 1536,
   over a 40-layer 4096-wide GLM-4 decoder with partial M-RoPE), bfloat16 (about 20 GB on
   disk, more while building: run it alone);
+- ``llama32-11b-vision-bf16``: meta-llama/Llama-3.2-11B-Vision-Instruct's shapes (a
+  32+8-layer 1280-wide tiled vision encoder at 560-px tiles, up to 4 tiles; a 40-layer
+  4096-wide Llama whose layers 3, 8, ..., 38 cross-attend to the image), bfloat16;
 - ``*-4bit`` and ``*-8bit`` of each, made with ``python -m mlxvlm.convert``.
 
 Each is a Hugging Face checkpoint (config.json in the Hub's layout, safetensors,
@@ -354,12 +357,55 @@ def glm46v_flash():
     parts = Parts(tokenizer, image_processor, GLM_TEMPLATE,
                   {"processor_class": "Glm46VProcessor"}, "Glm46VImageProcessor")
     return Glm4vForConditionalGeneration, config, parts, eos_ids
+MLLAMA_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] | trim }}{%- else %}"
+    "{%- for part in message['content'] %}{%- if part['type'] == 'image' %}{{- '<|image|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] | trim }}{%- endif %}{%- endfor %}"
+    "{%- endif %}{{- '<|eot_id|>' }}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+def llama32_11b_vision():
+    from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaImageProcessorPil
+
+    special = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001,
+               "<|finetune_right_pad_id|>": 128004, "<|start_header_id|>": 128006,
+               "<|end_header_id|>": 128007, "<|eom_id|>": 128008, "<|eot_id|>": 128009,
+               "<|python_tag|>": 128010, "<|image|>": 128256}
+    tokenizer = word_level_tokenizer(128257, special, eos="<|eot_id|>",
+                                     pad="<|finetune_right_pad_id|>", bos="<|begin_of_text|>")
+    eos_ids = [128001, 128008, 128009]
+    config = MllamaConfig(
+        image_token_index=128256,
+        text_config=dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
+                         cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38],
+                         max_position_embeddings=131072, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                          "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192},
+                         bos_token_id=128000, eos_token_id=eos_ids, pad_token_id=128004),
+        vision_config=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                           num_global_layers=8, attention_heads=16, image_size=560,
+                           patch_size=14, max_num_tiles=4, vision_output_dim=7680,
+                           intermediate_layers_indices=[3, 7, 15, 23, 30]),
+    )
+    image_processor = MllamaImageProcessorPil(size={"height": 560, "width": 560},
+                                              max_image_tiles=4)
+    parts = Parts(tokenizer, image_processor, MLLAMA_TEMPLATE,
+                  {"processor_class": "MllamaProcessor"}, "MllamaImageProcessor")
+    return MllamaForConditionalGeneration, config, parts, eos_ids
 
 
 BUILDERS = {
     "smolvlm-256m": smolvlm_256m, "qwen2vl-2b": qwen2vl_2b, "qwen2vl-mid": qwen2vl_mid,
     "gemma4-e2b": gemma4_e2b, "qwen3vl-embedding-2b": qwen3vl_embedding_2b,
     "glm46v-flash": glm46v_flash,
+    "llama32-11b-vision": llama32_11b_vision,
 }
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from finetune_helpers import small_dataset
-from tiny import BUILDERS, make_image
+from tiny import GENERATIVE, make_image
 from mlxvlm import load
 from mlxvlm.checkpoint.adapters import hf_module_parts
 from mlxvlm.finetune import FinetuneConfig, finetune
@@ -212,7 +212,7 @@ def test_fused_layer_adapter_resumes(tiny_checkpoints, tmp_path, method):
 
 
 @pytest.mark.parametrize("family,part", [
-    (family, part) for family in sorted(BUILDERS) for part in ("decoder", "vision")
+    (family, part) for family in sorted(GENERATIVE) for part in ("decoder", "vision")
 ], ids=lambda value: value)
 def test_every_adaptable_layer_has_its_transformers_name(tiny_checkpoints, family, part):
     """hf_module_name inverts each family's sanitize onto transformers' module tree, for

@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from mlxvlm import generate, load
-from tiny import BUILDERS, make_image
+from tiny import GENERATIVE, make_image
 
-@pytest.mark.parametrize("family", sorted(BUILDERS))
+@pytest.mark.parametrize("family", sorted(GENERATIVE))
 def test_generate_on_another_thread(tiny_checkpoints, family):
     model, processor = load(tiny_checkpoints.path(family, "hub"))
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}]

@@ -274,7 +274,8 @@ class BatchEngine(EngineThread):
         key = None
         if self.prefix_cache is not None and image_hashes is not None:
             key = prompt_key(np.asarray(inputs.input_ids[0]), self.placeholders, image_hashes,
-                             namespace=cache_namespace)
+                             namespace=cache_namespace,
+                             images_reach_every_token=self.model.media_condition_every_token)
         with self._cond:
             if self._closed:
                 raise MlxvlmError("the engine is shut down")
@@ -623,7 +624,8 @@ class BatchEngine(EngineThread):
             # last sampled one (a speculating request's: the tokens it took in).
             fed = seq.generated[: seq.row.sampled - 1] if fed is None else fed
             key = np.concatenate([seq.key, np.asarray(fed, dtype=np.int64)])
-            self.prefix_cache.insert(key, cache, seq.state, seq.snapshots)
+            self.prefix_cache.insert(key, cache, self.model.stored_state(seq.state),
+                                     seq.snapshots)
 
     def _update_throughput(self, tokens: int, seconds: float) -> None:
         if seconds <= 0:

@@ -7,6 +7,12 @@ placeholder tokens* are equal: the placeholder tokens of two different images of
 same size are identical, so every placeholder token is keyed by a hash of the image
 content (see ``prompt_key``).
 
+A family whose every token depends on the prompt's images (Llama 3.2 Vision's
+cross-attention, ``media_condition_every_token``) has its prompts with images keyed by
+those images throughout: a later turn about the same picture reuses the cache (with the
+cross-attention layers' keys of the picture, ``models.layers.cross_attention``), a turn
+that adds a picture does not.
+
 Layers whose cache is a fixed-size recurrent or convolution state (see
 ``generate.state_cache``: Qwen3.5's linear attention, LFM2's convolutions) cannot be
 trimmed back to a shared prefix. Their entries carry ``StateSnapshots`` (the states at
@@ -68,6 +74,7 @@ def prompt_key(
     placeholder_ids: Iterable[int],
     image_hashes: Sequence[str],
     namespace: str | None = None,
+    images_reach_every_token: bool = False,
 ) -> np.ndarray:
     """The prompt's tokens with each placeholder token replaced by a (negative) key of the
     images it may depend on.
@@ -81,12 +88,18 @@ def prompt_key(
     With a ``namespace``, every key is XORed with a 62-bit mask drawn from it: a bijection
     within the namespace (its prompts share prefixes exactly as before) whose keys match
     another namespace's only by a 64-bit hash collision.
+
+    ``images_reach_every_token`` (a model's ``media_condition_every_token``: the tokens
+    before an image depend on it too) keys a prompt with images as a namespace of its
+    own images: such prompts share a prefix only when their images are the same.
     """
     ids = np.asarray(input_ids, dtype=np.int64).reshape(-1).copy()
     placeholders = np.fromiter(placeholder_ids, dtype=np.int64)
     runs = _placeholder_runs(ids, placeholders) if placeholders.size else []
     if runs:
         _key_placeholders(ids, runs, image_hashes)
+    if images_reach_every_token and len(image_hashes):
+        namespace = "\x00".join([namespace or "", "images", *image_hashes])
     if namespace is not None:
         digest = hashlib.sha256(b"mlxvlm-prefix-namespace:" + namespace.encode()).digest()
         # Bit 62 set: a masked key is never a small (token-sized) value of another space.

@@ -57,6 +57,6 @@ class CacheCheckpoint:
                 cache[i] = restored_state(saved)
             elif isinstance(layer_cache, RotatingKVCache):
                 layer_cache.state = saved
-            else:
+            elif hasattr(layer_cache, "offset"):  # (a cross-attention cache holds no tokens)
                 layer_cache.trim(layer_cache.offset - self.offset)
         return False

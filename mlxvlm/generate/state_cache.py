@@ -22,6 +22,11 @@ behave differently in three ways, which this module is the one place to know:
 
 Everything here is keyed on the cache *type*, not on a model family: any layer whose
 ``make_cache`` entry is an ``ArraysCache`` gets the same treatment.
+
+A cross-attention layer's cache (``models.layers.cross_attention.CrossAttentionCache``:
+the keys of a sequence's image, Llama 3.2 Vision) is neither: it counts no tokens (no
+``offset``, so ``cache_offset`` reads another layer's) and trims to itself, so the loop,
+the prefix cache and batching carry it through mlx-lm's cache protocol alone.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ FAMILIES: dict[str, str] = {
     "glm4v": "glm4v",
     "glm4v_moe": "glm4v",
     "glm46v": "glm4v",
+    "mllama": "mllama",
 }
 
 

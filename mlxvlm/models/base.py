@@ -80,8 +80,14 @@ class VisionLanguageModel(nn.Module):
         The state for a new prompt that shares the first ``length`` tokens of the one
         ``state`` was made for and goes on with text only (prompt-cache reuse).
 
-    Both have defaults: no state stays None, and a state object may provide
-    ``batch(states)`` (static) and ``prefix(length)`` itself, as ``MRopeState`` does.
+    ``stored_state(state)``
+        What a prompt-cache entry keeps of a finished request's state: all that
+        ``prefix_state`` reads (default: the state itself; Llama 3.2 Vision's drops the
+        image states, whose keys its cache holds).
+
+    They have defaults: no state stays None, and a state object may provide
+    ``batch(states)`` (static), ``prefix(length)`` and ``stored()`` itself, as
+    ``MRopeState`` provides the first two.
 
     For adapters saved in PEFT's format (``mlxvlm.checkpoint.adapters``):
 
@@ -119,6 +125,11 @@ class VisionLanguageModel(nn.Module):
     # (transformers is imported only when a processor is built).
     processor_class: str | None = None
     image_processor_class: str | None = None
+    # Whether every prompt token's states depend on all of the prompt's images, not only
+    # the tokens from an image on (Llama 3.2 Vision: text before an image still attends
+    # to it through cross-attention). The prefix cache then shares a prefix only between
+    # prompts with the same images (``batching.prefix_cache.prompt_key``).
+    media_condition_every_token: bool = False
 
     def __init__(self, args: Any = None):
         """``args``: the family's parsed config (an ``args_class``), which the defaults
@@ -211,10 +222,13 @@ class VisionLanguageModel(nn.Module):
         of ours (old checkpoint names and the module tree); the most specific of ours
         wins, then table order, where families list the module tree first. The answer
         must map back onto ``name`` through ``sanitize``."""
-        matches = [(hf, ours) for hf, ours in self.hf_prefixes if name.startswith(ours)]
+        # (``name + "."``: a module that is a prefix's whole, such as a projector that is
+        # one linear layer.)
+        dotted = name + "."
+        matches = [(hf, ours) for hf, ours in self.hf_prefixes if dotted.startswith(ours)]
         matches.sort(key=lambda pair: -len(pair[1]))  # stable: table order among equals
         for hf_prefix, ours in matches:
-            candidate = hf_prefix + name[len(ours) :]
+            candidate = (hf_prefix + dotted[len(ours) :])[:-1]
             probe = {f"{candidate}.weight": mx.zeros((1, 1))}
             if list(self.sanitize(probe)) == [f"{name}.weight"]:
                 return candidate
@@ -257,6 +271,10 @@ class VisionLanguageModel(nn.Module):
                 f"{type(state).__name__} has no prefix(length) for prompt-cache reuse"
             )
         return prefix(length)
+
+    def stored_state(self, state: Any) -> Any:
+        stored = getattr(state, "stored", None)
+        return state if stored is None else stored()
 
 
 def materialize(model: nn.Module) -> None:

@@ -41,7 +41,12 @@ BUILDERS = {
     "colpali": "tiny.colvision",
     "glm4v": "tiny.glm4v",
     "glm4v_moe": "tiny.glm4v",
+    "mllama": "tiny.mllama",
 }
+# Families that embed or rank rather than generate (mlxvlm.retrieval): the family-wide
+# generation tests (text, BOS, threads, PEFT names) run over GENERATIVE.
+RETRIEVAL = {"colqwen2", "colpali"}
+GENERATIVE = [family for family in BUILDERS if family not in RETRIEVAL]
 
 
 def builder(family: str):
