@@ -144,3 +144,20 @@ def test_a_retrieval_model_does_not_generate(one_layout):
         mlxvlm.generate(model, processor, "hello", max_tokens=2)
     with pytest.raises(RetrievalOnlyModelError):
         mlxvlm.batch_generate(model, processor, ["hello"], max_tokens=2)
+
+
+def test_finetune_and_the_chat_refuse_a_retrieval_model(tiny_checkpoints, tmp_path, capsys):
+    """Through their commands' main: one line each, before any training or page."""
+    from finetune_helpers import small_dataset
+
+    from mlxvlm.finetune.__main__ import main as finetune_main
+    from mlxvlm.ui.__main__ import main as ui_main
+
+    path = str(tiny_checkpoints.path("colqwen2", "transformers"))
+    data = small_dataset(tmp_path / "data", count=2)
+    assert finetune_main(["--model", path, "--data", str(data), "--iters", "1",
+                          "--adapter-path", str(tmp_path / "adapters")]) == 2
+    assert "embedding model" in capsys.readouterr().err
+    assert not (tmp_path / "adapters").exists()
+    assert ui_main(["--model", path, "--port", "0"]) == 2
+    assert "embedding model" in capsys.readouterr().err

@@ -33,6 +33,7 @@ from mlxvlm.finetune.dataset import ExampleSet, prepare_examples
 from mlxvlm.finetune.progress import progress, say
 from mlxvlm.finetune.trainer import LoopSettings, Trainer, learning_rate_schedule, total_steps
 from mlxvlm.finetune.tuning import apply_tuning
+from mlxvlm.retrieval.api import check_generates
 
 CONFIG_FILE = "training_config.json"
 FULL_WEIGHTS_FILE = "model.safetensors"  # a full fine-tune's trained tensors, in a checkpoint
@@ -162,6 +163,7 @@ def finetune(config: FinetuneConfig, *, callback: Any = None) -> FinetuneResult:
     )
     model_path = resolve_model_path(config.model, config.revision, config.trust_remote_code)
     model, processor = load(model_path, cpu_fast_paths=False)
+    check_generates(model)  # a retrieval model's loss would be a language model's
     _keep_quantized_for_training(model)
     mx.random.seed(config.seed)  # the adapters' initial weights
     summary = apply_tuning(

@@ -108,6 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 adapter_path=args.adapter_path,
                 trust_remote_code=args.trust_remote_code,
             )
+            from mlxvlm.retrieval.api import check_generates
+
+            check_generates(model)  # an embedding model in a chat: said before the page
             # After the model: a wrong --model fails before the slow Gradio import.
             from mlxvlm.ui.app import upload_media_options
             from mlxvlm.ui.session import ChatSession
