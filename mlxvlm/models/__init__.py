@@ -40,6 +40,8 @@ FAMILIES: dict[str, str] = {
     "qwen3_omni_moe": "qwen3_omni_moe",
     "qwen3_omni_moe_thinker": "qwen3_omni_moe",
     "gemma4": "gemma4",
+    # transformers' native layout (the Hub's *-HF checkpoints)
+    "internvl": "internvl",
 }
 
 

@@ -37,6 +37,8 @@ BUILDERS = {
     "qwen3_omni_moe": "tiny.qwen3_omni",
     "gemma4": "tiny.gemma4",
     "gemma4_moe": "tiny.gemma4",
+    "internvl": "tiny.internvl",
+    "internvl_rms": "tiny.internvl",
 }
 
 
