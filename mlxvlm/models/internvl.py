@@ -34,6 +34,8 @@ from mlxvlm.models.feature_cache import cached_rows
 from mlxvlm.models.internvl_video import InternVLVideoProcessor
 from mlxvlm.models.layers import intern_vit, mlx_lm_backbone
 from mlxvlm.models.layers.activations import activation
+# transformers' InternVLModel.pixel_shuffle (module-level, so that a test can swap it)
+from mlxvlm.models.layers.pixel_shuffle import fold_blocks as pixel_shuffle
 from mlxvlm.models.processor_utils import image_only, tokenizer_and_chat_template
 from mlxvlm.models.weights import (
     LM_HEAD_NAMES,
@@ -105,17 +107,6 @@ class ModelArgs:
             vision_feature_select_strategy=strategy,
             max_context=mlx_lm_backbone.max_context(text),
         )
-
-
-def pixel_shuffle(features: mx.array, factor: int) -> mx.array:
-    """(tiles, side, side, C) patch features -> (tiles, side / f, side / f, C f²), as
-    transformers' ``InternVLModel.pixel_shuffle`` orders the channels: each token holds
-    ``f`` columns' worth of ``f``-patch runs down its first axis."""
-    tiles, first, second, channels = features.shape
-    x = features.reshape(tiles, first, second // factor, channels * factor)
-    x = x.transpose(0, 2, 1, 3)
-    x = x.reshape(tiles, second // factor, first // factor, channels * factor * factor)
-    return x.transpose(0, 2, 1, 3)
 
 
 class MultiModalProjector(nn.Module):
@@ -220,11 +211,8 @@ class Model(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
             )
             if args.vision_feature_select_strategy == "default":
                 h = h[:, 1:]  # the class token
-            side = int(round(h.shape[1] ** 0.5))
-            if side * side != h.shape[1]:
-                raise ValueError(f"InternVL's tower gave {h.shape[1]} tokens, not a square grid")
-            h = pixel_shuffle(h.reshape(h.shape[0], side, side, -1), args.shuffle)
-            return self.multi_modal_projector(h.reshape(h.shape[0], -1, h.shape[-1]))
+            side = args.vision.patches_per_side
+            return self.multi_modal_projector(pixel_shuffle(h, side, side, args.shuffle))
 
         return cached_rows(self, "image tile", encode, pixel_values).reshape(
             -1, args.text.hidden_size

@@ -20,7 +20,8 @@ Layouts:
     ``torch_dtype``, tensors by the module tree, ``preprocessor_config.json`` (the fast
     image processor's name), ``video_preprocessor_config.json``, ``processor_config.json``
     with ``image_seq_length`` only, the tokenizer naming its image tokens under
-    ``extra_special_tokens``, and ``chat_template.jinja``.
+    ``extra_special_tokens``, ``chat_template.jinja``, and sampling settings in
+    ``generation_config.json`` (``HUB_SAMPLING``).
 
 The tokenizer, as Qwen's, adds no BOS.
 """
@@ -67,6 +68,8 @@ PATCH = 4
 TOKENS_PER_TILE = (TILE // PATCH // 2) ** 2
 MAX_TILES = 4
 ROPE_THETA = 7_000.0  # far from Qwen3's default
+# The hub layout's generation_config.json sampling values (the loader's defaults).
+HUB_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 IMAGE_SETTINGS = dict(
     size={"height": TILE, "width": TILE}, crop_to_patches=True, min_patches=1,
     max_patches=MAX_TILES, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
@@ -158,6 +161,9 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
         (directory / "config.json").write_text(json.dumps(hub_config(config), indent=2))
         _save_hub_weights(tiny, directory)
         _save_hub_processor_files(tiny, directory)
+        generation = json.loads((directory / "generation_config.json").read_text())
+        generation.update(do_sample=True, **HUB_SAMPLING)
+        (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
     else:
         raise ValueError(f"unknown layout {layout!r} (choose from {LAYOUTS})")
     return directory
