@@ -59,6 +59,7 @@ torch = pytest.importorskip("torch")
 
 FAMILY = "internvl"
 RMS = "internvl_rms"  # the InternViT-6B-like tower
+INTERNVL3 = "internvl3"  # a Qwen2 text model with an untied head
 IMAGE_A = make_image(80, 56, seed=1)  # 2 x 2 tiles of 32 + a thumbnail
 IMAGE_WIDE = make_image(120, 40, seed=2)  # 3 x 1 tiles + a thumbnail
 IMAGE_A2 = make_image(80, 56, seed=8)  # A's size, other content (and answer)
@@ -94,6 +95,25 @@ def test_rms_norm_tower_with_qk_norm_matches_transformers(case, loaded, referenc
     assert model.args.vision.use_qk_norm and model.args.vision.norm_type == "rms_norm"
     assert_first_pass_matches(model, processor, CASES[case], reference(RMS, case))
     assert_greedy_tokens_match(model, processor, CASES[case], reference(RMS, case))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", ["text", "one_image", "image_in_second_turn"])
+def test_qwen2_text_model_with_an_untied_head_matches_transformers(layout, case, loaded, reference):
+    """InternVL3's -hf layout: Qwen2 (biased q/k/v) through mlx-lm, its own output head
+    (``lm_head.weight`` in the Hub's names, ``language_model.lm_head`` in ours)."""
+    model, processor = loaded(INTERNVL3, layout)
+    assert not model.args.text.tie_word_embeddings and "lm_head" in model.language_model
+    assert_first_pass_matches(model, processor, CASES[case], reference(INTERNVL3, case))
+    assert_greedy_tokens_match(model, processor, CASES[case], reference(INTERNVL3, case))
+
+
+def test_a_mixture_of_experts_text_model_is_refused(tiny_checkpoints):
+    config = read_config(tiny_checkpoints, FAMILY, "hub")
+    config["text_config"] = {**config["text_config"], "model_type": "qwen3_moe", "num_experts": 8,
+                             "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+        internvl.Model.from_config(config)
 
 
 def test_the_cases_cover_tiles_and_thumbnails(loaded, reference):

@@ -79,6 +79,13 @@ class ModelArgs:
         model's by its own model_type, ``tie_word_embeddings`` at the top level)."""
         config = as_transformers_reads_it({**config, "model_type": "internvl"})
         text = dict(config["text_config"])
+        if text.get("num_experts") or text.get("num_local_experts"):
+            # mlx-lm's MoE models stack the experts' tensors in their own sanitize, which
+            # the mapping here does not run
+            raise NotImplementedError(
+                f"InternVL with a mixture-of-experts text model ({text['model_type']}: "
+                "InternVL3.5-30B-A3B, -241B-A28B, -GPT-OSS) is not supported yet"
+            )
         text["rope_parameters"] = rope_parameters(text, 10_000.0)
         text["tie_word_embeddings"] = bool(config["tie_word_embeddings"])
         vision = intern_vit.InternVisionConfig.from_hf(config["vision_config"])

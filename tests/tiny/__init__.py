@@ -39,6 +39,7 @@ BUILDERS = {
     "gemma4_moe": "tiny.gemma4",
     "internvl": "tiny.internvl",
     "internvl_rms": "tiny.internvl",
+    "internvl3": "tiny.internvl",
 }
 
 

@@ -5,6 +5,8 @@ offline (see tests/tiny/__init__.py).
 (LayerNorm, no q/k norm, biased q/k/v) before a Qwen3 text model with a tied head.
 ``"internvl_rms"``: the InternViT-6B-like tower of the largest sizes (RMSNorm blocks,
 q/k RMSNorm across all heads, unbiased q/k/v) before the same text model.
+``"internvl3"``: InternVL3's -hf checkpoints in shape -- the small tower before a Qwen2
+text model (biased q/k/v) with an untied output head.
 
 The tower takes 32-pixel tiles of 4-pixel patches (8 x 8, a 4 x 4 grid after the pixel
 shuffle: 16 tokens a tile); the processor cuts a picture into 1 to 4 tiles plus a
@@ -33,7 +35,7 @@ from pathlib import Path
 
 from tiny.common import INIT_RANGE, TinyModel, build_bpe_tokenizer, perturb_constants, write_safetensors
 
-FAMILIES = ("internvl", "internvl_rms")
+FAMILIES = ("internvl", "internvl_rms", "internvl3")
 LAYOUTS = ("transformers", "hub")
 
 IMAGE_TOKENS = {
@@ -110,13 +112,15 @@ def _config(family: str, tokenizer):
     from transformers import InternVLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    tied = family != "internvl3"
     text = dict(
-        model_type="qwen3", vocab_size=(len(tokenizer) + 15) // 16 * 16, hidden_size=64,
-        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        model_type="qwen3" if tied else "qwen2", vocab_size=(len(tokenizer) + 15) // 16 * 16,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
         initializer_range=INIT_RANGE, bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"], tie_word_embeddings=True,
+        eos_token_id=ids["<|im_end|>"], tie_word_embeddings=tied,
+        **({"head_dim": 16} if tied else {}),
     )
     rms = family == "internvl_rms"
     vision = dict(
@@ -128,7 +132,7 @@ def _config(family: str, tokenizer):
     return InternVLConfig(text_config=text, vision_config=vision,
                           image_token_id=ids["<IMG_CONTEXT>"], image_seq_length=TOKENS_PER_TILE,
                           downsample_ratio=0.5, projector_hidden_act="gelu",
-                          tie_word_embeddings=True)
+                          tie_word_embeddings=tied)
 
 
 def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
@@ -202,9 +206,11 @@ def hub_config(config: dict) -> dict:
 
 
 def _save_hub_weights(tiny: TinyModel, directory: Path) -> None:
-    """The module tree's names, without the tied head (as the Hub's 1B and 2B)."""
+    """The module tree's names, a tied head left out (as the Hub's 1B and 2B)."""
+    tied = tiny.model.config.tie_word_embeddings
     weights = {name: value.detach().numpy().copy()
-               for name, value in tiny.model.state_dict().items() if name != "lm_head.weight"}
+               for name, value in tiny.model.state_dict().items()
+               if not (tied and name == "lm_head.weight")}
     write_safetensors(weights, directory)
 
 
