@@ -42,6 +42,7 @@ FAMILIES: dict[str, str] = {
     "gemma4": "gemma4",
     # transformers' native layout (the Hub's *-HF checkpoints)
     "internvl": "internvl",
+    "minicpmv4_6": "minicpmv4_6",
 }
 
 

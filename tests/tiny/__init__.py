@@ -40,6 +40,7 @@ BUILDERS = {
     "internvl": "tiny.internvl",
     "internvl_rms": "tiny.internvl",
     "internvl3": "tiny.internvl",
+    "minicpmv4_6": "tiny.minicpmv4_6",
 }
 
 
