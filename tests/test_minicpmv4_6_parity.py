@@ -132,6 +132,26 @@ def test_tower_matches_transformers_on_other_grids(rows, columns, tiny_checkpoin
     np.testing.assert_allclose(ours, expected, rtol=0, atol=LOGITS_ATOL)
 
 
+def test_4x_mode_skips_the_window_merger(tiny_checkpoints, loaded):
+    """``downsample_mode: "4x"`` (four times the tokens: no window merger) against
+    transformers' features in that mode."""
+    reference_model = tiny_checkpoints.model(FAMILY).model.model
+    model, _ = loaded(FAMILY, "hub")
+    config = read_config(tiny_checkpoints, FAMILY, "hub")
+    four = minicpmv4_6.Model.from_config({**config, "downsample_mode": "4x"})
+    four.load_weights(parameter_list(model))
+    p = model.args.vision.patch_size
+    torch.manual_seed(5)
+    pixels, sizes = torch.randn(1, 3, p, 8 * 12 * p), torch.tensor([[8, 12]])
+    with torch.no_grad():
+        expected = reference_model.get_image_features(pixels, sizes, downsample_mode="4x")
+    expected = expected.pooler_output[0].numpy()
+    with no_feature_cache():
+        ours = np.array(four.image_features(pixels.numpy(), sizes.numpy()))
+    assert ours.shape[0] == 8 * 12 // 4
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=LOGITS_ATOL)
+
+
 def test_nearest_positions_are_transformers(tiny_checkpoints):
     from transformers.vision_utils import get_vision_nearest_position_ids
 
@@ -231,7 +251,7 @@ def test_wrong_insert_layer_would_be_caught(tiny_checkpoints, loaded, reference)
 def test_another_window_order_would_be_caught(monkeypatch, loaded, reference):
     """Windows taken column by column instead of row by row change the logits."""
     model, processor = loaded(FAMILY, "hub")
-    merger = model.vision_tower.vit_merger
+    merger = model.vit_merger
     original = type(merger).windows
 
     def column_major(self, x, rows, columns):
@@ -254,7 +274,9 @@ def test_both_config_layouts_build_the_same_model(tiny_checkpoints):
     assert hub.text.layer_types == ("linear_attention", "full_attention") * 2
 
 
-def test_sanitized_names(tiny_checkpoints, loaded):
+def test_sanitized_names_are_mlx_community_names(tiny_checkpoints, loaded):
+    """Both layouts map onto mlx-vlm's names for MiniCPM-V 4.6 (the window merger beside
+    the tower, ``vit_merger.*``), the patch convolution channels-last."""
     model, _ = loaded(FAMILY, "transformers")
     expected = {name for name, _ in parameter_list(model)}
     for layout in LAYOUTS:
@@ -267,9 +289,9 @@ def test_sanitized_names(tiny_checkpoints, loaded):
     for name in (
         "vision_tower.embeddings.position_embedding.weight",
         "vision_tower.encoder.layers.1.self_attn.q_proj.weight",
-        "vision_tower.vit_merger.self_attn.out_proj.bias",
-        "vision_tower.vit_merger.pre_norm.weight",
-        "vision_tower.vit_merger.linear_2.weight",
+        "vit_merger.self_attn.out_proj.bias",
+        "vit_merger.pre_norm.weight",
+        "vit_merger.linear_2.weight",
         "vision_tower.post_layernorm.weight",
         "merger.mlp.0.pre_norm.weight",
         "merger.mlp.0.linear_2.weight",

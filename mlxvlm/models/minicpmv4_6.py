@@ -15,7 +15,8 @@ attention, ``layers/hybrid_decoder.py``), whose positions are plain text positio
 Images and text; the processor's video input is not supported yet (a video is refused
 with a clear error).
 
-Checkpoint names: ``vision_tower.*``, ``merger.mlp.N.*``, ``language_model.model.*`` and
+Checkpoint names (mlx-community's): ``vision_tower.*``, ``vit_merger.*`` (transformers'
+``vision_tower.vit_merger``), ``merger.mlp.N.*``, ``language_model.model.*`` and
 ``language_model.lm_head`` unless tied; the Hub's multi-token-prediction head (``mtp.*``)
 is not used.
 """
@@ -54,6 +55,8 @@ from mlxvlm.models.weights import (
 # Hugging Face name prefix -> ours: transformers' module tree (the Hub's checkpoints).
 HF_PREFIXES = (
     ("model.vision_tower.", "vision_tower."),
+    ("model.vision_tower.vit_merger.", "vit_merger."),
+    ("vision_tower.vit_merger.", "vit_merger."),
     ("model.merger.", "merger."),
     TEXT_MODEL_NAMES,
     LM_HEAD_NAMES,
@@ -162,6 +165,7 @@ class Model(VisionLanguageModel):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.vision_tower = minicpmv_vision.MiniCPMVisionModel(args.vision)
+        self.vit_merger = minicpmv_vision.WindowMerger(args.vision)
         self.merger = Merger(args)
         self.language_model = HybridLanguageModel(args.text)
 
@@ -232,14 +236,14 @@ class Model(VisionLanguageModel):
         starts = np.concatenate([[0], np.cumsum(counts)])
         items = [(patches[starts[i]:starts[i + 1]], sizes[i]) for i in range(len(sizes))]
         dtype = self.vision_tower.post_layernorm.weight.dtype  # never quantized
+        window_merger = self.vit_merger if self.args.use_window_merger else None
 
         def encode(indices: list[int]) -> list[tuple[mx.array]]:
             out = []
             for i in indices:
                 view, (rows, columns) = items[i]
                 h, rows, columns = self.vision_tower(
-                    mx.array(view).astype(dtype), int(rows), int(columns),
-                    use_merger=self.args.use_window_merger)
+                    mx.array(view).astype(dtype), int(rows), int(columns), window_merger)
                 out.append((self.merger(h[0], rows, columns),))
             return out
 

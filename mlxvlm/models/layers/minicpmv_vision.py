@@ -12,8 +12,10 @@ merger inside it.
 - ``post_layernorm`` at the end.
 
 Module names follow transformers' (``embeddings.{patch_embedding,position_embedding}``,
-``encoder.layers.N.*``, ``vit_merger.{self_attn,layer_norm1,pre_norm,linear_1,linear_2}``,
-``post_layernorm``).
+``encoder.layers.N.*``, ``post_layernorm``); the window merger
+(``{self_attn,layer_norm1,pre_norm,linear_1,linear_2}``) is the model's own module, as
+mlx-community's conversions name it (``vit_merger.*`` beside the tower), and the tower
+takes it as an argument.
 """
 
 from __future__ import annotations
@@ -150,19 +152,19 @@ class MiniCPMVisionModel(nn.Module):
         self.embeddings = Embeddings(config)
         self.encoder = Encoder(config)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.vit_merger = WindowMerger(config)
 
     def __call__(self, patches: mx.array, rows: int, columns: int,
-                 use_merger: bool = True) -> tuple[mx.array, int, int]:
+                 window_merger: WindowMerger | None) -> tuple[mx.array, int, int]:
         """One slice's (patches, p, p, C) pixels on its ``rows x columns`` grid -> its
-        (1, tokens, D) states and their grid (halved by the window merger)."""
+        (1, tokens, D) states and their grid (halved by ``window_merger``, which runs after
+        block ``insert_layer_id``; None: the ``"4x"`` mode, without it)."""
         x = self.embeddings(patches, rows, columns)
-        merge_after = self.config.insert_layer_id if use_merger else -1
+        merge_after = self.config.insert_layer_id if window_merger is not None else -1
         for index, layer in enumerate(self.encoder.layers):
             x = layer(x)
             run_ahead.layer_done(x)
             if index == merge_after:
-                x = self.vit_merger(x, rows, columns)
+                x = window_merger(x, rows, columns)
                 rows, columns = rows // self.config.window, columns // self.config.window
         return self.post_layernorm(x), rows, columns
 
