@@ -23,6 +23,8 @@ Writes under benchmarks/checkpoints/ (git-ignored):
 - ``llama32-11b-vision-bf16``: meta-llama/Llama-3.2-11B-Vision-Instruct's shapes (a
   32+8-layer 1280-wide tiled vision encoder at 560-px tiles, up to 4 tiles; a 40-layer
   4096-wide Llama whose layers 3, 8, ..., 38 cross-attend to the image), bfloat16;
+- ``internvl3_5-1b-bf16``: OpenGVLab/InternVL3_5-1B-HF's shapes (InternViT-300M: 24x1024
+  at 448 px, pixel shuffle 2 (256 tokens a tile), a 28-layer 1024-wide Qwen3), bfloat16;
 - ``*-4bit`` and ``*-8bit`` of each, made with ``python -m mlxvlm.convert``.
 
 Each is a Hugging Face checkpoint (config.json in the Hub's layout, safetensors,
@@ -399,6 +401,46 @@ def llama32_11b_vision():
     parts = Parts(tokenizer, image_processor, MLLAMA_TEMPLATE,
                   {"processor_class": "MllamaProcessor"}, "MllamaImageProcessor")
     return MllamaForConditionalGeneration, config, parts, eos_ids
+INTERNVL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<IMG_CONTEXT>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def internvl3_5_1b():
+    from transformers import (GotOcr2ImageProcessorPil, InternVLConfig,
+                              InternVLForConditionalGeneration)
+
+    special = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+               "<img>": 151669, "</img>": 151670, "<IMG_CONTEXT>": 151671, "<video>": 151672}
+    tokenizer = word_level_tokenizer(
+        151936, special, eos="<|im_end|>", pad="<|endoftext|>",
+        extra_special_tokens={"start_image_token": "<img>", "end_image_token": "</img>",
+                              "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"})
+    config = InternVLConfig(
+        image_token_id=151671, image_seq_length=256, downsample_ratio=0.5,
+        tie_word_embeddings=True,
+        text_config=dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+                         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                         head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                         bos_token_id=151643, eos_token_id=151645),
+        vision_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                           num_attention_heads=16, image_size=448, patch_size=14,
+                           attention_bias=True, use_qk_norm=False, norm_type="layer_norm"),
+    )
+    # The 448x448 benchmark image is one tile (no thumbnail).
+    image_processor = GotOcr2ImageProcessorPil(
+        size={"height": 448, "width": 448}, crop_to_patches=True, min_patches=1, max_patches=12,
+        image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+    parts = Parts(tokenizer, image_processor, INTERNVL_TEMPLATE,
+                  {"processor_class": "InternVLProcessor", "image_seq_length": 256},
+                  "GotOcr2ImageProcessorFast")
+    return InternVLForConditionalGeneration, config, parts, [151645, 151643]
 
 
 BUILDERS = {
@@ -406,6 +448,7 @@ BUILDERS = {
     "gemma4-e2b": gemma4_e2b, "qwen3vl-embedding-2b": qwen3vl_embedding_2b,
     "glm46v-flash": glm46v_flash,
     "llama32-11b-vision": llama32_11b_vision,
+    "internvl3_5-1b": internvl3_5_1b,
 }
 
 

@@ -17,6 +17,7 @@ from mlxvlm.media.frame_sampling import (
     SAMPLERS,
     FrameSampler,
     QwenStepSampler,
+    ShiftedStepSampler,
     SmolVLMSampler,
     SpreadSampler,
     StepSampler,
@@ -24,6 +25,9 @@ from mlxvlm.media.frame_sampling import (
 )
 
 pytest.importorskip("torch")  # Qwen2-VL's sample_frames computes with torch
+from transformers.models.internvl.video_processing_internvl import (  # noqa: E402
+    InternVLVideoProcessor,
+)
 from transformers.models.llava_onevision.video_processing_llava_onevision import (  # noqa: E402
     LlavaOnevisionVideoProcessor,
 )
@@ -49,7 +53,8 @@ def transformers_indices(processor_class, settings: dict, total: int, source_fps
     """``processor_class.sample_frames`` on a stand-in instance holding the class's
     settings (updated by ``settings``): transformers' own code, without torchvision.
     None where transformers refuses the video."""
-    names = ("fps", "num_frames", "min_frames", "max_frames", "temporal_patch_size")
+    names = ("fps", "num_frames", "min_frames", "max_frames", "temporal_patch_size",
+             "initial_shift")
     stand_in = SimpleNamespace(**{n: getattr(processor_class, n, None) for n in names})
     for name, value in settings.items():
         setattr(stand_in, name, value)
@@ -69,6 +74,9 @@ FAMILIES = {  # the way each family declares, and its transformers processor
     "smolvlm": (SmolVLMSampler, SmolVLMVideoProcessor, {"fps": 1, "num_frames": 64}),
     # Gemma 4's: BaseVideoProcessor's sampling with num_frames = 32
     "by_count": (StepSampler, LlavaOnevisionVideoProcessor, {"num_frames": 32}),
+    "internvl": (ShiftedStepSampler, InternVLVideoProcessor, {}),
+    # a checkpoint that starts at the first frame
+    "internvl_unshifted": (ShiftedStepSampler, InternVLVideoProcessor, {"initial_shift": False}),
 }
 
 
@@ -89,7 +97,8 @@ def test_each_family_keeps_the_frames_its_transformers_processor_keeps(family):
     assert compared >= 25
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava_onevision", "smolvlm"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava_onevision", "smolvlm",
+                                    "internvl"])
 @pytest.mark.parametrize("count", [4, 8, 10, 32])
 def test_sampling_by_frame_count_is_transformers(family, count):
     sampler_class, processor_class, settings = FAMILIES[family]
@@ -122,7 +131,7 @@ def test_defaults_come_from_the_processors_settings():
                                     300, 30.0, fps=1)
     assert sampler.indices(300, 30.0).tolist() == expected
     assert sampler_for(SimpleNamespace()) == FrameSampler()
-    assert set(SAMPLERS) >= {"spread", "step", "qwen2_vl", "qwen3_vl", "smolvlm"}
+    assert set(SAMPLERS) >= {"spread", "step", "qwen2_vl", "qwen3_vl", "smolvlm", "internvl"}
     with pytest.raises(ValueError, match="unknown frame sampling"):
         sampler_for(SimpleNamespace(frame_sampling="montage"))
 

@@ -233,6 +233,34 @@ class GlmFpsSampler(FrameSampler):
         return [min(last, math.ceil(t * source_fps)) for t in seconds]
 
 
+@dataclass(frozen=True)
+class ShiftedStepSampler(FrameSampler):
+    """transformers' ``InternVLVideoProcessor.sample_frames``: ``num_frames`` frames (the
+    call's, else the processor's; from ``int(seconds * fps)`` when only a rate is
+    given), one even step (``total / count``) apart, the first ``initial_shift`` frames
+    in -- with ``initial_shift`` True, half a step, so that each frame is the middle of
+    its stretch of video. InternVL."""
+
+    initial_shift: bool | float = True
+
+    def indices(self, total_frames, source_fps, *, fps=None, num_frames=None):
+        if num_frames is None and fps is None and self.num_frames is not None:
+            num_frames = self.num_frames
+        return super().indices(total_frames, source_fps, fps=fps, num_frames=num_frames)
+
+    def pick(self, total, source_fps, fps, num_frames):
+        if num_frames is None:
+            num_frames = int(total / source_fps * fps)
+        if not 1 <= num_frames <= total:  # transformers refuses; every frame instead
+            return np.arange(total)
+        step = total / num_frames
+        shift = step / 2 if self.initial_shift is True else float(self.initial_shift or 0)
+        # torch.arange(shift, total, step).int(): the length and the values worked out in
+        # double precision, the values then stored as float32 and truncated
+        length = math.ceil((total - shift) / step)
+        return (shift + np.arange(length) * step).astype(np.float32).astype(np.int64)
+
+
 # The ways a family's video processor may name in its ``frame_sampling`` attribute.
 SAMPLERS: dict[str, type[FrameSampler]] = {
     "spread": FrameSampler,
@@ -242,6 +270,7 @@ SAMPLERS: dict[str, type[FrameSampler]] = {
     "smolvlm": SmolVLMSampler,
     "glm46v": GlmDynamicSampler,
     "glm4v": GlmFpsSampler,
+    "internvl": ShiftedStepSampler,
 }
 
 

@@ -49,6 +49,9 @@ FAMILIES: dict[str, str] = {
     "glm4v_moe": "glm4v",
     "glm46v": "glm4v",
     "mllama": "mllama",
+    # transformers' native layout (the Hub's *-HF checkpoints)
+    "internvl": "internvl",
+    "minicpmv4_6": "minicpmv4_6",
 }
 
 

@@ -28,6 +28,7 @@ from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it, rope_parameters
 from mlxvlm.models.feature_cache import cached_rows
 from mlxvlm.models.layers import mlx_lm_backbone, siglip
+from mlxvlm.models.layers.pixel_shuffle import fold_blocks
 from mlxvlm.models.processor_utils import pil_processor
 from mlxvlm.models.weights import LM_HEAD_NAMES, map_hf_weights, tie_lm_head
 
@@ -84,10 +85,8 @@ class Connector(nn.Module):
         """(tiles, side * side, D) -> (tiles, (side / s)^2, text width). Each token holds an
         s x s block of patches, row by row: [(r, c) for r in block rows for c in block
         columns], as transformers' ``pixel_shuffle`` lays them out."""
-        B, L, D = patches.shape
-        side, s = int(L**0.5), self.scale_factor
-        blocks = patches.reshape(B, side // s, s, side // s, s, D).transpose(0, 1, 3, 2, 4, 5)
-        return self.modality_projection(blocks.reshape(B, L // s**2, s * s * D))
+        side = int(patches.shape[1] ** 0.5)
+        return self.modality_projection(fold_blocks(patches, side, side, self.scale_factor))
 
 
 class ModalityProjection(nn.Module):

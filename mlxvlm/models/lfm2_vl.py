@@ -26,6 +26,8 @@ from mlxvlm.models.config_utils import as_transformers_reads_it, token_id
 from mlxvlm.models.feature_cache import cached_features
 from mlxvlm.models.layers import mlx_lm_backbone, siglip2
 from mlxvlm.models.layers.activations import activation
+# transformers' pixel_unshuffle (module-level, so that a test can swap it)
+from mlxvlm.models.layers.pixel_shuffle import fold_blocks as unshuffle
 from mlxvlm.models.processor_utils import tokenizer_and_chat_template
 from mlxvlm.models.weights import PROJECTOR_NAMES, TEXT_MODEL_NAMES, map_hf_weights
 
@@ -98,15 +100,6 @@ class ModelArgs:
             projector_bias=config["projector_bias"],
             projector_use_layernorm=config["projector_use_layernorm"],
         )
-
-
-def unshuffle(patches: mx.array, rows: int, columns: int, factor: int) -> mx.array:
-    """(rows * columns, D) patch features, row by row -> (rows * columns / factor², factor²
-    D): one token per ``factor x factor`` block, blocks row by row, each token's channels
-    its block's patches row by row (transformers' ``pixel_unshuffle``)."""
-    D = patches.shape[-1]
-    blocks = patches.reshape(rows // factor, factor, columns // factor, factor, D)
-    return blocks.transpose(0, 2, 1, 3, 4).reshape(-1, factor * factor * D)
 
 
 class MultiModalProjector(nn.Module):

@@ -33,6 +33,7 @@ from mlxvlm.models.weights import (
     NESTED_TOWER_NAMES,
     PROJECTOR_NAMES,
     TEXT_MODEL_NAMES,
+    is_hf_unless_quantized,
     map_hf_weights,
 )
 
@@ -64,8 +65,6 @@ TOWER = "vision_tower.vision_model."
 LM_HEAD = "language_model.lm_head.weight"
 # Buffers some Hugging Face checkpoints carry and that are recomputed here.
 HF_ONLY_SUFFIXES = ("position_ids", "rotary_emb.inv_freq")
-# Tensors only quantized (converted) checkpoints have.
-QUANTIZED_SUFFIXES = (".scales", ".biases")
 
 
 # ------------------------------------------------------------------------ towers, config
@@ -208,15 +207,9 @@ class Model(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
         Face's — unmistakably (the module-tree or save_pretrained namings, buffers that
         conversions drop) or as the Hub's original checkpoints, whose names conversions
         keep (see above)."""
-        names = list(weight_names)
-        quantized = [n for n in names if n.endswith(QUANTIZED_SUFFIXES)]
-        hf_only = [n for n in names if n.endswith(HF_ONLY_SUFFIXES) or cls.hf_to_mlx_name(n) != n]
-        if quantized and hf_only:
-            raise ValueError(
-                f"the checkpoint mixes Hugging Face tensor names (e.g. {hf_only[0]!r}) with "
-                f"quantized MLX ones (e.g. {quantized[0]!r}); it is neither layout"
-            )
-        return not quantized
+        return is_hf_unless_quantized(
+            weight_names, lambda n: n.endswith(HF_ONLY_SUFFIXES) or cls.hf_to_mlx_name(n) != n
+        )
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return map_hf_weights(

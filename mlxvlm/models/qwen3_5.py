@@ -126,13 +126,19 @@ class Model(QwenVLModel):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
-        renamed = super().sanitize(weights)
-        for name, value in renamed.items():
-            if name.endswith(ZERO_CENTRED_NORMS) and name.startswith("language_model."):
-                renamed[name] = value + 1.0
-            elif name.endswith(".linear_attn.conv1d.weight"):
-                renamed[name] = value.moveaxis(2, 1)  # (C, 1, K) -> MLX's (C, K, 1)
-        return renamed
+        return hybrid_text_weights(super().sanitize(weights))
+
+
+def hybrid_text_weights(renamed: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The hybrid text model's tensors (under our ``language_model.`` names) as MLX's
+    layers take them: zero-centred norms plus one, the depthwise convolution moved to
+    (channels, kernel, 1). Other tensors pass through."""
+    for name, value in renamed.items():
+        if name.endswith(ZERO_CENTRED_NORMS) and name.startswith("language_model."):
+            renamed[name] = value + 1.0
+        elif name.endswith(".linear_attn.conv1d.weight"):
+            renamed[name] = value.moveaxis(2, 1)  # (C, 1, K) -> MLX's (C, K, 1)
+    return renamed
 
 
 # Module names for callers outside the models package (tests, tools).

@@ -67,6 +67,29 @@ def is_hf_naming(names: Iterable[str], hf_prefixes: tuple[str, ...],
     return bool(hf)
 
 
+# Tensors only quantized (converted) checkpoints have.
+QUANTIZED_SUFFIXES = (".scales", ".biases")
+
+
+def is_hf_unless_quantized(names: Iterable[str], hf_only: Callable[[str], bool]) -> bool:
+    """``is_hf_checkpoint`` for a family whose Hugging Face names may equal its own (the
+    Hub's originals, or transformers 5's save_pretrained, name the modules as
+    mlx-community does; only a tensor's layout differs): quantized tensors mean an MLX
+    conversion, anything else is taken for Hugging Face's. The loader recognises float
+    conversions first, by how their writer marked them (``checkpoint.loading.is_converted``).
+    ``hf_only(name)``: whether only a Hugging Face checkpoint has ``name``; a checkpoint
+    with such names and quantized ones is neither layout (ValueError)."""
+    names = list(names)
+    quantized = [n for n in names if n.endswith(QUANTIZED_SUFFIXES)]
+    hf = [n for n in names if hf_only(n)]
+    if quantized and hf:
+        raise ValueError(
+            f"the checkpoint mixes Hugging Face tensor names (e.g. {hf[0]!r}) with "
+            f"quantized MLX ones (e.g. {quantized[0]!r}); it is neither layout"
+        )
+    return not quantized
+
+
 def has_transformers_names(names: Iterable[str], tower: str = "vision_tower.",
                            ours: str = "vision_tower.vision_model.") -> bool:
     """Whether any name is one only transformers writes: the module tree (``model.*``, ``lm_head.*``), or

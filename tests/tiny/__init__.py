@@ -42,6 +42,10 @@ BUILDERS = {
     "glm4v": "tiny.glm4v",
     "glm4v_moe": "tiny.glm4v",
     "mllama": "tiny.mllama",
+    "internvl": "tiny.internvl",
+    "internvl_rms": "tiny.internvl",
+    "internvl3": "tiny.internvl",
+    "minicpmv4_6": "tiny.minicpmv4_6",
 }
 # Families that embed or rank rather than generate (mlxvlm.retrieval): the family-wide
 # generation tests (text, BOS, threads, PEFT names) run over GENERATIVE.
