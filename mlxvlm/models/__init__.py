@@ -49,6 +49,8 @@ FAMILIES: dict[str, str] = {
     "glm4v_moe": "glm4v",
     "glm46v": "glm4v",
     "mllama": "mllama",
+    # GLM-OCR: GLM-4.6V-Flash's layers with its own switches (models/glm_ocr.py)
+    "glm_ocr": "glm_ocr",
 }
 
 

@@ -42,6 +42,7 @@ BUILDERS = {
     "glm4v": "tiny.glm4v",
     "glm4v_moe": "tiny.glm4v",
     "mllama": "tiny.mllama",
+    "glm_ocr": "tiny.glm_ocr",
 }
 # Families that embed or rank rather than generate (mlxvlm.retrieval): the family-wide
 # generation tests (text, BOS, threads, PEFT names) run over GENERATIVE.
