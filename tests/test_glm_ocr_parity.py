@@ -6,7 +6,8 @@ images of different aspect ratios and an image in a later turn; 64 greedy tokens
 model card's task prompts ("Text Recognition:", "Table Recognition:", "Formula
 Recognition:") as plain user text; chunked prefill; the same answers through the CLI's
 ``main`` (24 and 64 tokens) and through ``python -m mlxvlm.server`` (two requests
-decoded together, then a later turn reusing the cached prefix).
+decoded together, then a later turn reusing the cached prefix); video frames placed as
+transformers places them.
 Guards: another image changes the answer, a wrong rope θ or GLM-4.6V's defaults for
 missing keys are caught, the multi-token-prediction layer is left out.
 """
@@ -104,6 +105,15 @@ def test_chunked_prefill_gives_the_same_tokens(loaded, reference):
     model, processor = loaded(FAMILY, "transformers")
     assert our_tokens(model, processor, *CASES["two_images"], prefill_step_size=5) == (
         reference(FAMILY, "two_images").tokens)
+
+
+def test_video_frames_in_a_video_block_match_transformers(tiny_checkpoints, loaded):
+    """GLM-OCR keeps GLM-V's video path: frames inside a video block take the video's
+    features and one 1 x h x w grid each, as in transformers."""
+    from test_glm4v_parity import assert_video_block_matches_transformers
+
+    model, processor = loaded(FAMILY, "transformers")
+    assert_video_block_matches_transformers(tiny_checkpoints.model(FAMILY).model, model, processor)
 
 
 # --------------------------------------------------------------------- entry points
