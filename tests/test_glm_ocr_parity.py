@@ -4,7 +4,7 @@ PIL processor), on a tiny random checkpoint in both layouts (tests/tiny/glm_ocr.
 Parity: first-pass logits within 1e-4 and 24 greedy tokens for text, one image, two
 images of different aspect ratios and an image in a later turn; 64 greedy tokens for the
 model card's task prompts ("Text Recognition:", "Table Recognition:", "Formula
-Recognition:") as plain user text; chunked prefill; the same answers through the CLI's
+Recognition:") as plain user text, also with prompt lookup drafting; chunked prefill; the same answers through the CLI's
 ``main`` (24 and 64 tokens) and through ``python -m mlxvlm.server`` (two requests
 decoded together, then a later turn reusing the cached prefix); video frames placed as
 transformers places them.
@@ -98,6 +98,21 @@ def test_task_prompts_match_transformers_for_64_tokens(case, loaded, ocr_referen
     ref = decisive_ocr_reference(ocr_reference, case)
     parity.assert_first_pass_matches(model, processor, ALL_CASES[case], ref)
     assert our_tokens(model, processor, *ALL_CASES[case], max_tokens=OCR_TOKENS) == ref.tokens
+
+
+def test_prompt_lookup_keeps_the_64_token_answer(loaded, ocr_reference):
+    """Prompt lookup drafting (what pays on OCR answers, which copy the page) verifies
+    every draft against the model: the greedy answer stays transformers'."""
+    from mlxvlm import stream_generate
+
+    model, processor = loaded(FAMILY, "hub")
+    ref = decisive_ocr_reference(ocr_reference, "table_recognition")
+    steps = list(stream_generate(model, processor, *ALL_CASES["table_recognition"],
+                                 max_tokens=OCR_TOKENS, prompt_lookup_num_tokens=4))
+    assert [step.token for step in steps if step.token is not None] == ref.tokens
+    # drafts were made, and some kept, some thrown away
+    stats = steps[-1].speculation
+    assert stats.drafted > stats.accepted > 0
 
 
 def test_chunked_prefill_gives_the_same_tokens(loaded, reference):
