@@ -20,6 +20,9 @@ Writes under benchmarks/checkpoints/ (git-ignored):
 - ``glm46v-flash-bf16``: zai-org/GLM-4.6V-Flash's shapes (9B: the GLM-V tower, 24 x 1536,
   over a 40-layer 4096-wide GLM-4 decoder with partial M-RoPE), bfloat16 (about 20 GB on
   disk, more while building: run it alone);
+- ``glm-ocr-bf16``: zai-org/GLM-OCR's shapes (0.9B: a 24-layer 1024-wide GLM-OCR tower
+  over a 16-layer 1536-wide GLM decoder with 128-wide heads), bfloat16, without its
+  multi-token-prediction layer;
 - ``llama32-11b-vision-bf16``: meta-llama/Llama-3.2-11B-Vision-Instruct's shapes (a
   32+8-layer 1280-wide tiled vision encoder at 560-px tiles, up to 4 tiles; a 40-layer
   4096-wide Llama whose layers 3, 8, ..., 38 cross-attend to the image), bfloat16;
@@ -359,6 +362,47 @@ def glm46v_flash():
     parts = Parts(tokenizer, image_processor, GLM_TEMPLATE,
                   {"processor_class": "Glm46VProcessor"}, "Glm46VImageProcessor")
     return Glm4vForConditionalGeneration, config, parts, eos_ids
+# GLM-OCR answers without a thinking block
+GLM_OCR_TEMPLATE = GLM_TEMPLATE.replace("<|assistant|>\n<think></think>\n", "<|assistant|>\n")
+
+
+def glm_ocr():
+    """zai-org/GLM-OCR's shapes (0.9B: a 24-layer 1024-wide GLM-OCR tower with q/k norms and
+    biases, no position table, over a 16-layer 1536-wide GLM decoder with 128-wide heads,
+    16 query and 8 key/value heads, the whole head under M-RoPE), with its
+    multi-token-prediction layer left out (transformers does not build it)."""
+    from transformers import GlmOcrConfig, GlmOcrForConditionalGeneration, Glm46VImageProcessorPil
+
+    names = ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>",
+             "<|user|>", "<|assistant|>", "<|observation|>", "<|begin_of_image|>",
+             "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>")
+    special = {name: 59246 + index for index, name in enumerate(names)}
+    special.update({"<|image|>": 59280, "<|video|>": 59281})
+    tokenizer = word_level_tokenizer(59392, special, eos="<|endoftext|>", pad="<|endoftext|>")
+    eos_ids = [59246, 59253]
+    config = GlmOcrConfig(
+        image_token_id=59280, video_token_id=59281, image_start_token_id=59256,
+        image_end_token_id=59257, video_start_token_id=59258, video_end_token_id=59259,
+        tie_word_embeddings=False,
+        text_config=dict(hidden_size=1536, intermediate_size=4608, num_hidden_layers=16,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                         vocab_size=59392, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [16, 24, 24],
+                                          "partial_rotary_factor": 1.0},
+                         pad_token_id=59246, eos_token_id=eos_ids),
+        vision_config=dict(depth=24, hidden_size=1024, num_heads=16, out_hidden_size=1536,
+                           intermediate_size=4096, attention_bias=True, image_size=336,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                           rms_norm_eps=1e-5),
+    )
+    image_processor = Glm46VImageProcessorPil(
+        size={"shortest_edge": 12544, "longest_edge": 9633792})
+    parts = Parts(tokenizer, image_processor, GLM_OCR_TEMPLATE,
+                  {"processor_class": "Glm46VProcessor"}, "Glm46VImageProcessor")
+    return GlmOcrForConditionalGeneration, config, parts, eos_ids
+
+
 MLLAMA_TEMPLATE = (
     "{{- bos_token }}{%- for message in messages %}"
     "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
@@ -446,7 +490,7 @@ def internvl3_5_1b():
 BUILDERS = {
     "smolvlm-256m": smolvlm_256m, "qwen2vl-2b": qwen2vl_2b, "qwen2vl-mid": qwen2vl_mid,
     "gemma4-e2b": gemma4_e2b, "qwen3vl-embedding-2b": qwen3vl_embedding_2b,
-    "glm46v-flash": glm46v_flash,
+    "glm46v-flash": glm46v_flash, "glm-ocr": glm_ocr,
     "llama32-11b-vision": llama32_11b_vision,
     "internvl3_5-1b": internvl3_5_1b,
 }

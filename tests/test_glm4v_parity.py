@@ -246,8 +246,13 @@ def test_video_frames_in_a_video_block_match_transformers(family, tiny_checkpoin
     followed by its timestamp, all inside <|begin_of_video|> ... <|end_of_video|>): the
     frames take the video's features and one 1 x h x w grid each. (Alone: transformers
     5.25 scatters image features over a video's frame tokens too when both come.)"""
-    reference_model = tiny_checkpoints.model(family).model
     model, processor = loaded(family, "transformers")
+    assert_video_block_matches_transformers(tiny_checkpoints.model(family).model, model, processor)
+
+
+def assert_video_block_matches_transformers(reference_model, model, processor) -> None:
+    """A 2-frame video as GLM-V prompts it: our logits are transformers' (GLM-OCR's
+    parity tests reuse it)."""
     tok = processor.tokenizer
     ids_of = tok.convert_tokens_to_ids
     image, begin, end = ids_of("<|image|>"), ids_of("<|begin_of_image|>"), ids_of("<|end_of_image|>")
