@@ -1,10 +1,16 @@
-"""What rank 0 tells the other ranks: the next generation to run with it, or the end.
+"""What rank 0 tells the other ranks: the next generation to run with it (the CLI), the
+next pass of the server's batch, or the end.
 
 A ``GenerationJob`` is everything the shared loop needs besides the model: the prompt's
 ids, the embeddings rank 0's towers made (and the decoder's state, such as M-RoPE
 positions), the sampling and cache options. Every rank then runs the same loop; the
 tokens are rank 0's (``broadcast.rank0_token``), so the ranks stop together (end of
 sequence, stop strings, the token budget are all decided on those tokens).
+
+A ``StepPlan`` is one forward pass of the sharded server's continuous batch (rank 0's
+``batching.lockstep``; the others replay it in ``batching.sharded_follower``): what
+changed in the caches since the previous plan, then the pass's inputs. Rank 0 alone
+samples; the tokens it feeds back are the next plan's inputs.
 """
 
 from __future__ import annotations
@@ -30,6 +36,36 @@ class GenerationJob:
     prefill_step_size: int
 
 
+@dataclass
+class PassCall:
+    """One forward pass: ``model(input_ids, cache, embeddings=..., state=...,
+    last_only=...)`` on the cache of sequence ``target`` (None: the decode batch's)."""
+
+    target: int | None
+    input_ids: mx.array
+    embeddings: mx.array | None
+    state: Any  # only where ``state_sent``: else the target's state as last sent
+    state_sent: bool
+    last_only: bool
+    # The target sequence's cache length on rank 0 before the pass: shorter than a
+    # follower's after a speculative pass whose rejected tokens rank 0 took back.
+    offset: int | None
+
+
+@dataclass
+class StepPlan:
+    """One pass of the sharded server's batch, with the cache changes before it, in
+    order: ``("start", id, input_ids, cache_options)`` (a sequence's own cache made),
+    ``("join", id, merged)`` (that cache becomes the decode batch's last row, or the
+    batch's only one), ``("keep", indices)`` (only those rows stay). ``live``: the
+    sequences whose own caches rank 0 still holds (the others' are dropped).
+    ``call`` is None for a plan of changes only (rank 0 going idle)."""
+
+    ops: list
+    live: tuple[int, ...]
+    call: PassCall | None
+
+
 def leads(model) -> bool:
     """Whether this process is rank 0 of a sharded model."""
     plan = model.sharding
@@ -42,6 +78,11 @@ def announce(model, job: GenerationJob) -> None:
     broadcast_object(dataclasses.replace(job, options=options), model.sharding.group)
 
 
+def announce_step(model, plan: StepPlan) -> None:
+    """Rank 0: send ``plan`` to the other ranks (``RankLostError`` if one has left)."""
+    broadcast_object(plan, model.sharding.group)
+
+
 def release(model) -> None:
     """Rank 0: tell the other ranks there is nothing more to run (they return). Returns
     once every rank has taken the release, so that a rank that failed to take it fails
@@ -51,8 +92,9 @@ def release(model) -> None:
         barrier(model.sharding.group)
 
 
-def next_job(model) -> GenerationJob | None:
-    """The other ranks: rank 0's next job, None at the end (the release, acknowledged)."""
+def next_job(model) -> GenerationJob | StepPlan | None:
+    """The other ranks: rank 0's next job (the CLI's generation, or the server's next
+    pass), None at the end (the release, acknowledged)."""
     job = broadcast_object(None, model.sharding.group)
     if job is None:
         barrier(model.sharding.group)

@@ -96,20 +96,19 @@ class GenerationService:
             if config.prompt_cache_size > 0
             else None
         )
-        if model.sharding is not None:  # under mlx.launch: rank 0
+        engine_class = BatchEngine
+        if model.sharding is not None:  # under mlx.launch: rank 0, whose passes all run
             from mlxvlm.batching.sharded_engine import ShardedEngine
 
-            self.engine = ShardedEngine(model, processor,
-                                        prefill_step_size=config.prefill_step_size)
-        else:
-            self.engine = BatchEngine(
-                model,
-                processor,
-                max_batch_size=config.max_concurrency,
-                prefill_step_size=config.prefill_step_size,
-                prefix_cache=prefix_cache,
-                speculation=speculation_of(config),
-            )
+            engine_class, prefix_cache = ShardedEngine, None
+        self.engine = engine_class(
+            model,
+            processor,
+            max_batch_size=config.max_concurrency,
+            prefill_step_size=config.prefill_step_size,
+            prefix_cache=prefix_cache,
+            speculation=speculation_of(config),
+        )
         # Decoded pixels of each request and of all being prepared, charged from image
         # and video headers before decoding (see media.PixelBudget).
         self.pixels = pixels or PixelBudget(config.max_request_pixels, config.max_total_pixels)
