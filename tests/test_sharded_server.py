@@ -130,11 +130,15 @@ def test_the_follower_runs_rank_0s_batch_on_caches_laid_out_as_rank_0s(demo, mon
     alone's, and every pass the follower runs gives rank 0's logits."""
     from test_sequence_isolation import FailsAt, raising
 
-    engine, follower, rank0, other, plans = lockstep(demo, monkeypatch, max_batch_size=6)
+    engine, follower, rank0, other, plans = lockstep(demo, monkeypatch, max_batch_size=7)
     options = SamplingOptions(max_tokens=MAX_TOKENS)
     images = [PICTURE, None, None, None]
     runs = [submit(engine, demo, q, i, options) for q, i in zip(QUESTIONS, images)]
     cancelled, cancelled_got = submit(engine, demo, "Name a colour", None, options)
+
+    def broken(item):  # a consumer that raises (a closed event loop): its request leaves
+        raise RuntimeError("event loop is closed")
+    engine.submit(inputs_of(demo, "Tell a joke", None), options, broken)
     _, failing = submit(engine, demo, "Say something", None, SamplingOptions(
         max_tokens=MAX_TOKENS, extra_processors=(FailsAt(4, raising),)))
 
@@ -149,7 +153,7 @@ def test_the_follower_runs_rank_0s_batch_on_caches_laid_out_as_rank_0s(demo, mon
     assert len(cancelled_got["tokens"]) == 3 and cancelled_got["error"] is None
     assert isinstance(failing["error"], RuntimeError) and len(failing["tokens"]) == 3
     assert engine.stats.peak_batch_size >= 3  # (the demo answers are short)
-    assert (engine.stats.requests_cancelled, engine.stats.requests_failed) == (1, 1)
+    assert (engine.stats.requests_cancelled, engine.stats.requests_failed) == (2, 1)
     assert_same_passes(rank0, other)
     # One plan per pass (and the idle one); the follower holds nothing once all left.
     assert sum(plan.call is not None for plan in plans) == len(rank0.outputs)
@@ -189,6 +193,31 @@ def test_the_follower_takes_back_what_speculation_rejects(demo, monkeypatch, dra
         assert rewound > 0
     assert follower.held == {}
     engine.close()
+
+
+def test_close_releases_the_ranks_after_the_step_under_way(demo, monkeypatch, caplog):
+    """A release sent during a step would be read into its collectives: close, given a
+    timeout the step outlasts, returns without releasing; the engine's thread fails the
+    requests left and releases the ranks once its step ends."""
+    engine, follower, _, _, plans = lockstep(demo, monkeypatch)
+    engine.start()
+    inside, gate = threading.Event(), threading.Event()
+    got = []
+
+    def slow(item):  # holds the engine inside its step until the gate opens
+        got.append(item)
+        inside.set()
+        gate.wait(60)
+    engine.submit(inputs_of(demo, QUESTIONS[1], None), SamplingOptions(max_tokens=MAX_TOKENS),
+                  slow)
+    assert inside.wait(60)
+    engine.close(timeout=0.1)
+    assert None not in plans
+    assert "released when it does" in caplog.text
+    gate.set()
+    engine._thread.join(60)
+    assert plans[-1] is None
+    assert isinstance(got[-1], mlxvlm.errors.MlxvlmError) and "shutting down" in str(got[-1])
 
 
 # -- through the entry point ------------------------------------------------------------
@@ -279,6 +308,8 @@ def test_the_sharded_server_answers_concurrent_clients_as_one_process(checkpoint
         after = answer(base, bodies[1])
         metrics = httpx.get(f"{base}/metrics", timeout=60).text
         output = log_path.read_text()
+        os.kill(rank_pid(server.pid, 1), signal.SIGKILL)
+        lost = ask_after_rank_lost(base, bodies[1])
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
@@ -291,6 +322,34 @@ def test_the_sharded_server_answers_concurrent_clients_as_one_process(checkpoint
     assert metric(metrics, "mlxvlm_sequences_cancelled_total") == 1
     assert metric(metrics, "mlxvlm_sequences_finished_total") == len(bodies) + 1
     assert_every_rank_ended_well(output)
+    # Rank 1 gone: the request fails with 503 rather than waiting, unless mlx.launch,
+    # seeing rank 1 exit, stopped rank 0 first.
+    assert lost is None or (lost.status_code == 503 and "another rank left the run"
+                            in lost.json()["error"]["message"]), lost
+
+
+def rank_pid(session: int, rank: int) -> int:
+    """The process of ``rank`` among those mlx.launch started in ``session``."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or os.getsid(int(entry.name)) != session:
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ProcessLookupError):
+            continue
+        if f"MLX_RANK={rank}".encode() in environ and b"mlxvlm.server" in cmdline:
+            return int(entry.name)
+    raise AssertionError(f"no rank {rank} in session {session}")
+
+
+def ask_after_rank_lost(base: str, body: dict) -> httpx.Response | None:
+    """The answer to ``body`` once a rank is gone; None where the server went too."""
+    try:
+        return httpx.post(f"{base}/v1/chat/completions", json={"model": "m", **body},
+                          timeout=120)
+    except httpx.TransportError:
+        return None
 
 
 def metric(text: str, name: str) -> float:

@@ -51,17 +51,32 @@ class ShardedEngine(BatchEngine):
         if not self.has_work:  # idle: the other ranks free what left
             self.model.flush()
 
+    def _run(self) -> None:
+        try:
+            super()._run()
+        finally:  # closed: after the last step, on the thread that ran it
+            self._finish()
+
     def close(self, timeout: float | None = None) -> None:
-        """Stop taking requests, end the step under way, fail the requests left, then
-        release the other ranks. By default the step is waited out: a release sent while
-        it runs would be read into its collectives. Past a ``timeout`` the other ranks are
-        left unreleased (they stop with this process)."""
+        """Stop taking requests; after the step under way, fail the requests left and
+        release the other ranks. By default the step is waited out. Past a ``timeout``
+        close returns, and the engine's thread releases the ranks when its step ends (a
+        release sent while it runs would be read into its collectives)."""
         self._stop_thread(timeout)
-        if self._thread is not None and self._thread.is_alive():
+        if self._thread is None:
+            self._finish()
+        elif self._thread.is_alive():
             logger.warning("the engine's step did not end within %s s: the other ranks are "
-                           "not released and stop when this process exits", timeout)
-            return
+                           "released when it does", timeout)
+
+    def _finish(self) -> None:
         error = MlxvlmError("the engine is shutting down")
         for seq in self._drain():
             self._deliver(seq, error)
-        release(self.model.model)
+        if self._thread is None:
+            release(self.model.model)
+            return
+        try:
+            release(self.model.model)
+        except MlxvlmError as exc:  # (a rank already gone: nothing waits for this one)
+            logger.warning("%s", exc)
