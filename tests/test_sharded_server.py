@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 
 import httpx
@@ -31,6 +32,7 @@ import mlxvlm
 from mlxvlm.batching import BatchStep, SamplingOptions
 from mlxvlm.batching import sharded_engine
 from mlxvlm.batching.sharded_follower import FollowerBatch
+from mlxvlm.distributed import jobs
 from mlxvlm.generate import stream_generate
 from mlxvlm.generate.speculative import Speculation
 from mlxvlm.prompt import prepare_inputs
@@ -64,21 +66,56 @@ def demo():
     return model, mlxvlm.load(DEMO)[0], processor
 
 
+class Channel:
+    """Two ranks in one process: what rank 0's broadcasts send, the other rank takes."""
+
+    def __init__(self):
+        self.sent: list = []
+        self.headers: list[list[int]] = []
+
+    def model(self, rank: int):
+        group = types.SimpleNamespace(rank=lambda: rank)
+        return types.SimpleNamespace(sharding=types.SimpleNamespace(group=group, rank=rank))
+
+    def ints(self, values, length, group):
+        if group.rank() == 0:
+            self.headers.append(list(values))
+            self.sent.append(list(values) + [0] * (length - len(values)))
+            return values
+        return self.sent.pop(0)
+
+    def object(self, obj, group):
+        if group.rank() == 0:
+            self.sent.append(pickle.dumps(obj))  # (as the broadcast sends it)
+            return obj
+        return pickle.loads(self.sent.pop(0))
+
+
 def lockstep(demo, monkeypatch, **options):
-    """A sharded engine over the demo model whose plans travel (pickled, as the
-    broadcast sends them) to a follower in the same process."""
+    """A sharded engine over the demo model whose plans travel through jobs'
+    announce_step and next_step to a follower in the same process."""
     model, copy, processor = demo
     rank0, other = Recorded(model), Recorded(copy)
     follower = FollowerBatch(other)
+    channel = Channel()
     plans = []
+    monkeypatch.setattr(jobs, "broadcast_ints", channel.ints)
+    monkeypatch.setattr(jobs, "broadcast_object", channel.object)
+    monkeypatch.setattr(jobs, "barrier", lambda group: None)
 
     def announce(_, plan):
-        plans.append(pickle.loads(pickle.dumps(plan)))
+        jobs.announce_step(channel.model(0), plan)
+        plans.append(jobs.next_step(channel.model(1)))
         follower.apply(plans[-1])
 
+    def release(_):
+        jobs.release_steps(channel.model(0))
+        plans.append(jobs.next_step(channel.model(1)))
+
     monkeypatch.setattr(sharded_engine, "announce_step", announce)
-    monkeypatch.setattr(sharded_engine, "release", lambda _: plans.append(None))
+    monkeypatch.setattr(sharded_engine, "release_steps", release)
     engine = sharded_engine.ShardedEngine(rank0, processor, prefill_step_size=16, **options)
+    engine.channel = channel
     return engine, follower, rank0, other, plans
 
 
@@ -155,8 +192,11 @@ def test_the_follower_runs_rank_0s_batch_on_caches_laid_out_as_rank_0s(demo, mon
     assert engine.stats.peak_batch_size >= 3  # (the demo answers are short)
     assert (engine.stats.requests_cancelled, engine.stats.requests_failed) == (2, 1)
     assert_same_passes(rank0, other)
-    # One plan per pass (and the idle one); the follower holds nothing once all left.
+    # One plan per pass (and the idle one), decode steps with nothing else to say as
+    # their tokens alone; the follower holds nothing once all left.
     assert sum(plan.call is not None for plan in plans) == len(rank0.outputs)
+    kinds = [header[0] for header in engine.channel.headers]
+    assert kinds.count(jobs._DECODE) > 0 and kinds.count(jobs._OBJECT) > 0
     assert follower.held == {} and follower.batch is None
     engine.close()
     assert plans[-1] is None  # the release

@@ -95,8 +95,9 @@ class LockstepModel:
             if target is not None and target not in live:
                 del self._sent_states[target]
         ops, self._ops = self._ops, []
+        changed = live != self._sent_live
         self._sent_live = live
-        self._announce(StepPlan(ops, tuple(sorted(live)), call))
+        self._announce(StepPlan(ops, tuple(sorted(live)) if changed else None, call))
 
 
 _NOTHING = object()

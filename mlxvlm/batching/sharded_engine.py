@@ -18,7 +18,7 @@ from typing import Any
 
 from mlxvlm.batching.engine import BatchEngine
 from mlxvlm.batching.lockstep import LockstepBatch, LockstepModel
-from mlxvlm.distributed.jobs import announce_step, release
+from mlxvlm.distributed.jobs import announce_step, release_steps
 from mlxvlm.errors import MlxvlmError
 
 logger = logging.getLogger(__name__)
@@ -74,9 +74,9 @@ class ShardedEngine(BatchEngine):
         for seq in self._drain():
             self._deliver(seq, error)
         if self._thread is None:
-            release(self.model.model)
+            release_steps(self.model.model)
             return
         try:
-            release(self.model.model)
+            release_steps(self.model.model)
         except MlxvlmError as exc:  # (a rank already gone: nothing waits for this one)
             logger.warning("%s", exc)

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxvlm.batching.decode import add_row, keep_rows
-from mlxvlm.distributed.jobs import PassCall, StepPlan, next_job
+from mlxvlm.distributed.jobs import PassCall, StepPlan, next_step
 from mlxvlm.generate.cache import CacheOptions
 from mlxvlm.generate.loop import generation_stream
 from mlxvlm.generate.rewind import CacheCheckpoint
@@ -64,8 +64,9 @@ class FollowerBatch:
                     keep_rows(self.batch, indices)
             else:
                 raise RuntimeError(f"rank 0 sent an unknown change {kind!r}")
-        for seq_id in [s for s in self.held if s not in plan.live]:
-            del self.held[seq_id]
+        if plan.live is not None:
+            for seq_id in [s for s in self.held if s not in plan.live]:
+                del self.held[seq_id]
         if plan.call is not None:
             self._run(plan.call)
 
@@ -99,8 +100,6 @@ class FollowerBatch:
 def follow_batches(model: Any) -> int:
     """Run rank 0's passes until it releases this rank; returns how many ran."""
     batch = FollowerBatch(model)
-    while (plan := next_job(model)) is not None:
-        if not isinstance(plan, StepPlan):
-            raise RuntimeError(f"rank 0 sent a {type(plan).__name__}, not a server's step")
+    while (plan := next_step(model)) is not None:
         batch.apply(plan)
     return batch.passes

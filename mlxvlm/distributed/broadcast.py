@@ -94,6 +94,20 @@ def _broadcast(obj: Any, group: mx.distributed.Group) -> Any:
     return _Unpickler(io.BytesIO(raw[:size]), arrays).load()
 
 
+def broadcast_ints(values: list[int] | None, length: int,
+                   group: mx.distributed.Group) -> list[int]:
+    """Rank 0's ``values`` (at most ``length``, zero-padded) on every rank, in one
+    collective of ``length`` int32s (the others pass None). Raises ``RankLostError``
+    when another rank has left."""
+    sent = np.zeros(length, dtype=np.int32)
+    if group.rank() == 0:
+        sent[: len(values)] = values
+    try:
+        return _from_rank0(mx.array(sent), group).tolist()
+    except RuntimeError as exc:
+        raise peer_lost(exc, group) from None
+
+
 def rank0_token(token: mx.array, group: mx.distributed.Group) -> mx.array:
     """Rank 0's sampled token on every rank, left in the graph: every rank then feeds
     the same token back, whatever its own sampler drew from its copy of the logits."""
