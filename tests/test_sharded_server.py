@@ -6,11 +6,13 @@ In one process (the engine stepped by hand, a second copy of the model as the ot
 rank): every pass the follower runs gives bit for bit rank 0's logits, so its caches are
 laid out as rank 0's through joins, leaves, a cancelled and a failing request, and
 speculation's rewinds. Through the entry point (``mlx.launch ... python -m
-mlxvlm.server``): concurrent clients get the one-process server's answers while a long
-stream decodes beside them and is then cancelled; /metrics shows the batch."""
+mlxvlm.server``): concurrent clients get the one-process greedy answers while a long
+stream decodes beside them and is then cancelled, /metrics shows the batch, a lost rank
+is a 503; pipelined with prompt lookup, the answers are the one-process ones too."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -285,7 +287,7 @@ def answer(base: str, body: dict) -> str:
 
 def test_the_sharded_server_answers_concurrent_clients_as_one_process(checkpoint, tmp_path):
     """Under mlx.launch (two ranks, tensor parallel): a long stream decodes while four
-    clients (one with a picture) ask at once; each gets the one-process server's answer;
+    clients (one with a picture) ask at once; each gets the one-process greedy answer;
     the long stream, cancelled mid-way, had streamed the start of its own answer and the
     next request is answered as before; /metrics shows the batch and the cancellation."""
     from tiny import make_image
@@ -304,19 +306,8 @@ def test_the_sharded_server_answers_concurrent_clients_as_one_process(checkpoint
     assert long_reference.finish_reason == "length"  # (it outlasts the others)
     long_expected = long_reference.text
 
-    port = free_port()
-    log_path = tmp_path / "server.log"
-    log = log_path.open("w")
-    server = subprocess.Popen(
-        [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
-         "--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}",
-         "--python", sys.executable, "--", "-m", "mlxvlm.server", "--model",
-         str(checkpoint), "--served-model-name", "m", "--port", str(port),
-         "--max-concurrency", "5"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(base, server, log_path)
+    with launched_server(checkpoint, tmp_path, "--max-concurrency", "5") as (server, base,
+                                                                         log_path):
         streamed: list[str] = []
         decoding, others_done = threading.Event(), threading.Event()
 
@@ -350,10 +341,6 @@ def test_the_sharded_server_answers_concurrent_clients_as_one_process(checkpoint
         output = log_path.read_text()
         os.kill(rank_pid(server.pid, 1), signal.SIGKILL)
         lost = ask_after_rank_lost(base, bodies[1])
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
-        log.close()
     assert answers == expected
     assert after == expected[1]
     text = "".join(streamed)
@@ -366,6 +353,43 @@ def test_the_sharded_server_answers_concurrent_clients_as_one_process(checkpoint
     # seeing rank 1 exit, stopped rank 0 first.
     assert lost is None or (lost.status_code == 503 and "another rank left the run"
                             in lost.json()["error"]["message"]), lost
+
+
+def test_the_pipelined_server_speculates(checkpoint, tmp_path):
+    """Under mlx.launch with --pipeline and prompt lookup (--max-concurrency 1): two
+    requests, each the one-process greedy answer."""
+    model, processor = mlxvlm.load(checkpoint)
+    prompts = ["Repeat: one two three one two three one two three", QUESTIONS[1]]
+    expected = [mlxvlm.generate(model, processor, [{"role": "user", "content": p}],
+                                max_tokens=MAX_TOKENS).text for p in prompts]
+    with launched_server(checkpoint, tmp_path, "--pipeline", "--max-concurrency", "1",
+                         "--prompt-lookup-num-tokens", "3") as (_, base, log_path):
+        answers = [answer(base, chat(p)) for p in prompts]
+        output = log_path.read_text()
+    assert answers == expected
+    assert_every_rank_ended_well(output)
+
+
+@contextlib.contextmanager
+def launched_server(checkpoint: Path, tmp_path: Path, *flags: str):
+    """``python -m mlxvlm.server`` on two ranks (mlx.launch, ring over loopback):
+    (its base URL, its log's path), then stopped."""
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        server = subprocess.Popen(
+            [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
+             "--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}",
+             "--python", sys.executable, "--", "-m", "mlxvlm.server", "--model",
+             str(checkpoint), "--served-model-name", "m", "--port", str(port), *flags],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_up(base, server, log_path)
+            yield server, base, log_path
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
 
 
 def rank_pid(session: int, rank: int) -> int:
