@@ -32,7 +32,7 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from server_throughput import run_streams, stream_once  # noqa: E402
+from server_throughput import run_streams, stream_once
 
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 CONFIGURATIONS = {"1 process": [], "2 ranks tensor": ["tensor"],
@@ -69,9 +69,11 @@ def server_command(checkpoint: Path, mode: list[str], port: int, streams: int) -
 
 def measure(name: str, checkpoint: Path, streams: int, max_tokens: int, runs: int) -> dict:
     port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    server = subprocess.Popen(server_command(checkpoint, CONFIGURATIONS[name], port, streams),
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log_path = Path(tempfile.mkdtemp()) / "server.log"
+    with log_path.open("w") as log:  # (the server writes on after this closes it here)
+        server = subprocess.Popen(server_command(checkpoint, CONFIGURATIONS[name], port,
+                                                 streams),
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     prompts = [f"Describe picture number {i} in detail, please." for i in range(streams)]
     try:
@@ -84,7 +86,7 @@ def measure(name: str, checkpoint: Path, streams: int, max_tokens: int, runs: in
                 pass
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{name}: the server did not start:\n"
-                                   + Path(log.name).read_text())
+                                   + log_path.read_text())
             time.sleep(0.5)
         stream_once(base, "Warm up.", 8)
         rows = []

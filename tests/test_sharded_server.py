@@ -86,9 +86,12 @@ class Channel:
             return values
         return self.sent.pop(0)
 
-    def object(self, obj, group):
+    def object(self, obj, group, announce=None):
         if group.rank() == 0:
-            self.sent.append(pickle.dumps(obj))  # (as the broadcast sends it)
+            pickled = pickle.dumps(obj)  # (as the broadcast sends it)
+            if announce is not None:
+                announce()
+            self.sent.append(pickled)
             return obj
         return pickle.loads(self.sent.pop(0))
 
@@ -208,7 +211,7 @@ def test_the_follower_runs_rank_0s_batch_on_caches_laid_out_as_rank_0s(demo, mon
 def test_the_follower_takes_back_what_speculation_rejects(demo, monkeypatch, drafter):
     """Speculation on a sharded model (max_batch_size 1): the answers are the plain
     loop's, and the follower's caches follow rank 0's rewinds."""
-    model, copy, _ = demo
+    _, copy, _ = demo
     speculation = (Speculation(prompt_lookup_num_tokens=3) if drafter == "prompt lookup"
                    else Speculation(draft_model=copy, num_draft_tokens=3))
     engine, follower, rank0, other, plans = lockstep(demo, monkeypatch, max_batch_size=1,
@@ -241,7 +244,7 @@ def test_close_releases_the_ranks_after_the_step_under_way(demo, monkeypatch, ca
     """A release sent during a step would be read into its collectives: close, given a
     timeout the step outlasts, returns without releasing; the engine's thread fails the
     requests left and releases the ranks once its step ends."""
-    engine, follower, _, _, plans = lockstep(demo, monkeypatch)
+    engine, _, _, _, plans = lockstep(demo, monkeypatch)
     engine.start()
     inside, gate = threading.Event(), threading.Event()
     got = []
@@ -418,7 +421,7 @@ def ask_after_rank_lost(base: str, body: dict) -> httpx.Response | None:
 
 def metric(text: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in text.splitlines()
-                if line.startswith(name + " ") or line.startswith(name + "{"))
+                if line.startswith((name + " ", name + "{")))
 
 
 def wait_until_up(base: str, server: subprocess.Popen, log: Path) -> None:

@@ -94,8 +94,8 @@ def announce_step(model, plan: StepPlan) -> None:
     if tokens is not None and len(tokens) <= _STEP_HEADER - 2:
         broadcast_ints([_DECODE, len(tokens), *tokens], _STEP_HEADER, group)
         return
-    broadcast_ints([_OBJECT], _STEP_HEADER, group)
-    broadcast_object(plan, group)
+    broadcast_object(plan, group,
+                     announce=lambda: broadcast_ints([_OBJECT], _STEP_HEADER, group))
 
 
 def _plain_decode(plan: StepPlan) -> list[int] | None:
