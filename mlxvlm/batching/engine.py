@@ -208,8 +208,8 @@ class BatchEngine(EngineThread):
             raise MlxvlmError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if model.sharding is not None and not self.carries_passes_to_ranks:
             raise MlxvlmError(
-                "a sharded model's ranks decode one sequence in step (stream_generate; the "
-                "server's sharded engine), not batches")
+                "batch_generate does not run on a sharded model: its ranks run stream_generate "
+                "or the server (python -m mlxvlm.server under mlx.launch) in step")
         if prefill_step_size < 1:
             raise MlxvlmError(f"prefill_step_size must be at least 1, got {prefill_step_size}")
         self.cache_options = CacheOptions(max_kv_size, kv_bits, kv_group_size,
