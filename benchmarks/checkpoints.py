@@ -9,6 +9,8 @@ Writes under benchmarks/checkpoints/ (git-ignored):
 - ``qwen2vl-2b-bf16``: Qwen2-VL-2B-Instruct's shapes (32-layer 1280-wide ViT, 28-layer
   1536-wide Qwen2 with M-RoPE), bfloat16;
 - ``qwen2vl-mid-bf16``: that tower over Qwen2-0.5B's text shapes (``distributed.py``'s);
+- ``qwen2vl-small-bf16``: 4 of its tower layers over 8 text layers of 512
+  (``sharded_server.py``'s);
 - ``gemma4-e2b-bf16``: google/gemma-4-E2B-it's shapes (a 35-layer 1536-wide text model
   with per-layer inputs, the last 20 layers sharing KV, a 16-layer 768-wide vision tower
   at 280 soft tokens, E2B's 12-layer audio conformer), bfloat16, in the Hub's layout;
@@ -198,6 +200,21 @@ def qwen2vl_mid():
     text.num_attention_heads, text.num_key_value_heads = 14, 2
     text.rope_parameters = dict(text.rope_parameters, mrope_section=[8, 12, 12])  # head 64
     config.vision_config.hidden_size = 896  # the merger's output: the text width
+    return model_class, config, parts, eos_ids
+
+
+def qwen2vl_small():
+    """A small Qwen2-VL for the sharded server's benchmark (``sharded_server.py``): 4 of
+    the 2B's tower layers over 8 text layers of 512 (8 heads, 2 key/value heads: they
+    split over 2 ranks), the 2B's vocabulary; small enough that two ranks and one
+    process serve 4 streams each within minutes on a shared 2-core host."""
+    model_class, config, parts, eos_ids = qwen2vl_mid()
+    text = config.text_config
+    text.hidden_size, text.intermediate_size, text.num_hidden_layers = 512, 1536, 8
+    text.layer_types = text.layer_types[:8]
+    text.num_attention_heads, text.num_key_value_heads = 8, 2
+    config.vision_config.depth = 4
+    config.vision_config.hidden_size = 512
     return model_class, config, parts, eos_ids
 
 
@@ -493,6 +510,7 @@ BUILDERS = {
     "glm46v-flash": glm46v_flash, "glm-ocr": glm_ocr,
     "llama32-11b-vision": llama32_11b_vision,
     "internvl3_5-1b": internvl3_5_1b,
+    "qwen2vl-small": qwen2vl_small,
 }
 
 

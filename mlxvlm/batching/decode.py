@@ -27,6 +27,31 @@ from mlxvlm.generate.loop import generation_stream
 from mlxvlm.sampling import RowSampler, sampled_sanely, sampling_step
 
 
+def add_row(batch_cache: list[Any] | None, cache: list[Any]) -> list[Any]:
+    """``cache`` (one sequence's) as the last row of ``batch_cache`` (mlx-lm's batched
+    caches, None before the first row); the batch's caches. Shared with the other ranks
+    of a sharded server, whose batches must be laid out as rank 0's."""
+    row = []
+    for layer_cache in cache:
+        if not hasattr(layer_cache, "merge"):
+            raise MlxvlmError(
+                f"{type(layer_cache).__name__} caches cannot be batched; "
+                "serve this model with --max-concurrency 1"
+            )
+        row.append(layer_cache.merge([layer_cache]))
+    if batch_cache is None:
+        return row
+    for batch_layer, row_layer in zip(batch_cache, row):
+        batch_layer.extend(row_layer)
+    return batch_cache
+
+
+def keep_rows(batch_cache: list[Any], indices: list[int]) -> None:
+    """Only the rows ``indices`` of ``batch_cache``, in that order."""
+    for layer in batch_cache:
+        layer.filter(indices)
+
+
 class DecodeBatch:
     def __init__(self, model: nn.Module, *, merged: bool,
                  quantize: Callable[[list[Any]], None] | None = None):
@@ -49,19 +74,7 @@ class DecodeBatch:
              logprobs: mx.array) -> None:
         """Add a prefilled request whose first token (already delivered) is ``token``."""
         if self.merged:
-            row = []
-            for layer_cache in cache:
-                if not hasattr(layer_cache, "merge"):
-                    raise MlxvlmError(
-                        f"{type(layer_cache).__name__} caches cannot be batched; "
-                        "serve this model with --max-concurrency 1"
-                    )
-                row.append(layer_cache.merge([layer_cache]))
-            if self.cache is None:
-                self.cache = row
-            else:
-                for batch_layer, row_layer in zip(self.cache, row):
-                    batch_layer.extend(row_layer)
+            self.cache = add_row(self.cache, cache)
         else:
             if self.rows:
                 raise RuntimeError("a batch of one already has its row")
@@ -88,8 +101,7 @@ class DecodeBatch:
             self.cache = self.state = self.tokens = self.logprobs = self.sane = None
             return
         if self.merged:
-            for layer in self.cache:
-                layer.filter(indices)
+            keep_rows(self.cache, indices)
         select = mx.array(indices)
         self.tokens, self.logprobs = self.tokens[select], self.logprobs[select]
         self.sane = self.sane[select]

@@ -177,6 +177,11 @@ class BatchEngine(EngineThread):
     ``finish_reason``, or one exception if the request failed.
     """
 
+    # The sharded server's engine (``sharded_engine``) runs a sharded model: its model
+    # carries every pass to the other ranks, and its batch tells them of joins and leaves.
+    carries_passes_to_ranks = False
+    decode_batch_class = DecodeBatch
+
     def __init__(
         self,
         model: nn.Module,
@@ -201,10 +206,10 @@ class BatchEngine(EngineThread):
         speculation buys one sequence."""
         if max_batch_size < 1:
             raise MlxvlmError(f"max_batch_size must be at least 1, got {max_batch_size}")
-        if model.sharding is not None:
+        if model.sharding is not None and not self.carries_passes_to_ranks:
             raise MlxvlmError(
-                "a sharded model's ranks decode one sequence in step (stream_generate; the "
-                "server's sharded engine), not batches")
+                "batch_generate does not run on a sharded model: its ranks run stream_generate "
+                "or the server (python -m mlxvlm.server under mlx.launch) in step")
         if prefill_step_size < 1:
             raise MlxvlmError(f"prefill_step_size must be at least 1, got {prefill_step_size}")
         self.cache_options = CacheOptions(max_kv_size, kv_bits, kv_group_size,
@@ -233,7 +238,7 @@ class BatchEngine(EngineThread):
 
         self._waiting: deque[_Sequence] = deque()
         self._prefilling: _Sequence | None = None
-        self._batch = DecodeBatch(model, merged=max_batch_size > 1,
+        self._batch = self.decode_batch_class(model, merged=max_batch_size > 1,
                                   quantize=self.cache_options.quantize)
         self._next_id = 0
         self._init_thread()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -58,20 +58,26 @@ def _dtype(name: str) -> mx.Dtype:
     return getattr(mx, name.rsplit(".", 1)[-1])
 
 
-def broadcast_object(obj: Any, group: mx.distributed.Group) -> Any:
+def broadcast_object(obj: Any, group: mx.distributed.Group,
+                     announce: Callable[[], None] | None = None) -> Any:
     """Rank 0's ``obj`` on every rank (the others pass None). Raises ``RankLostError``
-    when another rank has left."""
+    when another rank has left. ``announce``: rank 0's collective that tells the others
+    an object follows, sent once ``obj`` is pickled (an object that cannot be pickled
+    then fails before any rank is told of it)."""
     try:
-        return _broadcast(obj, group)
+        return _broadcast(obj, group, announce)
     except RuntimeError as exc:
         raise peer_lost(exc, group) from None
 
 
-def _broadcast(obj: Any, group: mx.distributed.Group) -> Any:
+def _broadcast(obj: Any, group: mx.distributed.Group,
+               announce: Callable[[], None] | None) -> Any:
     arrays: list[mx.array] = []
     if group.rank() == 0:
         buffer = io.BytesIO()
         _Pickler(buffer, arrays).dump(obj)
+        if announce is not None:
+            announce()
         payload = np.frombuffer(buffer.getvalue(), dtype=np.uint8)
         header = pickle.dumps([(tuple(a.shape), str(a.dtype)) for a in arrays])
         header_bytes = np.frombuffer(header, dtype=np.uint8)
@@ -92,6 +98,20 @@ def _broadcast(obj: Any, group: mx.distributed.Group) -> Any:
     if group.rank() == 0:
         return obj
     return _Unpickler(io.BytesIO(raw[:size]), arrays).load()
+
+
+def broadcast_ints(values: list[int] | None, length: int,
+                   group: mx.distributed.Group) -> list[int]:
+    """Rank 0's ``values`` (at most ``length``, zero-padded) on every rank, in one
+    collective of ``length`` int32s (the others pass None). Raises ``RankLostError``
+    when another rank has left."""
+    sent = np.zeros(length, dtype=np.int32)
+    if group.rank() == 0:
+        sent[: len(values)] = values
+    try:
+        return _from_rank0(mx.array(sent), group).tolist()
+    except RuntimeError as exc:
+        raise peer_lost(exc, group) from None
 
 
 def rank0_token(token: mx.array, group: mx.distributed.Group) -> mx.array:

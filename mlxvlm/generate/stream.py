@@ -173,8 +173,9 @@ def generate_prepared(
     processor, draft)``: the prompt as a draft model's own processor prepares it."""
     speculates = speculation is not None and speculation.enabled
     if speculates and model.sharding is not None:
-        raise MlxvlmError("speculative decoding does not run on a sharded model yet: "
-                          "leave out --draft-model and --prompt-lookup-num-tokens")
+        raise MlxvlmError("speculative decoding does not run in a sharded model's generate "
+                          "yet: leave out --draft-model and --prompt-lookup-num-tokens (the "
+                          "sharded server speculates, with --max-concurrency 1)")
     start = time.perf_counter() if start is None else start
     tokenizer = generation_tokenizer(processor)
     eos_ids = eos_token_ids(processor)

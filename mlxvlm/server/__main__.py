@@ -34,10 +34,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sharded = launched_group() is not None
         if sharded:
             single_model(args, config)
-        if launched_rank() != 0:  # rank 0 serves HTTP; this rank follows its requests
-            from mlxvlm.generate.follower import follow
+        if launched_rank() != 0:  # rank 0 serves HTTP; this rank runs its batch's passes
+            from mlxvlm.batching.sharded_follower import follow_batches
 
-            follow(*sharded_load(args))
+            follow_batches(sharded_load(args)[0])
             return
         # Before the slow model load: without the extra, say how to install it; a port in
         # use is said at once too, and stays ours while the model loads.
@@ -81,9 +81,6 @@ def single_model(args: argparse.Namespace, config: ServerConfig) -> None:
     if len(config.model_sources) != 1:
         raise MlxvlmError("under mlx.launch the server shards one model: give --model once "
                           "(and no --models-dir)")
-    if config.draft_model is not None or config.prompt_lookup_num_tokens is not None:
-        raise MlxvlmError("speculative decoding does not run on a sharded model yet: "
-                          "leave out --draft-model and --prompt-lookup-num-tokens")
     args.model = next(iter(config.model_sources.values()))
 
 

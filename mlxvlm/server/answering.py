@@ -21,6 +21,7 @@ from mlxvlm.batching import BatchStep
 from mlxvlm.sampling.constrained import ConstraintError, GrammarConstraint, json_schema_constraint
 from mlxvlm.generate.loop import fit_to_context
 from mlxvlm.generate.text import eos_token_ids
+from mlxvlm.distributed.group import RankLostError
 from mlxvlm.errors import MlxvlmError, PromptTooLongError
 from mlxvlm.media import MediaError, PixelBudgetError
 from mlxvlm.sampling import SamplingOptions
@@ -42,6 +43,8 @@ EventWriter = Callable[[BatchStep, TokenStream], AsyncIterator[str]]
 def as_api_error(error: Exception, param: str = "messages") -> APIError:
     """A user-input error from preparing or running a request, as a 400 (including a
     chat template that refuses the conversation, e.g. roles out of order)."""
+    if isinstance(error, RankLostError):  # the server's fault, not the request's
+        return APIError(503, str(error), code="rank_lost")
     if isinstance(error, PromptTooLongError):
         return APIError(400, str(error), param=param, code="context_length_exceeded")
     if isinstance(error, PixelBudgetError) and error.shared:
@@ -221,6 +224,8 @@ async def steps(first: BatchStep, stream: TokenStream) -> AsyncIterator[BatchSte
 
 def stream_failure(error: Exception) -> tuple[int, str]:
     """The status and message of a failure once a stream's headers are sent."""
+    if isinstance(error, RankLostError):
+        return 503, str(error)
     status = 400 if isinstance(error, (MlxvlmError, ValueError)) else 500
     message = str(error) if status == 400 else "generation failed; see the server log"
     return status, message

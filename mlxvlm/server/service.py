@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from mlxvlm.prompt import PreparedInputs, prepare_inputs
 from mlxvlm.server.config import MEDIA_OPTION_NAMES, ServerConfig
 from mlxvlm.server.logprobs import TokenBytes
 from mlxvlm.text.tokenization import tokenizer_of
+
+logger = logging.getLogger(__name__)
 
 
 T = TypeVar("T")
@@ -100,20 +103,22 @@ class GenerationService:
             if config.prompt_cache_size > 0
             else None
         )
-        if model.sharding is not None:  # under mlx.launch: rank 0
+        engine_class = BatchEngine
+        if model.sharding is not None:  # under mlx.launch: rank 0, whose passes all run
             from mlxvlm.batching.sharded_engine import ShardedEngine
 
-            self.engine = ShardedEngine(model, processor,
-                                        prefill_step_size=config.prefill_step_size)
-        else:
-            self.engine = BatchEngine(
-                model,
-                processor,
-                max_batch_size=config.max_concurrency,
-                prefill_step_size=config.prefill_step_size,
-                prefix_cache=prefix_cache,
-                speculation=speculation_of(config),
-            )
+            if prefix_cache is not None:
+                logger.info("prompt-prefix reuse (--prompt-cache-size) is off on a sharded "
+                            "model: the other ranks do not mirror the cache")
+            engine_class, prefix_cache = ShardedEngine, None
+        self.engine = engine_class(
+            model,
+            processor,
+            max_batch_size=config.max_concurrency,
+            prefill_step_size=config.prefill_step_size,
+            prefix_cache=prefix_cache,
+            speculation=speculation_of(config),
+        )
         # Decoded pixels of each request and of all being prepared, charged from image
         # and video headers before decoding (see media.PixelBudget).
         self.pixels = pixels or PixelBudget(config.max_request_pixels, config.max_total_pixels)
