@@ -1,6 +1,8 @@
 """Run under mlx.launch by tests/test_distributed.py: greedy tokens of one prompt on a
-sharded model, in each mode asked for. Every rank prints what it holds (its parameters'
-shapes) and rank 0 the tokens, as JSON lines."""
+sharded model, for each checkpoint and mode asked for. Every rank prints what it holds
+(its parameters' shapes and dtypes) and rank 0 the tokens, as JSON lines. A checkpoint
+that fails to load on any rank is reported (``{"error": ...}`` from each rank that
+failed) and skipped by all, so that one family's failure leaves the others' answers."""
 
 from __future__ import annotations
 
@@ -28,11 +30,21 @@ def main(checkpoints: list[str], image: str, modes: list[str]) -> None:
 
 
 def run(checkpoint: str, image: str, mode: str) -> None:
-    model, processor = load(checkpoint, shard=mode)
+    group = mx.distributed.init()
+    try:
+        model, processor = load(checkpoint, shard=mode)
+        failed = 0
+    except Exception as exc:  # noqa: BLE001  (reported, and the test fails on it)
+        print(json.dumps({"rank": group.rank(), "checkpoint": checkpoint, "mode": mode,
+                          "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        failed = 1
+    if mx.distributed.all_sum(mx.array(failed), group=group, stream=mx.cpu).item():
+        return
     plan = model.sharding
     held = {"rank": plan.rank, "checkpoint": checkpoint, "mode": mode,
             "describe": plan.describe(),
-            "parameters": {k: list(v.shape) for k, v in tree_flatten(model.parameters())}}
+            "parameters": {k: list(v.shape) for k, v in tree_flatten(model.parameters())},
+            "dtypes": sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})}
     print(json.dumps(held), flush=True)
     if plan.rank != 0:
         follow(model, processor)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxvlm.distributed import tensor_split
 from mlxvlm.distributed.group import ShardPlan
 from mlxvlm.errors import MlxvlmError
 
@@ -67,39 +68,42 @@ def _decoder(text_model: nn.Module) -> nn.Module:
     return text_model["model"] if "model" in text_model else text_model
 
 
-def _attention_heads(text_model: nn.Module) -> tuple[int, int]:
-    attention = _decoder(text_model).layers[0].self_attn
-    return attention.n_heads, attention.n_kv_heads
+def _tensor_problem(family: str, decoder: nn.Module, size: int) -> str | None:
+    why = tensor_split.problems(decoder.layers, size)
+    if why is None:
+        return None
+    return f"the {family} text model cannot be split over {size} ranks in tensor mode ({why})"
 
 
 def prepare(model: nn.Module, group: mx.distributed.Group, mode: str) -> tuple[ShardPlan, list[str]]:
     """Prune ``model`` for this rank (see the module docstring); returns the plan and the
-    names of the modules and arrays whose weights this rank leaves unread."""
+    names of the modules and arrays whose weights this rank leaves unread. A model that
+    cannot be split in ``mode`` raises one line naming the mode that works."""
     text_path = text_model_path(model)
     text_model = _module_at(model, text_path)
     family = type(model).__module__.rsplit(".", 1)[-1]
     size = group.size()
-    num_layers = len(_decoder(text_model).layers)
+    decoder = _decoder(text_model)
+    num_layers = len(decoder.layers)
+    tensor_problem = _tensor_problem(family, decoder, size)
+    pipelines = hasattr(decoder, "pipeline") and getattr(decoder, "runs_pipelined", True)
+    if mode == "tensor" and tensor_problem is not None:
+        advice = ("; run with --pipeline (each rank a run of layers)" if pipelines
+                  and num_layers >= size else "")
+        raise MlxvlmError(tensor_problem + advice)
+    if mode == "pipeline" and not pipelines:
+        raise MlxvlmError(
+            f"the {family} text model has no pipeline split; " + (
+                "run without --pipeline (tensor parallelism)" if tensor_problem is None
+                else f"and {tensor_problem.split(' cannot ', 1)[1]}: use fewer ranks"))
+    if mode == "pipeline" and num_layers < size:
+        raise MlxvlmError(f"{num_layers} layers cannot be split over {size} ranks; use at "
+                          f"most {num_layers} ranks" + (
+                              " or tensor mode (without --pipeline)"
+                              if tensor_problem is None else ""))
     dropped = [] if group.rank() == 0 else _drop_towers(model, text_path)
     if mode == "tensor":
-        if not hasattr(text_model, "shard"):
-            raise MlxvlmError(
-                f"the {family} text model has no tensor-parallel split; try --pipeline")
-        heads, kv_heads = _attention_heads(text_model)
-        if heads % size or kv_heads % size:
-            raise MlxvlmError(
-                f"the {family} text model's {heads} attention heads ({kv_heads} key/value "
-                f"heads) do not split over {size} ranks; use --pipeline or a rank count "
-                "that divides both")
         return ShardPlan(group, mode, num_layers=num_layers), dropped
-    decoder = _decoder(text_model)
-    # mlx-lm's pipelined models all run it; mlxvlm's decoders say which do.
-    if not hasattr(decoder, "pipeline") or not getattr(decoder, "runs_pipelined", True):
-        raise MlxvlmError(
-            f"the {family} text model has no pipeline split; run without --pipeline "
-            "(tensor parallelism)")
-    if num_layers < size:
-        raise MlxvlmError(f"{num_layers} layers cannot be split over {size} ranks")
     layers_path = _layers_path(model, decoder)
     decoder.pipeline(group)
     start, end = decoder.start_idx, decoder.end_idx
@@ -123,4 +127,5 @@ def shard(model: nn.Module, plan: ShardPlan) -> None:
     """Slice the loaded (still lazy) text model for tensor parallelism; pipeline plans
     were applied by ``prepare``."""
     if plan.mode == "tensor":
-        _module_at(model, text_model_path(model)).shard(plan.group)
+        decoder = _decoder(_module_at(model, text_model_path(model)))
+        tensor_split.split_layers(decoder.layers, plan.group)
