@@ -218,8 +218,8 @@ def load_model(
     """The model of the checkpoint at ``model_path``. ``keep_half_weights``: with the
     default compute dtype on the CPU, leave the 16-bit weights of linear and embedding
     layers as they are (for ``mlxvlm.cpu.half_weights``) instead of converting them.
-    ``sharding``: see ``build_model`` (the sharded layers compute in the compute dtype:
-    the CPU's half-weight layers are plain layers, which they are not)."""
+    ``sharding``: see ``build_model`` (a tensor-parallel rank's sharded linear layers keep
+    their 16-bit slices too: ``mlxvlm.cpu.half_weights``)."""
     config = config if config is not None else read_config(model_path)
     family = get_family(config.get("model_type"))
     model = build_model(model_path, config, family, load_weights_files(model_path), sharding)

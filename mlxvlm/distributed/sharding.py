@@ -17,7 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxvlm.distributed import tensor_split
+from mlxvlm.distributed import pipeline_split, tensor_split
 from mlxvlm.distributed.group import ShardPlan
 from mlxvlm.errors import MlxvlmError
 
@@ -46,10 +46,11 @@ def _drop_towers(model: nn.Module, text_path: str) -> list[str]:
     arrays there (LLaVA-NeXT's ``image_newline``); returns the name prefixes of what was
     dropped."""
     dropped = []
+    kept = (*getattr(model, "kept_on_every_rank", ()),)
     parent, prefix = model, ""
     for part in text_path.split("."):
         for name, child in list(parent.items()):
-            if name == part:
+            if name == part or f"{prefix}{name}" in kept:
                 continue
             if isinstance(child, nn.Module):
                 parent[name] = nn.Module()
@@ -86,29 +87,32 @@ def prepare(model: nn.Module, group: mx.distributed.Group, mode: str) -> tuple[S
     decoder = _decoder(text_model)
     num_layers = len(decoder.layers)
     tensor_problem = _tensor_problem(family, decoder, size)
-    pipelines = hasattr(decoder, "pipeline") and getattr(decoder, "runs_pipelined", True)
     if mode == "tensor" and tensor_problem is not None:
-        advice = ("; run with --pipeline (each rank a run of layers)" if pipelines
-                  and num_layers >= size else "")
+        advice = "; run with --pipeline (each rank a run of layers)" if num_layers >= size else ""
         raise MlxvlmError(tensor_problem + advice)
-    if mode == "pipeline" and not pipelines:
-        raise MlxvlmError(
-            f"the {family} text model has no pipeline split; " + (
-                "run without --pipeline (tensor parallelism)" if tensor_problem is None
-                else f"and {tensor_problem.split(' cannot ', 1)[1]}: use fewer ranks"))
     if mode == "pipeline" and num_layers < size:
         raise MlxvlmError(f"{num_layers} layers cannot be split over {size} ranks; use at "
                           f"most {num_layers} ranks" + (
                               " or tensor mode (without --pipeline)"
                               if tensor_problem is None else ""))
+    runs = pipeline_split.check(decoder, size, family) if mode == "pipeline" else None
     dropped = [] if group.rank() == 0 else _drop_towers(model, text_path)
     if mode == "tensor":
         return ShardPlan(group, mode, num_layers=num_layers), dropped
     layers_path = _layers_path(model, decoder)
-    decoder.pipeline(group)
-    start, end = decoder.start_idx, decoder.end_idx
+    if _pipelines_itself(decoder):
+        decoder.pipeline(group, runs)
+        start, end = decoder.start_idx, decoder.end_idx
+    else:  # its loop as it is, its layers replaced
+        start, end = pipeline_split.prune(decoder, group, runs)
     dropped += [f"{layers_path}.{i}" for i in range(num_layers) if not start <= i < end]
     return ShardPlan(group, mode, (start, end), num_layers), dropped
+
+
+def _pipelines_itself(decoder: nn.Module) -> bool:
+    """mlx-lm's pipelined models and mlxvlm's decoders that say so run their own run of
+    layers (``PipelineMixin``); the others get ``pipeline_split``'s layers."""
+    return hasattr(decoder, "pipeline") and getattr(decoder, "runs_pipelined", True)
 
 
 def _layers_path(model: nn.Module, decoder: nn.Module) -> str:
@@ -124,8 +128,11 @@ def keeps(name: str, dropped: list[str]) -> bool:
 
 
 def shard(model: nn.Module, plan: ShardPlan) -> None:
-    """Slice the loaded (still lazy) text model for tensor parallelism; pipeline plans
-    were applied by ``prepare``."""
+    """Slice the loaded (still lazy) text model for tensor parallelism, or connect a
+    pipeline rank's run of layers to the other ranks' (a decoder without a pipeline of
+    its own; one with it was split by ``prepare``)."""
+    decoder = _decoder(_module_at(model, text_model_path(model)))
     if plan.mode == "tensor":
-        decoder = _decoder(_module_at(model, text_model_path(model)))
         tensor_split.split_layers(decoder.layers, plan.group)
+    elif not _pipelines_itself(decoder):
+        pipeline_split.connect(decoder, plan.group)
