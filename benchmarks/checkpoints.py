@@ -9,6 +9,8 @@ Writes under benchmarks/checkpoints/ (git-ignored):
 - ``qwen2vl-2b-bf16``: Qwen2-VL-2B-Instruct's shapes (32-layer 1280-wide ViT, 28-layer
   1536-wide Qwen2 with M-RoPE), bfloat16;
 - ``qwen2vl-mid-bf16``: that tower over Qwen2-0.5B's text shapes (``distributed.py``'s);
+- ``qwen2vl-small-bf16``: Qwen2-0.5B's text shapes under a 4-block tower (``distributed.py``
+  at reduced scale);
 - ``gemma4-e2b-bf16``: google/gemma-4-E2B-it's shapes (a 35-layer 1536-wide text model
   with per-layer inputs, the last 20 layers sharing KV, a 16-layer 768-wide vision tower
   at 280 soft tokens, E2B's 12-layer audio conformer), bfloat16, in the Hub's layout;
@@ -184,6 +186,16 @@ def qwen2vl_mid():
     return model_class, config, parts, eos_ids
 
 
+def qwen2vl_small():
+    """Qwen2-0.5B's text shapes and vocabulary under a 4-block tower: ``qwen2vl-mid``'s
+    text model at a size two ranks and one process fit in a few GB together
+    (``distributed.py`` at reduced scale)."""
+    model_class, config, parts, eos_ids = qwen2vl_mid()
+    config.vision_config.depth, config.vision_config.embed_dim = 4, 320
+    config.vision_config.num_heads = 4
+    return model_class, config, parts, eos_ids
+
+
 GEMMA4_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "<|turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
@@ -252,6 +264,7 @@ def gemma4_e2b():
 
 BUILDERS = {
     "smolvlm-256m": smolvlm_256m, "qwen2vl-2b": qwen2vl_2b, "qwen2vl-mid": qwen2vl_mid,
+    "qwen2vl-small": qwen2vl_small,
     "gemma4-e2b": gemma4_e2b,
 }
 

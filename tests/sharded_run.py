@@ -23,6 +23,9 @@ from mlxvlm.generate import stream_generate
 from mlxvlm.checkpoint.loading import load
 
 
+MAX_TOKENS = 12  # tests/test_distributed.py's BUDGET
+
+
 def main(checkpoints: list[str], image: str, modes: list[str]) -> None:
     for checkpoint in checkpoints:
         for mode in modes:
@@ -44,14 +47,15 @@ def run(checkpoint: str, image: str, mode: str) -> None:
     held = {"rank": plan.rank, "checkpoint": checkpoint, "mode": mode,
             "describe": plan.describe(),
             "parameters": {k: list(v.shape) for k, v in tree_flatten(model.parameters())},
-            "dtypes": sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})}
+            "dtypes": {k: str(v.dtype).rsplit(".", 1)[-1]
+                       for k, v in tree_flatten(model.parameters())}}
     print(json.dumps(held), flush=True)
     if plan.rank != 0:
         follow(model, processor)
         return
     try:
         tokens = [r.token for r in stream_generate(
-            model, processor, "Describe this image.", image, max_tokens=12)]
+            model, processor, "Describe this image.", image, max_tokens=MAX_TOKENS)]
     finally:
         release(model)
     print(json.dumps({"checkpoint": checkpoint, "mode": mode, "tokens": tokens}), flush=True)

@@ -177,6 +177,59 @@ def test_two_ranks_give_one_process_tokens(checkpoints, sharded_runs, family):
         assert_holds_shard(mode, held, whole)
 
 
+EVERY_FAMILY = tuple(sorted(__import__("tiny").BUILDERS))
+BF16, Q4 = "qwen3_5-bf16", "qwen2_vl-4bit"
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tiny_checkpoints, checkpoints, tmp_path_factory):
+    """Every registered family's tiny checkpoint (one key/value head: the ranks repeat
+    it), a bfloat16 one (what a rank holds is 16-bit, as one process) and a 4-bit one,
+    with each one-process greedy answer."""
+    _, image = checkpoints
+    root = tmp_path_factory.mktemp("families")
+    paths = {family: tiny_checkpoints.path(family, "hub") for family in EVERY_FAMILY}
+    paths[BF16] = convert(str(paths["qwen3_5"]), root / BF16, dtype="bfloat16").path
+    paths[Q4] = convert(str(paths["qwen2_vl"]), root / Q4, quantize=True, q_bits=4,
+                        q_group_size=32).path
+    answers = {}
+    for name, path in paths.items():
+        model, processor = load(path)
+        answers[name] = [r.token for r in stream_generate(
+            model, processor, PROMPT, str(image), max_tokens=BUDGET)]
+    return paths, answers, image
+
+
+@pytest.mark.parametrize("mode", ("tensor", "pipeline"))
+def test_every_family_on_two_ranks_gives_one_process_tokens(family_checkpoints, mode):
+    """One launch per mode loops over every family's checkpoint on both ranks: each
+    answer is the one process's; a tensor-parallel rank holds 16-bit weights as 16-bit
+    and 4-bit ones as 4-bit."""
+    paths, answers, image = family_checkpoints
+    listed = ",".join(str(path) for path in paths.values())
+    run = launch(str(RUNNER), listed, str(image), mode, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert_every_rank_ended_well(run.stderr)
+    lines = json_lines(run.stdout)
+    assert not [line for line in lines if "error" in line]
+    got = {name: [line["tokens"] for line in lines
+                  if line.get("checkpoint") == str(path) and "tokens" in line]
+           for name, path in paths.items()}
+    assert got == {name: [answer] for name, answer in answers.items()}
+    held = {(line["checkpoint"], line["rank"]): line for line in lines if "rank" in line}
+    assert len(held) == 2 * len(paths)
+    if mode == "tensor":
+        q = "language_model.model.layers.3.self_attn.q_proj.weight"  # a full-attention layer
+        for rank in (0, 1):
+            line = held[(str(paths[BF16]), rank)]
+            assert line["dtypes"][q] == "bfloat16"
+            assert all(d in ("bfloat16", "float32") for d in line["dtypes"].values())
+        quantized = held[(str(paths[Q4]), 1)]
+        k = "language_model.model.layers.0.self_attn.k_proj"
+        assert quantized["dtypes"][f"{k}.weight"] == "uint32"
+        assert quantized["parameters"][f"{k}.weight"][1] == 64 * 4 // 32  # 4-bit words
+
+
 def _flat_shapes(model) -> list[tuple[str, list[int]]]:
     from mlx.utils import tree_flatten
 

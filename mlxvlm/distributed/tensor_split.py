@@ -129,6 +129,8 @@ def split_attention(attention: nn.Module, group: mx.distributed.Group) -> None:
     attention[out] = shard_linear(attention[out], "sharded-to-all", group=group)
     attention.n_heads //= size
     attention.n_kv_heads = attention.n_kv_heads * repeats // size
+    if hasattr(attention, "repeats"):  # mlx-lm's Gemma attentions: query heads per kv head
+        attention.repeats = attention.n_heads // attention.n_kv_heads
 
 
 def split_gated_mlp(mlp: nn.Module, group: mx.distributed.Group) -> None:
