@@ -142,16 +142,25 @@ def checkpoints(tmp_path_factory):
     return paths, image
 
 
+def run_sharded(paths: list[Path], image: Path, modes: str, out: Path) -> list[dict]:
+    """tests/sharded_run.py over ``paths`` in ``modes`` on two ranks: rank 0's answers
+    and what each rank held, as dicts; every rank must end well."""
+    out.mkdir()
+    listed = ",".join(str(path) for path in paths)
+    run = launch(str(RUNNER), listed, str(image), modes, str(out), timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert_every_rank_ended_well(run.stderr)
+    held = [json.loads(path.read_text()) for path in sorted(out.glob("*.json"))]
+    return json_lines(run.stdout) + held
+
+
 @pytest.fixture(scope="module")
-def sharded_runs(checkpoints) -> list[dict]:
+def sharded_runs(checkpoints, tmp_path_factory) -> list[dict]:
     """One launch: both families, each in both modes, and the answers that end on end
     of sequence (a launch costs two start-ups)."""
     paths, image = checkpoints
-    listed = ",".join(str(paths[name]) for name in (*FAMILIES, QUANTIZED, EOS))
-    run = launch(str(RUNNER), listed, str(image), "tensor,pipeline")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert_every_rank_ended_well(run.stderr)
-    return json_lines(run.stdout)
+    return run_sharded([paths[name] for name in (*FAMILIES, QUANTIZED, EOS)], image,
+                       "tensor,pipeline", tmp_path_factory.mktemp("held") / "runs")
 
 
 @pytest.mark.parametrize("family", (*FAMILIES, QUANTIZED, EOS))
@@ -201,16 +210,13 @@ def family_checkpoints(tiny_checkpoints, checkpoints, tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ("tensor", "pipeline"))
-def test_every_family_on_two_ranks_gives_one_process_tokens(family_checkpoints, mode):
+def test_every_family_on_two_ranks_gives_one_process_tokens(family_checkpoints, mode,
+                                                            tmp_path):
     """One launch per mode loops over every family's checkpoint on both ranks: each
     answer is the one process's; a tensor-parallel rank holds 16-bit weights as 16-bit
     and 4-bit ones as 4-bit."""
     paths, answers, image = family_checkpoints
-    listed = ",".join(str(path) for path in paths.values())
-    run = launch(str(RUNNER), listed, str(image), mode, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert_every_rank_ended_well(run.stderr)
-    lines = json_lines(run.stdout)
+    lines = run_sharded(list(paths.values()), image, mode, tmp_path / "runs")
     assert not [line for line in lines if "error" in line]
     got = {name: [line["tokens"] for line in lines
                   if line.get("checkpoint") == str(path) and "tokens" in line]

@@ -3,13 +3,16 @@
 ``prepare`` runs on the module tree a family built from its config, still holding
 random initial values: every rank but rank 0 drops the vision/audio towers (rank 0 runs
 them, see ``group.ShardPlan``); in pipeline mode each rank keeps only its run of layers
-(``pipeline`` of mlx-lm's ``PipelineMixin``, which mlx-lm's backbones and mlxvlm's M-RoPE
-decoder carry). The loader then reads only the weights the pruned tree still has
-(``keeps``): mx.load maps safetensors lazily, so a tensor no rank needs is never read.
-``shard`` runs after the weights are loaded, still lazily: the text model's own
-``shard(group)`` (mlx-lm's, or the M-RoPE decoder's) slices every attention and MLP with
-mlx.nn's sharded linear layers, so each rank materializes only its slice, and the
-slices' all-reduce is in those layers.
+(``pipeline`` of mlx-lm's ``PipelineMixin``, which mlx-lm's pipelined backbones and
+mlxvlm's decoders run, or ``pipeline_split``'s skipped layers for a decoder without
+one). The loader then reads only the weights the pruned tree still has (``keeps``):
+mx.load maps safetensors lazily, so a tensor no rank needs is never read. ``shard`` runs
+after the weights are loaded, still lazily: in tensor mode ``tensor_split`` slices every
+attention, MLP, expert and Gated DeltaNet with mlx.nn's sharded layers, so each rank
+materializes only its slice; in pipeline mode it connects the run's edges.
+
+What cannot be split in the mode asked for is refused before anything is read, in one
+line that names what works (the other mode, or fewer ranks).
 """
 
 from __future__ import annotations
