@@ -99,8 +99,9 @@ def _download_shard(repo: str, revision: str | None, trust_remote_code: bool,
         files = shard_files.hub_files(repo, revision)
     except Exception:  # noqa: BLE001  (offline or no headers: the whole checkpoint)
         return resolve_model_path(repo, revision, trust_remote_code)
+    converted = converted_by(config, [fmt for fmt, _ in files.values()])
     needed = shard_files.files_for_rank(files, config, get_family(config.get("model_type")),
-                                        sharding)
+                                        sharding, converted)
     return resolve_model_path(repo, revision, trust_remote_code, weight_files=needed)
 
 

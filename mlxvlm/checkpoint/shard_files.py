@@ -26,13 +26,11 @@ _DTYPES = {
 HubFiles = dict[str, tuple[str | None, dict[str, tuple[list[int], str]]]]
 
 
-def files_for_rank(files: HubFiles, config: dict, family, sharding) -> list[str]:
+def files_for_rank(files: HubFiles, config: dict, family, sharding, converted: bool) -> list[str]:
     """The names of ``files`` that hold a tensor this rank keeps under ``sharding``
-    (group, mode)."""
-    from mlxvlm.checkpoint.loading import converted_by
+    (group, mode); ``converted``: their names are already ours (``loading.is_converted``)."""
     from mlxvlm.distributed import sharding as shards
 
-    converted = converted_by(config, [fmt for fmt, _ in files.values()])
     model = family.Model.from_config(config)
     unused = family.Model.unused_weight_prefixes
     names_per_file: dict[str, list[str] | None] = {}

@@ -21,6 +21,7 @@ import inspect
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxvlm.distributed.group import depend_on
 from mlxvlm.errors import MlxvlmError
 
 
@@ -64,16 +65,6 @@ def _plain_attributes(layer: nn.Module) -> dict:
     ``is_attention_layer``, ``layer_type``): its plain Python attributes."""
     return {k: v for k, v in vars(layer).items()
             if not k.startswith("_") and isinstance(v, (bool, int, float, str))}
-
-
-def depend_on(layer_cache, h: mx.array) -> None:
-    """Make ``layer_cache``'s state depend on ``h`` (a send), so that the send runs
-    whenever the cache is evaluated (a prefill chunk evaluates only the caches): a KV
-    cache's keys, or a recurrent layer's state (mlx-lm's ArraysCache)."""
-    if getattr(layer_cache, "keys", None) is not None:
-        layer_cache.keys = mx.depends(layer_cache.keys, h)
-    elif hasattr(layer_cache, "cache") and layer_cache.cache[-1] is not None:
-        layer_cache.cache[-1] = mx.depends(layer_cache.cache[-1], h)
 
 
 class SkippedLayer(nn.Module):

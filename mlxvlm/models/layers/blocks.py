@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.pipeline import PipelineMixin
 
-from mlxvlm.distributed.pipeline_split import depend_on
+from mlxvlm.distributed.group import depend_on
 from mlxvlm.models.layers.activations import activation
 
 
