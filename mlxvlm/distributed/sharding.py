@@ -91,8 +91,9 @@ def prepare(model: nn.Module, group: mx.distributed.Group, mode: str) -> tuple[S
     num_layers = len(decoder.layers)
     tensor_problem = _tensor_problem(family, decoder, size)
     if mode == "tensor" and tensor_problem is not None:
-        advice = "; run with --pipeline (each rank a run of layers)" if num_layers >= size else ""
-        raise MlxvlmError(tensor_problem + advice)
+        raise MlxvlmError(tensor_problem + (
+            "; run with --pipeline (each rank a run of layers)" if num_layers >= size
+            else "; use fewer ranks"))
     if mode == "pipeline" and num_layers < size:
         raise MlxvlmError(f"{num_layers} layers cannot be split over {size} ranks; use at "
                           f"most {num_layers} ranks" + (
@@ -136,6 +137,11 @@ def shard(model: nn.Module, plan: ShardPlan) -> None:
     its own; one with it was split by ``prepare``)."""
     decoder = _decoder(_module_at(model, text_model_path(model)))
     if plan.mode == "tensor":
-        tensor_split.split_layers(decoder.layers, plan.group)
+        try:
+            tensor_split.split_layers(decoder.layers, plan.group)
+        except ValueError as exc:  # mlx.nn's own check, e.g. quantization groups cut
+            raise MlxvlmError(
+                f"the text model cannot be split over {plan.size} ranks in tensor mode "
+                f"({exc}); run with --pipeline (each rank a run of layers)") from None
     elif not _pipelines_itself(decoder):
         pipeline_split.connect(decoder, plan.group)

@@ -93,7 +93,22 @@ def problems(layers: list, size: int) -> str | None:
             width = mlp[_gated_mlp_names(mlp)[0]].weight.shape[0]
             if width % size:
                 return f"layer {index}'s MLP width {width} does not split over {size} ranks"
+        for switch in _switch_glus(layer):
+            width = switch.gate_proj.weight.shape[-2]  # (experts, width, input)
+            if width % size:
+                return (f"layer {index}'s expert width {width} does not split over {size} "
+                        "ranks")
     return None
+
+
+def _switch_glus(layer: nn.Module) -> list[nn.Module]:
+    """The layer's expert banks: mlx-lm's sparse-MoE ``switch_mlp``, Gemma 4's
+    ``experts.switch_glu``."""
+    mlp = _mlp(layer)
+    banks = [mlp.switch_mlp] if mlp is not None and "switch_mlp" in mlp else []
+    if "experts" in layer and "switch_glu" in layer.experts:
+        banks.append(layer.experts.switch_glu)
+    return banks
 
 
 def _splits_mlp(mlp: nn.Module) -> bool:
