@@ -59,10 +59,10 @@ def free_port() -> int:
                 continue
 
 
-def launch(*command: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    """``command`` (after the interpreter) on two ranks over loopback."""
+def launch(*command: str, timeout: int = 240, ranks: int = 2) -> subprocess.CompletedProcess:
+    """``command`` (after the interpreter) on ``ranks`` ranks over loopback."""
     return subprocess.run(
-        [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
+        [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks),
          "--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}",
          "--python", sys.executable, "--", *command],
         capture_output=True, text=True, timeout=timeout, cwd=REPO,
@@ -291,6 +291,29 @@ def test_cli_under_mlx_launch_prints_once_what_one_process_prints(checkpoints, c
                 in run.stderr)
     else:
         assert "rank 1: half of every attention and MLP (tensor parallel" in run.stderr
+
+
+def test_the_advice_of_a_refused_split_works(tiny_checkpoints, capsys):
+    """Three ranks cannot split Gemma 3's two query heads: `mlxvlm.generate` says so on
+    every rank in one line that names --pipeline, and that command, as advised, prints
+    what one process prints."""
+    from mlxvlm.generate.__main__ import main as run_generate_cli
+
+    args = ["--model", str(tiny_checkpoints.path("gemma3", "hub")), "--prompt", "Hello",
+            "--max-tokens", "6"]
+    assert run_generate_cli(args) == 0
+    alone = capsys.readouterr().out
+    refused = launch("-m", "mlxvlm.generate", *args, ranks=3)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [errors[0]] * 3, refused.stderr
+    assert errors[0] == (
+        "error: the gemma3 text model cannot be split over 3 ranks in tensor mode (layer 0's "
+        "2 attention heads do not split over 3 ranks); run with --pipeline (each rank a run "
+        "of layers)")
+    assert "Traceback" not in refused.stderr
+    advised = launch("-m", "mlxvlm.generate", "--pipeline", *args, ranks=3)
+    assert_every_rank_ended_well(advised.stderr)
+    assert advised.stdout == alone
 
 
 def test_server_under_mlx_launch_answers_as_one_process(checkpoints, tmp_path):
