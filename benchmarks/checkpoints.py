@@ -11,6 +11,8 @@ Writes under benchmarks/checkpoints/ (git-ignored):
 - ``qwen2vl-mid-bf16``: that tower over Qwen2-0.5B's text shapes (``distributed.py``'s);
 - ``qwen2vl-small-bf16``: 4 of its tower layers over 8 text layers of 512
   (``sharded_server.py``'s);
+- ``qwen2vl-0.5b-bf16``: Qwen2-0.5B's text shapes under a 4-block tower (``distributed.py``
+  at reduced scale);
 - ``gemma4-e2b-bf16``: google/gemma-4-E2B-it's shapes (a 35-layer 1536-wide text model
   with per-layer inputs, the last 20 layers sharing KV, a 16-layer 768-wide vision tower
   at 280 soft tokens, E2B's 12-layer audio conformer), bfloat16, in the Hub's layout;
@@ -215,6 +217,16 @@ def qwen2vl_small():
     text.num_attention_heads, text.num_key_value_heads = 8, 2
     config.vision_config.depth = 4
     config.vision_config.hidden_size = 512
+    return model_class, config, parts, eos_ids
+
+
+def qwen2vl_05b():
+    """Qwen2-0.5B's text shapes and vocabulary under a 4-block tower: ``qwen2vl-mid``'s
+    text model at a size two ranks and one process fit in a few GB together
+    (``distributed.py`` at reduced scale)."""
+    model_class, config, parts, eos_ids = qwen2vl_mid()
+    config.vision_config.depth, config.vision_config.embed_dim = 4, 320
+    config.vision_config.num_heads = 4
     return model_class, config, parts, eos_ids
 
 
@@ -510,7 +522,7 @@ BUILDERS = {
     "glm46v-flash": glm46v_flash, "glm-ocr": glm_ocr,
     "llama32-11b-vision": llama32_11b_vision,
     "internvl3_5-1b": internvl3_5_1b,
-    "qwen2vl-small": qwen2vl_small,
+    "qwen2vl-small": qwen2vl_small, "qwen2vl-0.5b": qwen2vl_05b,
 }
 
 

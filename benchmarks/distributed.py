@@ -6,10 +6,11 @@ ring backend on loopback.
 
 Each configuration runs in fresh processes (``mlx.launch --backend ring --hosts
 127.0.0.1 -n 2`` for two ranks). It reports prompt and decode tokens/s (rank 0's), every
-rank's peak memory, and what communication costs per decoded token: the collectives a
-token's pass makes (tensor: two all-reduces of one hidden state per layer; pipeline: a
-send/receive per stage and the all-gather of the last stage's states; both: rank 0's
-token to the others), timed alone, in a loop, on the same group. Two ranks on one
+rank's peak memory and the bytes of the weights it holds (against one process's), and
+what communication costs per decoded token: the collectives a token's pass makes (tensor:
+two all-reduces of one hidden state per layer; pipeline: a send/receive per stage and the
+all-gather of the last stage's states; both: rank 0's token to the others), timed alone,
+in a loop, on the same group, and the bytes each rank sends for them. Two ranks on one
 machine share its cores and memory bandwidth: the figures say what the sharding costs,
 not what two Macs gain (there each rank has its own).
 """
@@ -58,6 +59,31 @@ def communication_ms(model, group, hidden: int, repeats: int = 50) -> float:
     return (time.perf_counter() - start) / repeats * 1000
 
 
+def communication_bytes(plan, hidden: int, itemsize: int = 4) -> int:
+    """Bytes one rank sends per decoded token: a ring all-reduce of n bytes over N ranks
+    sends 2(N-1)/N n per rank (an all-gather (N-1)/N of the gathered bytes); a pipeline
+    stage's send is one hidden state."""
+    n, size = hidden * itemsize, plan.size
+    token = 2 * (size - 1) * 4 // size  # rank 0's token, an int32 all-sum
+    if plan.mode == "tensor":
+        return 2 * plan.num_layers * 2 * (size - 1) * n // size + token
+    send = n if plan.rank != 0 else 0
+    return send + (size - 1) * n + token
+
+
+def weight_bytes(model) -> tuple[int, int]:
+    """Bytes of the parameters this process holds: the language model's, the rest's."""
+    from mlx.utils import tree_flatten
+
+    text = rest = 0
+    for name, value in tree_flatten(model.parameters()):
+        if ".language_model." in f".{name}":
+            text += value.nbytes
+        else:
+            rest += value.nbytes
+    return text, rest
+
+
 def measure(checkpoint: str, mode: str, max_tokens: int) -> None:
     """One configuration, in this process (a rank of a launch, or alone)."""
     import mlxvlm  # noqa: F401  (before mlx.core)
@@ -88,9 +114,11 @@ def measure(checkpoint: str, mode: str, max_tokens: int) -> None:
                 release(model)
         row.update(prompt_tps=last.prompt_tps, generation_tps=last.generation_tps,
                    tokens=last.generation_tokens)
+    row["text_weights_gb"], row["tower_weights_gb"] = (b / 1e9 for b in weight_bytes(model))
     if plan is not None:
         hidden = model.language_model.model.embed_tokens.weight.shape[1]
         row["communication_ms"] = communication_ms(model, plan.group, hidden)
+        row["communication_bytes"] = communication_bytes(plan, hidden)
     row["peak_memory_gb"] = mx.get_peak_memory() / 1e9
     print(json.dumps(row), flush=True)
 
@@ -108,17 +136,27 @@ def run(checkpoint: Path, ranks: int, mode: str, max_tokens: int) -> list[dict]:
 
 
 def table(rows: list[list[dict]]) -> str:
-    lines = ["| ranks | mode | prompt tok/s | decode tok/s | peak memory per rank (GB) "
-             "| communication per token (ms) |", "| --- | --- | --- | --- | --- | --- |"]
+    """Per rank (rank 0 / rank 1): peak memory and the language model's weights, each
+    also as a share of one process's; rank 0's speed and communication per token."""
+    alone = next(r for r in rows[0] if r["rank"] == 0)
+    lines = ["| ranks | mode | prompt tok/s | decode tok/s | peak memory per rank, GB "
+             "(share of 1 process) | text weights per rank, GB (share) | towers on rank 0, GB "
+             "| communication per token: ms, bytes sent per rank |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for ranks in rows:
-        lead = next(r for r in ranks if r["rank"] == 0)
-        memory = " / ".join(f"{r['peak_memory_gb']:.2f}"
-                            for r in sorted(ranks, key=lambda r: r["rank"]))
+        ranks = sorted(ranks, key=lambda r: r["rank"])
+        lead = ranks[0]
+        memory = " / ".join(f"{r['peak_memory_gb']:.3f} ({r['peak_memory_gb'] / alone['peak_memory_gb']:.0%})"
+                            for r in ranks)
+        text = " / ".join(f"{r['text_weights_gb']:.3f} ({r['text_weights_gb'] / alone['text_weights_gb']:.0%})"
+                          for r in ranks)
         comm = lead.get("communication_ms")
+        sent = " / ".join(str(r["communication_bytes"]) for r in ranks if "communication_bytes" in r)
         mode = lead["mode"] if lead["ranks"] > 1 else "-"
         lines.append(f"| {lead['ranks']} | {mode} | {lead['prompt_tps']:.1f} | "
-                     f"{lead['generation_tps']:.1f} | {memory} | "
-                     f"{'-' if comm is None else f'{comm:.2f}'} |")
+                     f"{lead['generation_tps']:.1f} | {memory} | {text} | "
+                     f"{lead['tower_weights_gb']:.3f} | "
+                     f"{'-' if comm is None else f'{comm:.2f} ms, {sent} B'} |")
     return "\n".join(lines)
 
 

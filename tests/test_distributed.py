@@ -59,10 +59,10 @@ def free_port() -> int:
                 continue
 
 
-def launch(*command: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    """``command`` (after the interpreter) on two ranks over loopback."""
+def launch(*command: str, timeout: int = 240, ranks: int = 2) -> subprocess.CompletedProcess:
+    """``command`` (after the interpreter) on ``ranks`` ranks over loopback."""
     return subprocess.run(
-        [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
+        [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks),
          "--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}",
          "--python", sys.executable, "--", *command],
         capture_output=True, text=True, timeout=timeout, cwd=REPO,
@@ -142,16 +142,25 @@ def checkpoints(tmp_path_factory):
     return paths, image
 
 
+def run_sharded(paths: list[Path], image: Path, modes: str, out: Path) -> list[dict]:
+    """tests/sharded_run.py over ``paths`` in ``modes`` on two ranks: rank 0's answers
+    and what each rank held, as dicts; every rank must end well."""
+    out.mkdir()
+    listed = ",".join(str(path) for path in paths)
+    run = launch(str(RUNNER), listed, str(image), modes, str(out), timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert_every_rank_ended_well(run.stderr)
+    held = [json.loads(path.read_text()) for path in sorted(out.glob("*.json"))]
+    return json_lines(run.stdout) + held
+
+
 @pytest.fixture(scope="module")
-def sharded_runs(checkpoints) -> list[dict]:
+def sharded_runs(checkpoints, tmp_path_factory) -> list[dict]:
     """One launch: both families, each in both modes, and the answers that end on end
     of sequence (a launch costs two start-ups)."""
     paths, image = checkpoints
-    listed = ",".join(str(paths[name]) for name in (*FAMILIES, QUANTIZED, EOS))
-    run = launch(str(RUNNER), listed, str(image), "tensor,pipeline")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert_every_rank_ended_well(run.stderr)
-    return json_lines(run.stdout)
+    return run_sharded([paths[name] for name in (*FAMILIES, QUANTIZED, EOS)], image,
+                       "tensor,pipeline", tmp_path_factory.mktemp("held") / "runs")
 
 
 @pytest.mark.parametrize("family", (*FAMILIES, QUANTIZED, EOS))
@@ -175,6 +184,56 @@ def test_two_ranks_give_one_process_tokens(checkpoints, sharded_runs, family):
         assert towers and towers <= set(held[0]["parameters"])
         assert all(k.startswith("language_model.") for k in held[1]["parameters"])
         assert_holds_shard(mode, held, whole)
+
+
+EVERY_FAMILY = tuple(sorted(__import__("tiny").BUILDERS))
+BF16, Q4 = "qwen3_5-bf16", "qwen2_vl-4bit"
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tiny_checkpoints, checkpoints, tmp_path_factory):
+    """Every registered family's tiny checkpoint (one key/value head: the ranks repeat
+    it), a bfloat16 one (what a rank holds is 16-bit, as one process) and a 4-bit one,
+    with each one-process greedy answer."""
+    _, image = checkpoints
+    root = tmp_path_factory.mktemp("families")
+    paths = {family: tiny_checkpoints.path(family, "hub") for family in EVERY_FAMILY}
+    paths[BF16] = convert(str(paths["qwen3_5"]), root / BF16, dtype="bfloat16").path
+    paths[Q4] = convert(str(paths["qwen2_vl"]), root / Q4, quantize=True, q_bits=4,
+                        q_group_size=32).path
+    answers = {}
+    for name, path in paths.items():
+        model, processor = load(path)
+        answers[name] = [r.token for r in stream_generate(
+            model, processor, PROMPT, str(image), max_tokens=BUDGET)]
+    return paths, answers, image
+
+
+@pytest.mark.parametrize("mode", ("tensor", "pipeline"))
+def test_every_family_on_two_ranks_gives_one_process_tokens(family_checkpoints, mode,
+                                                            tmp_path):
+    """One launch per mode loops over every family's checkpoint on both ranks: each
+    answer is the one process's; a tensor-parallel rank holds 16-bit weights as 16-bit
+    and 4-bit ones as 4-bit."""
+    paths, answers, image = family_checkpoints
+    lines = run_sharded(list(paths.values()), image, mode, tmp_path / "runs")
+    assert not [line for line in lines if "error" in line]
+    got = {name: [line["tokens"] for line in lines
+                  if line.get("checkpoint") == str(path) and "tokens" in line]
+           for name, path in paths.items()}
+    assert got == {name: [answer] for name, answer in answers.items()}
+    held = {(line["checkpoint"], line["rank"]): line for line in lines if "rank" in line}
+    assert len(held) == 2 * len(paths)
+    if mode == "tensor":
+        q = "language_model.model.layers.3.self_attn.q_proj.weight"  # a full-attention layer
+        for rank in (0, 1):
+            line = held[(str(paths[BF16]), rank)]
+            assert line["dtypes"][q] == "bfloat16"
+            assert all(d in ("bfloat16", "float32") for d in line["dtypes"].values())
+        quantized = held[(str(paths[Q4]), 1)]
+        k = "language_model.model.layers.0.self_attn.k_proj"
+        assert quantized["dtypes"][f"{k}.weight"] == "uint32"
+        assert quantized["parameters"][f"{k}.weight"][1] == 64 * 4 // 32  # 4-bit words
 
 
 def _flat_shapes(model) -> list[tuple[str, list[int]]]:
@@ -232,6 +291,29 @@ def test_cli_under_mlx_launch_prints_once_what_one_process_prints(checkpoints, c
                 in run.stderr)
     else:
         assert "rank 1: half of every attention and MLP (tensor parallel" in run.stderr
+
+
+def test_the_advice_of_a_refused_split_works(tiny_checkpoints, capsys):
+    """Three ranks cannot split Gemma 3's two query heads: `mlxvlm.generate` says so on
+    every rank in one line that names --pipeline, and that command, as advised, prints
+    what one process prints."""
+    from mlxvlm.generate.__main__ import main as run_generate_cli
+
+    args = ["--model", str(tiny_checkpoints.path("gemma3", "hub")), "--prompt", "Hello",
+            "--max-tokens", "6"]
+    assert run_generate_cli(args) == 0
+    alone = capsys.readouterr().out
+    refused = launch("-m", "mlxvlm.generate", *args, ranks=3)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [errors[0]] * 3, refused.stderr
+    assert errors[0] == (
+        "error: the gemma3 text model cannot be split over 3 ranks in tensor mode (layer 0's "
+        "2 attention heads do not split over 3 ranks); run with --pipeline (each rank a run "
+        "of layers)")
+    assert "Traceback" not in refused.stderr
+    advised = launch("-m", "mlxvlm.generate", "--pipeline", *args, ranks=3)
+    assert_every_rank_ended_well(advised.stderr)
+    assert advised.stdout == alone
 
 
 def test_server_under_mlx_launch_answers_as_one_process(checkpoints, tmp_path):

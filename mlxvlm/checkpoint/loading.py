@@ -37,9 +37,12 @@ CONVERTED_MARKER = "mlxvlm_format"
 
 
 def resolve_model_path(
-    path_or_repo: str | Path, revision: str | None = None, trust_remote_code: bool = False
+    path_or_repo: str | Path, revision: str | None = None, trust_remote_code: bool = False,
+    weight_files: list[str] | None = None,
 ) -> Path:
-    """A local directory as is, or a Hub repo id downloaded (or found in the HF cache)."""
+    """A local directory as is, or a Hub repo id downloaded (or found in the HF cache):
+    every safetensors file, or only ``weight_files`` (a sharded rank's, see
+    ``shard_files``) with the configs and tokenizer."""
     path = Path(path_or_repo).expanduser()
     if path.is_dir():
         return path
@@ -60,6 +63,8 @@ def resolve_model_path(
     )
 
     patterns = _ALLOW_PATTERNS + (["*.py"] if trust_remote_code else [])
+    if weight_files is not None:
+        patterns = [p for p in patterns if p != "*.safetensors"] + list(weight_files)
     try:
         return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
     except GatedRepoError:
@@ -79,6 +84,25 @@ def resolve_model_path(
         raise ModelNotFoundError(
             f"{repo!r} is neither a local directory nor a valid Hub repo id"
         ) from None
+
+
+def _download_shard(repo: str, revision: str | None, trust_remote_code: bool,
+                    sharding: tuple[mx.distributed.Group, str]) -> Path:
+    """A sharded rank's download of a Hub repo: the configs and tokenizer, then only the
+    safetensors files holding a tensor the rank keeps (``shard_files``). Where the Hub
+    cannot tell the files' tensors (offline, a cached repo), every file, as one process."""
+    from mlxvlm.checkpoint import shard_files
+
+    model_path = resolve_model_path(repo, revision, trust_remote_code, weight_files=[])
+    config = read_config(model_path)
+    try:
+        files = shard_files.hub_files(repo, revision)
+    except Exception:  # noqa: BLE001  (offline or no headers: the whole checkpoint)
+        return resolve_model_path(repo, revision, trust_remote_code)
+    converted = converted_by(config, [fmt for fmt, _ in files.values()])
+    needed = shard_files.files_for_rank(files, config, get_family(config.get("model_type")),
+                                        sharding, converted)
+    return resolve_model_path(repo, revision, trust_remote_code, weight_files=needed)
 
 
 def _not_local_nor_cached(repo: str) -> str:
@@ -139,11 +163,16 @@ def is_converted(model_path: Path, config: dict) -> bool:
         return True
     from safetensors import safe_open
 
+    formats = []
     for file in weights_files(model_path):
         with safe_open(str(file), framework="numpy") as f:
-            if (f.metadata() or {}).get("format") != "mlx":
-                return False
-    return True
+            formats.append((f.metadata() or {}).get("format"))
+    return converted_by(config, formats)
+
+
+def converted_by(config: dict, formats: list[str | None]) -> bool:
+    """``is_converted`` from config.json and the weight files' ``format`` metadata."""
+    return bool(config.get(CONVERTED_MARKER)) or all(f == "mlx" for f in formats)
 
 
 def collect_eos_token_ids(model_path: Path, config: dict, tokenizer: Any) -> set[int]:
@@ -218,8 +247,8 @@ def load_model(
     """The model of the checkpoint at ``model_path``. ``keep_half_weights``: with the
     default compute dtype on the CPU, leave the 16-bit weights of linear and embedding
     layers as they are (for ``mlxvlm.cpu.half_weights``) instead of converting them.
-    ``sharding``: see ``build_model`` (the sharded layers compute in the compute dtype:
-    the CPU's half-weight layers are plain layers, which they are not)."""
+    ``sharding``: see ``build_model`` (a tensor-parallel rank's sharded linear layers keep
+    their 16-bit slices too: ``mlxvlm.cpu.half_weights``)."""
     config = config if config is not None else read_config(model_path)
     family = get_family(config.get("model_type"))
     model = build_model(model_path, config, family, load_weights_files(model_path), sharding)
@@ -270,15 +299,18 @@ def load(
     """
     from mlxvlm.text.tokenization import attach_processor_state
 
-    model_path = resolve_model_path(path_or_repo, revision, trust_remote_code)
-    config = read_config(model_path)
-    family = get_family(config.get("model_type"))
     sharding = None
     if shard is not None:
         from mlxvlm.distributed.group import launched_group
 
         group = launched_group()
         sharding = (group, shard) if group is not None else None
+    if sharding is not None and not Path(path_or_repo).expanduser().is_dir():
+        model_path = _download_shard(str(path_or_repo), revision, trust_remote_code, sharding)
+    else:
+        model_path = resolve_model_path(path_or_repo, revision, trust_remote_code)
+    config = read_config(model_path)
+    family = get_family(config.get("model_type"))
     if cpu_fast_paths:
         from mlxvlm.cpu import ops
 

@@ -8,13 +8,23 @@ embedding layer stay 16-bit (decode reads half the bytes, prefill converts them 
 at a time) and only the small rest of the model (norms, biases, convolutions) is float32.
 
 The layers are ``nn.Linear`` / ``nn.Embedding`` subclasses with the same parameters, so
-LoRA wrapping, adapters and saving treat them as the layers they replace.
+LoRA wrapping, adapters and saving treat them as the layers they replace. A tensor-parallel
+rank's sharded linear layers (mlx.nn's ``AllToShardedLinear`` / ``ShardedToAllLinear``)
+keep their 16-bit slices the same way, and its quantized sharded layers their 16-bit
+scales: a rank holds its share of the checkpoint's bytes, as one process holds all of
+them.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import (
+    AllToShardedLinear,
+    QuantizedAllToShardedLinear,
+    QuantizedShardedToAllLinear,
+    ShardedToAllLinear,
+)
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxvlm.cpu import kernels
@@ -40,6 +50,36 @@ class CPUHalfLinear(nn.Linear):
         return kernels.half_linear(x, self.weight, self.get("bias"), residual)
 
 
+class CPUHalfAllToShardedLinear(AllToShardedLinear):
+    """mlx.nn's ``AllToShardedLinear`` with a 16-bit weight slice, computed in float32."""
+
+    def __init__(self, layer: AllToShardedLinear):
+        nn.Module.__init__(self)
+        self.group = layer.group
+        self.weight = layer.weight
+        if "bias" in layer:
+            self.bias = layer.bias.astype(mx.float32)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return kernels.half_linear(x, self.weight, self.get("bias"))
+
+
+class CPUHalfShardedToAllLinear(ShardedToAllLinear):
+    """mlx.nn's ``ShardedToAllLinear`` with a 16-bit weight slice, computed in float32:
+    this rank's partial product, summed over the group, then the bias."""
+
+    def __init__(self, layer: ShardedToAllLinear):
+        nn.Module.__init__(self)
+        self.group = layer.group
+        self.weight = layer.weight
+        if "bias" in layer:
+            self.bias = layer.bias.astype(mx.float32)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = mx.distributed.all_sum(kernels.half_linear(x, self.weight), group=self.group)
+        return x + self["bias"] if "bias" in self else x
+
+
 def residual_plus(residual: mx.array, layer: nn.Module, x: mx.array) -> mx.array:
     """``residual + layer(x)``: one operation where the layer can add the residual itself
     (``CPUHalfLinear``), MLX's addition otherwise (float32, quantized or LoRA layers)."""
@@ -61,11 +101,22 @@ class CPUHalfEmbedding(nn.Embedding):
         return kernels.half_linear(x, self.weight)
 
 
+# layer type -> its 16-bit-weight, float32-computing replacement
+_HALF_LAYERS = {
+    nn.Linear: CPUHalfLinear,
+    nn.Embedding: CPUHalfEmbedding,
+    AllToShardedLinear: CPUHalfAllToShardedLinear,
+    ShardedToAllLinear: CPUHalfShardedToAllLinear,
+}
+_QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedAllToShardedLinear,
+              QuantizedShardedToAllLinear)
+
+
 def _half_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [
         (name, m)
         for name, m in model.named_modules()
-        if type(m) in (nn.Linear, nn.Embedding) and m.weight.dtype in HALF_DTYPES
+        if type(m) in _HALF_LAYERS and m.weight.dtype in HALF_DTYPES
     ]
 
 
@@ -79,7 +130,7 @@ def cast_to_float32_keeping_half_weights(model: nn.Module) -> None:
     kept |= {
         f"{prefix(name)}{part}"
         for name, m in model.named_modules()
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        if isinstance(m, _QUANTIZED)
         for part in ("scales", "biases")
     }
     updates = [
@@ -96,10 +147,7 @@ def use_half_weight_layers(model: nn.Module) -> tuple[int, int]:
     """Swap the linear/embedding layers with 16-bit weights for the float32-computing
     ones above, in place. Returns (layers swapped, bytes of their weights)."""
     layers = _half_layers(model)
-    replacements = [
-        (name, CPUHalfEmbedding(m) if isinstance(m, nn.Embedding) else CPUHalfLinear(m))
-        for name, m in layers
-    ]
+    replacements = [(name, _HALF_LAYERS[type(m)](m)) for name, m in layers]
     if replacements:
         model.update_modules(tree_unflatten(replacements))
     return len(layers), sum(m.weight.nbytes for _, m in layers)

@@ -73,3 +73,13 @@ class ShardPlan:
         held = f"layer {start}" if end - start == 1 else f"layers {start}-{end - 1}"
         return (f"rank {self.rank}: {held} of {self.num_layers} "
                 f"(pipeline over {self.size} ranks){towers}")
+
+
+def depend_on(layer_cache, h: mx.array) -> None:
+    """Make ``layer_cache``'s state depend on ``h`` (a send), so that the send runs
+    whenever the cache is evaluated (a prefill chunk evaluates only the caches): a KV
+    cache's keys, or a recurrent layer's state (mlx-lm's ArraysCache)."""
+    if getattr(layer_cache, "keys", None) is not None:
+        layer_cache.keys = mx.depends(layer_cache.keys, h)
+    elif hasattr(layer_cache, "cache") and layer_cache.cache[-1] is not None:
+        layer_cache.cache[-1] = mx.depends(layer_cache.cache[-1], h)

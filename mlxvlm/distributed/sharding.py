@@ -3,13 +3,16 @@
 ``prepare`` runs on the module tree a family built from its config, still holding
 random initial values: every rank but rank 0 drops the vision/audio towers (rank 0 runs
 them, see ``group.ShardPlan``); in pipeline mode each rank keeps only its run of layers
-(``pipeline`` of mlx-lm's ``PipelineMixin``, which mlx-lm's backbones and mlxvlm's M-RoPE
-decoder carry). The loader then reads only the weights the pruned tree still has
-(``keeps``): mx.load maps safetensors lazily, so a tensor no rank needs is never read.
-``shard`` runs after the weights are loaded, still lazily: the text model's own
-``shard(group)`` (mlx-lm's, or the M-RoPE decoder's) slices every attention and MLP with
-mlx.nn's sharded linear layers, so each rank materializes only its slice, and the
-slices' all-reduce is in those layers.
+(``pipeline`` of mlx-lm's ``PipelineMixin``, which mlx-lm's pipelined backbones and
+mlxvlm's decoders run, or ``pipeline_split``'s skipped layers for a decoder without
+one). The loader then reads only the weights the pruned tree still has (``keeps``):
+mx.load maps safetensors lazily, so a tensor no rank needs is never read. ``shard`` runs
+after the weights are loaded, still lazily: in tensor mode ``tensor_split`` slices every
+attention, MLP, expert and Gated DeltaNet with mlx.nn's sharded layers, so each rank
+materializes only its slice; in pipeline mode it connects the run's edges.
+
+What cannot be split in the mode asked for is refused before anything is read, in one
+line that names what works (the other mode, or fewer ranks).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxvlm.distributed import pipeline_split, tensor_split
 from mlxvlm.distributed.group import ShardPlan
 from mlxvlm.errors import MlxvlmError
 
@@ -45,10 +49,11 @@ def _drop_towers(model: nn.Module, text_path: str) -> list[str]:
     arrays there (LLaVA-NeXT's ``image_newline``); returns the name prefixes of what was
     dropped."""
     dropped = []
+    kept = (*getattr(model, "kept_on_every_rank", ()),)
     parent, prefix = model, ""
     for part in text_path.split("."):
         for name, child in list(parent.items()):
-            if name == part:
+            if name == part or f"{prefix}{name}" in kept:
                 continue
             if isinstance(child, nn.Module):
                 parent[name] = nn.Module()
@@ -67,44 +72,51 @@ def _decoder(text_model: nn.Module) -> nn.Module:
     return text_model["model"] if "model" in text_model else text_model
 
 
-def _attention_heads(text_model: nn.Module) -> tuple[int, int]:
-    attention = _decoder(text_model).layers[0].self_attn
-    return attention.n_heads, attention.n_kv_heads
+def _tensor_problem(family: str, decoder: nn.Module, size: int) -> str | None:
+    why = tensor_split.problems(decoder.layers, size)
+    if why is None:
+        return None
+    return f"the {family} text model cannot be split over {size} ranks in tensor mode ({why})"
 
 
 def prepare(model: nn.Module, group: mx.distributed.Group, mode: str) -> tuple[ShardPlan, list[str]]:
     """Prune ``model`` for this rank (see the module docstring); returns the plan and the
-    names of the modules and arrays whose weights this rank leaves unread."""
+    names of the modules and arrays whose weights this rank leaves unread. A model that
+    cannot be split in ``mode`` raises one line naming the mode that works."""
     text_path = text_model_path(model)
     text_model = _module_at(model, text_path)
     family = type(model).__module__.rsplit(".", 1)[-1]
     size = group.size()
-    num_layers = len(_decoder(text_model).layers)
+    decoder = _decoder(text_model)
+    num_layers = len(decoder.layers)
+    tensor_problem = _tensor_problem(family, decoder, size)
+    if mode == "tensor" and tensor_problem is not None:
+        raise MlxvlmError(tensor_problem + (
+            "; run with --pipeline (each rank a run of layers)" if num_layers >= size
+            else "; use fewer ranks"))
+    if mode == "pipeline" and num_layers < size:
+        raise MlxvlmError(f"{num_layers} layers cannot be split over {size} ranks; use at "
+                          f"most {num_layers} ranks" + (
+                              " or tensor mode (without --pipeline)"
+                              if tensor_problem is None else ""))
+    runs = pipeline_split.check(decoder, size, family) if mode == "pipeline" else None
     dropped = [] if group.rank() == 0 else _drop_towers(model, text_path)
     if mode == "tensor":
-        if not hasattr(text_model, "shard"):
-            raise MlxvlmError(
-                f"the {family} text model has no tensor-parallel split; try --pipeline")
-        heads, kv_heads = _attention_heads(text_model)
-        if heads % size or kv_heads % size:
-            raise MlxvlmError(
-                f"the {family} text model's {heads} attention heads ({kv_heads} key/value "
-                f"heads) do not split over {size} ranks; use --pipeline or a rank count "
-                "that divides both")
         return ShardPlan(group, mode, num_layers=num_layers), dropped
-    decoder = _decoder(text_model)
-    # mlx-lm's pipelined models all run it; mlxvlm's decoders say which do.
-    if not hasattr(decoder, "pipeline") or not getattr(decoder, "runs_pipelined", True):
-        raise MlxvlmError(
-            f"the {family} text model has no pipeline split; run without --pipeline "
-            "(tensor parallelism)")
-    if num_layers < size:
-        raise MlxvlmError(f"{num_layers} layers cannot be split over {size} ranks")
     layers_path = _layers_path(model, decoder)
-    decoder.pipeline(group)
-    start, end = decoder.start_idx, decoder.end_idx
+    if _pipelines_itself(decoder):
+        decoder.pipeline(group, runs)
+        start, end = decoder.start_idx, decoder.end_idx
+    else:  # its loop as it is, its layers replaced
+        start, end = pipeline_split.prune(decoder, group, runs)
     dropped += [f"{layers_path}.{i}" for i in range(num_layers) if not start <= i < end]
     return ShardPlan(group, mode, (start, end), num_layers), dropped
+
+
+def _pipelines_itself(decoder: nn.Module) -> bool:
+    """mlx-lm's pipelined models and mlxvlm's decoders that say so run their own run of
+    layers (``PipelineMixin``); the others get ``pipeline_split``'s layers."""
+    return hasattr(decoder, "pipeline") and getattr(decoder, "runs_pipelined", True)
 
 
 def _layers_path(model: nn.Module, decoder: nn.Module) -> str:
@@ -120,7 +132,16 @@ def keeps(name: str, dropped: list[str]) -> bool:
 
 
 def shard(model: nn.Module, plan: ShardPlan) -> None:
-    """Slice the loaded (still lazy) text model for tensor parallelism; pipeline plans
-    were applied by ``prepare``."""
+    """Slice the loaded (still lazy) text model for tensor parallelism, or connect a
+    pipeline rank's run of layers to the other ranks' (a decoder without a pipeline of
+    its own; one with it was split by ``prepare``)."""
+    decoder = _decoder(_module_at(model, text_model_path(model)))
     if plan.mode == "tensor":
-        _module_at(model, text_model_path(model)).shard(plan.group)
+        try:
+            tensor_split.split_layers(decoder.layers, plan.group)
+        except ValueError as exc:  # mlx.nn's own check, e.g. quantization groups cut
+            raise MlxvlmError(
+                f"the text model cannot be split over {plan.size} ranks in tensor mode "
+                f"({exc}); run with --pipeline (each rank a run of layers)") from None
+    elif not _pipelines_itself(decoder):
+        pipeline_split.connect(decoder, plan.group)

@@ -121,6 +121,10 @@ class VisionLanguageModel(nn.Module):
     # Parts of a model some checkpoints carry (in either naming) that this family does
     # not build, such as an omni model's speech output: their tensors are left out.
     unused_weight_prefixes: tuple[str, ...] = ()
+    # Modules beside the language model that every rank of a sharded model keeps, because
+    # embedding a token needs them (Gemma 3n's embedders of its vision and audio tokens);
+    # the other ranks drop every other tower (distributed/sharding.py).
+    kept_on_every_rank: tuple[str, ...] = ()
     # transformers' processor and PIL image processor classes, by their exported names
     # (transformers is imported only when a processor is built).
     processor_class: str | None = None

@@ -221,17 +221,23 @@ class TextModel(ScaledEmbeddingDecoder):
         )
         self.args = args
 
+    runs_pipelined = True
+
     def __call__(self, h: mx.array, cache: list[Any], blocks: np.ndarray | None) -> mx.array:
-        is_sliding = [layer.self_attn.is_sliding for layer in self.layers]
+        # Pipelined, this rank's run of layers (and their caches) between receive and
+        # hand_on; otherwise all of them.
+        layers = self.pipeline_layers
+        is_sliding = [layer.self_attn.is_sliding for layer in layers]
         masks = {}
         for sliding in set(is_sliding):
             c = cache[is_sliding.index(sliding)]
             masks[sliding] = attention_mask(
                 h, c, self.args.sliding_window if sliding else None, blocks
             )
-        for layer, c, sliding in zip(self.layers, cache, is_sliding):
+        h = self.receive(h)
+        for layer, c, sliding in zip(layers, cache, is_sliding):
             h = layer(h, masks[sliding], c)
-        return self.norm(h)
+        return self.norm(self.hand_on(h, cache))
 
 
 class LanguageModel(nn.Module):

@@ -210,6 +210,8 @@ class Model(VisionLanguageModel):
     image_processor_class = "SiglipImageProcessorPil"
     # mlx-lm's AltUp reads and rewrites these layers' weights itself: LoRA cannot wrap them.
     untunable_linears = ("altup.prediction_coefs", "altup.correction_coefs")
+    # Their token embeddings (embed_tokens): every rank embeds the tokens it feeds back.
+    kept_on_every_rank = ("embed_vision", "embed_audio")
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)

@@ -209,20 +209,28 @@ class TextModel(ScaledEmbeddingDecoder):
         """mlx-lm's Gemma 2 attention splits the query heads per key/value head into a
         5-D (B, kv, repeats, L, S) score array; a batched cache's per-row mask (B, 1, L, S)
         must gain that axis to broadcast by row."""
-        text = self.args.text
-        grouped = (text.model_type == "gemma2"
-                   and text.num_attention_heads != text.num_key_value_heads)
+        # Gemma 2's attention only (Gemma 1's keeps 4-D scores), with the layers' own
+        # counts: a tensor-parallel rank holds its share of the heads.
+        attention = self.pipeline_layers[0].self_attn
+        grouped = (self.args.text.model_type == "gemma2"
+                   and attention.n_heads != attention.n_kv_heads)
         if grouped and isinstance(mask, mx.array) and mask.ndim == 4:
             return mx.expand_dims(mask, 2)
         return mask
 
+    runs_pipelined = True
+
     def __call__(self, h: mx.array, cache: list[Any], prefix: int,
                  masks: dict[bool, Any] | None = None) -> mx.array:
-        """``masks``: given (``padded_masks``), instead of the prefix-LM's."""
+        """``masks``: given (``padded_masks``), instead of the prefix-LM's. Pipelined, this
+        rank's run of layers (and their caches) between receive and hand_on; otherwise
+        all of them."""
         masks = masks if masks is not None else self.masks(h, cache[0], prefix)
-        for layer, c, sliding in zip(self.layers, cache, self.args.sliding_layers):
+        sliding_layers = self.args.sliding_layers[self.start_idx:self.end_idx]
+        h = self.receive(h)
+        for layer, c, sliding in zip(self.pipeline_layers, cache, sliding_layers):
             h = layer(h, masks[sliding], c)
-        return self.norm(h)
+        return self.norm(self.hand_on(h, cache))
 
 
 class LanguageModel(nn.Module):

@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.pipeline import PipelineMixin
 
+from mlxvlm.distributed.group import depend_on
 from mlxvlm.models.layers.activations import activation
 
 
@@ -68,7 +69,7 @@ class TextDecoder(PipelineMixin, nn.Module):
         if self.pipeline_rank != 0:
             h = mx.distributed.send(h, self.pipeline_rank - 1)
             if cache[-1] is not None:  # the send runs whenever the cache is evaluated
-                cache[-1].keys = mx.depends(cache[-1].keys, h)
+                depend_on(cache[-1], h)
         if self.pipeline_size > 1:
             h = mx.distributed.all_gather(h)[: h.shape[0]]
         return h
@@ -91,3 +92,4 @@ class ScaledEmbeddingDecoder(TextDecoder):
     def embed(self, inputs: mx.array) -> mx.array:
         h = self.embed_tokens(inputs)
         return h * mx.array(self.embed_scale, dtype=h.dtype)
+

@@ -151,26 +151,33 @@ def _first(layer_types, kind: str) -> int | None:
 class HybridMRopeModel(MRopeDecoder):
     layer_class = HybridDecoderLayer
 
+    runs_pipelined = True
+
     def __init__(self, config: HybridTextConfig):
         super().__init__(config, config.rotary_dim, interleaved=True)
-        self.first_attention = _first(config.layer_types, FULL)
-        self.first_linear = _first(config.layer_types, LINEAR)
-        if self.first_attention is None:
+        if _first(config.layer_types, FULL) is None:
             raise ValueError("a Qwen3.5 decoder needs at least one full_attention layer")
 
     def make_cache(self) -> list[Any]:
-        return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
+        return [ArraysCache(size=2) if layer.is_linear else KVCache()
+                for layer in self.pipeline_layers]
 
     def __call__(self, inputs, cache=None, embeddings=None, state: MRopeState | None = None):
+        # Pipelined, this rank's run of layers (and their caches, from make_cache) between
+        # receive and hand_on; a run may hold no attention layer (no positions needed)
+        # or no linear one.
         h, cache = self.start(inputs, cache, embeddings)
-        attention_cache = cache[self.first_attention]
+        kinds = [LINEAR if layer.is_linear else FULL for layer in self.pipeline_layers]
+        first_attention, first_linear = _first(kinds, FULL), _first(kinds, LINEAR)
+        attention_cache = cache[first_attention] if first_attention is not None else None
         offset = attention_cache.offset if attention_cache is not None else 0
         rotary = self.rotary.for_tokens(state, offset, h.shape[1], h.dtype)
-        linear_cache = cache[self.first_linear] if self.first_linear is not None else None
+        linear_cache = cache[first_linear] if first_linear is not None else None
         masks = (create_ssm_mask(h, linear_cache), create_attention_mask(h, attention_cache))
-        for layer, layer_cache in zip(self.layers, cache):
+        h = self.receive(h)
+        for layer, layer_cache in zip(self.pipeline_layers, cache):
             h = layer(h, rotary, masks, layer_cache)
-        return self.norm(h)
+        return self.norm(self.hand_on(h, cache))
 
 
 class HybridLanguageModel(LanguageModel):

@@ -39,7 +39,6 @@ from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 from mlxvlm.models.config_utils import text_config
 from mlxvlm.cpu.ops import cached_attention, gated, silu
 from mlxvlm.models.layers.blocks import TextDecoder
-from mlxvlm.models.layers.mrope_shard import shard_layers
 from mlxvlm.models.layers.rotary import apply_rotary
 
 
@@ -596,7 +595,3 @@ class LanguageModel(nn.Module):
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
-
-    def shard(self, group: mx.distributed.Group) -> None:
-        """Tensor parallelism over ``group``, as mlx-lm's models' ``shard``."""
-        shard_layers(self.model.layers, group)
