@@ -144,3 +144,13 @@ def test_a_retrieval_model_does_not_generate(one_layout):
         mlxvlm.generate(model, processor, "hello", max_tokens=2)
     with pytest.raises(RetrievalOnlyModelError):
         mlxvlm.batch_generate(model, processor, ["hello"], max_tokens=2)
+
+
+def test_a_conversion_is_tagged_for_document_retrieval(tiny_checkpoints, tmp_path):
+    from mlxvlm.convert import convert
+
+    path = convert(str(tiny_checkpoints.path("colqwen2", "hub")), tmp_path / "colqwen2-mlx").path
+    assert mlxvlm.load(path)[0].retrieval.kind == "multi_vector"
+    card = (path / "README.md").read_text()
+    assert "pipeline_tag: visual-document-retrieval" in card
+    assert "python -m mlxvlm.embed --model colqwen2-mlx" in card and "generate" not in card

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 
 import httpx
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -188,6 +190,50 @@ def test_a_quantized_conversion_stays_an_embedder_and_a_reranker(folders, embedd
                    q_bits=8).path
     retrieval = mlxvlm.load(path)[0].retrieval
     assert (retrieval.kind, retrieval.yes_id) == ("reranker", reranker[0].retrieval.yes_id)
+    # The model card tags them as the Hub's repos are tagged.
+    card = (path / "README.md").read_text()
+    assert "pipeline_tag: text-ranking" in card and "mlxvlm.rerank(" in card
+    card = (tmp_path / "embedding-8bit" / "README.md").read_text()
+    assert "pipeline_tag: sentence-similarity" in card and "mlxvlm.embed(" in card
+
+
+def untied_without_head(source, target):
+    """``source`` as Qwen3-VL-Embedding-8B ships: config.json says the head is not tied,
+    and the weights hold no ``lm_head.weight`` (the tiny checkpoints are tied: none)."""
+    import shutil
+
+    shutil.copytree(source, target, symlinks=True)
+    config = json.loads((target / "config.json").read_text())
+    names = [name for file in target.glob("*.safetensors") for name in mx.load(str(file))]
+    assert names and not any("lm_head" in name for name in names)
+    config["tie_word_embeddings"] = False
+    if "tie_word_embeddings" in config.get("text_config", {}):
+        config["text_config"]["tie_word_embeddings"] = False
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_an_embedder_without_its_untied_head_loads(tiny, folders, tmp_path):
+    import mlxvlm
+    from mlxvlm.convert import convert
+    from mlxvlm.errors import CheckpointError, MlxvlmError
+
+    model, processor = mlxvlm.load(untied_without_head(folders["embedding"], tmp_path / "emb"))
+    assert model.retrieval.kind == "single_vector"
+    assert not model.args.text.tie_word_embeddings
+    np.testing.assert_allclose(mlxvlm.embed(model, processor, ITEMS),
+                               reference_embeddings(tiny, ITEMS), atol=ATOL, rtol=0)
+    with pytest.raises(MlxvlmError, match="no output head"):
+        model.language_model.logits(mx.zeros((1, model.args.text.hidden_size)))
+    # Converted, it stays a headless embedder.
+    converted = convert(str(tmp_path / "emb"), tmp_path / "emb-mlx").path
+    np.testing.assert_allclose(mlxvlm.embed(*mlxvlm.load(converted), ITEMS),
+                               reference_embeddings(tiny, ITEMS), atol=ATOL, rtol=0)
+    # A reranker reads the head's "yes" and "no" rows; a chat model generates with it.
+    for name in ("reranker", "plain"):
+        with pytest.raises(CheckpointError, match="has no lm_head.weight") as refused:
+            mlxvlm.load(untied_without_head(folders[name], tmp_path / name))
+        assert "\n" not in str(refused.value)
 
 
 def test_an_input_longer_than_the_context_is_refused(embedder, reranker):
