@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 
 import httpx
 import mlx.core as mx
@@ -24,9 +23,8 @@ import numpy as np
 import pytest
 
 from retrieval_reference import reference_embeddings, reference_scores
-from server_process import ServerProcess
+from retrieval_fixtures import RETRIEVAL_KEY
 from tiny import make_image
-from tiny.qwen3_vl_retrieval import build_retrieval_model, save_embedding, save_plain, save_reranker
 
 torch = pytest.importorskip("torch")
 
@@ -51,23 +49,13 @@ def inputs(items):
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return build_retrieval_model(seed=0)
+def tiny(qwen3_retrieval):
+    return qwen3_retrieval.tiny
 
 
 @pytest.fixture(scope="module")
-def folders(tiny, tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3-vl-retrieval")
-    plain = save_plain(tiny, root / "plain")
-    # A Hub cache download without sentence-transformers files: a real snapshot folder
-    # of links, under the repository's name.
-    snapshot = root / "models--Qwen--Qwen3-VL-Reranker-2B" / "snapshots" / "0123abcd"
-    snapshot.mkdir(parents=True)
-    for file in plain.iterdir():
-        os.symlink(file, snapshot / file.name)
-    return {"embedding": save_embedding(tiny, root / "embedding"),
-            "reranker": save_reranker(tiny, root / "reranker"),
-            "plain": plain, "named": snapshot}
+def folders(qwen3_retrieval):
+    return qwen3_retrieval.folders
 
 
 @pytest.fixture(scope="module")
@@ -253,42 +241,40 @@ def data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def test_through_the_server(tiny, folders, tmp_path):
-    models_dir = tmp_path / "models"
-    models_dir.mkdir()
-    (models_dir / "reranker").symlink_to(folders["reranker"])
-    with ServerProcess("--model", str(folders["embedding"]), "--served-model-name", "embedder",
-                       "--models-dir", str(models_dir)) as server:
-        client = server.openai_client(api_key="unused")
-        result = client.embeddings.create(
-            model="embedder", input=[ITEMS[0]["text"], {"image": data_url(IMAGE_A)}],
-            encoding_format="float")
-        got = np.array([item.embedding for item in result.data], dtype=np.float32)
-        np.testing.assert_allclose(got, reference_embeddings(tiny, ITEMS[:2]), atol=ATOL, rtol=0)
-        instruction = "Retrieve images or text relevant to the user's query."
-        result = client.embeddings.create(model="embedder", input=ITEMS[0]["text"],
-                                          encoding_format="base64",
-                                          extra_body={"instruction": instruction})
-        got = np.frombuffer(base64.b64decode(result.data[0].embedding), dtype="<f4")
-        np.testing.assert_allclose(got, reference_embeddings(tiny, ITEMS[:1], instruction)[0],
-                                   atol=ATOL, rtol=0)
+def test_through_the_server(tiny, retrieval_server):
+    server = retrieval_server  # tests/retrieval_fixtures.py: every tiny retrieval model
+    client = server.openai_client(api_key=RETRIEVAL_KEY)
+    result = client.embeddings.create(
+        model="embedder", input=[ITEMS[0]["text"], {"image": data_url(IMAGE_A)}],
+        encoding_format="float")
+    got = np.array([item.embedding for item in result.data], dtype=np.float32)
+    np.testing.assert_allclose(got, reference_embeddings(tiny, ITEMS[:2]), atol=ATOL, rtol=0)
+    instruction = "Retrieve images or text relevant to the user's query."
+    result = client.embeddings.create(model="embedder", input=ITEMS[0]["text"],
+                                      encoding_format="base64",
+                                      extra_body={"instruction": instruction})
+    got = np.frombuffer(base64.b64decode(result.data[0].embedding), dtype="<f4")
+    np.testing.assert_allclose(got, reference_embeddings(tiny, ITEMS[:1], instruction)[0],
+                               atol=ATOL, rtol=0)
 
-        documents = [DOCUMENTS[0]["text"], {"image": data_url(IMAGE_A)},
-                     {"text": DOCUMENTS[2]["text"], "image": data_url(IMAGE_B)},
-                     DOCUMENTS[3]["text"]]
-        response = httpx.post(f"{server.base_url}/v1/rerank", timeout=120, json={
-            "model": "reranker", "query": QUERY["text"], "documents": documents, "top_n": 3})
-        assert response.status_code == 200, response.text
-        expected = reference_scores(tiny, QUERY, DOCUMENTS)
-        order = list(np.argsort(-expected)[:3])
-        results = response.json()["results"]
-        assert [r["index"] for r in results] == order
-        np.testing.assert_allclose([r["relevance_score"] for r in results], expected[order],
-                                   atol=ATOL, rtol=0)
+    headers = {"Authorization": f"Bearer {RETRIEVAL_KEY}"}
+    documents = [DOCUMENTS[0]["text"], {"image": data_url(IMAGE_A)},
+                 {"text": DOCUMENTS[2]["text"], "image": data_url(IMAGE_B)},
+                 DOCUMENTS[3]["text"]]
+    response = httpx.post(f"{server.base_url}/v1/rerank", timeout=120, headers=headers, json={
+        "model": "reranker", "query": QUERY["text"], "documents": documents, "top_n": 3})
+    assert response.status_code == 200, response.text
+    expected = reference_scores(tiny, QUERY, DOCUMENTS)
+    order = list(np.argsort(-expected)[:3])
+    results = response.json()["results"]
+    assert [r["index"] for r in results] == order
+    np.testing.assert_allclose([r["relevance_score"] for r in results], expected[order],
+                               atol=ATOL, rtol=0)
 
-        cards = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"]
-        assert {c["id"]: c["capabilities"] for c in cards} == {
-            "embedder": ["embed", "rerank"], "reranker": ["rerank"]}
-        chat = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
-            "model": "reranker", "messages": [{"role": "user", "content": "hi"}]})
-        assert chat.status_code == 400
+    cards = httpx.get(f"{server.base_url}/v1/models", timeout=30, headers=headers).json()["data"]
+    capabilities = {c["id"]: c["capabilities"] for c in cards}
+    assert (capabilities["embedder"], capabilities["reranker"]) == (["embed", "rerank"],
+                                                                   ["rerank"])
+    chat = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, headers=headers,
+                      json={"model": "reranker", "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400
