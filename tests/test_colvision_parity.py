@@ -2,7 +2,7 @@
 ColPaliForRetrieval (float32, tiny random checkpoints saved in both layouts and loaded
 through mlxvlm.load): the same token counts and vectors within 1e-4 for queries and page
 images, alone and batched, and the same MaxSim scores and ranking as transformers'
-score_retrieval."""
+score_retrieval; a conversion's model card tagged visual-document-retrieval."""
 
 from __future__ import annotations
 

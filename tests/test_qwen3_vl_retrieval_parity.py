@@ -8,7 +8,11 @@ norm; the instruction is the system turn; reranker scores within 1e-4 with the s
 ranking, the instruction respected; each checkpoint recognized as the Hub ships it (and
 a plain Qwen3-VL checkpoint left a chat model); both through ``mlxvlm.embed`` /
 ``mlxvlm.rerank`` and through ``python -m mlxvlm.server`` (the openai client's
-``embeddings.create``, ``/v1/rerank``, ``/v1/models``).
+``embeddings.create``, ``/v1/rerank``, ``/v1/models``; the session's shared server of
+tests/retrieval_fixtures.py). An embedder whose config says the head is untied but
+whose weights lack it (as Qwen3-VL-Embedding-8B ships) loads and converts; a reranker or
+chat model so saved is refused in one line. Conversions' model cards carry the Hub's
+tasks (sentence-similarity, text-ranking).
 """
 
 from __future__ import annotations
