@@ -159,9 +159,10 @@ def _check_destination(mlx_path: Path, force: bool) -> None:
 # ------------------------------------------------------------------------------ reading
 
 
-def _read_model(model_path: Path, config: dict, family):
+def _read_model(model_path: Path, config: dict, family, head_optional: bool = False):
     """The family's module tree with the source weights (lazily loaded, any quantization
-    of the source applied), in the source's names mapped onto ours."""
+    of the source applied), in the source's names mapped onto ours; ``head_optional``:
+    see ``build_model``."""
     import mlx.core as mx
     from tqdm import tqdm
 
@@ -170,7 +171,7 @@ def _read_model(model_path: Path, config: dict, family):
     weights: dict[str, mx.array] = {}
     for file in tqdm(weights_files(model_path), desc="Reading weights", unit="file", disable=None):
         weights.update(mx.load(str(file)))
-    return build_model(model_path, config, family, weights)
+    return build_model(model_path, config, family, weights, head_optional=head_optional)
 
 
 def _source_dtype(config: dict) -> str | None:
@@ -286,16 +287,54 @@ def staged_checkpoint(model, config: dict, source: Path, staging: Path):
         shutil.rmtree(staging, ignore_errors=True)
 
 
+# The Hub's task for each kind of model (by its retrieval use's kind; None: generative),
+# as the original repos are tagged (vidore/colqwen2-v1.0-hf, Qwen/Qwen3-VL-Embedding-2B).
+PIPELINE_TAGS = {
+    None: "image-text-to-text",
+    "multi_vector": "visual-document-retrieval",
+    "single_vector": "sentence-similarity",
+    "reranker": "text-ranking",
+}
+
+
+def usage(name: str, kind: str | None) -> str:
+    """The card's usage snippet for a model of ``kind`` (see ``PIPELINE_TAGS``)."""
+    if kind is None:
+        shell = (f'python -m mlxvlm.generate --model {name} --image cat.jpg '
+                 '--prompt "Describe this image."')
+        python = 'print(mlxvlm.generate(model, processor, "Describe this image.", image="cat.jpg").text)'
+    elif kind == "reranker":
+        shell = f'python -m mlxvlm.embed --model {name} --query "a cat on a mat" --input-dir pictures/'
+        python = ('print(mlxvlm.rerank(model, processor, "a cat on a mat", '
+                  '["a dog in the park", {"image": "cat.jpg"}]))')
+    else:
+        shell = f"python -m mlxvlm.embed --model {name} --input-dir pictures/ --output index.jsonl"
+        python = 'vectors = mlxvlm.embed(model, processor, ["a cat on a mat", {"image": "cat.jpg"}])'
+    return f"""```bash
+pip install mlxvlm
+{shell}
+```
+
+```python
+import mlxvlm
+
+model, processor = mlxvlm.load("{name}")
+{python}
+```
+"""
+
+
 def write_model_card(directory: Path, *, name: str, base_model: str | None,
-                     source: Path, precision: str) -> None:
-    """README.md with the Hub metadata and a usage snippet."""
+                     source: Path, precision: str, kind: str | None = None) -> None:
+    """README.md with the Hub metadata and a usage snippet; ``kind``: the model's
+    retrieval use's (None: a generative model)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     import mlxvlm
 
     data = ModelCardData(
         library_name="mlx",
-        pipeline_tag="image-text-to-text",
+        pipeline_tag=PIPELINE_TAGS[kind],
         base_model=base_model,
         tags=["mlx", "mlxvlm"],
     )
@@ -312,18 +351,7 @@ Converted to MLX from {origin} with mlxvlm {mlxvlm.__version__} ({precision}).
 
 ## Use with mlxvlm
 
-```bash
-pip install mlxvlm
-python -m mlxvlm.generate --model {name} --image cat.jpg --prompt "Describe this image."
-```
-
-```python
-import mlxvlm
-
-model, processor = mlxvlm.load("{name}")
-print(mlxvlm.generate(model, processor, "Describe this image.", image="cat.jpg").text)
-```
-"""
+{usage(name, kind)}"""
     ModelCard(f"---\n{data.to_yaml()}\n---\n\n{text}").save(directory / "README.md")
 
 
@@ -410,7 +438,11 @@ def convert(
     if dequantize and not source_quantization:
         raise MlxvlmError(f"{hf_path} is not quantized; there is nothing to dequantize")
 
-    model = _read_model(source, config, family)
+    from mlxvlm.retrieval.detection import detect_use
+
+    use = detect_use(config, source)  # an embedder's untied head may be absent
+    model = _read_model(source, config, family,
+                        head_optional=use is not None and not use.needs_output_head)
     target_dtype = plan.dtype or _source_dtype(config)
     if target_dtype is not None:
         _cast_floats(model, target_dtype)
@@ -448,7 +480,7 @@ def convert(
         write_config(config, staging)
         copy_side_files(source, staging)
         write_model_card(staging, name=name, base_model=base_model, source=source,
-                         precision=precision)
+                         precision=precision, kind=None if use is None else use.kind)
         if mlx_path.is_dir() and not mlx_path.is_symlink():
             shutil.rmtree(mlx_path)
         elif mlx_path.exists() or mlx_path.is_symlink():

@@ -16,6 +16,9 @@ import mlxvlm  # noqa: F401
 # tests/ holds helper modules (tests/tiny/) imported by the tests.
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Session fixtures of the retrieval tests: one server for all their tiny models.
+pytest_plugins = ["retrieval_fixtures"]
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):

@@ -2,7 +2,7 @@
 ColPaliForRetrieval (float32, tiny random checkpoints saved in both layouts and loaded
 through mlxvlm.load): the same token counts and vectors within 1e-4 for queries and page
 images, alone and batched, and the same MaxSim scores and ranking as transformers'
-score_retrieval."""
+score_retrieval; a conversion's model card tagged visual-document-retrieval."""
 
 from __future__ import annotations
 
@@ -161,3 +161,11 @@ def test_finetune_and_the_chat_refuse_a_retrieval_model(tiny_checkpoints, tmp_pa
     assert not (tmp_path / "adapters").exists()
     assert ui_main(["--model", path, "--port", "0"]) == 2
     assert "embedding model" in capsys.readouterr().err
+def test_a_conversion_is_tagged_for_document_retrieval(tiny_checkpoints, tmp_path):
+    from mlxvlm.convert import convert
+
+    path = convert(str(tiny_checkpoints.path("colqwen2", "hub")), tmp_path / "colqwen2-mlx").path
+    assert mlxvlm.load(path)[0].retrieval.kind == "multi_vector"
+    card = (path / "README.md").read_text()
+    assert "pipeline_tag: visual-document-retrieval" in card
+    assert "python -m mlxvlm.embed --model colqwen2-mlx" in card and "generate" not in card

@@ -20,11 +20,16 @@ from tiny import colvision, make_image
 QUERY = "A red cat sits on a blue mat"
 
 
-def run_embed(*args: str) -> subprocess.CompletedProcess:
+def start_embed(*args: str) -> subprocess.Popen:
     env = {**os.environ}
     env.pop("MLXVLM_ALLOW_TORCH", None)  # as a user's process runs
-    return subprocess.run([sys.executable, "-m", "mlxvlm.embed", *args], capture_output=True,
-                          text=True, timeout=300, env=env)
+    return subprocess.Popen([sys.executable, "-m", "mlxvlm.embed", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")
@@ -65,20 +70,31 @@ def test_query_ranks_a_folder_and_the_index_holds_every_picture(checkpoint, pict
                                                                 reference, tmp_path):
     processor, vectors = reference
     pages = sorted(pictures.glob("*.png"))
-    expected = [colvision.reference_maxsim(processor, vectors(QUERY), vectors(Image.open(p)))
-                for p in pages]
-    done = run_embed("--model", checkpoint, "--query", QUERY, "--input-dir", str(pictures))
-    assert done.returncode == 0, done.stderr
-    ranking = [json.loads(line) for line in done.stdout.splitlines()]
+    index = tmp_path / "index.jsonl"
+    # Two independent runs, started together (most of each is its single-threaded start)
+    # while this process computes the reference.
+    ranking_run = start_embed("--model", checkpoint, "--query", QUERY,
+                              "--input-dir", str(pictures))
+    indexing_run = start_embed("--model", checkpoint, "--input-dir", str(pictures),
+                               "--output", str(index), "--batch-size", "2")
+    try:
+        expected = [colvision.reference_maxsim(processor, vectors(QUERY), vectors(Image.open(p)))
+                    for p in pages]
+        ranked, indexed = finished(ranking_run), finished(indexing_run)
+    finally:
+        for run in (ranking_run, indexing_run):
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+
+    assert ranked.returncode == 0, ranked.stderr
+    ranking = [json.loads(line) for line in ranked.stdout.splitlines()]
     assert [r["input"] for r in ranking] == [str(pages[i]) for i in np.argsort(expected)[::-1]]
     np.testing.assert_allclose([r["score"] for r in ranking], sorted(expected, reverse=True),
                                atol=1e-4, rtol=1e-5)
 
-    index = tmp_path / "index.jsonl"
-    done = run_embed("--model", checkpoint, "--input-dir", str(pictures), "--output", str(index),
-                     "--batch-size", "2")
-    assert done.returncode == 0, done.stderr
-    assert "indexing" in done.stderr and "indexed 3 pictures" in done.stderr  # progress
+    assert indexed.returncode == 0, indexed.stderr
+    assert "indexing" in indexed.stderr and "indexed 3 pictures" in indexed.stderr  # progress
     rows = [json.loads(line) for line in index.read_text().splitlines()]
     assert [row["path"] for row in rows] == [str(p) for p in pages]
     for row, page in zip(rows, pages):

@@ -8,23 +8,27 @@ norm; the instruction is the system turn; reranker scores within 1e-4 with the s
 ranking, the instruction respected; each checkpoint recognized as the Hub ships it (and
 a plain Qwen3-VL checkpoint left a chat model); both through ``mlxvlm.embed`` /
 ``mlxvlm.rerank`` and through ``python -m mlxvlm.server`` (the openai client's
-``embeddings.create``, ``/v1/rerank``, ``/v1/models``).
+``embeddings.create``, ``/v1/rerank``, ``/v1/models``; the session's shared server of
+tests/retrieval_fixtures.py). An embedder whose config says the head is untied but
+whose weights lack it (as Qwen3-VL-Embedding-8B ships) loads and converts; a reranker or
+chat model so saved is refused in one line. Conversions' model cards carry the Hub's
+tasks (sentence-similarity, text-ranking).
 """
 
 from __future__ import annotations
 
 import base64
 import io
-import os
+import json
 
 import httpx
+import mlx.core as mx
 import numpy as np
 import pytest
 
 from retrieval_reference import reference_embeddings, reference_scores
-from server_process import ServerProcess
+from retrieval_fixtures import RETRIEVAL_KEY
 from tiny import make_image
-from tiny.qwen3_vl_retrieval import build_retrieval_model, save_embedding, save_plain, save_reranker
 
 torch = pytest.importorskip("torch")
 
@@ -49,23 +53,13 @@ def inputs(items):
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return build_retrieval_model(seed=0)
+def tiny(qwen3_retrieval):
+    return qwen3_retrieval.tiny
 
 
 @pytest.fixture(scope="module")
-def folders(tiny, tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3-vl-retrieval")
-    plain = save_plain(tiny, root / "plain")
-    # A Hub cache download without sentence-transformers files: a real snapshot folder
-    # of links, under the repository's name.
-    snapshot = root / "models--Qwen--Qwen3-VL-Reranker-2B" / "snapshots" / "0123abcd"
-    snapshot.mkdir(parents=True)
-    for file in plain.iterdir():
-        os.symlink(file, snapshot / file.name)
-    return {"embedding": save_embedding(tiny, root / "embedding"),
-            "reranker": save_reranker(tiny, root / "reranker"),
-            "plain": plain, "named": snapshot}
+def folders(qwen3_retrieval):
+    return qwen3_retrieval.folders
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +182,50 @@ def test_a_quantized_conversion_stays_an_embedder_and_a_reranker(folders, embedd
                    q_bits=8).path
     retrieval = mlxvlm.load(path)[0].retrieval
     assert (retrieval.kind, retrieval.yes_id) == ("reranker", reranker[0].retrieval.yes_id)
+    # The model card tags them as the Hub's repos are tagged.
+    card = (path / "README.md").read_text()
+    assert "pipeline_tag: text-ranking" in card and "mlxvlm.rerank(" in card
+    card = (tmp_path / "embedding-8bit" / "README.md").read_text()
+    assert "pipeline_tag: sentence-similarity" in card and "mlxvlm.embed(" in card
+
+
+def untied_without_head(source, target):
+    """``source`` as Qwen3-VL-Embedding-8B ships: config.json says the head is not tied,
+    and the weights hold no ``lm_head.weight`` (the tiny checkpoints are tied: none)."""
+    import shutil
+
+    shutil.copytree(source, target, symlinks=True)
+    config = json.loads((target / "config.json").read_text())
+    names = [name for file in target.glob("*.safetensors") for name in mx.load(str(file))]
+    assert names and not any("lm_head" in name for name in names)
+    config["tie_word_embeddings"] = False
+    if "tie_word_embeddings" in config.get("text_config", {}):
+        config["text_config"]["tie_word_embeddings"] = False
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_an_embedder_without_its_untied_head_loads(tiny, folders, tmp_path):
+    import mlxvlm
+    from mlxvlm.convert import convert
+    from mlxvlm.errors import CheckpointError, MlxvlmError
+
+    model, processor = mlxvlm.load(untied_without_head(folders["embedding"], tmp_path / "emb"))
+    assert model.retrieval.kind == "single_vector"
+    assert not model.args.text.tie_word_embeddings
+    np.testing.assert_allclose(mlxvlm.embed(model, processor, ITEMS),
+                               reference_embeddings(tiny, ITEMS), atol=ATOL, rtol=0)
+    with pytest.raises(MlxvlmError, match="no output head"):
+        model.language_model.logits(mx.zeros((1, model.args.text.hidden_size)))
+    # Converted, it stays a headless embedder.
+    converted = convert(str(tmp_path / "emb"), tmp_path / "emb-mlx").path
+    np.testing.assert_allclose(mlxvlm.embed(*mlxvlm.load(converted), ITEMS),
+                               reference_embeddings(tiny, ITEMS), atol=ATOL, rtol=0)
+    # A reranker reads the head's "yes" and "no" rows; a chat model generates with it.
+    for name in ("reranker", "plain"):
+        with pytest.raises(CheckpointError, match="has no lm_head.weight") as refused:
+            mlxvlm.load(untied_without_head(folders[name], tmp_path / name))
+        assert "\n" not in str(refused.value)
 
 
 def test_an_input_longer_than_the_context_is_refused(embedder, reranker):
@@ -207,42 +245,40 @@ def data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def test_through_the_server(tiny, folders, tmp_path):
-    models_dir = tmp_path / "models"
-    models_dir.mkdir()
-    (models_dir / "reranker").symlink_to(folders["reranker"])
-    with ServerProcess("--model", str(folders["embedding"]), "--served-model-name", "embedder",
-                       "--models-dir", str(models_dir)) as server:
-        client = server.openai_client(api_key="unused")
-        result = client.embeddings.create(
-            model="embedder", input=[ITEMS[0]["text"], {"image": data_url(IMAGE_A)}],
-            encoding_format="float")
-        got = np.array([item.embedding for item in result.data], dtype=np.float32)
-        np.testing.assert_allclose(got, reference_embeddings(tiny, ITEMS[:2]), atol=ATOL, rtol=0)
-        instruction = "Retrieve images or text relevant to the user's query."
-        result = client.embeddings.create(model="embedder", input=ITEMS[0]["text"],
-                                          encoding_format="base64",
-                                          extra_body={"instruction": instruction})
-        got = np.frombuffer(base64.b64decode(result.data[0].embedding), dtype="<f4")
-        np.testing.assert_allclose(got, reference_embeddings(tiny, ITEMS[:1], instruction)[0],
-                                   atol=ATOL, rtol=0)
+def test_through_the_server(tiny, retrieval_server):
+    server = retrieval_server  # tests/retrieval_fixtures.py: every tiny retrieval model
+    client = server.openai_client(api_key=RETRIEVAL_KEY)
+    result = client.embeddings.create(
+        model="embedder", input=[ITEMS[0]["text"], {"image": data_url(IMAGE_A)}],
+        encoding_format="float")
+    got = np.array([item.embedding for item in result.data], dtype=np.float32)
+    np.testing.assert_allclose(got, reference_embeddings(tiny, ITEMS[:2]), atol=ATOL, rtol=0)
+    instruction = "Retrieve images or text relevant to the user's query."
+    result = client.embeddings.create(model="embedder", input=ITEMS[0]["text"],
+                                      encoding_format="base64",
+                                      extra_body={"instruction": instruction})
+    got = np.frombuffer(base64.b64decode(result.data[0].embedding), dtype="<f4")
+    np.testing.assert_allclose(got, reference_embeddings(tiny, ITEMS[:1], instruction)[0],
+                               atol=ATOL, rtol=0)
 
-        documents = [DOCUMENTS[0]["text"], {"image": data_url(IMAGE_A)},
-                     {"text": DOCUMENTS[2]["text"], "image": data_url(IMAGE_B)},
-                     DOCUMENTS[3]["text"]]
-        response = httpx.post(f"{server.base_url}/v1/rerank", timeout=120, json={
-            "model": "reranker", "query": QUERY["text"], "documents": documents, "top_n": 3})
-        assert response.status_code == 200, response.text
-        expected = reference_scores(tiny, QUERY, DOCUMENTS)
-        order = list(np.argsort(-expected)[:3])
-        results = response.json()["results"]
-        assert [r["index"] for r in results] == order
-        np.testing.assert_allclose([r["relevance_score"] for r in results], expected[order],
-                                   atol=ATOL, rtol=0)
+    headers = {"Authorization": f"Bearer {RETRIEVAL_KEY}"}
+    documents = [DOCUMENTS[0]["text"], {"image": data_url(IMAGE_A)},
+                 {"text": DOCUMENTS[2]["text"], "image": data_url(IMAGE_B)},
+                 DOCUMENTS[3]["text"]]
+    response = httpx.post(f"{server.base_url}/v1/rerank", timeout=120, headers=headers, json={
+        "model": "reranker", "query": QUERY["text"], "documents": documents, "top_n": 3})
+    assert response.status_code == 200, response.text
+    expected = reference_scores(tiny, QUERY, DOCUMENTS)
+    order = list(np.argsort(-expected)[:3])
+    results = response.json()["results"]
+    assert [r["index"] for r in results] == order
+    np.testing.assert_allclose([r["relevance_score"] for r in results], expected[order],
+                               atol=ATOL, rtol=0)
 
-        cards = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"]
-        assert {c["id"]: c["capabilities"] for c in cards} == {
-            "embedder": ["embed", "rerank"], "reranker": ["rerank"]}
-        chat = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
-            "model": "reranker", "messages": [{"role": "user", "content": "hi"}]})
-        assert chat.status_code == 400
+    cards = httpx.get(f"{server.base_url}/v1/models", timeout=30, headers=headers).json()["data"]
+    capabilities = {c["id"]: c["capabilities"] for c in cards}
+    assert (capabilities["embedder"], capabilities["reranker"]) == (["embed", "rerank"],
+                                                                   ["rerank"])
+    chat = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, headers=headers,
+                      json={"model": "reranker", "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400

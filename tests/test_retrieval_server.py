@@ -1,8 +1,10 @@
-"""/v1/embeddings and /v1/rerank through ``python -m mlxvlm.server`` (a subprocess): the
-official ``openai`` client's ``embeddings.create`` (float and base64) and plain HTTP for
-rerank, against transformers' ColQwen2ForRetrieval on the same tiny checkpoint; what
-/v1/models says each model does; chat and retrieval requests to the wrong kind of model
-refused with 400s; the chat routes' keys, body limit and media rules."""
+"""/v1/embeddings and /v1/rerank through ``python -m mlxvlm.server`` (a subprocess, the
+session's ``retrieval_server`` of tests/retrieval_fixtures.py, which the Qwen3-VL
+retrieval tests share): the official ``openai`` client's ``embeddings.create`` (float
+and base64) and plain HTTP for rerank, against transformers' ColQwen2ForRetrieval on the
+same tiny checkpoint; what /v1/models says each model does; chat and retrieval requests
+to the wrong kind of model refused with 400s; the chat routes' keys, body limit and
+media rules."""
 
 from __future__ import annotations
 
@@ -12,10 +14,10 @@ import io
 import httpx
 import numpy as np
 import pytest
-from server_process import ServerProcess
+from retrieval_fixtures import RETRIEVAL_KEY as KEY
+from retrieval_fixtures import SERVED_CAPABILITIES
 from tiny import colvision, make_image
 
-KEY = "sk-retrieval-test"
 QUERY = "A red cat sits on a blue mat"
 PAGES = [make_image(64, 48, seed=1), make_image(100, 60, seed=2), make_image(56, 90, seed=3)]
 
@@ -34,14 +36,8 @@ def reference(tiny_checkpoints):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoints, tmp_path_factory):
-    models_dir = tmp_path_factory.mktemp("models")
-    (models_dir / "chat").symlink_to(tiny_checkpoints.path("qwen2_vl", "transformers"))
-    (models_dir / "colpali").symlink_to(tiny_checkpoints.path("colpali", "hub"))
-    with ServerProcess("--model", str(tiny_checkpoints.path("colqwen2", "hub")),
-                       "--served-model-name", "colqwen2", "--models-dir", str(models_dir),
-                       "--api-key", KEY, "--max-body-bytes", "200000") as process:
-        yield process
+def server(retrieval_server):
+    return retrieval_server
 
 
 def post(server, path: str, body: dict, key: str = KEY) -> httpx.Response:
@@ -98,8 +94,8 @@ def test_models_say_what_each_model_does(server):
     response = httpx.get(f"{server.base_url}/v1/models", timeout=30,
                          headers={"Authorization": f"Bearer {KEY}"})
     cards = {card["id"]: card["capabilities"] for card in response.json()["data"]}
-    assert cards == {"colqwen2": ["embed", "rerank"], "chat": ["chat"],
-                     "colpali": ["embed", "rerank"]}
+    assert cards == SERVED_CAPABILITIES
+    assert cards["colqwen2"] == ["embed", "rerank"] and cards["chat"] == ["chat"]
 
 
 def test_wrong_kind_of_request_is_a_400(server):

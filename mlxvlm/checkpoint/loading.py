@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlxvlm.errors import CheckpointError, ModelNotFoundError
 from mlxvlm.models import get_family
 from mlxvlm.models.base import materialize
+from mlxvlm.checkpoint.output_head import settle_absent_head
 from mlxvlm.checkpoint.quantization import apply_quantization
 
 # Files a checkpoint needs; code files only with trust_remote_code.
@@ -202,7 +203,8 @@ def compute_dtype_for_device(requested: mx.Dtype | None) -> mx.Dtype | None:
 
 
 def build_model(model_path: Path, config: dict, family, weights: dict[str, mx.array],
-                sharding: tuple[mx.distributed.Group, str] | None = None) -> nn.Module:
+                sharding: tuple[mx.distributed.Group, str] | None = None,
+                head_optional: bool = False) -> nn.Module:
     """``family``'s module tree for ``config`` holding ``weights`` (the checkpoint's at
     ``model_path``): mapped onto our names only if they are a Hugging Face checkpoint's
     (see ``is_converted``), quantized as the config says. Weights that do not fit the
@@ -217,6 +219,7 @@ def build_model(model_path: Path, config: dict, family, weights: dict[str, mx.ar
         weights = {name: value for name, value in weights.items() if not name.startswith(unused)}
     if not is_converted(model_path, config) and family.Model.is_hf_checkpoint(weights.keys()):
         weights = model.sanitize(weights)
+    settle_absent_head(model, weights.keys(), head_optional, model_path)
     plan = None
     if sharding is not None:  # after sanitize, which may ask the towers how to map theirs
         from mlxvlm.distributed import sharding as shards
@@ -243,15 +246,18 @@ def load_model(
     dtype: mx.Dtype | None = None,
     keep_half_weights: bool = False,
     sharding: tuple[mx.distributed.Group, str] | None = None,
+    head_optional: bool = False,
 ) -> nn.Module:
     """The model of the checkpoint at ``model_path``. ``keep_half_weights``: with the
     default compute dtype on the CPU, leave the 16-bit weights of linear and embedding
     layers as they are (for ``mlxvlm.cpu.half_weights``) instead of converting them.
     ``sharding``: see ``build_model`` (a tensor-parallel rank's sharded linear layers keep
-    their 16-bit slices too: ``mlxvlm.cpu.half_weights``)."""
+    their 16-bit slices too: ``mlxvlm.cpu.half_weights``).
+    ``head_optional``: see ``build_model``."""
     config = config if config is not None else read_config(model_path)
     family = get_family(config.get("model_type"))
-    model = build_model(model_path, config, family, load_weights_files(model_path), sharding)
+    model = build_model(model_path, config, family, load_weights_files(model_path), sharding,
+                        head_optional)
     keep_half_weights = keep_half_weights and dtype is None
     dtype = compute_dtype_for_device(dtype)
     if dtype == mx.float32 and keep_half_weights:
@@ -311,15 +317,21 @@ def load(
         model_path = resolve_model_path(path_or_repo, revision, trust_remote_code)
     config = read_config(model_path)
     family = get_family(config.get("model_type"))
+    from mlxvlm.retrieval.detection import detect_use
+
+    # Before the weights: an embedder's checkpoint may lack the output head it never calls.
+    use = detect_use(config, model_path)
+    head_optional = use is not None and not use.needs_output_head
     if cpu_fast_paths:
         from mlxvlm.cpu import ops
 
         keep = ops.keeps_half_weights()
         model = load_model(model_path, config, dtype=dtype, keep_half_weights=keep,
-                           sharding=sharding)
+                           sharding=sharding, head_optional=head_optional)
         model.cpu_fast_paths = ops.apply_cpu_fast_paths(model)
     else:
-        model = load_model(model_path, config, dtype=dtype, sharding=sharding)
+        model = load_model(model_path, config, dtype=dtype, sharding=sharding,
+                           head_optional=head_optional)
     processor = family.Model.load_processor(model_path, config)
     from mlxvlm.sampling.defaults import read_checkpoint_defaults
 
@@ -328,9 +340,7 @@ def load(
         processor, collect_eos_token_ids(model_path, config, processor.tokenizer),
         read_checkpoint_defaults(model_path))
     processor.sampling_defaults = state.sampling_defaults  # documented: read by users
-    from mlxvlm.retrieval.detection import detect_use
-
-    model.retrieval = detect_use(config, model_path)
+    model.retrieval = use
     if adapter_path is not None:
         from mlxvlm.checkpoint.adapters import load_adapter
 

@@ -52,6 +52,7 @@ def conversation(query: RetrievalInput, document: RetrievalInput,
 
 class Qwen3VLReranker(RetrievalUse):
     kind = "reranker"
+    needs_output_head = True
 
     def __init__(self, yes_id: int | None = None, no_id: int | None = None):
         # From sentence-transformers' LogitScore config where the checkpoint has one;

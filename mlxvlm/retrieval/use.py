@@ -83,6 +83,9 @@ class RetrievalUse:
     # Whether an input may hold a text and an image together (ColPali and ColQwen2
     # take either a text query or a page image, as transformers' processors do).
     takes_text_with_image: ClassVar[bool] = True
+    # Whether the use reads the model's output head (a reranker's "yes"/"no" logits):
+    # a checkpoint whose untied head is absent loads only where it does not.
+    needs_output_head: ClassVar[bool] = False
 
     def embed(self, model: Any, processor: Any, items: Sequence[RetrievalInput],
               instruction: str | None = None) -> Encoded:
