@@ -220,11 +220,11 @@ def iter_pdf_pages(document: PdfDocument, pages: list[int], *, dpi: float = DEFA
 def load_pdf(source: Any, *, pages: str | None = None, dpi: float = DEFAULT_DPI,
              max_pages: int | None = None, max_page_pixels: int | None = None,
              policy: MediaPolicy | None = None, max_bytes: int | None = None,
-             pages_option: str = "max_pages", **access: Any) -> list[Image.Image]:
+             pages_option: str = "raise max_pages", **access: Any) -> list[Image.Image]:
     """The pages ``pages`` selects (a spec like ``"1-3,5"``; None: all) as RGB images.
 
     ``max_pages``: the most pages rendered; a longer selection is refused before any page
-    is rendered (``pages_option``: what the caller calls that limit, for the fix).
+    is rendered (``pages_option``: the fix's second half, e.g. ``"raise --max-pdf-pages"``).
     ``max_page_pixels``: each page's pixel cap (None: ``DEFAULT_MAX_PAGE_PIXELS``, and at
     most the policy's ``max_image_pixels``).
     """
@@ -241,6 +241,6 @@ def load_pdf(source: Any, *, pages: str | None = None, dpi: float = DEFAULT_DPI,
             raise limit_error(
                 KIND, document.name,
                 f"it has {len(selected)} pages to read, more than the limit of {max_pages}",
-                f"send fewer pages, or raise {pages_option}", limit="max_pdf_pages")
+                f"send fewer pages, or {pages_option}", limit="max_pdf_pages")
         return [image for _, image in iter_pdf_pages(document, selected, dpi=dpi,
                                                      max_pixels=cap)]

@@ -224,7 +224,7 @@ class GenerationService:
         if file_data[:5].lower() != "data:":  # bare base64, as some clients send it
             file_data = f"data:application/pdf;base64,{file_data}"
         return load_pdf(file_data, policy=policy, max_pages=self.config.max_pdf_pages,
-                        pages_option="--max-pdf-pages")
+                        pages_option="raise --max-pdf-pages")
 
     async def prepare(self, messages: list[dict], cache_namespace: str | None = None,
                       template_options: dict | None = None) -> PreparedRequest:
