@@ -2,14 +2,13 @@
 and pixel limits (media/pdf.py), then answered through the entry points users run --
 ``python -m mlxvlm.generate`` (each page in turn, ``--output-dir``), ``python -m
 mlxvlm.server`` (OpenAI's file part, Responses' input_file, Anthropic's document) and
-``python -m mlxvlm.ui`` (a PDF upload). The test PDFs are made here with Pillow, one
+``python -m mlxvlm.ui`` (a PDF upload: tests/test_ui_entry_point.py). The test PDFs are made here with Pillow, one
 example picture per page, and the demo model's answer on each page is checked against
 its answer on the picture itself."""
 
 from __future__ import annotations
 
 import base64
-import io
 import os
 import subprocess
 import sys
@@ -19,52 +18,19 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from gradio_client import Client, handle_file
 from PIL import Image
 
 import mlxvlm
 from mlxvlm.media import MediaError, MediaLimitError, PixelBudget, PixelBudgetError
 from mlxvlm.media.decode_work import PreparationCancelled, preparing
 from mlxvlm.media.pdf import load_pdf, looks_like_pdf, parse_page_spec, select_pages
-from server_process import ServerProcess, UIProcess
+from pdf_documents import EXAMPLES, encrypted_pdf, pdf_of
+from server_process import ServerProcess
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 DEMO = EXAMPLES / "shapes-vlm"
 PICTURES = ["red-circle.png", "yellow-square.png", "blue-triangle.png"]
 QUESTION = "What is in the picture?"
 WAIT_S = 120
-
-
-def pdf_of(*names: str, resolution: float = 72) -> bytes:
-    """A PDF with one example picture per page (at 72 DPI a page is as many points as
-    the picture has pixels)."""
-    images = [Image.open(EXAMPLES / "images" / name).convert("RGB") for name in names]
-    out = io.BytesIO()
-    images[0].save(out, "PDF", save_all=True, append_images=images[1:], resolution=resolution)
-    return out.getvalue()
-
-
-def encrypted_pdf() -> bytes:
-    """A one-page PDF under the standard security handler whose user password is not
-    empty (its /U entry matches no password), written by hand: no PDF library here
-    encrypts."""
-    objects = [b"<< /Type /Catalog /Pages 2 0 R >>",
-               b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-               b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 100 100] >>",
-               b"<< /Filter /Standard /V 1 /R 2 /O <" + b"11" * 32 + b"> /U <" + b"22" * 32
-               + b"> /P -4 >>"]
-    out = bytearray(b"%PDF-1.4\n")
-    offsets = []
-    for number, body in enumerate(objects, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
-    file_id = b"<" + b"ab" * 16 + b">"
-    out += (b"trailer\n<< /Size %d /Root 1 0 R /Encrypt 4 0 R /ID [%s %s] >>\n"
-            % (len(objects) + 1, file_id, file_id) + b"startxref\n%d\n%%%%EOF\n" % xref)
-    return bytes(out)
 
 
 def data_url(pdf: bytes) -> str:
@@ -160,17 +126,40 @@ def test_a_cancelled_request_stops_between_pages(three_pages):
 # -- python -m mlxvlm.generate ----------------------------------------------------------
 
 
-def run_generate(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "mlxvlm.generate", "--model", str(DEMO), "--prompt", QUESTION,
-         "--max-tokens", "16", *args], capture_output=True, text=True, timeout=WAIT_S,
-        cwd=cwd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+@pytest.fixture(scope="module")
+def torch_free_env(tmp_path_factory) -> dict:
+    """A user's environment: torch hidden (it is test-only), which keeps the command's
+    start fast, and no Hub access."""
+    site = tmp_path_factory.mktemp("torch-free-site")
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
+
+
+GENERATE = ["--model", str(DEMO), "--prompt", QUESTION, "--max-tokens", "16"]
+
+
+def generate_in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """``python -m mlxvlm.generate``'s main, in this process: (exit code, stdout,
+    stderr)."""
+    from mlxvlm.generate.__main__ import main
+
+    capsys.readouterr()
+    try:
+        code = main([*GENERATE, *args])
+    except SystemExit as e:  # the parser's own errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_cli_answers_each_page_in_turn_into_markdown_files(three_pages, picture_answers,
-                                                           tmp_path):
+                                                           torch_free_env, tmp_path):
     out = tmp_path / "pages"
-    done = run_generate("--image", str(three_pages), "--pages", "3,1", "--output-dir", str(out))
+    done = subprocess.run(
+        [sys.executable, "-m", "mlxvlm.generate", *GENERATE, "--image", str(three_pages),
+         "--pages", "3,1", "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=WAIT_S, env=torch_free_env)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in out.iterdir()) == ["page-001.md", "page-003.md"]
     for page in (1, 3):
@@ -179,19 +168,18 @@ def test_cli_answers_each_page_in_turn_into_markdown_files(three_pages, picture_
     assert "2/2 pages" in done.stderr  # the progress lines (stderr is not a terminal)
 
 
-def test_cli_prints_pages_under_headers_and_one_page_as_one_answer(three_pages,
-                                                                   picture_answers):
-    done = run_generate("--pdf", str(three_pages), "--pages", "1-2")
-    assert done.returncode == 0, done.stderr
-    expected = "".join(f"## Page {n}\n\n{picture_answers[PICTURES[n - 1]]}\n\n"
-                       for n in (1, 2))
-    assert done.stdout == expected
-    done = run_generate("--pdf", str(three_pages), "--pages", "3")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == picture_answers[PICTURES[2]]
+def test_cli_prints_pages_under_headers_and_one_page_as_one_answer(
+        three_pages, picture_answers, capsys):
+    code, out, err = generate_in_process(capsys, "--pdf", str(three_pages), "--pages", "1-2")
+    assert code == 0, err
+    assert out == "".join(f"## Page {n}\n\n{picture_answers[PICTURES[n - 1]]}\n\n"
+                          for n in (1, 2))
+    code, out, err = generate_in_process(capsys, "--pdf", str(three_pages), "--pages", "3")
+    assert code == 0, err
+    assert out == picture_answers[PICTURES[2]] + "\n"
 
 
-def test_cli_refuses_with_one_line(three_pages, tmp_path):
+def test_cli_refuses_with_one_line(three_pages, tmp_path, capsys):
     locked = tmp_path / "locked.pdf"
     locked.write_bytes(encrypted_pdf())
     cases = [
@@ -203,10 +191,10 @@ def test_cli_refuses_with_one_line(three_pages, tmp_path):
         (("--pdf", str(three_pages), "--image", str(three_pages)), "got 2 PDFs"),
     ]
     for args, says in cases:
-        done = run_generate(*args)
-        assert done.returncode == 2, (args, done.stderr)
-        assert done.stderr.startswith("error: ") and says in done.stderr, done.stderr
-        assert done.stderr.count("\n") == 1, done.stderr  # one line, no traceback
+        code, out, err = generate_in_process(capsys, *args)
+        assert code == 2, (args, err)
+        assert err.startswith("error: ") and says in err, err
+        assert err.count("\n") == 1, err  # one line, no traceback
 
 
 # -- python -m mlxvlm.server ------------------------------------------------------------
@@ -266,22 +254,3 @@ def test_server_takes_responses_input_files_and_anthropic_documents(server, pict
                                             "data": base64.b64encode(pdf).decode()}},
             {"type": "text", "text": QUESTION}]}])
     assert message.content[0].text == picture_answers[PICTURES[2]]
-
-
-# -- python -m mlxvlm.ui ----------------------------------------------------------------
-
-
-def test_ui_takes_a_pdf_upload(three_pages, demo, tmp_path):
-    two = tmp_path / "two.pdf"
-    two.write_bytes(pdf_of(PICTURES[1], PICTURES[0]))
-    pages = load_pdf(two)
-    content = [*({"type": "image", "image": page} for page in pages),
-               {"type": "text", "text": QUESTION}]
-    # The UI's defaults: the checkpoint's greedy sampling, 256 new tokens, no system.
-    expected = mlxvlm.generate(*demo, [{"role": "user", "content": content}],
-                               max_tokens=256).text
-    with UIProcess("--model", str(DEMO), env={"HF_HUB_OFFLINE": "1"}) as ui:
-        job = Client(ui.base_url, verbose=False).submit(
-            {"text": QUESTION, "files": [handle_file(str(two))]}, api_name="/chat")
-        reply, _ = job.result(timeout=WAIT_S)
-    assert reply == expected

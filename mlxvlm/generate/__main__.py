@@ -259,7 +259,6 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
     import mlx.core as mx
 
     from mlxvlm.cpu import ops
-    from mlxvlm.generate import CacheOptions, SpeculationOptions, stream_generate
 
     media = sample_cli_videos(media, args, processor, verbose=args.verbose)
     draft = None
