@@ -21,7 +21,8 @@ import pytest
 from PIL import Image
 
 import mlxvlm
-from mlxvlm.media import MediaError, MediaLimitError, PixelBudget, PixelBudgetError
+from mlxvlm.media import (MediaError, MediaLimitError, PixelBudget, PixelBudgetError,
+                          load_image)
 from mlxvlm.media.decode_work import PreparationCancelled, preparing
 from mlxvlm.media.pdf import load_pdf, looks_like_pdf, parse_page_spec, select_pages
 from pdf_documents import EXAMPLES, encrypted_pdf, pdf_of
@@ -114,6 +115,8 @@ def test_limits_and_broken_files_are_one_line_errors(three_pages, tmp_path):
         assert "\n" not in str(e.value), what
     with pytest.raises(MediaError, match="media type is 'image/png', not application/pdf"):
         load_pdf("data:image/png;base64,AAAA")
+    with pytest.raises(MediaError, match="it is a PDF, not an image; render its pages"):
+        load_image(three_pages.read_bytes())
 
 
 def test_a_cancelled_request_stops_between_pages(three_pages):
