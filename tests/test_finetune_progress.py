@@ -8,7 +8,7 @@ import sys
 
 from tqdm import tqdm
 
-from mlxvlm.finetune.progress import PlainProgress, progress
+from mlxvlm.progress import PlainProgress, progress
 
 
 class Terminal(io.StringIO):

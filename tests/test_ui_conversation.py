@@ -140,6 +140,31 @@ def test_videos_and_audio_go_in_as_paths_and_turn_prefix_reuse_off(images, tmp_p
     assert conversation.image_hashes is None  # the prefix keys describe images only
 
 
+def test_a_pdf_upload_is_its_pages_as_images_of_the_turn(tmp_path):
+    """Each page an image part (rendered as mlxvlm.media renders it), each hashed for
+    prefix reuse; a PDF longer than the chat's page limit is refused."""
+    from pdf_documents import pdf_of
+
+    from mlxvlm.batching.prefix_cache import image_hash
+    from mlxvlm.media import MediaLimitError, load_pdf
+    from mlxvlm.ui.media_kinds import UI_MAX_PDF_PAGES
+
+    document = tmp_path / "upload.bin"  # Gradio's MIME type, not the name, says PDF
+    document.write_bytes(pdf_of("red-circle.png", "blue-triangle.png"))
+    upload = {"path": str(document), "mime_type": "application/pdf"}
+    conversation = build_conversation([], {"text": "Read it", "files": [upload]}, MEDIA_KINDS)
+    pages = load_pdf(document)
+    content = conversation.messages[-1]["content"]
+    assert [part["type"] for part in content] == ["image", "image", "text"]
+    assert conversation.image_hashes == [image_hash(page) for page in pages]
+    assert [image_hash(part["image"]) for part in content[:2]] == conversation.image_hashes
+    long = tmp_path / "long.pdf"
+    long.write_bytes(pdf_of(*["red-circle.png"] * (UI_MAX_PDF_PAGES + 1)))
+    with pytest.raises(MediaLimitError, match=f"more than the limit of {UI_MAX_PDF_PAGES}; "
+                       "send fewer pages, or split it"):
+        build_conversation([], {"text": "Read it", "files": [str(long)]}, MEDIA_KINDS)
+
+
 def test_kinds_follow_the_model_and_its_processor():
     class Model:
         feature_names = ("pixel_values", "image_grid_thw", "pixel_values_videos")
@@ -154,8 +179,9 @@ def test_kinds_follow_the_model_and_its_processor():
     class TextModel:
         feature_names = ()
 
-    assert [k.name for k in supported_kinds(Model(), ImageProcessor())] == ["image"]
-    assert [k.name for k in supported_kinds(Model(), VideoProcessor())] == ["image", "video"]
+    assert [k.name for k in supported_kinds(Model(), ImageProcessor())] == ["image", "pdf"]
+    assert [k.name for k in supported_kinds(Model(), VideoProcessor())] == ["image", "pdf",
+                                                                            "video"]
     assert supported_kinds(TextModel(), VideoProcessor()) == ()
 
 

@@ -66,6 +66,26 @@ def test_a_picture_through_the_api(ui, demo):
     assert reply == expected_answer(demo, question, PICTURE)
 
 
+def test_a_pdf_through_the_api(ui, demo, tmp_path):
+    """A PDF upload (made here with Pillow: two example pictures, one per page): its
+    pages are the turn's images, as mlxvlm renders the same file."""
+    from pdf_documents import pdf_of
+
+    from mlxvlm.media import load_pdf
+
+    document = tmp_path / "two-pages.pdf"
+    document.write_bytes(pdf_of("yellow-square.png", "red-circle.png"))
+    question = "What is in the picture?"
+    content = [*({"type": "image", "image": page} for page in load_pdf(document)),
+               {"type": "text", "text": question}]
+    expected = mlxvlm.generate(*demo, [{"role": "user", "content": content}],
+                               max_tokens=256).text
+    job = Client(ui.base_url, verbose=False).submit(
+        {"text": question, "files": [handle_file(str(document))]}, api_name="/chat")
+    reply, _ = job.result(timeout=WAIT_S)
+    assert reply == expected
+
+
 def test_every_api_input_and_output_has_a_name_and_every_input_a_default(ui):
     api = Client(ui.base_url, verbose=False).view_api(print_info=False, return_format="dict")
     endpoints = api["named_endpoints"]

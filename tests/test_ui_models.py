@@ -107,7 +107,7 @@ def test_choosing_a_model_loads_it_unloads_the_other_and_offers_its_media(live):
     assert models.registry.loaded == [qwen] and models.opened == ["qwen2_vl"]
     client = new_client(app)
     box = next(b for b in app.blocks.values() if getattr(b, "elem_id", None) == "message")
-    assert (box.sources, box.file_types) == (["upload"], ["image", "video"])
+    assert (box.sources, box.file_types) == (["upload"], ["image", ".pdf", "video"])
     first, _ = answer(ask(client, "Hello?"))
     with models.registry.use(qwen) as session:
         unloaded = weakref.ref(session.model)
@@ -117,7 +117,7 @@ def test_choosing_a_model_loads_it_unloads_the_other_and_offers_its_media(live):
     assert models.registry.loaded == [omni] and models.closed == ["qwen2_vl"]
     assert unloaded() is None, "the unloaded model is still referenced"
     assert box.sources == ["upload", "microphone"]
-    assert box.file_types == ["image", "video", "audio"]
+    assert box.file_types == ["image", ".pdf", "video", "audio"]
     # A new conversation: the omni model answers as if nothing came before.
     reply, _ = answer(ask(client, "Hello?", model_name=omni))
     with models.registry.use(omni) as session:

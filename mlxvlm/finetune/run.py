@@ -30,7 +30,7 @@ from mlxvlm.finetune import checkpoints
 from mlxvlm.finetune.config import FinetuneConfig
 from mlxvlm.finetune.data import default_validation, open_records
 from mlxvlm.finetune.dataset import ExampleSet, prepare_examples
-from mlxvlm.finetune.progress import progress, say
+from mlxvlm.progress import progress, say
 from mlxvlm.finetune.trainer import LoopSettings, Trainer, learning_rate_schedule, total_steps
 from mlxvlm.finetune.tuning import apply_tuning
 from mlxvlm.retrieval.api import check_generates

@@ -44,7 +44,28 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"{what} path, http(s) URL or data URL; repeat or list several (media "
             "enter the prompt in command-line order)",
         )
+    parser.add_argument(
+        "--pdf", action=_MediaAction, nargs="+", default=[],
+        help="PDF path, http(s) URL or data URL (--image takes a PDF too); its pages "
+        "become images: one page is answered in one prompt, several pages each in turn",
+    )
     parser.set_defaults(media=None)
+    from mlxvlm.media.pdf import DEFAULT_DPI
+
+    parser.add_argument(
+        "--pages", type=_page_spec, default=None,
+        help="The PDF's pages to read, 1-based: e.g. 1-3,5 or 4- (default: all)",
+    )
+    parser.add_argument(
+        "--dpi", type=ranged(Range(float, 0, 1200, low_open=True)), default=DEFAULT_DPI,
+        help="Resolution the PDF's pages are rendered at (a page is scaled down to at most "
+        "16.8 M pixels; the model's processor resizes it again)",
+    )
+    parser.add_argument(
+        "--output-dir", default=None,
+        help="With a PDF: write each page's answer to DIR/page-001.md, ... instead of "
+        "printing them under '## Page N' headers",
+    )
     parser.add_argument(
         "--fps", type=ranged(Range(float, 0, 1000, low_open=True)), default=None,
         help="Video frames sampled per second (default: the model's own rate, else "
@@ -54,6 +75,16 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-frames", type=ranged(at_least(1)), default=DEFAULT_MAX_FRAMES,
         help="Most frames per video",
     )
+
+
+def _page_spec(text: str) -> str:
+    from mlxvlm.media.pdf import parse_page_spec
+
+    try:
+        parse_page_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return text
 
 
 def cli_media_policy():
@@ -71,9 +102,15 @@ def load_cli_media(args: argparse.Namespace, verbose: bool = False) -> list[tupl
     With ``verbose``, say what was read of each audio."""
     from mlxvlm.media import load_audio, load_image, load_video
 
+    from mlxvlm.generate.pdf_pages import open_cli_pdf
+    from mlxvlm.media.pdf import looks_like_pdf
+
     policy = cli_media_policy()
     loaded = []
     for kind, source in args.media or []:
+        if kind == "pdf" or (kind == "image" and looks_like_pdf(source)):
+            loaded.append(("pdf", open_cli_pdf(source, args, policy)))
+            continue
         if kind == "video":
             load_video(source, num_frames=1, with_audio=False, policy=policy)
             loaded.append((kind, source))
@@ -161,7 +198,8 @@ def _prompt_text(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
     kinds = [kind for kind, _ in args.media or []]
-    return f"Describe this {kinds[0]}." if kinds else "Hello"
+    # A PDF's pages reach the model as images.
+    return f"Describe this {kinds[0].replace('pdf', 'image')}." if kinds else "Hello"
 
 
 def _user_turn(text: str, media: list[tuple[str, object]]) -> list[dict]:
@@ -188,12 +226,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _generate_on_rank0(args: argparse.Namespace) -> None:
     """The CLI's work alone or on rank 0: media, model, the answer printed."""
+    from mlxvlm.generate.pdf_pages import check_pdf_arguments, close_pdfs
+
+    # Read the media first: a bad path should fail before a slow model load.
+    media = load_cli_media(args, verbose=args.verbose)
+    try:
+        check_pdf_arguments(args, media)
+        _load_and_answer(args, media)
+    finally:
+        close_pdfs(media)
+
+
+def _load_and_answer(args: argparse.Namespace, media) -> None:
     import mlx.core as mx
 
     from mlxvlm.cpu import ops
 
-    # Read the media first: a bad path should fail before a slow model load.
-    media = load_cli_media(args, verbose=args.verbose)
     if args.verbose:
         print(f"[mlxvlm] device: {mx.default_device()}", file=sys.stderr)
         for what, status in ops.process_status():
@@ -211,7 +259,6 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
     import mlx.core as mx
 
     from mlxvlm.cpu import ops
-    from mlxvlm.generate import CacheOptions, SpeculationOptions, stream_generate
 
     media = sample_cli_videos(media, args, processor, verbose=args.verbose)
     draft = None
@@ -233,11 +280,30 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
                  ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
         chosen = resolve(given, processor_state(processor).sampling_defaults)
         print(f"[mlxvlm] sampling: {chosen.describe()}", file=sys.stderr)
+    from mlxvlm.generate.pdf_pages import answer_pages
+
+    if any(kind == "pdf" for kind, _ in media):
+        text = _prompt_text(args)
+        answer_pages(args, media, lambda pieces: _stream(
+            args, model, processor, _user_turn(text, pieces), draft),
+            report=_print_statistics if args.verbose else None)
+        return
     last = None
-    for last in stream_generate(
+    for last in _stream(args, model, processor, _user_turn(_prompt_text(args), media), draft):
+        print(last.text, end="", flush=True)
+    print()
+    if args.verbose and last is not None:
+        _print_statistics(last)
+
+
+def _stream(args: argparse.Namespace, model, processor, messages: list[dict], draft):
+    """stream_generate over ``messages`` with the command line's options."""
+    from mlxvlm.generate import CacheOptions, SpeculationOptions, stream_generate
+
+    return stream_generate(
         model,
         processor,
-        _user_turn(_prompt_text(args), media),
+        messages,
         system=args.system,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -256,19 +322,19 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
         prefill_step_size=args.prefill_step_size,
         speculation=SpeculationOptions(draft, args.num_draft_tokens,
                                        args.prompt_lookup_num_tokens),
-    ):
-        print(last.text, end="", flush=True)
-    print()
-    if args.verbose and last is not None:
-        print(
-            f"[mlxvlm] prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s\n"
-            f"[mlxvlm] generation: {last.generation_tokens} tokens, "
-            f"{last.generation_tps:.1f} tokens/s ({last.finish_reason})\n"
-            f"[mlxvlm] peak memory: {last.peak_memory:.3f} GB",
-            file=sys.stderr,
-        )
-        if last.speculation is not None:
-            print(f"[mlxvlm] speculation: {last.speculation.describe()}", file=sys.stderr)
+    )
+
+
+def _print_statistics(last) -> None:
+    print(
+        f"[mlxvlm] prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s\n"
+        f"[mlxvlm] generation: {last.generation_tokens} tokens, "
+        f"{last.generation_tps:.1f} tokens/s ({last.finish_reason})\n"
+        f"[mlxvlm] peak memory: {last.peak_memory:.3f} GB",
+        file=sys.stderr,
+    )
+    if last.speculation is not None:
+        print(f"[mlxvlm] speculation: {last.speculation.describe()}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ The package is layered so that video and audio reuse the lower half:
 - ``containers`` -- PyAV's containers opened safely over any source
 - ``audio``, ``video`` -- :func:`load_audio`, :func:`load_video` (frames sampled at ``fps``
                     within a pixel budget, plus the sound track)
+- ``pdf``        -- :func:`load_pdf`, :func:`open_pdf`: a PDF's pages rendered to images
+                    (pypdfium2), one page at a time, under a page count and pixel cap
 
 Decoding untrusted input is the risky part, so the limits are enforced as early as
 possible: ``max_bytes`` before a body is read in full (Content-Length, file size, base64
@@ -42,6 +44,7 @@ from mlxvlm.media.errors import MediaError, MediaLimitError, describe_source
 from mlxvlm.media.images import ImageSource, load_image, load_images
 from mlxvlm.media.option_names import NO_NAMES, OptionNames
 from mlxvlm.media.options import MediaOptions
+from mlxvlm.media.pdf import DEFAULT_DPI, load_pdf, looks_like_pdf, open_pdf
 from mlxvlm.media.policy import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_PIXELS,
@@ -71,5 +74,5 @@ __all__ = [
     "default_pixel_budget", "DEFAULT_TIMEOUT", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_PIXELS",
     "DEFAULT_FPS", "DEFAULT_MAX_FRAMES", "DEFAULT_MAX_VIDEO_BYTES",
     "DEFAULT_MAX_VIDEO_PIXELS", "DEFAULT_AUDIO_RATE", "DEFAULT_MAX_AUDIO_BYTES",
-    "DEFAULT_MAX_AUDIO_SECONDS",
+    "DEFAULT_MAX_AUDIO_SECONDS", "load_pdf", "open_pdf", "looks_like_pdf", "DEFAULT_DPI",
 ]

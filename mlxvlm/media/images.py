@@ -53,6 +53,10 @@ def _decode_image(data: bytes, *, max_pixels: int, name: str, raise_it: str,
         raise error("image", name, f"refused as a possible decompression bomb ({e})",
                     "downscale the image") from e
     except UnidentifiedImageError as e:
+        if b"%PDF-" in data[:1024]:
+            raise error("image", name, "it is a PDF, not an image",
+                        "render its pages with mlxvlm.media.load_pdf (the generate command "
+                        "reads it as --pdf; the server takes it as a file part)") from e
         reason = "not a recognised image format"
         if hint:
             reason += f" ({hint})"

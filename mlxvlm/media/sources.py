@@ -37,6 +37,8 @@ from mlxvlm.media.public_net import BlockedAddressError, public_only_handlers
 _READ_CHUNK = 1 << 16
 _REMOTE_SCHEMES = ("http", "https")
 _clock = time.monotonic  # a seam for tests of the download deadline
+# Kinds whose data URLs are not <kind>/<format>: their media types.
+_DATA_URL_TYPES = {"PDF": ("application/pdf", "application/x-pdf")}
 
 
 def _local_path(source: str | os.PathLike, policy: MediaPolicy, kind: str, name: str) -> Path:
@@ -235,16 +237,19 @@ def _fetch_url(url: str, *, policy: MediaPolicy, max_bytes: int, kind: str,
 def _decode_data_url(url: str, *, max_bytes: int, kind: str, name: str,
                      raise_it: str = "") -> bytes:
     """Decode ``data:[<media type>][;base64],<data>`` (RFC 2397)."""
-    fix = f"send it as data:{kind}/<format>;base64,<base64 data>"
+    types = _DATA_URL_TYPES.get(kind)
+    wanted = types[0] if types else f"{kind}/<format>"
+    fix = f"send it as data:{wanted};base64,<base64 data>"
     header, comma, payload = url.partition(",")
     if not comma:
         raise error(kind, name, "the data URL has no ',' before its data", fix)
     params = [p.strip() for p in header[5:].split(";")]
     media_type = params[0].lower()
     is_base64 = any(p.lower() == "base64" for p in params[1:])
-    if media_type and not (media_type.startswith(f"{kind}/")
-                           or media_type == "application/octet-stream"):
-        raise error(kind, name, f"the data URL's media type is {media_type!r}, not {kind}/*", fix)
+    fits = media_type in types if types else media_type.startswith(f"{kind}/")
+    if media_type and not (fits or media_type == "application/octet-stream"):
+        what = types[0] if types else f"{kind}/*"
+        raise error(kind, name, f"the data URL's media type is {media_type!r}, not {what}", fix)
     if not is_base64:  # percent-encoded: each byte takes 1 to 3 characters
         if len(payload) > 3 * max_bytes:
             raise too_big(kind, name, f"the data (~{mb(len(payload) // 3)})", max_bytes, raise_it)

@@ -27,6 +27,9 @@ def _part(block: Any) -> dict[str, Any]:
     if block.type == "text":
         return {"type": "text", "text": block.text}
     source = block.source
+    if block.type == "document":
+        return {"type": "file", "file": {
+            "file_data": f"data:{source.media_type};base64,{source.data}"}}
     if source.type == "base64":
         url = f"data:{source.media_type};base64,{source.data}"
     else:
@@ -47,7 +50,7 @@ def _chat_messages(message: Any) -> list[dict[str, Any]]:
         return [{"role": message.role, "content": message.content}]
     results = [b for b in message.content if b.type == "tool_result"]
     calls = [b for b in message.content if b.type == "tool_use"]
-    parts = [_part(b) for b in message.content if b.type in ("text", "image")]
+    parts = [_part(b) for b in message.content if b.type in ("text", "image", "document")]
     messages = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b)}
                 for b in results]
     if calls:

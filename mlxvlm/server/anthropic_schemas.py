@@ -32,6 +32,14 @@ class ImageBlock(StrictModel):
     source: Annotated[Union[Base64Source, URLSource], Field(discriminator="type")]
 
 
+class DocumentBlock(StrictModel):
+    """A PDF (base64 data) whose pages become images of the message."""
+
+    type: Literal["document"]
+    source: Base64Source
+    title: str | None = None
+
+
 class ToolUseBlock(StrictModel):
     """An earlier answer's call."""
 
@@ -57,8 +65,8 @@ class ThinkingBlock(StrictModel):
     signature: str | None = None
 
 
-ContentBlock = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock,
-                               ThinkingBlock], Field(discriminator="type")]
+ContentBlock = Annotated[Union[TextBlock, ImageBlock, DocumentBlock, ToolUseBlock,
+                               ToolResultBlock, ThinkingBlock], Field(discriminator="type")]
 
 
 class AnthropicTool(StrictModel):

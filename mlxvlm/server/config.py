@@ -46,6 +46,9 @@ class ServerConfig:
     max_body_bytes: int = 32 * MiB
     max_image_bytes: int = 20 * MiB
     max_image_pixels: int = 25_000_000  # video frames too
+    # Pages of one PDF a request may send (each becomes an image, charged to the pixel
+    # budget); a longer document is refused before any page is rendered.
+    max_pdf_pages: int = 16
     # What decoding one request's videos and audio may cost (see media.decode_work).
     max_video_frames: int = SERVED_MAX_VIDEO_FRAMES
     max_video_decode_pixels: int = SERVED_MAX_VIDEO_DECODE_PIXELS
@@ -121,7 +124,8 @@ class ServerConfig:
             if not getattr(self, name) > 0:
                 raise MlxvlmError(f"{name} must be above 0 seconds, got {getattr(self, name)}")
         for name in ("max_concurrency", "max_body_bytes", "max_image_bytes",
-                     "max_image_pixels", "max_tokens", "prefill_step_size", "prepare_workers",
+                     "max_image_pixels", "max_pdf_pages", "max_tokens", "prefill_step_size",
+                     "prepare_workers",
                      "max_loaded_models", "max_video_frames", "max_video_decode_pixels"):
             if getattr(self, name) < 1:
                 raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -203,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-image-pixels", type=ranged(at_least(1, _HUGE)), default=25_000_000,
                         help="Largest image or video frame width*height, checked before "
                         "decoding (default 25000000)")
+    parser.add_argument("--max-pdf-pages", type=ranged(at_least(1)), default=16,
+                        help="Pages of one PDF (a file part) a request may send; each is "
+                        "rendered as an image (default 16)")
     parser.add_argument("--max-video-frames", type=ranged(at_least(1)),
                         default=SERVED_MAX_VIDEO_FRAMES,
                         help="Frames a video may hold (each one is decoded to sample from "
@@ -315,6 +322,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_buffered_body_bytes=args.max_buffered_body_bytes,
         max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels,
+        max_pdf_pages=args.max_pdf_pages,
         max_video_frames=args.max_video_frames,
         max_video_decode_pixels=args.max_video_decode_pixels,
         max_media_decode_seconds=args.max_media_decode_seconds,

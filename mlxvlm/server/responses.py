@@ -30,6 +30,9 @@ Conversation = list[dict[str, Any]]
 def _part(part: Any) -> dict[str, Any]:
     if part.type == "input_image":
         return {"type": "image_url", "image_url": {"url": part.image_url}}
+    if part.type == "input_file":
+        return {"type": "file", "file": {"file_data": part.file_data,
+                                         "filename": part.filename}}
     return {"type": "text", "text": part.text}
 
 

@@ -29,7 +29,16 @@ class InputImage(StrictModel):
     detail: Literal["auto", "low", "high"] | None = None
 
 
-InputPart = Annotated[Union[InputText, OutputText, InputImage], Field(discriminator="type")]
+class InputFile(StrictModel):
+    """A PDF as a data URL (or bare base64), as OpenAI's Responses API sends file_data."""
+
+    type: Literal["input_file"]
+    file_data: str = Field(min_length=1)
+    filename: str | None = None
+
+
+InputPart = Annotated[Union[InputText, OutputText, InputImage, InputFile],
+                      Field(discriminator="type")]
 
 
 class InputMessage(StrictModel):

@@ -38,6 +38,36 @@ class ImagePart(StrictModel):
     image_url: ImageURL
 
 
+class FileData(StrictModel):
+    # A PDF as a data URL (data:application/pdf;base64,...) or bare base64; OpenAI's
+    # uploaded files (file_id) live on OpenAI's side, so this server refuses them.
+    file_data: str | None = Field(default=None, min_length=1)
+    file_id: str | None = None
+    filename: str | None = None
+
+    @field_validator("file_id")
+    @classmethod
+    def _no_uploads(cls, value):
+        if value is not None:
+            raise ValueError("file_id is not supported (this server keeps no uploaded "
+                             "files); send the PDF's bytes as file_data")
+        return value
+
+
+class FilePart(StrictModel):
+    """OpenAI's file part: a PDF whose pages become images of the message."""
+
+    type: Literal["file"]
+    file: FileData
+
+    @field_validator("file")
+    @classmethod
+    def _has_data(cls, value):
+        if value.file_data is None:
+            raise ValueError("a file part needs file_data (data:application/pdf;base64,...)")
+        return value
+
+
 class InputAudioPart(StrictModel):
     type: Literal["input_audio"]
     input_audio: dict
@@ -49,7 +79,7 @@ class VideoPart(StrictModel):
 
 
 ContentPart = Annotated[
-    Union[TextPart, ImagePart, InputAudioPart, VideoPart], Field(discriminator="type")
+    Union[TextPart, ImagePart, InputAudioPart, VideoPart, FilePart], Field(discriminator="type")
 ]
 
 

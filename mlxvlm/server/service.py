@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
 from mlxvlm.generate.speculative import Speculation
-from mlxvlm.media import MediaPolicy, PixelBudget, load_image
+from mlxvlm.media import MediaPolicy, PixelBudget, load_image, load_pdf
 from mlxvlm.batching.prefix_cache import PrefixCache, image_hash
 from mlxvlm.preparation import PreparationPools, PreparationStats
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
@@ -195,6 +195,11 @@ class GenerationService:
             if isinstance(content, list):
                 parts = []
                 for part in content:
+                    if part["type"] == "file":
+                        pages = self._pdf_pages(part["file"]["file_data"], policy)
+                        images.extend(pages)
+                        parts.extend({"type": "image", "image": page} for page in pages)
+                        continue
                     if part["type"] == "image_url":
                         images.append(load_image(part["image_url"]["url"], policy=policy))
                         part = {"type": "image", "image": images[-1]}
@@ -217,6 +222,14 @@ class GenerationService:
         # Prefix keys cover images only; a request with other media is not reused.
         hashes = None if other_media else [image_hash(image) for image in images]
         return PreparedRequest(inputs, hashes)
+
+    def _pdf_pages(self, file_data: str, policy: MediaPolicy) -> list:
+        """A file part's PDF as its pages' images, within --max-pdf-pages (each page
+        charged to the pixel budget, and the client's leaving checked, page by page)."""
+        if file_data[:5].lower() != "data:":  # bare base64, as some clients send it
+            file_data = f"data:application/pdf;base64,{file_data}"
+        return load_pdf(file_data, policy=policy, max_pages=self.config.max_pdf_pages,
+                        pages_option="raise --max-pdf-pages")
 
     async def prepare(self, messages: list[dict], cache_namespace: str | None = None,
                       template_options: dict | None = None) -> PreparedRequest:

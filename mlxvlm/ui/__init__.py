@@ -1,6 +1,6 @@
 """The Gradio chat UI: ``python -m mlxvlm.ui --model M [--model M2 ...]``.
 
-``media_kinds``  which attachments a model takes (images, videos, audio; one row per kind)
+``media_kinds``  which attachments a model takes (images, PDFs, videos, audio; one row per kind)
 ``conversation`` Gradio's chat history -> mlxvlm chat messages
 ``session``      the model behind the chat: one answer at a time, streaming, stop, stats
 ``thoughts``     a thinking model's thoughts in a folded box, apart from its answer

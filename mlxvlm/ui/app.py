@@ -23,7 +23,7 @@ from mlxvlm.ui.uploads import process_uploads, watch_upload_route
 MAX_TOKENS_CAP = 8192
 PAGE_HEADING = "mlxvlm chat"
 # How the empty chat's hint names one attachment of each kind.
-ONE_OF_KIND = {"image": "an image", "video": "a video", "audio": "a sound"}
+ONE_OF_KIND = {"image": "an image", "pdf": "a PDF", "video": "a video", "audio": "a sound"}
 # Turns answered (or waiting for their model, then for their turn on it) at once, per
 # way in (the page, the API); more wait in Gradio's queue (whose default is one at a
 # time). Above one, so that the model pool sees every conversation waiting and serves a
@@ -75,7 +75,7 @@ def attachment_box(session: ChatSession) -> dict[str, Any]:
     kinds = [kind.name for kind in session.kinds]
     attach = f"attach {' / '.join(kinds)}" if kinds else "this model reads text only"
     sources = (["upload"] + (["microphone"] if "audio" in kinds else [])) if kinds else []
-    return dict(file_types=kinds or None, sources=sources,
+    return dict(file_types=[kind.file_type for kind in session.kinds] or None, sources=sources,
                 placeholder=f"Ask a question ({attach})")
 
 

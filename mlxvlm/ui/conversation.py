@@ -163,12 +163,12 @@ def build_conversation(
                 continue
             kind = kind_of(part["path"], part["mime_type"], kinds)
             if kind.load is None:
-                content.append(kind.part(part["path"]))
+                content.extend(kind.parts(part["path"]))
                 conversation.image_hashes = None
                 continue
             media = kind.load(part["path"], policy=MediaPolicy.of(media_options))
             if conversation.image_hashes is not None:
-                conversation.image_hashes.append(kind.content_hash(media))
-            content.append(kind.part(media))
+                conversation.image_hashes.extend(kind.hashes(media))
+            content.extend(kind.parts(media))
         conversation.messages.append({"role": "user", "content": content})
     return conversation

@@ -3,8 +3,9 @@
 A kind is offered when the model consumes its processor features and its processor has
 the part that prepares it (as ``mlxvlm.prompt`` requires). A row also says whether the
 chat decodes an attachment itself, to hash its content for the prompt-prefix cache
-(images), or leaves it to ``prepare_inputs`` as a path (videos and audio, which the
-prefix keys cannot describe, so that a conversation holding one is not reused).
+(images, and a PDF's pages, which become images of the turn), or leaves it to
+``prepare_inputs`` as a path (videos and audio, which the prefix keys cannot describe, so
+that a conversation holding one is not reused).
 """
 
 from __future__ import annotations
@@ -14,8 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from mlxvlm.media import MediaError, load_image
+from mlxvlm.media import MediaError, load_image, load_pdf
 from mlxvlm.batching.prefix_cache import image_hash
+
+# Pages of one uploaded PDF: each is rendered and becomes an image of the turn, so a long
+# document is refused rather than turned into hundreds of images.
+UI_MAX_PDF_PAGES = 16
+
+
+def load_pdf_pages(path: str, *, policy: Any) -> list:
+    return load_pdf(path, policy=policy, max_pages=UI_MAX_PDF_PAGES,
+                    pages_option=f"split it into PDFs of at most {UI_MAX_PDF_PAGES} pages")
 
 
 @dataclass(frozen=True)
@@ -28,14 +38,30 @@ class MediaKind:
     # into the message and ``prepare_inputs`` decodes it.
     load: Callable[..., Any] | None = None
     content_hash: Callable[[Any], str] | None = None
+    # A document kind: its files' type (what Gradio's file picker filters on, and what
+    # ``matches`` takes), and ``load`` gives a list of images, one part each.
+    document_type: str | None = None
+
+    @property
+    def file_type(self) -> str:
+        """Gradio's file type: a category (``image``) or a suffix (``.pdf``)."""
+        return f".{self.name}" if self.document_type else self.name
 
     def matches(self, path: str, mime_type: str | None) -> bool:
         mime = mime_type or mimetypes.guess_type(path)[0] or ""
+        if self.document_type:
+            return mime == self.document_type or path.lower().endswith(self.file_type)
         return mime.startswith(self.name + "/")
 
-    def part(self, media: Any) -> dict:
-        """The chat message content part for a decoded attachment or a path."""
-        return {"type": self.name, self.name: media}
+    def parts(self, media: Any) -> list[dict]:
+        """The chat message content parts for a decoded attachment (a document's pages:
+        one image part each) or a path."""
+        if self.document_type:
+            return [{"type": "image", "image": page} for page in media]
+        return [{"type": self.name, self.name: media}]
+
+    def hashes(self, media: Any) -> list[str]:
+        return [self.content_hash(m) for m in (media if self.document_type else [media])]
 
 
 MEDIA_KINDS: tuple[MediaKind, ...] = (
@@ -45,6 +71,14 @@ MEDIA_KINDS: tuple[MediaKind, ...] = (
         processor_part="image_processor",
         load=load_image,
         content_hash=image_hash,
+    ),
+    MediaKind(
+        name="pdf",
+        features=frozenset({"pixel_values"}),
+        processor_part="image_processor",
+        load=load_pdf_pages,
+        content_hash=image_hash,
+        document_type="application/pdf",
     ),
     MediaKind(
         name="video",

@@ -1,6 +1,6 @@
-"""A fine-tuning run's progress on stderr: tqdm's bar on a terminal; plain lines where
-stderr is a file, a pipe or a CI log, which would otherwise keep every redraw of the bar
-(a ``\\r`` line several times a second)."""
+"""A long command's progress on stderr (a fine-tuning run, a PDF's pages): tqdm's bar on a
+terminal; plain lines where stderr is a file, a pipe or a CI log, which would otherwise
+keep every redraw of the bar (a ``\\r`` line several times a second)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,17 @@ def say(line: str) -> None:
     tqdm.write(line, file=sys.stderr)
 
 
-def progress(*, total: int, desc: str, unit: str, initial: int = 0, leave: bool = True):
-    """A progress bar (``update``, ``set_postfix``, ``write``; a context manager)."""
+def progress(*, total: int, desc: str, unit: str, initial: int = 0, leave: bool = True,
+             plain_every_s: float = PLAIN_EVERY_S):
+    """A progress bar (``update``, ``set_postfix``, ``write``; a context manager);
+    ``plain_every_s``: how often the plain lines come (0: at each update)."""
     if sys.stderr.isatty():
         from tqdm import tqdm
 
         return tqdm(total=total, desc=desc, unit=unit, initial=initial, leave=leave,
                     dynamic_ncols=True, file=sys.stderr)
-    return PlainProgress(total=total, desc=desc, unit=unit, initial=initial)
+    return PlainProgress(total=total, desc=desc, unit=unit, initial=initial,
+                         every_s=plain_every_s)
 
 
 class PlainProgress:
