@@ -232,8 +232,8 @@ def build_model(model_path: Path, config: dict, family, weights: dict[str, mx.ar
     except ValueError as exc:
         raise CheckpointError(
             f"the weights in {model_path} do not match the {config.get('model_type')} "
-            f"model built from its config.json: {exc}"
-        ) from None
+            f"model built from its config.json: {' '.join(str(exc).split())}"
+        ) from None  # mlx's message, on one line (it breaks before the names)
     if plan is not None:
         shards.shard(model, plan)
     model.sharding = plan

@@ -5,7 +5,8 @@ weights hold no ``lm_head.weight`` (QwenLM/Qwen3-VL-Embedding#89): an embedding 
 reads hidden states and never calls the head. ``build_model`` asks ``absent_head``
 whether the family built a head (``language_model.lm_head``, every family's name for it
 after ``sanitize``) that the weights lack; where the checkpoint's use does not need one
-it puts a ``MissingOutputHead`` in its place, else it refuses the checkpoint in one line.
+it puts a ``MissingOutputHead`` in its place; elsewhere the loader's check of missing
+weights refuses the checkpoint.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Iterable
 
 import mlx.nn as nn
 
-from mlxvlm.errors import CheckpointError, MlxvlmError
+from mlxvlm.errors import MlxvlmError
 
 HEAD_PREFIX = "language_model.lm_head."
 
@@ -42,11 +43,10 @@ def absent_head(model: nn.Module, weight_names: Iterable[str]) -> bool:
 def settle_absent_head(model: nn.Module, weight_names: Iterable[str], head_optional: bool,
                        model_path) -> None:
     """Put a ``MissingOutputHead`` where the weights lack the head and the checkpoint's
-    use reads no logits (``head_optional``); refuse the checkpoint where it does."""
-    if not absent_head(model, weight_names):
+    use reads no logits (``head_optional``)."""
+    # Only an embedder's checkpoint is looked at: families keep their heads under other
+    # names too (Qwen3-Omni's thinker), and a head missing elsewhere is the weight
+    # check's to report, as any missing weight is.
+    if not head_optional or not absent_head(model, weight_names):
         return
-    if not head_optional:
-        raise CheckpointError(
-            f"{model_path} has no lm_head.weight though its config.json says the output "
-            "head is not tied to the embeddings; generating or reranking needs that head")
     model.language_model.lm_head = MissingOutputHead()
