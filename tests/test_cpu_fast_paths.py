@@ -180,7 +180,9 @@ def test_freed_activations_are_reused_not_faulted_in_again():
     glibc returns them to the kernel and every 4 KB page faults in again."""
     status, faults = page_faults_of_reused_activations({"MLXVLM_NO_MALLOC_TUNING": ""})
     assert status.startswith("blocks under 32 MB reused"), status
-    assert faults < 1000, faults
+    # Warm, at most one round faults in again (3,072 pages: seen once beside 7 other
+    # jobs, load average 15); untuned, every round does.
+    assert faults < 3500, faults
     status, faults = page_faults_of_reused_activations({"MLXVLM_NO_MALLOC_TUNING": "1"})
     assert status == "disabled by MLXVLM_NO_MALLOC_TUNING"
     assert faults > 5000, faults  # 12 rounds of 12 MB: ~3,000 pages each
