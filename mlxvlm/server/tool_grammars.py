@@ -10,7 +10,9 @@ import json
 import re
 from typing import Any
 
-from mlxvlm.text.answer_parts import GEMMA4_TOOLS, ToolFormat, special_token_ids
+from mlxvlm.sampling.constrained import ConstraintError
+from mlxvlm.text import glm_tool_calls
+from mlxvlm.text.answer_parts import GEMMA4_TOOLS, GLM_TOOLS, ToolFormat, added_token_ids
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 # A call's JSON laid out as json.dumps writes it (and chat templates' tojson, so as the
@@ -72,11 +74,12 @@ def _json(schema: dict) -> str:
 
 
 def literal(text: str, tokenizer: Any) -> str:
-    """``text`` in the grammar: a special token by its id (its bytes never match text),
-    anything else as a string."""
-    special = special_token_ids(tokenizer)
-    if text in special:
-        return f"<[{special[text]}]>"
+    """``text`` in the grammar: a token the tokenizer added by its id (llguidance holds
+    every added token, special or not, as a special one, whose bytes never match text:
+    GLM's ``<tool_call>``, Qwen's), anything else as a string."""
+    added = added_token_ids(tokenizer)
+    if text in added:
+        return f"<[{added[text]}]>"
     return json.dumps(text)
 
 
@@ -84,6 +87,8 @@ def calls_grammar(fmt: ToolFormat, tools: list, tokenizer: Any, several: bool) -
     """Answers that are only calls to ``tools`` in ``fmt`` (one, or ``several``)."""
     if fmt is GEMMA4_TOOLS:
         return _gemma4_calls_grammar(tools, tokenizer, several)
+    if fmt is GLM_TOOLS:
+        return _glm_calls_grammar(tools, tokenizer, several)
     schema = calls_schema(tools)
     opening = literal(fmt.open, tokenizer)
     if fmt.close is None:  # Mistral: [TOOL_CALLS] then a JSON list of calls
@@ -130,3 +135,66 @@ def _gemma4_calls_grammar(tools: list, tokenizer: Any, several: bool) -> str:
         rules.append(f"call_{i}: {json.dumps('call:' + tool.function.name)} arguments_{i}")
         rules.append(f"arguments_{i}: {_json(parameters)}")
     return "\n".join(rules) + "\n"
+
+
+
+def _glm_calls_grammar(tools: list, tokenizer: Any, several: bool) -> str:
+    """GLM's calls laid out as the Hub's template writes them
+    (``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...
+    </tool_call>``, calls apart by a newline): the function's properties in their
+    order, the required ones always, each value under its own schema. Parameters that
+    name no properties take any keys with JSON values, unless they forbid other keys."""
+    tag = lambda text: literal(text, tokenizer)  # noqa: E731
+    value_close = re.escape(glm_tool_calls.VALUE_CLOSE).replace("/", "\\/")
+    more = ' ("\\n" block)*' if several else ""
+    rules = [f"start: block{more}",
+             f"block: {tag(GLM_TOOLS.open)} call {tag(GLM_TOOLS.close)}",
+             "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
+             "KEY: /[^<>\\n]+/"]
+
+    def argument(key: str, value: str) -> str:
+        return (f"{tag(glm_tool_calls.KEY_OPEN)} {key} {tag(glm_tool_calls.KEY_CLOSE)} "
+                f'"\\n" {tag(glm_tool_calls.VALUE_OPEN)} {value} '
+                f'{tag(glm_tool_calls.VALUE_CLOSE)} "\\n"')
+
+    for i, tool in enumerate(tools):
+        parameters = tool.function.parameters or EMPTY_PARAMETERS
+        properties = parameters.get("properties") or {}
+        required = set(parameters.get("required") or ())
+        definitions = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
+        arguments = []
+        for j, (key, schema) in enumerate(properties.items()):
+            value = _glm_value(schema, definitions, f"{i}_{j}", value_close, rules)
+            rules.append(f"arg_{i}_{j}: {argument(json.dumps(key), value)}")
+            arguments.append(f"arg_{i}_{j}" + ("" if key in required else "?"))
+        if not properties and parameters.get("additionalProperties") is not False:
+            rules.append(f"arg_{i}_any: {argument('KEY', f'value_{i}_any')}")
+            rules.append(f"value_{i}_any: {_json({})}")
+            arguments.append(f"arg_{i}_any*")
+        rules.append(f'call_{i}: {json.dumps(tool.function.name)} "\\n" '
+                     + " ".join(arguments))
+    return "\n".join(rule.rstrip() for rule in rules) + "\n"
+
+
+def _glm_value(schema: Any, definitions: dict, suffix: str, value_close: str,
+               rules: list[str]) -> str:
+    """One argument's value in the grammar: where the schema allows only strings, text
+    as the template writes it (the values it lists, else text without the closing tag
+    within the schema's lengths); else
+    JSON under the schema, with the parameters' ``$defs`` beside it for its references
+    (rules it needs are added to ``rules``, named after ``suffix``).
+    A string ``pattern`` has no text grammar here: refused rather than not enforced."""
+    if not glm_tool_calls.written_as_text(schema):
+        schema = schema if isinstance(schema, dict) else {}
+        rules.append(f"json_{suffix}: {_json({**schema, **definitions})}")
+        return f"json_{suffix}"
+    allowed = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if allowed:
+        return "(" + " | ".join(json.dumps(value) for value in allowed) + ")"
+    if "pattern" in schema:
+        raise ConstraintError("a string argument's \"pattern\" cannot be enforced in GLM's "
+                              "tool-call format (its strings are not quoted)")
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    length = "*" if (low, high) == (0, None) else f"{{{low},{'' if high is None else int(high)}}}"
+    rules.append(f"TEXT_{suffix}: /(.|\\n){length}/ & ~/(.|\\n)*{value_close}(.|\\n)*/")
+    return f"TEXT_{suffix}"

@@ -70,7 +70,9 @@ class AnswerPlan:
 
     def splitter(self) -> AnswerSplitter:
         reasoning_first = self.thinking and self.think.opened_by(self.prompt_text)
-        return AnswerSplitter(self.format, self.think, reasoning_first)
+        parameters = {tool.function.name: tool.function.parameters or {}
+                      for tool in self.tools}
+        return AnswerSplitter(self.format, self.think, reasoning_first, parameters)
 
     def kept_token_ids(self) -> frozenset[int]:
         """The special tokens the answer's text keeps: the thinking and tool-call markers,
@@ -85,19 +87,20 @@ class AnswerPlan:
         if not self.tools:
             return None
         tokenizer = tokenizer_of(self.processor)
-        if self.tool_choice == "auto":
-            if self.format is not GENERIC_TOOLS:
-                return None  # a template's own format is read from the answer as it is
-            lark = text_or_calls_grammar(self.format, self.tools, tokenizer, self.parallel)
-        else:
-            if isinstance(self.tool_choice, NamedToolChoice):
-                chosen = [t for t in self.tools
-                          if t.function.name == self.tool_choice.function.name]
+        if self.tool_choice == "auto" and self.format is not GENERIC_TOOLS:
+            return None  # a template's own format is read from the answer as it is
+        try:  # a format may refuse a schema it cannot enforce (GLM's string patterns)
+            if self.tool_choice == "auto":
+                lark = text_or_calls_grammar(self.format, self.tools, tokenizer,
+                                             self.parallel)
             else:
-                chosen = self.tools
-            several = self.tool_choice == "required" and self.parallel
-            lark = calls_grammar(self.format, chosen, tokenizer, several)
-        try:
+                if isinstance(self.tool_choice, NamedToolChoice):
+                    chosen = [t for t in self.tools
+                              if t.function.name == self.tool_choice.function.name]
+                else:
+                    chosen = self.tools
+                several = self.tool_choice == "required" and self.parallel
+                lark = calls_grammar(self.format, chosen, tokenizer, several)
             return lark_constraint(tokenizer, eos_token_ids(self.processor), lark,
                                    "the tools' parameters")
         except ConstraintError as error:

@@ -2,7 +2,8 @@
 ``<think>`` ... ``</think>``, or Gemma 4's ``<|channel>thought`` ... ``<channel|>``), the
 text for the user, and tool calls in the format the checkpoint's chat template teaches
 (Hermes/Qwen's ``<tool_call>{json}</tool_call>``, Mistral's ``[TOOL_CALLS]``, Gemma 4's
-``<|tool_call>call:NAME{key:<|"|>text<|"|>,...}<tool_call|>``).
+``<|tool_call>call:NAME{key:<|"|>text<|"|>,...}<tool_call|>``, GLM's
+``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>``).
 ``AnswerSplitter`` takes the text as it streams and holds back only what may still begin
 a marker."""
 
@@ -11,9 +12,11 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from mlx_lm.tool_parsers import gemma4 as gemma4_calls
+
+from mlxvlm.text import glm_tool_calls
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -49,18 +52,20 @@ GEMMA4_THINK = ThinkFormat("gemma4", "<|channel>", "<channel|>", label="thought\
 class ToolFormat:
     """How a family writes tool calls: ``open`` starts one; ``close`` ends it (None: the
     calls run to the end of the answer, as Mistral's do); ``quote``: the family's own
-    string delimiter inside a call; ``special``: the markers (and quote) are special
-    tokens, which the answer's text keeps only when asked (``marker_ids``)."""
+    string delimiter inside a call; ``fields``: the tags inside a call (GLM's argument
+    tags); ``special``: the markers (and quote) are special tokens, which the answer's
+    text keeps only when asked (``marker_ids``)."""
 
     name: str
     open: str
     close: str | None
     quote: str = ""
     special: bool = False
+    fields: tuple[str, ...] = ()
 
     @property
     def markers(self) -> tuple[str, ...]:
-        return tuple(m for m in (self.open, self.close, self.quote) if m)
+        return tuple(m for m in (self.open, self.close, self.quote, *self.fields) if m)
 
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
@@ -73,10 +78,16 @@ MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", None)
 GEMMA4_TOOLS = ToolFormat("gemma4", "<|tool_call>", "<tool_call|>", quote='<|"|>',
                           special=True)
 
+# GLM-4.5V / 4.6V: Hermes' markers around NAME and <arg_key>/<arg_value> pairs
+# (glm_tool_calls).
+GLM_TOOLS = ToolFormat("glm", "<tool_call>", "</tool_call>", fields=glm_tool_calls.MARKERS)
+
 
 def tool_format(chat_template: str | None) -> ToolFormat | None:
     """The tool-call format the chat template renders (None: it renders no tools)."""
     template = chat_template or ""
+    if GLM_TOOLS.open in template and glm_tool_calls.KEY_OPEN in template:
+        return GLM_TOOLS
     if HERMES.open in template:
         return HERMES
     if MISTRAL.open in template:
@@ -109,6 +120,11 @@ def special_token_ids(tokenizer: Any) -> dict[str, int]:
     """The tokenizer's special added tokens by their text."""
     return {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
             if getattr(t, "special", False)}
+
+
+def added_token_ids(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's added tokens (special or not) by their text."""
+    return {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
 
 
 def marker_ids(tokenizer: Any, *formats: ThinkFormat | ToolFormat | None) -> frozenset[int]:
@@ -161,9 +177,16 @@ def _calls_from_json(value: Any) -> list[ToolCall] | None:
     return calls
 
 
-def parse_calls(fmt: ToolFormat, body: str) -> list[ToolCall] | None:
-    """The calls in one tool region's text (between the markers); None: not calls."""
+def parse_calls(fmt: ToolFormat, body: str,
+                parameters: Mapping[str, Any] | None = None) -> list[ToolCall] | None:
+    """The calls in one tool region's text (between the markers); None: not calls.
+    ``parameters``: the functions' parameter schemas by name, for a format whose values
+    are typed by them (GLM's)."""
     body = body.strip()
+    if fmt is GLM_TOOLS:
+        call = glm_tool_calls.parse_call(body, parameters)
+        return None if call is None else [
+            ToolCall(call[0], json.dumps(call[1], ensure_ascii=False))]
     if fmt is GEMMA4_TOOLS:
         return _gemma4_calls(body)
     if fmt is MISTRAL and "[ARGS]" in body:  # the newer form: name[ARGS]{...} per call
@@ -213,11 +236,14 @@ class AnswerSplitter:
     """Feed the answer's text as it comes (``feed``), then ``finish``; each returns the
     parts now known. ``thinking``: the thinking format (True: ``<think>``; False or None:
     no thinking). ``reasoning_first``: the prompt already opened the thinking block (a
-    template that ends its generation prompt with ``<think>``)."""
+    template that ends its generation prompt with ``<think>``). ``parameters``: the
+    functions' parameter schemas by name (``parse_calls``)."""
 
     def __init__(self, tools: ToolFormat | None, thinking: ThinkFormat | bool | None,
-                 reasoning_first: bool = False):
+                 reasoning_first: bool = False,
+                 parameters: Mapping[str, Any] | None = None):
         self.tools = tools
+        self.parameters = parameters
         self.think = as_think_format(thinking)
         self.thinking = self.think is not None
         self.state = "reasoning" if reasoning_first else "content"
@@ -247,7 +273,7 @@ class AnswerSplitter:
             parts.append(Part(kind, text))
 
     def _end_tool_region(self, body: str, raw: str, parts: list[Part]) -> None:
-        calls = parse_calls(self.tools, body)
+        calls = parse_calls(self.tools, body, self.parameters)
         if calls is None:  # not a call after all: the user sees the text
             self._emit("content", raw, parts)
             return

@@ -14,7 +14,12 @@ tokens, as the Hub's are; it adds no special tokens (the template writes
 ``[gMASK]<sop>``). The chat template is written after GLM-4.6V's: roles as
 ``<|user|>\\n``, images as ``<|begin_of_image|><|image|><|end_of_image|>``, an assistant
 turn as ``<|assistant|>\\n<think>reasoning</think>\\ncontent``, ``enable_thinking=False``
-adds ``/nothink`` and an empty thinking block. The processor is transformers'
+adds ``/nothink`` and an empty thinking block. Tools as GLM-4.6V's template renders them:
+their JSON in a ``# Tools`` system turn that teaches the call format, an assistant's calls
+as ``\\n<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...
+</tool_call>`` (a string value as it is, others as JSON), results after
+``<|observation|>`` as ``\\n<tool_response>\\n...\\n</tool_response>`` (the call tags are
+ordinary added tokens). The processor is transformers'
 ``Glm46VProcessor`` (as the Hub's checkpoints name it) over the PIL image processor and
 the torchvision video processor (a 3 s clip's 18 frames fit at 28 x 56).
 
@@ -54,8 +59,22 @@ THINK_TOKENS = ("<think>", "</think>")
 # the Hub's generation_config.json ends an answer at any of these
 EOS_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
 
+# GLM's tool-call tags: ordinary added tokens (decoded as text), as the Hub's are
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+               "</arg_value>")
+
 CHAT_TEMPLATE = (
     "[gMASK]<sop>"
+    "{%- if tools -%}"
+    "{{- '<|system|>\\n# Tools\\n\\nYou may call one or more functions to assist with the user "
+    "query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:"
+    "\\n<tools>\\n' -}}"
+    "{%- for tool in tools -%}{{- tool | tojson(ensure_ascii=False) + '\\n' -}}{%- endfor -%}"
+    "{{- '</tools>\\n\\nFor each function call, output the function name and arguments within "
+    "the following XML format:\\n<tool_call>{function-name}\\n<arg_key>{arg-key-1}</arg_key>"
+    "\\n<arg_value>{arg-value-1}</arg_value>\\n<arg_key>{arg-key-2}</arg_key>\\n"
+    "<arg_value>{arg-value-2}</arg_value>\\n...\\n</tool_call>' -}}"
+    "{%- endif -%}"
     "{%- macro render(content) -%}"
     "{%- if content is string -%}{{- content -}}"
     "{%- else -%}{%- for part in content -%}"
@@ -76,8 +95,22 @@ CHAT_TEMPLATE = (
     "{%- set content = content.split('</think>')[-1].lstrip() -%}"
     "{%- endif -%}"
     "{{- '<|assistant|>\\n<think>' + reasoning + '</think>\\n' + content.strip() -}}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set call = call['function'] if call['function'] is defined else call -%}"
+    "{{- '\\n<tool_call>' + call['name'] + '\\n' -}}"
+    "{%- for key, value in call['arguments'].items() -%}"
+    "{{- '<arg_key>' + key + '</arg_key>\\n<arg_value>' -}}"
+    "{{- value if value is string else value | tojson(ensure_ascii=False) -}}"
+    "{{- '</arg_value>\\n' -}}"
+    "{%- endfor -%}"
+    "{{- '</tool_call>' -}}"
+    "{%- endfor -%}"
     "{%- elif message['role'] == 'user' -%}"
     "{{- '<|user|>\\n' + content -}}{%- if no_think -%}{{- '/nothink' -}}{%- endif -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}"
+    "{{- '<|observation|>' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' -}}"
     "{%- else -%}"
     "{{- '<|' + message['role'] + '|>\\n' + content -}}"
     "{%- endif -%}"
@@ -106,6 +139,7 @@ def build_tokenizer():
         pad_token="<|endoftext|>",
     )
     tokenizer.add_tokens(list(THINK_TOKENS))  # ordinary added tokens: decoded as text
+    tokenizer.add_tokens(list(TOOL_TOKENS))
     return tokenizer
 
 
