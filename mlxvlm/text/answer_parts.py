@@ -251,6 +251,7 @@ class AnswerSplitter:
         self.buffer = ""
         self.calls: list[ToolCall] = []
         self.region_ended = False
+        self.emitted = False  # any part yet
 
     def _opening_markers(self) -> list[tuple[str, str]]:
         markers = []
@@ -267,6 +268,7 @@ class AnswerSplitter:
             self.region_ended = not text
         if not text:
             return
+        self.emitted = True
         if parts and parts[-1].kind == kind and kind != "tool_call":
             parts[-1].text += text
         else:
@@ -280,6 +282,7 @@ class AnswerSplitter:
         for call in calls:
             self.calls.append(call)
             parts.append(Part("tool_call", call=call))
+            self.emitted = True
 
     def feed(self, text: str) -> list[Part]:
         self.buffer += text
@@ -321,7 +324,10 @@ class AnswerSplitter:
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     return parts
                 at, marker, state = min(found)
-                self._emit("content", self.buffer[:at], parts)
+                before = self.buffer[:at]
+                if state == "reasoning" and not self.emitted and not before.strip():
+                    before = ""  # layout before the thoughts (GLM's "\n<think>")
+                self._emit("content", before, parts)
                 self.buffer = self.buffer[at + len(marker):]
                 self.state, self.label_pending = state, state == "reasoning"
 
