@@ -15,12 +15,12 @@ import json
 import httpx
 import jsonschema
 import llguidance
+import openai
 import pytest
 from scripted_tokens import script_tokens
 from server_harness import MODEL_ID, LiveServer
 from server_process import ServerProcess
 from test_server_tools import TEMPLATE as HERMES_TEMPLATE
-from tiny.glm4v import CHAT_TEMPLATE
 
 import mlxvlm
 from mlxvlm.generate.text import eos_token_ids
@@ -119,12 +119,19 @@ def test_calls_are_read_back_at_every_split(loaded, call_text):
 @pytest.mark.parametrize("text", [
     "<tool_call>get weather\n</tool_call>",  # no name
     "<tool_call>get_weather\n<arg_key>city</arg_key>\nParis</tool_call>",  # no value tags
-    "<tool_call>get_weather\n<arg_key>a</arg_key><arg_value>1</arg_value>\n"
-    "<arg_key>a</arg_key><arg_value>2</arg_value></tool_call>",  # a key twice
+    ("<tool_call>get_weather\n<arg_key>a</arg_key><arg_value>1</arg_value>\n"
+     "<arg_key>a</arg_key><arg_value>2</arg_value></tool_call>"),  # a key twice
     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',  # Hermes' JSON
 ])
 def test_what_is_not_a_call_is_text(text):
     assert split(["Hi. " + text]) == ("", "Hi. " + text, [])
+
+
+def test_the_compact_layout_is_read_too():
+    """Later GLM templates write a call on one line (no newline after the name or tags)."""
+    compact = ("<tool_call>get_time<arg_key>zone</arg_key><arg_value>UTC</arg_value>"
+               "</tool_call>")
+    assert split([compact]) == ("", "", [("get_time", TIME_ARGUMENTS)])
 
 
 def test_a_call_without_schema_reads_values_as_json_where_they_parse():
@@ -132,6 +139,28 @@ def test_a_call_without_schema_reads_values_as_json_where_they_parse():
     [part] = splitter.feed("<tool_call>f\n<arg_key>n</arg_key>\n<arg_value>[1, 2]</arg_value>\n"
                            "<arg_key>s</arg_key>\n<arg_value>a b</arg_value>\n</tool_call>")
     assert json.loads(part.call.arguments) == {"n": [1, 2], "s": "a b"}
+
+
+def test_a_call_read_back_renders_as_it_was_written(loaded, call_text):
+    """The call the parser read, sent back as the assistant's ``tool_calls`` (OpenAI's
+    JSON arguments) with its result, renders as the model wrote it, the result after
+    ``<|observation|>``."""
+    from mlxvlm.prompt import render_chat
+    from mlxvlm.server.chat_completions import to_messages
+    from mlxvlm.server.schemas import ChatCompletionRequest
+    from mlxvlm.server.tools import AnswerPlan
+
+    [call] = split([call_text])[2]
+    chat = ChatCompletionRequest.model_validate({"model": MODEL_ID, "tools": [WEATHER],
+                                                 "messages": ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": call[0], "arguments": json.dumps(call[1])}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21"}]})
+    plan = AnswerPlan(chat, loaded[1])
+    text = render_chat(loaded[1], plan.conversation(to_messages(chat)), plan.template_options)
+    assert "\n" + call_text + "<|observation|>\n<tool_response>\nsunny, 21\n</tool_response>" in text
+    assert text.count('"name": "get_weather"') == 1  # the tools' section
 
 
 def grammar(loaded, tools, several=True):
@@ -167,11 +196,6 @@ def test_the_grammar_takes_the_templates_calls_and_nothing_else(loaded, call_tex
     assert not takes(many, tokenizer, '<tool_call>\n{"name": "get_time"')
 
 
-def test_a_string_pattern_is_refused_not_ignored(loaded):
-    patterned = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$"}}}}}
-    with pytest.raises(ConstraintError, match="pattern"):
-        grammar(loaded, [patterned])
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +254,17 @@ def test_a_scripted_call_comes_back_on_each_api(server, loaded, call_text, monke
     assert json.loads(streamed) == ARGUMENTS
     assert [e["delta"]["stop_reason"] for e in events if e["type"] == "message_delta"] == [
         "tool_use"]
+
+
+def test_a_string_pattern_is_refused_not_ignored(loaded, server):
+    patterned = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$"}}}}}
+    with pytest.raises(ConstraintError, match="pattern"):
+        grammar(loaded, [patterned])
+    with pytest.raises(openai.BadRequestError, match="pattern") as refused:
+        server.client().chat.completions.create(model=MODEL_ID, messages=ASK, max_tokens=8,
+                                                tools=[patterned], tool_choice="required")
+    assert refused.value.body["param"] == "tools"
 
 
 def test_forced_calls_through_the_server_entry_point(tiny_checkpoints):

@@ -137,14 +137,15 @@ def _gemma4_calls_grammar(tools: list, tokenizer: Any, several: bool) -> str:
     return "\n".join(rules) + "\n"
 
 
-
 def _glm_calls_grammar(tools: list, tokenizer: Any, several: bool) -> str:
     """GLM's calls laid out as the Hub's template writes them
     (``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...
     </tool_call>``, calls apart by a newline): the function's properties in their
     order, the required ones always, each value under its own schema. Parameters that
     name no properties take any keys with JSON values, unless they forbid other keys."""
-    tag = lambda text: literal(text, tokenizer)  # noqa: E731
+    def tag(text: str) -> str:
+        return literal(text, tokenizer)
+
     value_close = re.escape(glm_tool_calls.VALUE_CLOSE).replace("/", "\\/")
     more = ' ("\\n" block)*' if several else ""
     rules = [f"start: block{more}",
@@ -180,10 +181,10 @@ def _glm_value(schema: Any, definitions: dict, suffix: str, value_close: str,
                rules: list[str]) -> str:
     """One argument's value in the grammar: where the schema allows only strings, text
     as the template writes it (the values it lists, else text without the closing tag
-    within the schema's lengths); else
-    JSON under the schema, with the parameters' ``$defs`` beside it for its references
-    (rules it needs are added to ``rules``, named after ``suffix``).
-    A string ``pattern`` has no text grammar here: refused rather than not enforced."""
+    within the schema's lengths); else JSON under the schema, with the parameters'
+    ``$defs`` beside it for its references. The rules it needs go into ``rules``, named
+    after ``suffix``. A string ``pattern`` has no text grammar here: refused rather
+    than not enforced."""
     if not glm_tool_calls.written_as_text(schema):
         schema = schema if isinstance(schema, dict) else {}
         rules.append(f"json_{suffix}: {_json({**schema, **definitions})}")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from mlx_lm.tool_parsers import gemma4 as gemma4_calls
 
