@@ -184,6 +184,9 @@ def test_the_grammar_takes_the_templates_calls_and_nothing_else(loaded, call_tex
     for text in (call_text, two, minimal):
         assert takes(many, tokenizer, text), text
     assert takes(one, tokenizer, call_text) and not takes(one, tokenizer, two)
+    text = calls_grammar(GLM_TOOLS, [Tool.model_validate(TIME)], tokenizer, False)
+    for tag in GLM_TOOLS.markers:  # added tokens, which llguidance matches by id only
+        assert f"<[{tokenizer.convert_tokens_to_ids(tag)}]>" in text
     for wrong in ({"city": "Paris"},  # "unit" is required
                   {"city": "Paris", "unit": "kelvin"},
                   {"city": "Paris", "unit": "celsius", "days": "3"},
@@ -235,6 +238,11 @@ def test_a_scripted_call_comes_back_on_each_api(server, loaded, call_text, monke
                                               for t in [WEATHER]])
     [item] = [i for i in response.output if i.type == "function_call"]
     assert item.name == "get_weather" and json.loads(item.arguments) == ARGUMENTS
+    streamed = "".join(event.delta for event in client.responses.create(
+        model=MODEL_ID, input="Weather?", max_output_tokens=400, stream=True,
+        tools=[{"type": "function", **WEATHER["function"]}])
+        if event.type == "response.function_call_arguments.delta")
+    assert json.loads(streamed) == ARGUMENTS
 
     claude_tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
                     for t in [WEATHER]]
