@@ -136,7 +136,12 @@ class CrossAttentionDecoderLayer(nn.Module):
         self.cross_attn_mlp_gate = mx.zeros((1,))
 
     def __call__(self, x: mx.array, cache: CrossAttentionCache | None,
-                 state: CrossAttentionState, inputs: tuple[mx.array, mx.array, mx.array]) -> mx.array:
+                 state: CrossAttentionState | None,
+                 inputs: tuple[mx.array, mx.array, mx.array] | None) -> mx.array:
+        # No image: transformers skips these layers. Skipped here rather than by the
+        # loop, so that a pipeline rank's edge layer still hands its states on.
+        if state is None:
+            return x
         mask, reads, present = inputs
         r = self.cross_attn(self.input_layernorm(x), cache, state, mask)
         h = x + mx.tanh(self.cross_attn_attn_gate) * r
@@ -176,8 +181,7 @@ class TextModel(TextDecoder):
             # else: a pipeline rank that runs no cross-attention layer reads no keys
         for index, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             if index in self.cross_attention_layers:
-                if state is not None:  # (no image: transformers skips these layers)
-                    h = layer(h, layer_cache, state, cross_inputs)
+                h = layer(h, layer_cache, state, cross_inputs)
             else:
                 h = layer(h, mask, layer_cache)
         return self.norm(h)
