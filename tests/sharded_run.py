@@ -58,7 +58,8 @@ def run(checkpoint: str, image: str, mode: str, out: Path) -> None:
         return
     try:
         tokens = [r.token for r in stream_generate(
-            model, processor, "Describe this image.", image, max_tokens=MAX_TOKENS)]
+            model, processor, "Describe this image.", image, max_tokens=MAX_TOKENS,
+            temperature=0.0)]
     finally:
         release(model)
     print(json.dumps({"checkpoint": checkpoint, "mode": mode, "tokens": tokens}), flush=True)

@@ -188,25 +188,34 @@ def test_two_ranks_give_one_process_tokens(checkpoints, sharded_runs, family):
 
 EVERY_FAMILY = tuple(sorted(__import__("tiny").GENERATIVE))  # retrieval models embed
 BF16, Q4 = "qwen3_5-bf16", "qwen2_vl-4bit"
+# Blocks split by what they hold beyond attention and gated MLPs: (family, a weight rank
+# 1 holds half the rows of) -- GLM-4's fused gate/up projection, GLM-4.5's shared
+# experts, Llama 3.2 Vision's cross-attention heads.
+SPLIT_ROWS = (("glm4v", "language_model.model.layers.0.mlp.gate_up_proj.weight"),
+              ("glm_ocr", "language_model.model.layers.0.mlp.gate_up_proj.weight"),
+              ("glm4v_moe", "language_model.model.layers.1.mlp.shared_experts.gate_proj.weight"),
+              ("mllama", "language_model.model.layers.1.cross_attn.q_proj.weight"))
 
 
 @pytest.fixture(scope="module")
 def family_checkpoints(tiny_checkpoints, checkpoints, tmp_path_factory):
     """Every registered family's tiny checkpoint (one key/value head: the ranks repeat
     it), a bfloat16 one (what a rank holds is 16-bit, as one process) and a 4-bit one,
-    with each one-process greedy answer."""
+    with each one-process greedy answer (temperature 0: some checkpoints' generation
+    configs sample) and parameter shapes."""
     _, image = checkpoints
     root = tmp_path_factory.mktemp("families")
     paths = {family: tiny_checkpoints.path(family, "hub") for family in EVERY_FAMILY}
     paths[BF16] = convert(str(paths["qwen3_5"]), root / BF16, dtype="bfloat16").path
     paths[Q4] = convert(str(paths["qwen2_vl"]), root / Q4, quantize=True, q_bits=4,
                         q_group_size=32).path
-    answers = {}
+    answers, shapes = {}, {}
     for name, path in paths.items():
         model, processor = load(path)
         answers[name] = [r.token for r in stream_generate(
-            model, processor, PROMPT, str(image), max_tokens=BUDGET)]
-    return paths, answers, image
+            model, processor, PROMPT, str(image), max_tokens=BUDGET, temperature=0.0)]
+        shapes[name] = dict(_flat_shapes(model))
+    return paths, answers, shapes, image
 
 
 @pytest.mark.parametrize("mode", ("tensor", "pipeline"))
@@ -215,7 +224,7 @@ def test_every_family_on_two_ranks_gives_one_process_tokens(family_checkpoints, 
     """One launch per mode loops over every family's checkpoint on both ranks: each
     answer is the one process's; a tensor-parallel rank holds 16-bit weights as 16-bit
     and 4-bit ones as 4-bit."""
-    paths, answers, image = family_checkpoints
+    paths, answers, shapes, image = family_checkpoints
     lines = run_sharded(list(paths.values()), image, mode, tmp_path / "runs")
     assert not [line for line in lines if "error" in line]
     got = {name: [line["tokens"] for line in lines
@@ -234,6 +243,9 @@ def test_every_family_on_two_ranks_gives_one_process_tokens(family_checkpoints, 
         k = "language_model.model.layers.0.self_attn.k_proj"
         assert quantized["dtypes"][f"{k}.weight"] == "uint32"
         assert quantized["parameters"][f"{k}.weight"][1] == 64 * 4 // 32  # 4-bit words
+        for family, name in SPLIT_ROWS:
+            rows, columns = shapes[family][name]
+            assert held[(str(paths[family]), 1)]["parameters"][name] == [rows // 2, columns]
 
 
 def _flat_shapes(model) -> list[tuple[str, list[int]]]:

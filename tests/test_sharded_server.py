@@ -373,6 +373,31 @@ def test_the_pipelined_server_speculates(checkpoint, tmp_path):
     assert_every_rank_ended_well(output)
 
 
+def test_the_pipelined_server_answers_llama_3_2_vision_as_one_process(tiny_checkpoints,
+                                                                      tmp_path):
+    """Under mlx.launch with --pipeline, Llama 3.2 Vision (a cross-attention layer on
+    each rank): a question on a picture, then one without, each the one-process greedy
+    answer -- the decode batch's state carries no image states, so each rank reads the
+    keys its own cross-attention layer cached."""
+    from tiny import make_image
+
+    checkpoint = tiny_checkpoints.path("mllama", "hub")
+    picture = make_image(64, 48)
+    picture.save(tmp_path / "picture.png")
+    model, processor = mlxvlm.load(checkpoint)
+    expected = [mlxvlm.generate(model, processor, [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": QUESTIONS[0]}]}],
+        str(tmp_path / "picture.png"), max_tokens=MAX_TOKENS, temperature=0.0).text,
+        mlxvlm.generate(model, processor, [{"role": "user", "content": QUESTIONS[1]}],
+                        max_tokens=MAX_TOKENS, temperature=0.0).text]
+    with launched_server(checkpoint, tmp_path, "--pipeline") as (_, base, log_path):
+        answers = [answer(base, chat(QUESTIONS[0], picture)),
+                   answer(base, chat(QUESTIONS[1]))]
+        output = log_path.read_text()
+    assert answers == expected
+    assert_every_rank_ended_well(output)
+
+
 @contextlib.contextmanager
 def launched_server(checkpoint: Path, tmp_path: Path, *flags: str):
     """``python -m mlxvlm.server`` on two ranks (mlx.launch, ring over loopback):

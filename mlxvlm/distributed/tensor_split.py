@@ -1,6 +1,8 @@
 """Tensor parallelism of any family's decoder blocks, found by what they hold rather than
-by family: every rank keeps a 1/N slice of each attention's heads, of each MLP's hidden
-width, of each expert's matrices and of each Gated DeltaNet's heads, and the slices'
+by family: every rank keeps a 1/N slice of each attention's heads (self-attention, and
+cross-attention to an image's states: Llama 3.2 Vision), of each MLP's hidden width (a
+fused gate/up projection, GLM-4's, split as its two halves, each rank taking its slice of
+each), of each expert's matrices and of each Gated DeltaNet's heads, and the slices'
 partial outputs are all-reduced where the block's output leaves them.
 
 The slicing is mlx.nn's (``shard_linear``: the sharded linear layers, quantized ones
@@ -26,10 +28,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 
-ATTENTION_NAMES = ("self_attn", "attention")
+# A layer holds one of these (Llama 3.2 Vision's cross-attention layers: cross_attn).
+ATTENTION_NAMES = ("self_attn", "attention", "cross_attn")
 MLP_NAMES = ("mlp", "feed_forward")
 # (gate, up, down) projection names of the gated MLPs: Llama's and LFM2's.
 GATED_MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+# GLM-4's MLP: gate and up fused in one projection, [gate | up] along its outputs.
+FUSED_MLP_NAMES = ("gate_up_proj", "down_proj")
+# Shared experts beside a sparse-MoE block's routed ones: Qwen's one, GLM-4.5's several.
+SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts")
 
 
 class AllSummed(nn.Module):
@@ -69,6 +76,18 @@ def _gated_mlp_names(mlp: nn.Module) -> tuple[str, str, str] | None:
     return next((names for names in GATED_MLP_NAMES if all(n in mlp for n in names)), None)
 
 
+def _fused_mlp(mlp: nn.Module) -> bool:
+    return all(name in mlp for name in FUSED_MLP_NAMES)
+
+
+def _mlp_width(mlp: nn.Module) -> int | None:
+    """The hidden width a gated MLP (fused or not) splits, or None for another MLP."""
+    if _fused_mlp(mlp):
+        return mlp.gate_up_proj.weight.shape[0] // 2
+    names = _gated_mlp_names(mlp)
+    return None if names is None else mlp[names[0]].weight.shape[0]
+
+
 def _mlp(layer: nn.Module) -> nn.Module | None:
     return next((layer[name] for name in MLP_NAMES if name in layer), None)
 
@@ -89,9 +108,10 @@ def problems(layers: list, size: int) -> str | None:
                 return (f"layer {index}'s {k} key and {v} value Gated DeltaNet heads do not "
                         f"split over {size} ranks")
         mlp = _mlp(layer)
-        if mlp is not None and _gated_mlp_names(mlp) is not None and _splits_mlp(mlp):
-            width = mlp[_gated_mlp_names(mlp)[0]].weight.shape[0]
-            if width % size:
+        widths = [] if mlp is None or not _splits_mlp(mlp) else [
+            _mlp_width(m) for m in (mlp, *_shared_experts(mlp))]
+        for width in widths:
+            if width is not None and width % size:
                 return f"layer {index}'s MLP width {width} does not split over {size} ranks"
         for switch in _switch_glus(layer):
             width = switch.gate_proj.weight.shape[-2]  # (experts, width, input)
@@ -109,6 +129,10 @@ def _switch_glus(layer: nn.Module) -> list[nn.Module]:
     if "experts" in layer and "switch_glu" in layer.experts:
         banks.append(layer.experts.switch_glu)
     return banks
+
+
+def _shared_experts(mlp: nn.Module) -> list[nn.Module]:
+    return [mlp[name] for name in SHARED_EXPERT_NAMES if name in mlp]
 
 
 def _splits_mlp(mlp: nn.Module) -> bool:
@@ -149,7 +173,14 @@ def split_attention(attention: nn.Module, group: mx.distributed.Group) -> None:
 
 
 def split_gated_mlp(mlp: nn.Module, group: mx.distributed.Group) -> None:
-    """gate/up split by output, down by input and all-reduced."""
+    """gate/up split by output, down by input and all-reduced. A fused gate/up
+    projection is split as its two halves: a rank's outputs are its slice of the gate's
+    then its slice of the up's, which the MLP's own split in two pairs up again."""
+    if _fused_mlp(mlp):
+        mlp.gate_up_proj = shard_linear(mlp.gate_up_proj, "all-to-sharded", segments=2,
+                                        group=group)
+        mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
+        return
     gate, up, down = _gated_mlp_names(mlp)
     mlp[gate] = shard_linear(mlp[gate], "all-to-sharded", group=group)
     mlp[up] = shard_linear(mlp[up], "all-to-sharded", group=group)
@@ -173,12 +204,12 @@ def _split_in_place_mlp(mlp: nn.Module, group: mx.distributed.Group) -> None:
 
 
 def split_sparse_moe(block: nn.Module, group: mx.distributed.Group) -> None:
-    """mlx-lm's sparse-MoE blocks (Qwen3-MoE's, Qwen3-Next's): each expert's matrices
-    (and the shared expert's) split in place; the block all-reduces its own output once
-    given ``sharding_group``. The router stays whole."""
+    """mlx-lm's sparse-MoE blocks (Qwen3-MoE's, Qwen3-Next's, GLM-4.5's): each expert's
+    matrices (and the shared experts') split in place; the block all-reduces its own
+    output once given ``sharding_group``. The router stays whole."""
     _split_switch_glu(block.switch_mlp, group)
-    if "shared_expert" in block:
-        _split_in_place_mlp(block.shared_expert, group)
+    for shared in _shared_experts(block):
+        _split_in_place_mlp(shared, group)
     block.sharding_group = group
 
 
@@ -217,7 +248,7 @@ def split_layers(layers: list, group: mx.distributed.Group) -> None:
         if mlp is not None:
             if "switch_mlp" in mlp:
                 split_sparse_moe(mlp, group)
-            elif _gated_mlp_names(mlp) is not None and _splits_mlp(mlp):
+            elif _mlp_width(mlp) is not None and _splits_mlp(mlp):
                 split_gated_mlp(mlp, group)
         if "experts" in layer and "switch_glu" in layer.experts:  # Gemma 4's experts
             _split_switch_glu(layer.experts.switch_glu, group)

@@ -136,7 +136,12 @@ class CrossAttentionDecoderLayer(nn.Module):
         self.cross_attn_mlp_gate = mx.zeros((1,))
 
     def __call__(self, x: mx.array, cache: CrossAttentionCache | None,
-                 state: CrossAttentionState, inputs: tuple[mx.array, mx.array, mx.array]) -> mx.array:
+                 state: CrossAttentionState | None,
+                 inputs: tuple[mx.array, mx.array, mx.array] | None) -> mx.array:
+        # No image: transformers skips these layers. Skipped here rather than by the
+        # loop, so that a pipeline rank's edge layer still hands its states on.
+        if state is None:
+            return x
         mask, reads, present = inputs
         r = self.cross_attn(self.input_layernorm(x), cache, state, mask)
         h = x + mx.tanh(self.cross_attn_attn_gate) * r
@@ -164,15 +169,19 @@ class TextModel(TextDecoder):
         if state is not None:
             start = self_cache.offset if self_cache is not None else 0
             start = start if isinstance(start, int) else 0  # batched: decode rows only
-            cross_cache = cache[min(self.cross_attention_layers)]
+            # The first cross-attention cache that holds keys: on a pipeline rank the
+            # layers another rank runs never fill theirs.
+            cross_cache = next((cache[i] for i in sorted(self.cross_attention_layers)
+                                if cache[i] is not None and cache[i].holds(None)), None)
             fresh = state.source is not None and (
                 cross_cache is None or not cross_cache.holds(state.source_id))
-            key_length = state.source.shape[1] if fresh else cross_cache.keys.shape[2]
-            cross_inputs = state.attention_inputs(start, h.shape[1], key_length)
+            if fresh or cross_cache is not None:
+                key_length = state.source.shape[1] if fresh else cross_cache.keys.shape[2]
+                cross_inputs = state.attention_inputs(start, h.shape[1], key_length)
+            # else: a pipeline rank that runs no cross-attention layer reads no keys
         for index, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             if index in self.cross_attention_layers:
-                if state is not None:  # (no image: transformers skips these layers)
-                    h = layer(h, layer_cache, state, cross_inputs)
+                h = layer(h, layer_cache, state, cross_inputs)
             else:
                 h = layer(h, mask, layer_cache)
         return self.norm(h)

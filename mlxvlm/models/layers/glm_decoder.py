@@ -237,7 +237,3 @@ class GlmLanguageModel(LanguageModel):
     """``language_model``: the decoder and its head."""
 
     decoder_class = GlmDecoder
-
-    def shard(self, group: mx.distributed.Group) -> None:
-        raise NotImplementedError(
-            "tensor parallelism of the GLM-V decoder is not supported; use --pipeline")
