@@ -13,12 +13,15 @@ launches here check."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -333,8 +336,6 @@ def test_server_under_mlx_launch_answers_as_one_process(checkpoints, tmp_path):
     end of sequence and on a stop string, are the one process's, and rank 1 is still in
     step after each; rank 0 serves under the same connection guards as one process (a
     request whose headers stop gets 408 at --header-timeout)."""
-    import signal
-
     paths, _ = checkpoints
     model, processor = load(paths[EOS])
     expected = "".join(r.text for r in ends_on_eos(
@@ -360,13 +361,41 @@ def test_server_under_mlx_launch_answers_as_one_process(checkpoints, tmp_path):
             assert_raw_error(read_response(stalled), 408, code="request_timeout")
         output = (tmp_path / "server.log").read_text()  # before the ranks are stopped
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        stop_session(server)
         log.close()
     assert [(a["choices"][0]["message"]["content"], a["choices"][0]["finish_reason"])
             for a in answers] == [(expected, "stop"), (expected, "stop"),
                                   (expected_stopped, "stop")]
     assert_every_rank_ended_well(output)
+
+
+def session_pids(session: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.getsid(int(entry.name)) == session:
+                pids.append(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return pids
+
+
+def stop_session(server: subprocess.Popen) -> None:
+    """mlx.launch and every rank it started: a rank in a process group of its own
+    outlives a signal to the launcher's group (seen: rank 0 left serving, reparented)."""
+    for pid in [server.pid, *session_pids(server.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    deadline = time.monotonic() + 30
+    while session_pids(server.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in session_pids(server.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def stopped_early(model, processor) -> tuple[str, str]:

@@ -28,7 +28,7 @@ import mlx.core as mx
 import pytest
 from server_harness import png_data_url
 from test_distributed import (LAUNCH, REPO, assert_every_rank_ended_well,
-                              build_two_kv_heads, free_port)
+                              build_two_kv_heads, free_port, stop_session)
 
 import mlxvlm
 from mlxvlm.batching import BatchStep, SamplingOptions
@@ -416,8 +416,8 @@ def launched_server(checkpoint: Path, tmp_path: Path, *flags: str):
             wait_until_up(base, server, log_path)
             yield server, base, log_path
         finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
+            stop_session(server)
+
 
 
 def rank_pid(session: int, rank: int) -> int:
