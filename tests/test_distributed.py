@@ -491,11 +491,14 @@ def test_a_rank_that_fails_on_the_release_fails_rank_0(tmp_path):
     run = launch(str(script), timeout=120)
     output = run.stdout + run.stderr
     assert "RuntimeError: rank 1 failed on the release" in output
-    assert "rank 1 exited with code 1" in output
     assert "rank 0: released" not in output
     # Rank 0 reports it unless the launcher, seeing rank 1 gone, stopped it first.
     reported = "rank 0: RankLostError: rank 0 of 2: another rank left the run" in output
     assert reported or "rank 0 exited with code -15" in output, output
+    # Whichever ends first, the launcher stops the other: rank 1 exits 1 on its error, or
+    # rank 0, having reported the lost rank, exits 1 while rank 1 is still shutting down.
+    assert ("rank 1 exited with code 1" in output
+            or (reported and "rank 0 exited with code 1" in output)), output
 
 
 def test_broadcast_carries_arrays_and_objects():
