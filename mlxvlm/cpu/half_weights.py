@@ -50,15 +50,20 @@ class CPUHalfLinear(nn.Linear):
         return kernels.half_linear(x, self.weight, self.get("bias"), residual)
 
 
+def _adopt_slice(twin: nn.Module, layer: nn.Module) -> None:
+    """A sharded layer's group and 16-bit weight slice, its bias in float32."""
+    twin.group = layer.group
+    twin.weight = layer.weight
+    if "bias" in layer:
+        twin.bias = layer.bias.astype(mx.float32)
+
+
 class CPUHalfAllToShardedLinear(AllToShardedLinear):
     """mlx.nn's ``AllToShardedLinear`` with a 16-bit weight slice, computed in float32."""
 
     def __init__(self, layer: AllToShardedLinear):
         nn.Module.__init__(self)
-        self.group = layer.group
-        self.weight = layer.weight
-        if "bias" in layer:
-            self.bias = layer.bias.astype(mx.float32)
+        _adopt_slice(self, layer)
 
     def __call__(self, x: mx.array) -> mx.array:
         return kernels.half_linear(x, self.weight, self.get("bias"))
@@ -70,10 +75,7 @@ class CPUHalfShardedToAllLinear(ShardedToAllLinear):
 
     def __init__(self, layer: ShardedToAllLinear):
         nn.Module.__init__(self)
-        self.group = layer.group
-        self.weight = layer.weight
-        if "bias" in layer:
-            self.bias = layer.bias.astype(mx.float32)
+        _adopt_slice(self, layer)
 
     def __call__(self, x: mx.array) -> mx.array:
         x = mx.distributed.all_sum(kernels.half_linear(x, self.weight), group=self.group)
