@@ -164,13 +164,14 @@ def faults_of_a_round():
         del parts
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 faults_of_a_round()
-print(malloc.malloc_status, "|", faults_of_a_round())
+print(malloc.malloc_status, "|", ",".join(str(faults_of_a_round()) for _ in range(3)))
 """
 
 
 def page_faults_of_reused_activations(env_extra):
+    """malloc's status and the page faults of three warm rounds."""
     status, faults = probe(FAULTS_PROBE, env_extra)
-    return status, int(faults)
+    return status, [int(f) for f in faults.split(",")]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc thresholds")
@@ -178,11 +179,12 @@ def test_freed_activations_are_reused_not_faulted_in_again():
     """Arrays of a few MB freed and allocated again (a tower's activations, layer after
     layer) come back from malloc's arenas: no page faults once warm. Without the tuning
     glibc returns them to the kernel and every 4 KB page faults in again."""
+    # Three warm rounds each way, compared at their best and worst: a single round
+    # was seen to fault one 12 MB block in (3,072 pages) tuned, and only that untuned,
+    # on a host busy with other work.
     status, faults = page_faults_of_reused_activations({"MLXVLM_NO_MALLOC_TUNING": ""})
     assert status.startswith("blocks under 32 MB reused"), status
-    # Warm, at most one round faults in again (3,072 pages: seen once beside 7 other
-    # jobs, load average 15); untuned, every round does.
-    assert faults < 3500, faults
+    assert min(faults) < 1000, faults
     status, faults = page_faults_of_reused_activations({"MLXVLM_NO_MALLOC_TUNING": "1"})
     assert status == "disabled by MLXVLM_NO_MALLOC_TUNING"
-    assert faults > 5000, faults  # 12 rounds of 12 MB: ~3,000 pages each
+    assert max(faults) > 5000, faults  # 12 blocks of 12 MB a round: ~3,000 pages each

@@ -309,9 +309,10 @@ def test_cli_under_mlx_launch_prints_once_what_one_process_prints(checkpoints, c
 
 
 def test_the_advice_of_a_refused_split_works(tiny_checkpoints, capsys):
-    """Three ranks cannot split Gemma 3's two query heads: `mlxvlm.generate` says so on
-    every rank in one line that names --pipeline, and that command, as advised, prints
-    what one process prints."""
+    """Three ranks cannot split Gemma 3's two query heads: `mlxvlm.generate` says so in
+    one line that names --pipeline (each rank that gets to say it before the launcher
+    stops it on the first one's exit), and that command, as advised, prints what one
+    process prints."""
     from mlxvlm.generate.__main__ import main as run_generate_cli
 
     args = ["--model", str(tiny_checkpoints.path("gemma3", "hub")), "--prompt", "Hello",
@@ -320,7 +321,7 @@ def test_the_advice_of_a_refused_split_works(tiny_checkpoints, capsys):
     alone = capsys.readouterr().out
     refused = launch("-m", "mlxvlm.generate", *args, ranks=3)
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [errors[0]] * 3, refused.stderr
+    assert errors and errors == [errors[0]] * len(errors) and len(errors) <= 3, refused.stderr
     assert errors[0] == (
         "error: the gemma3 text model cannot be split over 3 ranks in tensor mode (layer 0's "
         "2 attention heads do not split over 3 ranks); run with --pipeline (each rank a run "
