@@ -154,6 +154,7 @@ import resource
 import mlxvlm
 from mlxvlm.cpu import malloc
 import mlx.core as mx
+mx.set_cache_limit(0)  # every freed buffer goes back to malloc: what is measured here
 x = mx.random.normal((1024, 3072))  # 12 MB
 mx.eval(x)
 def faults_of_a_round():
