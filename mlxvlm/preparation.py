@@ -20,6 +20,7 @@ from typing import Callable, Generic, TypeVar
 
 from mlxvlm.media import PreparationCancelled, preparing
 from mlxvlm.media.decode_work import check_cancelled
+from mlxvlm.mlx_threads import clear_streams_when_thread_ends
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,8 +85,10 @@ class PreparationPools:
         self.stats = stats or PreparationStats()
         self._running: set[threading.Event] = set()  # the cancel flags of running jobs
         self._pools = {
-            "media": ThreadPoolExecutor(media_workers, thread_name_prefix=f"{name}-media"),
-            "text": ThreadPoolExecutor(text_workers, thread_name_prefix=f"{name}-text"),
+            "media": ThreadPoolExecutor(media_workers, thread_name_prefix=f"{name}-media",
+                                        initializer=clear_streams_when_thread_ends),
+            "text": ThreadPoolExecutor(text_workers, thread_name_prefix=f"{name}-text",
+                                       initializer=clear_streams_when_thread_ends),
         }
 
     def submit(self, job: Callable[[], T], *, media: bool) -> PreparationJob[T]:

@@ -23,9 +23,11 @@ import sys
 
 
 def _before_mlx(name: str, path, finder) -> tuple[None, bool]:
+    from mlxvlm import mlx_threads
     from mlxvlm.cpu import startup
 
     startup.before_mlx()
+    mlx_threads.clear_main_thread_streams_at_exit()
     return None, True
 
 

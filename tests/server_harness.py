@@ -15,6 +15,7 @@ import zlib
 
 import openai
 
+from mlxvlm.mlx_threads import clear_streams_when_thread_ends
 from mlxvlm.server import ServerConfig, create_app
 from mlxvlm.server.app import create_registry_app
 from mlxvlm.server.listener import guarded_server
@@ -54,9 +55,12 @@ class LiveServer:
         # The entry point's own server (listener.guarded_server), here in a thread.
         self._server = guarded_server(self.app, self.config, log_level="warning",
                                       timeout_graceful_shutdown=2)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
-        )
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        # This thread is the event loop's: the routes may run MLX on it.
+        clear_streams_when_thread_ends()
+        self._server.run(sockets=[self._socket])
 
     def __enter__(self) -> "LiveServer":
         self._thread.start()

@@ -16,7 +16,7 @@ PACKAGE = Path(mlxvlm.__file__).parent
 # docs/architecture.md draws them.
 LAYERS = (
     # building blocks that import nothing of mlxvlm
-    ("errors", "torch_free", "cpu", "progress"),
+    ("errors", "torch_free", "cpu", "progress", "mlx_threads"),
     # the process set-up; building blocks over errors: the group, media, the model pool,
     # sampling, the prompt-length check
     ("process_setup", "distributed", "media", "model_pool", "sampling", "prompt_length"),

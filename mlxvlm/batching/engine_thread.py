@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+from mlxvlm.mlx_threads import clear_streams_when_thread_ends
+
 
 class EngineThread:
     """``start`` runs the subclass's ``_run`` on a daemon thread named ``thread_name``;
@@ -21,8 +23,13 @@ class EngineThread:
 
     def start(self) -> None:
         """Run the engine on its own thread until ``close``."""
-        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._thread = threading.Thread(target=self._thread_main, name=self.thread_name,
+                                        daemon=True)
         self._thread.start()
+
+    def _thread_main(self) -> None:
+        clear_streams_when_thread_ends()
+        self._run()
 
     def _run(self) -> None:  # the subclass's loop
         raise NotImplementedError

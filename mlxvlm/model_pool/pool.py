@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable, Generic, Mapping, TypeVar
 import mlx.core as mx
 
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.mlx_threads import clear_streams_when_thread_ends
 from mlxvlm.model_pool.waiters import ModelWaiters, Waiter
 
 Model = TypeVar("Model")
@@ -324,7 +325,7 @@ class ModelPool(Generic[Model]):
                            self.sources[name], self._waiters.count(name))
             started = time.perf_counter()
             try:
-                model = await asyncio.to_thread(self._build, name, self.sources[name])
+                model = await asyncio.to_thread(self._build_on_worker, name, self.sources[name])
             except Exception as error:  # noqa: BLE001 -- each waiter gets LoadFailed
                 if isinstance(error, MlxvlmError):
                     self._log.error("the model %r could not be loaded: %s", name, error)
@@ -353,6 +354,16 @@ class ModelPool(Generic[Model]):
         """``name``, loaded already (no event loop needed)."""
         self._start(name, model, load_seconds)
 
+    # Loading and closing run on the event loop's default executor, whose workers
+    # outlive them: MLX's per-thread state goes with each worker (mlx_threads).
+    def _build_on_worker(self, name: str, source: str) -> Model:
+        clear_streams_when_thread_ends()
+        return self._build(name, source)
+
+    def _close_on_worker(self, model: Model) -> None:
+        clear_streams_when_thread_ends()
+        self._close_model(model)
+
     def preload(self, name: str) -> Model:
         """Load ``name`` now, before the pool's loop runs."""
         started = time.perf_counter()
@@ -363,7 +374,7 @@ class ModelPool(Generic[Model]):
     async def _unload(self, name: str, why: str) -> None:
         """Take the model out (it has no leases) and close it, giving its memory back."""
         entry = self._loaded.pop(name)
-        await asyncio.to_thread(self._close_model, entry.model)
+        await asyncio.to_thread(self._close_on_worker, entry.model)
         # Its arrays are freed with the last reference: the memory is back before the
         # next model loads.
         del entry
