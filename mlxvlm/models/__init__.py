@@ -52,6 +52,8 @@ FAMILIES: dict[str, str] = {
     # transformers' native layout (the Hub's *-HF checkpoints)
     "internvl": "internvl",
     "minicpmv4_6": "minicpmv4_6",
+    # MiniCPM-OCR: MiniCPM-V 4.6's model with its own defaults (models/minicpm_ocr.py)
+    "minicpm_ocr": "minicpm_ocr",
     # GLM-OCR: GLM-4.6V-Flash's layers with its own switches (models/glm_ocr.py)
     "glm_ocr": "glm_ocr",
 }

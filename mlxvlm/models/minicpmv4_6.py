@@ -77,8 +77,10 @@ class ModelArgs:
     merger_times: int
 
     @classmethod
-    def from_hf(cls, config: dict) -> "ModelArgs":
-        full = as_transformers_reads_it({**config, "model_type": "minicpmv4_6"})
+    def from_hf(cls, config: dict, model_type: str = "minicpmv4_6") -> "ModelArgs":
+        """``config`` read with the defaults of transformers' config class for
+        ``model_type`` (MiniCPM-OCR's differ: ``"4x"``, tied embeddings)."""
+        full = as_transformers_reads_it({**config, "model_type": model_type})
         mode = full["downsample_mode"]
         if mode not in DOWNSAMPLE_MODES:
             raise ValueError(f"unknown downsample_mode {mode!r} (one of {DOWNSAMPLE_MODES})")
@@ -143,17 +145,35 @@ class VideoSettings(NumpyVideoProcessor):
 
 
 def build_processor(image_processor, tokenizer, chat_template: str | None,
-                    video_settings: dict):
-    """transformers' ``MiniCPMV4_6Processor`` over the PIL image processor, for images
-    and text."""
-    from transformers import MiniCPMV4_6Processor
+                    video_settings: dict, processor_class: str = "MiniCPMV4_6Processor"):
+    """transformers' ``processor_class`` (MiniCPM-V 4.6's, or MiniCPM-OCR's, the same
+    class under its own name) over the PIL image processor, for images and text."""
+    import transformers
 
-    processor = image_only(MiniCPMV4_6Processor)(
+    processor = image_only(getattr(transformers, processor_class))(
         image_processor=image_processor, tokenizer=tokenizer,
         video_processor=VideoSettings(**video_settings), chat_template=chat_template,
     )
     processor.video_processor = None
     return processor
+
+
+def load_minicpm_processor(model_path: str | Path, image_processor_class: type,
+                           processor_class: str):
+    """The checkpoint's tokenizer, chat template and image settings (read by the numpy
+    ``image_processor_class``) under transformers' ``processor_class``."""
+    from transformers import AutoTokenizer
+
+    model_path = Path(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    chat_template = read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)
+    image_processor = image_processor_class.from_pretrained(model_path)
+    video = {"slice_mode": image_processor.slice_mode,
+             "downsample_mode": image_processor.downsample_mode}
+    path = model_path / "video_preprocessor_config.json"
+    if path.exists():
+        video.update({k: v for k, v in json.loads(path.read_text()).items() if k in video})
+    return build_processor(image_processor, tokenizer, chat_template, video, processor_class)
 
 
 class Model(VisionLanguageModel):
@@ -188,18 +208,10 @@ class Model(VisionLanguageModel):
 
     @classmethod
     def load_processor(cls, model_path: str | Path, config: dict):
-        from transformers import AutoTokenizer, MiniCPMV4_6ImageProcessorPil
+        from transformers import MiniCPMV4_6ImageProcessorPil
 
-        model_path = Path(model_path)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        chat_template = read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)
-        image_processor = MiniCPMV4_6ImageProcessorPil.from_pretrained(model_path)
-        video = {"slice_mode": image_processor.slice_mode,
-                 "downsample_mode": image_processor.downsample_mode}
-        path = model_path / "video_preprocessor_config.json"
-        if path.exists():
-            video.update({k: v for k, v in json.loads(path.read_text()).items() if k in video})
-        return build_processor(image_processor, tokenizer, chat_template, video)
+        return load_minicpm_processor(model_path, MiniCPMV4_6ImageProcessorPil,
+                                      "MiniCPMV4_6Processor")
 
     # -- the contract -----------------------------------------------------------------
 

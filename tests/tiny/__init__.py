@@ -46,6 +46,7 @@ BUILDERS = {
     "internvl_rms": "tiny.internvl",
     "internvl3": "tiny.internvl",
     "minicpmv4_6": "tiny.minicpmv4_6",
+    "minicpm_ocr": "tiny.minicpm_ocr",
     "glm_ocr": "tiny.glm_ocr",
 }
 # Families that embed or rank rather than generate (mlxvlm.retrieval): the family-wide

@@ -83,10 +83,13 @@ def reference_processor(tiny: TinyModel):
     return build_processor(tiny.image_processor, tiny.tokenizer, CHAT_TEMPLATE, IMAGE_SETTINGS)
 
 
-def _config(tokenizer):
-    from transformers import MiniCPMV4_6Config
+def token_ids(tokenizer) -> dict[str, int]:
+    return {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+
+def text_and_vision_configs(tokenizer) -> tuple[dict, dict]:
+    """The tiny hybrid text model's and tower's settings (see the module's docstring)."""
+    ids = token_ids(tokenizer)
     text = dict(
         model_type="qwen3_5_text", vocab_size=(len(tokenizer) + 15) // 16 * 16,
         hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -104,6 +107,14 @@ def _config(tokenizer):
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                   num_attention_heads=2, image_size=SLICE, patch_size=PATCH,
                   window_kernel_size=[2, 2], initializer_range=INIT_RANGE)
+    return text, vision
+
+
+def _config(tokenizer):
+    from transformers import MiniCPMV4_6Config
+
+    ids = token_ids(tokenizer)
+    text, vision = text_and_vision_configs(tokenizer)
     return MiniCPMV4_6Config(text_config=text, vision_config=vision, insert_layer_id=1,
                              image_size=SLICE, image_token_id=ids["<|image_pad|>"],
                              video_token_id=ids["<|video_pad|>"], tie_word_embeddings=False,
@@ -129,6 +140,15 @@ def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
 
 
 def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path:
+    return save_minicpm_checkpoint(tiny, directory, layout,
+                                   image_processor_type="MiniCPMV4_6ImageProcessorFast",
+                                   processor_class="MiniCPMV4_6Processor")
+
+
+def save_minicpm_checkpoint(tiny: TinyModel, directory: str | Path, layout: str, *,
+                            image_processor_type: str, processor_class: str) -> Path:
+    """The model in ``layout`` (see the module's docstring); in the Hub's, the image
+    processor and processor named as the Hub's preprocessor_config.json names them."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tiny.model.save_pretrained(directory)
@@ -152,8 +172,8 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
         weights["mtp.norm.weight"] = np.zeros(hidden, dtype=np.float32)
         write_safetensors(weights, directory)
         preprocessor = json.loads((directory / "preprocessor_config.json").read_text())
-        preprocessor["image_processor_type"] = "MiniCPMV4_6ImageProcessorFast"
-        preprocessor["processor_class"] = "MiniCPMV4_6Processor"
+        preprocessor["image_processor_type"] = image_processor_type
+        preprocessor["processor_class"] = processor_class
         (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
         (directory / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     else:
