@@ -113,6 +113,25 @@ def test_lfm2_vl_images_import_no_torch(tiny_checkpoints):
     assert_torch_free(reports)
 
 
+def test_minicpm_ocr_images_import_no_torch(tiny_checkpoints):
+    """MiniCPM-OCR's image processor is mlxvlm's (transformers' needs torchvision): a
+    picture cut into slices loads and generates without torch."""
+    pytest.importorskip("torch")
+    reports = run_child(
+        """
+        import mlxvlm
+        model, processor = mlxvlm.load(CHECKPOINT)
+        from tiny import make_image
+        out = mlxvlm.generate(model, processor, "Describe this image.", make_image(80, 56, seed=1),
+                              max_tokens=4)
+        assert out.generation_tokens == 4 and out.prompt_tokens > 80
+        report("generate")
+        """,
+        tiny_checkpoints.path("minicpm_ocr", "hub"),
+    )
+    assert_torch_free(reports)
+
+
 def test_glm4v_video_imports_no_torch(tiny_checkpoints, tmp_path):
     """GLM-4.6V's video processor is mlxvlm's (transformers' needs torchvision): a video
     prompt (frames sampled, resized, timestamped) loads and generates without torch."""
