@@ -261,6 +261,31 @@ class ShiftedStepSampler(FrameSampler):
         return (shift + np.arange(length) * step).astype(np.float32).astype(np.int64)
 
 
+@dataclass(frozen=True)
+class SecondSampler(FrameSampler):
+    """transformers' ``MiniCPMV4_6VideoProcessor.sample_frames`` (without stacked
+    sub-frames): the frame at the start of every second begun (``int(i * source_fps)``);
+    a video longer than ``max_num_frames`` seconds: a frame every tenth of a second,
+    ``max_num_frames`` of those spread (truncated) over them. The processor reads neither
+    a call's ``fps`` nor ``num_frames``. MiniCPM-V 4.6, MiniCPM-OCR."""
+
+    max_num_frames: int = 128
+
+    def indices(self, total_frames, source_fps, *, fps=None, num_frames=None):
+        return super().indices(total_frames, source_fps, fps=0.0)
+
+    def pick(self, total, source_fps, fps, num_frames):
+        duration = total / source_fps
+        if duration <= self.max_num_frames:
+            return [int(i * source_fps) for i in range(math.ceil(duration))]
+        stamps = [round(i * 0.1, 1) for i in range(int(duration / 0.1))]
+        picked = [min(int(t * source_fps), total - 1) for t in stamps]
+        if len(picked) > self.max_num_frames:
+            keep = np.linspace(0, len(picked) - 1, self.max_num_frames, dtype=int)
+            picked = [picked[i] for i in keep]
+        return picked
+
+
 # The ways a family's video processor may name in its ``frame_sampling`` attribute.
 SAMPLERS: dict[str, type[FrameSampler]] = {
     "spread": FrameSampler,
@@ -271,6 +296,7 @@ SAMPLERS: dict[str, type[FrameSampler]] = {
     "glm46v": GlmDynamicSampler,
     "glm4v": GlmFpsSampler,
     "internvl": ShiftedStepSampler,
+    "minicpmv": SecondSampler,
 }
 
 

@@ -11,7 +11,7 @@ another name), with other defaults:
   (``small_image_upsize``).
 
 The processor is transformers' ``MiniCPMOcrProcessor`` (MiniCPM-V 4.6's under its own
-name): images and text.
+name): images, video (``minicpm_video.py``, ``"4x"``) and text.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ class Model(minicpmv4_6.Model):
     @classmethod
     def load_processor(cls, model_path: str | Path, config: dict):
         from mlxvlm.models.minicpm_ocr_images import MiniCPMOcrImageProcessorPil
+        from mlxvlm.models.minicpm_video import MiniCPMOcrVideoProcessor
 
-        return minicpmv4_6.load_minicpm_processor(model_path, MiniCPMOcrImageProcessorPil,
-                                                  "MiniCPMOcrProcessor")
+        return minicpmv4_6.load_minicpm_processor(
+            model_path, MiniCPMOcrImageProcessorPil, MiniCPMOcrVideoProcessor,
+            "MiniCPMOcrProcessor")
 
 
 # Module names for callers outside the models package (tests, tools).

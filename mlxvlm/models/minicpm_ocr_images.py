@@ -1,11 +1,9 @@
 """MiniCPM-OCR's image preprocessing without torch: transformers'
-``MiniCPMOcrImageProcessor`` (torchvision only) on MiniCPM-V 4.6's PIL/numpy processor,
-which slices a picture the same way, with MiniCPM-OCR's settings and outputs.
+``MiniCPMOcrImageProcessor`` (torchvision only) as MiniCPM-V's views with torchvision's
+resize (``minicpm_views.py``), with MiniCPM-OCR's settings and outputs.
 
 - ``downsample_mode`` defaults to ``"4x"`` (no window merger: sides multiples of two
   patches, four times the tokens of ``"16x"``).
-- Resizing is torchvision's antialiased bicubic on 8-bit pixels (``video_resize.py``),
-  so the pixels are transformers' own, not PIL's.
 - ``small_image_upsize``: ``"always"`` (transformers' default) brings a picture small
   enough not to be sliced up to ``scale_resolution``, as MiniCPM-V 4.6 does; ``"never"``
   keeps its size (aligned to the patch grid). ``"adaptive"`` (a glyph-size classifier
@@ -18,15 +16,12 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import numpy as np
-from transformers import MiniCPMV4_6ImageProcessorPil
-from transformers.image_utils import PILImageResampling, SizeDict
 from transformers.models.minicpmv4_6.image_processing_pil_minicpmv4_6 import (
     MiniCPMV4_6ImageProcessorPilKwargs,
 )
 
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.models.video_resize import resize_bicubic_uint8
+from mlxvlm.models.minicpm_views import TorchvisionViews
 
 UPSIZE_MODES = ("always", "never")
 # Set on a thread while a processor sizes a sliced picture's slices (always upscaled);
@@ -49,7 +44,7 @@ class MiniCPMOcrImagesKwargs(MiniCPMV4_6ImageProcessorPilKwargs, total=False):
     small_image_upsize: str
 
 
-class MiniCPMOcrImageProcessorPil(MiniCPMV4_6ImageProcessorPil):
+class MiniCPMOcrImageProcessorPil(TorchvisionViews):
     downsample_mode = "4x"
     small_image_upsize = "always"
     valid_kwargs = MiniCPMOcrImagesKwargs
@@ -75,11 +70,3 @@ class MiniCPMOcrImageProcessorPil(MiniCPMV4_6ImageProcessorPil):
             allow_upscale = False
         return super().find_best_resize(image_size, scale_resolution, patch_size,
                                         downsample_mode, allow_upscale)
-
-    def resize(self, image: np.ndarray, size: SizeDict, resample=None, **kwargs) -> np.ndarray:
-        """(C, H, W) uint8 pixels resized as torchvision resizes them (bicubic,
-        antialiased, in 8-bit arithmetic); other pixels or filters as the parent does."""
-        if image.dtype != np.uint8 or resample != PILImageResampling.BICUBIC:
-            return super().resize(image, size, resample=resample, **kwargs)
-        resized = resize_bicubic_uint8(image.transpose(1, 2, 0), size.height, size.width)
-        return np.ascontiguousarray(resized.transpose(2, 0, 1))

@@ -12,8 +12,10 @@ LayerNorm + GELU MLP, the last one to the text width: a view of ``h x w`` patche
 of slices on their own lines) ahead of Qwen3.5's hybrid text model (linear and full
 attention, ``layers/hybrid_decoder.py``), whose positions are plain text positions.
 
-Images and text; the processor's video input is not supported yet (a video is refused
-with a clear error).
+A video's sampled frames (one a second) are pictures of their own: each frame and its
+slices through the same tower, their features in place of the video tokens
+(``<|video_pad|>``, in ``<image>`` / ``<slice>`` runs as an image's), after the video's
+``<image_id>``; the processor's video half is mlxvlm's numpy twin (``minicpm_video.py``).
 
 Checkpoint names (mlx-community's): ``vision_tower.*``, ``vit_merger.*`` (transformers'
 ``vision_tower.vit_merger``), ``merger.mlp.N.*``, ``language_model.model.*`` and
@@ -23,7 +25,6 @@ is not used.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,8 @@ from mlxvlm.models.layers import minicpmv_vision
 from mlxvlm.models.layers.hybrid_decoder import HybridLanguageModel, HybridTextConfig
 from mlxvlm.models.layers.mrope_decoder import MRopeState
 from mlxvlm.models.layers.pixel_shuffle import fold_blocks
-from mlxvlm.models.processor_utils import (
-    NumpyVideoProcessor,
-    image_only,
-    read_chat_template,
-)
+from mlxvlm.models.minicpm_video import MiniCPMVideoProcessor
+from mlxvlm.models.processor_utils import image_only, read_chat_template
 from mlxvlm.models.weights import (
     LM_HEAD_NAMES,
     TEXT_MODEL_NAMES,
@@ -72,6 +70,7 @@ class ModelArgs:
     text: HybridTextConfig
     vision: minicpmv_vision.MiniCPMVisionConfig
     image_token_id: int
+    video_token_id: int | None
     use_window_merger: bool  # downsample_mode "16x" (else "4x": 4x the tokens)
     merge_kernel: int
     merger_times: int
@@ -93,6 +92,7 @@ class ModelArgs:
             vision=minicpmv_vision.MiniCPMVisionConfig.from_hf(full["vision_config"],
                                                               full["insert_layer_id"]),
             image_token_id=full["image_token_id"],
+            video_token_id=full.get("video_token_id"),
             use_window_merger=mode == "16x",
             merge_kernel=kernel[0],
             merger_times=full["merger_times"],
@@ -135,49 +135,36 @@ def text_state(length: int) -> MRopeState:
     return MRopeState(mx.broadcast_to(mx.arange(length, dtype=mx.int32), (3, length)), 0)
 
 
-class VideoSettings(NumpyVideoProcessor):
-    """The two video settings ``MiniCPMV4_6Processor`` reads when it is built
-    (``slice_mode``, ``downsample_mode``); ``build_processor`` removes it after, so that
-    a video is refused (its processing is not supported yet)."""
-
-    def __init__(self, slice_mode: bool = True, downsample_mode: str = "16x", **_: Any):
-        self.slice_mode, self.downsample_mode = slice_mode, downsample_mode
-
-
-def build_processor(image_processor, tokenizer, chat_template: str | None,
-                    video_settings: dict, processor_class: str = "MiniCPMV4_6Processor"):
+def build_processor(image_processor, tokenizer, chat_template: str | None, video_processor,
+                    processor_class: str = "MiniCPMV4_6Processor"):
     """transformers' ``processor_class`` (MiniCPM-V 4.6's, or MiniCPM-OCR's, the same
-    class under its own name) over the PIL image processor, for images and text."""
+    class under its own name) over the PIL image processor and mlxvlm's numpy video
+    processor."""
     import transformers
 
-    processor = image_only(getattr(transformers, processor_class))(
-        image_processor=image_processor, tokenizer=tokenizer,
-        video_processor=VideoSettings(**video_settings), chat_template=chat_template,
+    return image_only(getattr(transformers, processor_class))(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+        chat_template=chat_template,
     )
-    processor.video_processor = None
-    return processor
 
 
 def load_minicpm_processor(model_path: str | Path, image_processor_class: type,
-                           processor_class: str):
-    """The checkpoint's tokenizer, chat template and image settings (read by the numpy
-    ``image_processor_class``) under transformers' ``processor_class``."""
+                           video_processor_class: type, processor_class: str):
+    """The checkpoint's tokenizer, chat template, image and video settings (read by the
+    numpy ``image_processor_class`` and ``video_processor_class``) under transformers'
+    ``processor_class``."""
     from transformers import AutoTokenizer
 
     model_path = Path(model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     chat_template = read_chat_template(model_path) or getattr(tokenizer, "chat_template", None)
-    image_processor = image_processor_class.from_pretrained(model_path)
-    video = {"slice_mode": image_processor.slice_mode,
-             "downsample_mode": image_processor.downsample_mode}
-    path = model_path / "video_preprocessor_config.json"
-    if path.exists():
-        video.update({k: v for k, v in json.loads(path.read_text()).items() if k in video})
-    return build_processor(image_processor, tokenizer, chat_template, video, processor_class)
+    return build_processor(image_processor_class.from_pretrained(model_path), tokenizer,
+                           chat_template, video_processor_class.from_pretrained(model_path),
+                           processor_class)
 
 
 class Model(VisionLanguageModel):
-    feature_names = ("pixel_values", "target_sizes")
+    feature_names = ("pixel_values", "target_sizes", "pixel_values_videos", "target_sizes_videos")
     args_class = ModelArgs
     hf_prefixes = HF_PREFIXES
     unused_weight_prefixes = UNUSED
@@ -211,7 +198,7 @@ class Model(VisionLanguageModel):
         from transformers import MiniCPMV4_6ImageProcessorPil
 
         return load_minicpm_processor(model_path, MiniCPMV4_6ImageProcessorPil,
-                                      "MiniCPMV4_6Processor")
+                                      MiniCPMVideoProcessor, "MiniCPMV4_6Processor")
 
     # -- the contract -----------------------------------------------------------------
 
@@ -221,8 +208,9 @@ class Model(VisionLanguageModel):
     def __call__(self, input_ids, cache=None, *, embeddings=None, state=None, last_only=False):
         return self.language_model(input_ids, cache, embeddings, state, last_only)
 
-    def embed(self, input_ids: mx.array, pixel_values: Any = None,
-              target_sizes: Any = None) -> tuple[mx.array, MRopeState]:
+    def embed(self, input_ids: mx.array, pixel_values: Any = None, target_sizes: Any = None,
+              pixel_values_videos: Any = None,
+              target_sizes_videos: Any = None) -> tuple[mx.array, MRopeState]:
         features = None
         if pixel_values is not None:
             features = self.image_features(pixel_values, target_sizes)
@@ -230,6 +218,15 @@ class Model(VisionLanguageModel):
             self.language_model.model.embed_tokens, input_ids, self.args.image_token_id,
             features, "image tokens",
         )
+        if self.args.video_token_id is not None:
+            # a video's frames are views as a picture's are
+            frames = None
+            if pixel_values_videos is not None:
+                frames = self.image_features(pixel_values_videos, target_sizes_videos)
+            h = merge.merge_features(h, merge.placeholder_positions(ids, self.args.video_token_id),
+                                     frames, "video tokens")
+        elif pixel_values_videos is not None:
+            raise ValueError("video frames were given but the config names no video token")
         return h, text_state(ids.size)
 
     def image_features(self, pixel_values: Any, target_sizes: Any) -> mx.array:

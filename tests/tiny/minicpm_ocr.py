@@ -46,7 +46,7 @@ def reference_processor(tiny: TinyModel):
     from transformers import MiniCPMOcrProcessor, MiniCPMOcrVideoProcessor
 
     return MiniCPMOcrProcessor(image_processor=tiny.image_processor, tokenizer=tiny.tokenizer,
-                               video_processor=MiniCPMOcrVideoProcessor(),
+                               video_processor=MiniCPMOcrVideoProcessor(**IMAGE_SETTINGS),
                                chat_template=CHAT_TEMPLATE)
 
 
@@ -81,9 +81,12 @@ def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
 
 
 def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path:
-    directory = save_minicpm_checkpoint(tiny, directory, layout,
-                                        image_processor_type="MiniCPMOcrImageProcessor",
-                                        processor_class="MiniCPMOcrProcessor")
+    from transformers import MiniCPMOcrVideoProcessor
+
+    directory = save_minicpm_checkpoint(
+        tiny, directory, layout, image_processor_type="MiniCPMOcrImageProcessor",
+        processor_class="MiniCPMOcrProcessor",
+        video_processor=MiniCPMOcrVideoProcessor(**IMAGE_SETTINGS))
     if layout == "hub":
         generation = json.loads((directory / "generation_config.json").read_text())
         generation.update(do_sample=True, **HUB_SAMPLING)

@@ -77,10 +77,13 @@ def build_image_processor():
 
 
 def reference_processor(tiny: TinyModel):
-    """transformers' processor over the tiny model's in-memory parts (images and text)."""
+    """transformers' processor over the tiny model's in-memory parts (the PIL image
+    processor; video parity runs transformers' own torchvision video processor)."""
+    from mlxvlm.models.minicpm_video import MiniCPMVideoProcessor
     from mlxvlm.models.minicpmv4_6 import build_processor
 
-    return build_processor(tiny.image_processor, tiny.tokenizer, CHAT_TEMPLATE, IMAGE_SETTINGS)
+    return build_processor(tiny.image_processor, tiny.tokenizer, CHAT_TEMPLATE,
+                           MiniCPMVideoProcessor(**IMAGE_SETTINGS))
 
 
 def token_ids(tokenizer) -> dict[str, int]:
@@ -140,14 +143,19 @@ def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
 
 
 def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path:
+    from transformers import MiniCPMV4_6VideoProcessor
+
     return save_minicpm_checkpoint(tiny, directory, layout,
                                    image_processor_type="MiniCPMV4_6ImageProcessorFast",
-                                   processor_class="MiniCPMV4_6Processor")
+                                   processor_class="MiniCPMV4_6Processor",
+                                   video_processor=MiniCPMV4_6VideoProcessor(**IMAGE_SETTINGS))
 
 
 def save_minicpm_checkpoint(tiny: TinyModel, directory: str | Path, layout: str, *,
-                            image_processor_type: str, processor_class: str) -> Path:
-    """The model in ``layout`` (see the module's docstring); in the Hub's, the image
+                            image_processor_type: str, processor_class: str,
+                            video_processor) -> Path:
+    """The model in ``layout`` (see the module's docstring), with transformers'
+    ``video_processor``'s video_preprocessor_config.json; in the Hub's, the image
     processor and processor named as the Hub's preprocessor_config.json names them."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -158,6 +166,7 @@ def save_minicpm_checkpoint(tiny: TinyModel, directory: str | Path, layout: str,
     tokenizer_config["extra_special_tokens"] = PROCESSOR_TOKENS
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     tiny.image_processor.save_pretrained(directory)
+    video_processor.save_pretrained(directory)
     if layout == "transformers":
         (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     elif layout == "hub":
