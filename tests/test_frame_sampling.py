@@ -17,6 +17,7 @@ from mlxvlm.media.frame_sampling import (
     SAMPLERS,
     FrameSampler,
     QwenStepSampler,
+    SecondSampler,
     ShiftedStepSampler,
     SmolVLMSampler,
     SpreadSampler,
@@ -27,6 +28,9 @@ from mlxvlm.media.frame_sampling import (
 pytest.importorskip("torch")  # Qwen2-VL's sample_frames computes with torch
 from transformers.models.internvl.video_processing_internvl import (  # noqa: E402
     InternVLVideoProcessor,
+)
+from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import (  # noqa: E402
+    MiniCPMV4_6VideoProcessor,
 )
 from transformers.models.llava_onevision.video_processing_llava_onevision import (  # noqa: E402
     LlavaOnevisionVideoProcessor,
@@ -54,7 +58,7 @@ def transformers_indices(processor_class, settings: dict, total: int, source_fps
     settings (updated by ``settings``): transformers' own code, without torchvision.
     None where transformers refuses the video."""
     names = ("fps", "num_frames", "min_frames", "max_frames", "temporal_patch_size",
-             "initial_shift")
+             "initial_shift", "max_num_frames", "stack_frames")
     stand_in = SimpleNamespace(**{n: getattr(processor_class, n, None) for n in names})
     for name, value in settings.items():
         setattr(stand_in, name, value)
@@ -77,6 +81,10 @@ FAMILIES = {  # the way each family declares, and its transformers processor
     "internvl": (ShiftedStepSampler, InternVLVideoProcessor, {}),
     # a checkpoint that starts at the first frame
     "internvl_unshifted": (ShiftedStepSampler, InternVLVideoProcessor, {"initial_shift": False}),
+    # MiniCPM-V 4.6 (and MiniCPM-OCR): a frame a second; past 8 s (a lower cap than the
+    # processor's 128), tenths of a second spread
+    "minicpmv": (SecondSampler, MiniCPMV4_6VideoProcessor, {}),
+    "minicpmv_capped": (SecondSampler, MiniCPMV4_6VideoProcessor, {"max_num_frames": 8}),
 }
 
 
@@ -134,6 +142,14 @@ def test_defaults_come_from_the_processors_settings():
     assert set(SAMPLERS) >= {"spread", "step", "qwen2_vl", "qwen3_vl", "smolvlm", "internvl"}
     with pytest.raises(ValueError, match="unknown frame sampling"):
         sampler_for(SimpleNamespace(frame_sampling="montage"))
+
+
+def test_a_frame_cap_spreads_minicpm_v_frames():
+    """``load_video``'s ``max_frames`` (asked as ``num_frames``) keeps that many of the
+    one-a-second frames, spread; without it the call's ``fps`` is ignored, as there."""
+    sampler = SecondSampler()
+    assert sampler.indices(100, 10.0, fps=4.0).tolist() == list(range(0, 100, 10))
+    assert sampler.indices(100, 10.0, num_frames=4).tolist() == [0, 30, 60, 90]
 
 
 def test_load_video_samples_with_the_family_sampler_in_time_order(tmp_path):

@@ -6,7 +6,7 @@ Parity: first-pass logits within 1e-4 and 24 greedy tokens for one image (the pi
 and 2 x 2 slices), two images (and a wide one's 1 x 3 slices) and an image in a later
 turn; 64 greedy tokens for one image, through the API and the CLI; ``python -m
 mlxvlm.server`` with two requests decoded together, then a later turn over the cached
-prefix. The torch-free image processor against transformers' torchvision one
+prefix; a video clip (MiniCPM-V 4.6's video path, "4x"). The torch-free image processor against transformers' torchvision one
 (``small_image_upsize`` "always" and "never"; "adaptive" refused). Guards: another image
 changes the answer; MiniCPM-V 4.6's defaults ("16x", untied) for the keys a config
 leaves out are caught.
@@ -134,6 +134,18 @@ def test_adaptive_upsizing_is_refused_clearly(tiny_checkpoints, tmp_path):
     (path / "preprocessor_config.json").write_text(json.dumps(settings))
     with pytest.raises(MlxvlmError, match="small_image_upsize 'adaptive'.*not supported"):
         load(path)
+
+
+def test_video_matches_transformers(tiny_checkpoints, loaded, tmp_path):
+    """MiniCPM-V 4.6's video path with MiniCPM-OCR's "4x" video processor (16 tokens a
+    view): the clip's frames, pixels, logits and 24 greedy tokens are transformers'."""
+    from test_minicpmv4_6_parity import assert_video_matches, transformers_video_reference, write_clip
+
+    clip = write_clip(tmp_path)
+    batch, ref = transformers_video_reference(tiny_checkpoints, FAMILY, clip)
+    model, processor = loaded(FAMILY, "hub")
+    assert processor.video_processor.downsample_mode == "4x"
+    assert_video_matches(model, processor, clip, batch, ref)
 
 
 # --------------------------------------------------------------------- entry points

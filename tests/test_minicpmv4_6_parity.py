@@ -5,9 +5,11 @@ Through ``mlxvlm.load``: first-pass logits and 24 greedy tokens for text only, o
 (the whole picture and 2 x 2 slices), two images (that one and a wide one: 1 x 3
 slices) and an image in a later turn; the tower's window merger and nearest-bucket
 positions on grids of other shapes; the hybrid text model's state across decode steps
-and prefill chunks; the CLI and the server entry points (two concurrent requests
-batched, then a later turn with a new picture over the cached prefix); checkpoints in
-our names. Guards check that the tests can fail.
+and prefill chunks; a short video clip (frames sampled, resized and sliced as
+transformers' torchvision video processor does) through the API and ``--video`` in the
+CLI; the CLI and the server entry points (two concurrent requests batched, then a later
+turn with a new picture over the cached prefix); checkpoints in our names. Guards check
+that the tests can fail.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import parity
 from parity import (
     CAUGHT,
     LOGITS_ATOL,
@@ -162,12 +165,98 @@ def test_nearest_positions_are_transformers(tiny_checkpoints):
             assert ours.tolist() == expected.tolist(), (side, rows, columns)
 
 
-def test_a_video_is_refused_clearly(loaded):
-    model, processor = loaded(FAMILY, "hub")
-    messages = [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"},
-                                             {"type": "text", "text": "What happens?"}]}]
-    with pytest.raises(MlxvlmError, match="does not take video"):
-        our_tokens(model, processor, messages, [])
+# ----------------------------------------------------------------------------- video
+
+VIDEO_PROMPT = "Describe this video."
+
+
+def write_clip(directory):
+    """2.5 s at 10 fps of 48 x 32 frames: three frames sampled (0, 1 and 2 s), each the
+    whole frame and 1 x 2 slices."""
+    from av_media import coloured_frames, write_video
+
+    return write_video(directory / "clip.mp4", coloured_frames(25, 48, 32, seed=21), fps=10)
+
+
+@pytest.fixture(scope="module")
+def video_file(tmp_path_factory):
+    return write_clip(tmp_path_factory.mktemp("videos"))
+
+
+def video_messages(video_file) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "video", "video": str(video_file)},
+                                         {"type": "text", "text": VIDEO_PROMPT}]}]
+
+
+def transformers_video_reference(tiny_checkpoints, family: str, video_file):
+    """transformers' inputs for the clip (its own torchvision video processor, sampling
+    from the metadata) and its ``Reference``: first-pass logits, 24 greedy tokens."""
+    from video_reference import transformers_inputs
+
+    batch = transformers_inputs(tiny_checkpoints.path(family, "hub"), video_messages(video_file))
+    model = tiny_checkpoints.model(family).model
+    with torch.no_grad():
+        logits = model(**batch).logits[0].numpy()
+        out = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, batch["input_ids"].shape[1]:].tolist()
+    margin = min(float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores)
+    return batch, parity.Reference(batch["input_ids"][0].tolist(), logits, tokens, margin)
+
+
+def assert_video_matches(model, processor, video_file, batch, ref) -> None:
+    """The clip's frames (one a second), their views and pixels (torchvision's resize),
+    the prompt's video runs, the first-pass logits and 24 greedy tokens through
+    ``mlxvlm.stream_generate``: transformers'."""
+    from mlxvlm.prompt import prepare_inputs
+
+    assert_reference_is_decisive(ref)
+    messages = video_messages(video_file)
+    inputs = prepare_inputs(processor, messages, feature_names=model.feature_names)
+    assert inputs.input_ids[0].tolist() == ref.input_ids
+    assert np.asarray(inputs.features["target_sizes_videos"]).tolist() == (
+        batch["target_sizes_videos"].tolist())
+    assert len(batch["target_sizes_videos"]) == 3 * 3  # three frames, each whole + 1 x 2
+    np.testing.assert_allclose(np.asarray(inputs.features["pixel_values_videos"]),
+                               batch["pixel_values_videos"].numpy(), rtol=0, atol=1e-6)
+    embeddings, state = model.embed(inputs.input_ids, **inputs.features)
+    logits = np.array(model(inputs.input_ids, model.make_cache(), embeddings=embeddings,
+                            state=state)[0])
+    np.testing.assert_allclose(logits, ref.logits, rtol=0, atol=LOGITS_ATOL)
+    assert our_tokens(model, processor, messages, []) == ref.tokens
+
+
+@pytest.fixture(scope="module")
+def video_reference(tiny_checkpoints, video_file):
+    return transformers_video_reference(tiny_checkpoints, FAMILY, video_file)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_video_matches_transformers(layout, loaded, video_file, video_reference):
+    model, processor = loaded(FAMILY, layout)
+    assert_video_matches(model, processor, video_file, *video_reference)
+
+
+def test_cli_answers_a_video_with_the_reference_tokens(tiny_checkpoints, loaded, video_file,
+                                                       video_reference):
+    """``python -m mlxvlm.generate --video``, torch-free as users run it."""
+    _, processor = loaded(FAMILY, "hub")
+    _, ref = video_reference
+    result = subprocess.run(
+        [sys.executable, "-m", "mlxvlm.generate", "--model", str(tiny_checkpoints.path(FAMILY, "hub")),
+         "--video", str(video_file), "--prompt", VIDEO_PROMPT,
+         "--max-tokens", str(NEW_TOKENS), "--temperature", "0"],
+        capture_output=True, env=entry_point_env(), timeout=300,
+    )
+    assert result.returncode == 0, result.stderr.decode(errors="replace")
+    assert result.stdout.decode() == greedy_text(processor, ref) + "\n"
+
+
+def test_stacked_sub_second_frames_are_refused_clearly():
+    from mlxvlm.models.minicpm_video import MiniCPMVideoProcessor
+
+    with pytest.raises(MlxvlmError, match="stack_frames 3 .* not supported"):
+        MiniCPMVideoProcessor(stack_frames=3)
 
 
 # ----------------------------------------------------------------------- entry points

@@ -154,6 +154,28 @@ def test_glm4v_video_imports_no_torch(tiny_checkpoints, tmp_path):
     assert_torch_free(reports)
 
 
+def test_minicpmv4_6_video_imports_no_torch(tiny_checkpoints, tmp_path):
+    """MiniCPM-V 4.6's video processor is mlxvlm's (transformers' needs torchvision): a
+    video prompt (a frame a second, each frame's views) loads and generates without torch."""
+    pytest.importorskip("torch")
+    from av_media import coloured_frames, write_video
+
+    video = write_video(tmp_path / "clip.mp4", coloured_frames(25, 48, 32, seed=3), fps=10)
+    reports = run_child(
+        f"""
+        import mlxvlm
+        model, processor = mlxvlm.load(CHECKPOINT)
+        messages = [{{"role": "user", "content": [{{"type": "video", "video": {str(video)!r}}},
+                                                  {{"type": "text", "text": "What is shown?"}}]}}]
+        out = mlxvlm.generate(model, processor, messages, max_tokens=4)
+        assert out.generation_tokens == 4 and out.prompt_tokens > 40
+        report("generate")
+        """,
+        tiny_checkpoints.path("minicpmv4_6", "hub"),
+    )
+    assert_torch_free(reports)
+
+
 def test_server_answering_a_request_imports_no_torch(checkpoint):
     reports = run_child(
         """

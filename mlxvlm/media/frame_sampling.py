@@ -267,12 +267,17 @@ class SecondSampler(FrameSampler):
     sub-frames): the frame at the start of every second begun (``int(i * source_fps)``);
     a video longer than ``max_num_frames`` seconds: a frame every tenth of a second,
     ``max_num_frames`` of those spread (truncated) over them. The processor reads neither
-    a call's ``fps`` nor ``num_frames``. MiniCPM-V 4.6, MiniCPM-OCR."""
+    a call's ``fps`` nor ``num_frames``; here ``num_frames`` (``load_video``'s
+    ``max_frames`` cap) keeps at most that many of those frames, spread (truncated).
+    MiniCPM-V 4.6, MiniCPM-OCR."""
 
     max_num_frames: int = 128
 
     def indices(self, total_frames, source_fps, *, fps=None, num_frames=None):
-        return super().indices(total_frames, source_fps, fps=0.0)
+        picked = super().indices(total_frames, source_fps, fps=0.0)
+        if num_frames is not None and num_frames < picked.size:
+            picked = picked[np.linspace(0, picked.size - 1, max(num_frames, 1), dtype=int)]
+        return picked
 
     def pick(self, total, source_fps, fps, num_frames):
         duration = total / source_fps
