@@ -48,7 +48,7 @@ TURN_3 = (TURN_2[0] + [
 FAMILIES = [
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "gemma3", "idefics3", "llava",
     "llava_next", "llava_onevision", "pixtral", "mistral3", "qwen3_5", "lfm2_vl", "paddleocr_vl",
-    "qwen3_omni_moe", "internvl", "minicpmv4_6",
+    "qwen3_omni_moe", "internvl", "minicpmv4_6", "minicpm_ocr",
 ]
 
 
@@ -74,7 +74,7 @@ def tower_entry(model) -> tuple[type, str, callable]:
         return type(model.vision_tower), "__call__", lambda patches, rows, columns: 1
     if family == "internvl":  # tiles (and frames)
         return type(model.vision_tower), "hidden_state", lambda pixels, layer: pixels.shape[0]
-    if family == "minicpmv4_6":  # one view (the picture or a slice) per call
+    if family in ("minicpmv4_6", "minicpm_ocr"):  # one view (the picture or a slice) per call
         return type(model.vision_tower), "__call__", lambda patches, rows, columns, merger: 1
     raise AssertionError(f"no tower spy for {family}")
 

@@ -19,6 +19,7 @@ FAMILIES = [
     "idefics3", "smolvlm", "llava", "llava_next", "llava_onevision", "pixtral", "mistral3",
     "paligemma", "qwen3_5", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl",
     "qwen3_omni_moe", "gemma4", "gemma4_moe", "gemma3n", "internvl", "internvl3", "minicpmv4_6",
+    "minicpm_ocr",
 ]
 MESSAGES = user(None, "Describe this image.")
 IMAGES = [make_image(112, 84, seed=1)]
