@@ -151,18 +151,26 @@ def test_video_matches_transformers(tiny_checkpoints, loaded, tmp_path):
 # --------------------------------------------------------------------- entry points
 
 
-def test_cli_prints_the_64_token_answer(tmp_path, capsys, tiny_checkpoints, loaded, ocr_reference):
-    """``python -m mlxvlm.generate``'s main: a picture file and a prompt, greedy."""
+@pytest.mark.parametrize("tokens", [parity.NEW_TOKENS, OCR_TOKENS])
+def test_cli_prints_the_reference_answer(tokens, tmp_path, capsys, tiny_checkpoints, loaded,
+                                         reference, ocr_reference):
+    """``python -m mlxvlm.generate``'s main: a picture file and a prompt, greedy, 24 and
+    64 tokens."""
     from mlxvlm.generate.__main__ import main
 
+    if tokens == OCR_TOKENS:
+        ref = ocr_reference()  # checked decisive there
+    else:
+        ref = reference(FAMILY, "one_image")
+        parity.assert_reference_is_decisive(ref)
     picture = tmp_path / "page.png"
     IMAGE_A.save(picture)
     code = main(["--model", str(tiny_checkpoints.path(FAMILY, "hub")), "--image", str(picture),
-                 "--prompt", "Describe this image.", "--max-tokens", str(OCR_TOKENS),
+                 "--prompt", "Describe this image.", "--max-tokens", str(tokens),
                  "--temperature", "0"])
     assert code in (0, None)
     _, processor = loaded(FAMILY, "hub")
-    assert capsys.readouterr().out.rstrip("\n") == reference_text(processor, ocr_reference())
+    assert capsys.readouterr().out.rstrip("\n") == reference_text(processor, ref)
 
 
 def test_server_entry_point_batches_requests_and_reuses_a_prefix(tiny_checkpoints, loaded, reference):
