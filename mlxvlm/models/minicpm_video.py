@@ -19,7 +19,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.models.minicpm_views import TorchvisionViews
 from mlxvlm.models.processor_utils import NumpyVideoProcessor
 
 # transformers' IMAGENET_STANDARD_MEAN / _STD, the processor's defaults
@@ -40,6 +39,9 @@ class MiniCPMVideoProcessor(NumpyVideoProcessor):
                  image_mean: Sequence[float] = STANDARD, image_std: Sequence[float] = STANDARD,
                  rescale_factor: float = 1 / 255, do_resize: bool = True,
                  do_rescale: bool = True, do_normalize: bool = True, **_: Any):
+        # transformers' image processors, imported when a checkpoint's processor is built
+        from mlxvlm.models.minicpm_views import TorchvisionViews
+
         if stack_frames and stack_frames > 1:
             raise MlxvlmError(f"MiniCPM-V's video stack_frames {stack_frames} (composite "
                               "pictures of sub-second frames) is not supported; set it to 1")
