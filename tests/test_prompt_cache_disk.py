@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from server_harness import png_data_url, user, wait_until
 from server_process import ServerProcess
@@ -53,6 +54,10 @@ def cache_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
+# Any of the server's keys may read /metrics.
+AUTH = {"Authorization": "Bearer key-one"}
+
+
 def key_flags(*keys: str) -> list[str]:
     return [flag for key in keys for flag in ("--api-key", key)]
 
@@ -75,7 +80,7 @@ def test_a_conversation_resumes_after_a_restart(tiny_checkpoints, tmp_path):
     paths = [str(tiny_checkpoints.path(family, "hub")) for family in FAMILIES]
     folder = tmp_path / "prompt-cache"
     flags = [*(flag for path in paths for flag in ("--model", path)), "--max-loaded-models", "2",
-             "--prompt-cache-dir", str(folder), *key_flags("resumed", "cold", "memory")]
+             "--prompt-cache-dir", str(folder), *key_flags("resumed", "cold", "memory", "key-one")]
     answers1, colds = {}, {}
     with ServerProcess(*flags) as server:
         for path in paths:
@@ -96,7 +101,10 @@ def test_a_conversation_resumes_after_a_restart(tiny_checkpoints, tmp_path):
             assert resumed.cached == memory.cached, path
             assert resumed.tokens == colds[path].tokens == memory.tokens, path
             assert resumed.message == colds[path].message, path
+        metrics = httpx.get(server.base_url + "/metrics", headers=AUTH).text
         log = server.log()
+    for path in paths:  # one entry read back per model (the memory tier's hit is not)
+        assert f'mlxvlm_prompt_cache_disk_loads_total{{model="{path}"}} 1\n' in metrics
     assert " ignored: " not in log
     assert log.count("2 files of this model") == len(paths)
 
@@ -182,7 +190,10 @@ def test_damaged_and_foreign_files_are_ignored_with_a_warning(written, tmp_path)
         client = server.openai_client(api_key="key-five")
         foreign = ask(client, str(other), turn2(written.answer1))
         used = ask(client, written.path, turn2(written.answer1))
+        metrics = httpx.get(server.base_url + "/metrics", headers=AUTH).text
         log = server.log()
+    assert f'mlxvlm_prompt_cache_disk_refused_total{{model="{written.path}"}} 4\n' in metrics
+    assert f'mlxvlm_prompt_cache_disk_loads_total{{model="{written.path}"}} 1\n' in metrics
     assert (foreign.tokens, foreign.cached) == (written.cold.tokens, 0)
     assert used.tokens == written.cold.tokens and used.cached > 0
     assert log.count(" ignored: ") == 4, log
