@@ -201,8 +201,8 @@ def test_damaged_and_foreign_files_are_ignored_with_a_warning(written, tmp_path)
         assert f"prompt-cache file {name.name} ignored" in log
         assert not name.exists()
     # (Key five's file, and the other keys' turn 2 written meanwhile.)
-    assert re.search(r"WARNING .*: [1-5] prompt-cache files in .* are of another model or "
-                     r"adapter: not used by this one", log)
+    assert re.search(r"WARNING .*: [1-5] prompt-cache files in .* are of another model, "
+                     r"adapter or format: not used by this one", log)
     assert "Traceback" not in log
 
 

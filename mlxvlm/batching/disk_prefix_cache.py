@@ -33,6 +33,7 @@ import queue
 import re
 import struct
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ import numpy as np
 
 from mlxvlm.batching import cache_codec
 from mlxvlm.batching.prefix_cache import common_prefix_length, reusable_length
-from mlxvlm.generate.state_cache import StateSnapshots, cache_offset
+from mlxvlm.generate.state_cache import StateSnapshots, cache_offset, can_trim_except_states
 from mlxvlm.mlx_threads import clear_streams_when_thread_ends
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ _MAX_HEADER_BYTES = 64 * 2**20
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
                 "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
 _PENDING_WRITES = 8  # entries waiting for the writer; more are not written
+# A temporary file older than this was left by a server that stopped while writing it
+# (younger ones may be another server's, writing into the same folder).
+_STALE_TEMPORARY_SECONDS = 3600.0
 _CLOSE_WAIT_SECONDS = 60.0
 
 
@@ -212,7 +216,11 @@ class DiskPrefixCache:
         others = 0
         for path in sorted(self.directory.iterdir()):
             if path.name.startswith(_TEMPORARY_PREFIX):
-                path.unlink(missing_ok=True)  # a write a stopped server left unfinished
+                try:
+                    if time.time() - path.stat().st_mtime > _STALE_TEMPORARY_SECONDS:
+                        path.unlink(missing_ok=True)
+                except OSError:
+                    pass
                 continue
             match = _NAME.match(path.name)
             if match is None or not path.is_file():
@@ -230,20 +238,20 @@ class DiskPrefixCache:
                 self._records[path.name] = record
         self.stats.files = len(self._records)
         if others:
-            logger.warning("%d prompt-cache files in %s are of another model or adapter: "
-                           "not used by this one", others, self.directory)
+            logger.warning("%d prompt-cache files in %s are of another model, adapter or "
+                           "format: not used by this one", others, self.directory)
         logger.info("prompt cache on disk: %d files of this model in %s", len(self._records),
                     self.directory)
 
     def _read_record(self, path: Path, match: re.Match) -> _Record | None:
-        """The file's index record; None for another model's file."""
+        """The file's index record; None for another model's (or format's) file."""
         size = path.stat().st_size
         with open(path, "rb") as file:
             head = file.read(min(size, 8 + _MAX_HEADER_BYTES))
             header = _read_header(head, size)
             meta = header.metadata
             if meta.get("format") != FORMAT:
-                raise DamagedFile("not a prompt-cache file of this version")
+                return None  # another version's: left to it
             key_info = header.tensors.get("key")
             if key_info is None or key_info["dtype"] != "I64" or len(key_info["shape"]) != 1:
                 raise DamagedFile("it has no key")
@@ -332,6 +340,8 @@ class DiskPrefixCache:
             mx.eval(arrays)
             if not np.array_equal(key, record.key) or cache_offset(cache) != key.shape[0]:
                 raise DamagedFile("its cache does not hold its key's tokens")
+            if record.whole_only != (not can_trim_except_states(cache)):
+                raise DamagedFile("its caches' kinds differ from its metadata")
             stored = StateSnapshots(snapshots) if snapshots is not None else None
             if stored is not None and stored.lengths != sorted(record.snapshot_lengths or []):
                 raise DamagedFile("its snapshots differ from its metadata")
@@ -354,10 +364,17 @@ class DiskPrefixCache:
         tree = {"cache": list(cache), "state": state,
                 "snapshots": snapshots.by_length if snapshots is not None else None}
         try:
+            if cache_offset(cache) != len(key):
+                raise cache_codec.NotStorable("its cache's length is not its key's")
             layout, tensors = cache_codec.encode(tree)
-        except cache_codec.NotStorable as e:
+        except (cache_codec.NotStorable, NotImplementedError) as e:
             self.stats.dropped_writes += 1
             logger.debug("prompt cache entry not written to disk: %s", e)
+            return
+        if sum(t.nbytes for t in tensors.values()) > self.max_bytes:
+            self.stats.dropped_writes += 1
+            logger.info("prompt cache: an entry larger than --prompt-cache-disk-gb was not "
+                        "written")
             return
         tensors["key"] = mx.array(np.asarray(key, dtype=np.int64))
         mx.eval(list(tensors.values()))
