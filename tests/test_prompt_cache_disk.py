@@ -11,6 +11,8 @@ import json
 import re
 import shutil
 import struct
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,3 +258,15 @@ def test_the_flags_are_in_the_help():
 
     text = build_parser().format_help()
     assert "--prompt-cache-dir" in text and "--prompt-cache-disk-gb" in text
+
+
+def test_a_folder_that_is_a_file_is_a_one_line_error(tmp_path):
+    """Said before the model loads, as the entry point's other errors are."""
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("")
+    done = subprocess.run([sys.executable, "-m", "mlxvlm.server", "--model", "unused",
+                           "--prompt-cache-dir", str(not_a_folder)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: --prompt-cache-dir '{not_a_folder}' is not a folder")

@@ -138,6 +138,9 @@ class ServerConfig:
                      "idle_unload_seconds", "min_loaded_seconds"):
             if getattr(self, name) < 0:
                 raise MlxvlmError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.prompt_cache_dir is not None and os.path.exists(self.prompt_cache_dir) \
+                and not os.path.isdir(self.prompt_cache_dir):
+            raise MlxvlmError(f"--prompt-cache-dir {self.prompt_cache_dir!r} is not a folder")
         if self.draft_model is not None and self.prompt_lookup_num_tokens is not None:
             raise MlxvlmError("choose --draft-model or --prompt-lookup-num-tokens, not both")
         speculates = self.draft_model is not None or self.prompt_lookup_num_tokens is not None
