@@ -140,6 +140,7 @@ class _Sequence:
     snapshots: StateSnapshots = field(default_factory=StateSnapshots)
     speculative: Any = None  # the speculative_decode generator, while it speculates
     held: list[int] | None = None  # the tokens its cache took in after the prompt
+    namespace: str | None = None  # its API key's (a prefix-cache file must carry it)
 
     @property
     def cancelled(self) -> bool:
@@ -297,6 +298,7 @@ class BatchEngine(EngineThread):
                                       options.kept_token_ids),
                     row=RowSampler(options, inputs.input_ids[0]),
                     submitted_at=time.perf_counter(),
+                    namespace=cache_namespace,
                 )
             )
             self.stats.waiting = len(self._waiting)
@@ -427,7 +429,7 @@ class BatchEngine(EngineThread):
         """Encode the prompt (reusing a cached prefix when one matches) and set up the
         chunked prefill of the rest."""
         model, ids = self.model, seq.inputs.input_ids
-        hit = self.prefix_cache.lookup(seq.key) if seq.key is not None else None
+        hit = self.prefix_cache.lookup(seq.key, seq.namespace) if seq.key is not None else None
         state = None
         if hit is not None:
             try:  # the family may refuse a prefix (e.g. one ending inside a bidirectional span)
@@ -630,7 +632,7 @@ class BatchEngine(EngineThread):
             fed = seq.generated[: seq.row.sampled - 1] if fed is None else fed
             key = np.concatenate([seq.key, np.asarray(fed, dtype=np.int64)])
             self.prefix_cache.insert(key, cache, self.model.stored_state(seq.state),
-                                     seq.snapshots)
+                                     seq.snapshots, namespace=seq.namespace)
 
     def _update_throughput(self, tokens: int, seconds: float) -> None:
         if seconds <= 0:

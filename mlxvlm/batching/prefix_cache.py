@@ -22,6 +22,10 @@ longest snapshot within the shared prefix, the KV caches trimmed to the same len
 A prefix hit shows in ``usage.prompt_tokens_details.cached_tokens``, which would tell one
 client what another sent before; a server with API keys therefore keys every prompt by
 its client's namespace as well, so that reuse stays within one API key.
+
+Beneath the memory a ``DiskPrefixCache`` (``disk_prefix_cache``) may keep finished
+entries across restarts: a lookup asks memory first, then the disk, whose entry joins
+the memory when it gives back a longer prefix.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 from PIL import Image
@@ -41,6 +45,9 @@ from mlxvlm.generate.state_cache import (
     can_trim_except_states,
     is_state_cache,
 )
+
+if TYPE_CHECKING:
+    from mlxvlm.batching.disk_prefix_cache import DiskPrefixCache
 
 
 def image_hash(image: Image.Image) -> str:
@@ -123,6 +130,18 @@ def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
     return int(differs[0]) if differs.size else n
 
 
+def reusable_length(length: int, key_length: int, whole_only: bool,
+                    snapshot_lengths: Sequence[int] | None) -> int:
+    """The longest prefix of at most ``length`` tokens an entry of ``key_length`` tokens
+    can give back: all of it only (``whole_only``), a snapshot's length (an entry with
+    state layers), or any."""
+    if whole_only:
+        return key_length if length >= key_length else 0
+    if snapshot_lengths is None:
+        return length
+    return max((n for n in snapshot_lengths if 0 < n <= length), default=0)
+
+
 @dataclass
 class _Entry:
     key: np.ndarray  # the keys of the tokens whose keys/values ``cache`` holds
@@ -137,11 +156,8 @@ class _Entry:
 
     def reusable_length(self, length: int) -> int:
         """The longest prefix of at most ``length`` tokens this entry can give back."""
-        if self.whole_only:
-            return self.key.shape[0] if length >= self.key.shape[0] else 0
-        if self.snapshots is None:
-            return length
-        return self.snapshots.longest_within(length) or 0
+        return reusable_length(length, self.key.shape[0], self.whole_only,
+                               self.snapshots.lengths if self.snapshots is not None else None)
 
     def cut(self, length: int) -> list[Any]:
         """A private copy of the cache holding its first ``length`` tokens."""
@@ -172,15 +188,18 @@ class PrefixHit:
 
 
 class PrefixCache:
-    """The KV caches of recent finished requests, least recently used out first.
+    """The KV caches of recent finished requests, least recently used out first; beneath
+    them, where given, the ``disk`` tier.
 
     Thread-safe; the caches it returns are copies, trimmed to the shared prefix, that the
     caller may extend.
     """
 
-    def __init__(self, max_entries: int = 8, max_bytes: int = 2 << 30):
+    def __init__(self, max_entries: int = 8, max_bytes: int = 2 << 30,
+                 disk: "DiskPrefixCache | None" = None):
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.disk = disk
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next_id = 0
         self._lock = threading.Lock()
@@ -193,14 +212,21 @@ class PrefixCache:
         return sum(e.nbytes for e in self._entries.values())
 
     def insert(self, key: np.ndarray, cache: list[Any], state: Any,
-               snapshots: StateSnapshots | None = None) -> None:
+               snapshots: StateSnapshots | None = None, namespace: str | None = None) -> None:
         """Keep ``cache`` (holding the tokens ``key`` names) for later prompts. A cache with
         state layers is reusable only at the lengths ``snapshots`` recorded and at its
         own end; without snapshots, only whole. A cache with a layer that is neither
         trimmable nor a state (a rotating KV cache past its window) is reusable only
-        whole."""
-        if self.max_entries <= 0:
-            return
+        whole. ``namespace`` (the API key's, already part of ``key``) labels the entry's
+        file on disk."""
+        entry = self._entry(key, cache, state, snapshots)
+        if self.disk is not None:
+            self.disk.save(entry.key, namespace, entry.cache, entry.state, entry.snapshots,
+                           entry.whole_only)
+        self._keep(entry)
+
+    def _entry(self, key: np.ndarray, cache: list[Any], state: Any,
+               snapshots: StateSnapshots | None) -> _Entry:
         whole_only = not can_trim_except_states(cache)
         key = np.asarray(key)
         nbytes = sum(c.nbytes for c in cache)
@@ -210,22 +236,31 @@ class PrefixCache:
             snapshots.record(cache)
         else:
             snapshots = None
-        entry = _Entry(key, cache, state, nbytes, snapshots, whole_only)
+        return _Entry(key, cache, state, nbytes, snapshots, whole_only)
+
+    def _keep(self, entry: _Entry) -> int | None:
+        """The entry's id in memory (None: memory keeps nothing)."""
+        if self.max_entries <= 0:
+            return None
         with self._lock:
             # An entry that the new one extends is no longer needed.
             for entry_id, old in list(self._entries.items()):
                 if common_prefix_length(old.key, entry.key) == old.key.shape[0]:
                     del self._entries[entry_id]
-            self._entries[self._next_id] = entry
+            entry_id = self._next_id
+            self._entries[entry_id] = entry
             self._next_id += 1
             while self._entries and (
                 len(self._entries) > self.max_entries or self.nbytes > self.max_bytes
             ):
                 self._entries.popitem(last=False)
+        return entry_id
 
-    def lookup(self, key: np.ndarray) -> PrefixHit | None:
+    def lookup(self, key: np.ndarray, namespace: str | None = None) -> PrefixHit | None:
         """The entry sharing the longest prefix with ``key``, cut to leave at least the
-        last token of ``key`` to be computed (it gives the first new token's logits)."""
+        last token of ``key`` to be computed (it gives the first new token's logits):
+        memory's, or the disk's where it gives back more (``namespace``: the API key's,
+        which a file must carry)."""
         with self._lock:
             best_id, best_length = None, 0
             for entry_id, entry in self._entries.items():
@@ -233,11 +268,25 @@ class PrefixCache:
                 length = entry.reusable_length(length)
                 if length > best_length:
                     best_id, best_length = entry_id, length
-            if best_id is None:
-                return None
-            self._entries.move_to_end(best_id)
-            entry = self._entries[best_id]
+            best = None
+            if best_id is not None:
+                self._entries.move_to_end(best_id)
+                best = self._entries[best_id]
+        if self.disk is not None:
+            found = self.disk.best(key, namespace)
+            if found is not None and found[1] > best_length:
+                loaded = self.disk.load(found[0], namespace)
+                if loaded is not None:
+                    best = self._entry(loaded.key, loaded.cache, loaded.state, loaded.snapshots)
+                    best_length = found[1]
+                    self._keep(best)
+        if best is None:
+            return None
         # Entries are never changed once inserted, so the copy needs no lock.
-        snapshots = entry.snapshots.up_to(best_length) if entry.snapshots else StateSnapshots()
-        return PrefixHit(entry.cut(best_length),
-                         entry.state, best_length, snapshots)
+        snapshots = best.snapshots.up_to(best_length) if best.snapshots else StateSnapshots()
+        return PrefixHit(best.cut(best_length), best.state, best_length, snapshots)
+
+    def close(self) -> None:
+        """Finish the disk tier's writes."""
+        if self.disk is not None:
+            self.disk.close()

@@ -341,6 +341,8 @@ def load(
         read_checkpoint_defaults(model_path))
     processor.sampling_defaults = state.sampling_defaults  # documented: read by users
     model.retrieval = use
+    # Where it came from: what a prompt cache kept on disk is keyed by.
+    model.checkpoint_path, model.adapter_path = model_path, adapter_path
     if adapter_path is not None:
         from mlxvlm.checkpoint.adapters import load_adapter
 

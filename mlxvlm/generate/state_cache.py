@@ -103,6 +103,11 @@ class StateSnapshots:
     def lengths(self) -> list[int]:
         return sorted(self._by_length)
 
+    @property
+    def by_length(self) -> dict[int, dict[int, tuple]]:
+        """length -> state layer index -> its arrays (what the constructor takes)."""
+        return dict(self._by_length)
+
     def record(self, cache: Sequence[Any], *, evaluate: bool = False) -> None:
         indices = state_layer_indices(cache)
         if not indices:

@@ -65,6 +65,10 @@ class ServerConfig:
     max_tokens: int = 512  # when a request does not say
     prefill_step_size: int = 2048
     prompt_cache_size: int = 8  # finished conversations kept for prefix reuse; 0: off
+    # Where finished conversations' caches are also kept across restarts (None: not on
+    # disk), and the most gigabytes that folder may hold (least recently used out first).
+    prompt_cache_dir: str | None = None
+    prompt_cache_disk_gb: float = 10.0
     # Responses kept for previous_response_id, per API key, and their bytes per key and
     # for all keys (response_store: a key's least recently used make room, never
     # another key's); 0 responses: off
@@ -120,7 +124,8 @@ class ServerConfig:
             raise MlxvlmError(
                 f"max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at least "
                 f"max_body_bytes ({self.max_body_bytes})")
-        for name in ("header_timeout", "body_timeout", "max_media_decode_seconds"):
+        for name in ("header_timeout", "body_timeout", "max_media_decode_seconds",
+                     "prompt_cache_disk_gb"):
             if not getattr(self, name) > 0:
                 raise MlxvlmError(f"{name} must be above 0 seconds, got {getattr(self, name)}")
         for name in ("max_concurrency", "max_body_bytes", "max_image_bytes",
@@ -133,6 +138,9 @@ class ServerConfig:
                      "idle_unload_seconds", "min_loaded_seconds"):
             if getattr(self, name) < 0:
                 raise MlxvlmError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.prompt_cache_dir is not None and os.path.exists(self.prompt_cache_dir) \
+                and not os.path.isdir(self.prompt_cache_dir):
+            raise MlxvlmError(f"--prompt-cache-dir {self.prompt_cache_dir!r} is not a folder")
         if self.draft_model is not None and self.prompt_lookup_num_tokens is not None:
             raise MlxvlmError("choose --draft-model or --prompt-lookup-num-tokens, not both")
         speculates = self.draft_model is not None or self.prompt_lookup_num_tokens is not None
@@ -239,6 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculation_arguments(parser, " (needs --max-concurrency 1)")
     parser.add_argument("--prompt-cache-size", type=ranged(at_least(0)), default=8,
                         help="Finished conversations kept for prefix reuse (0: off)")
+    parser.add_argument("--prompt-cache-dir", default=None,
+                        help="Also keep finished conversations' caches in this folder (as "
+                        "safetensors, per model, adapter and API key), so that a "
+                        "conversation resumes from its cache after a restart (default: "
+                        "none, memory only)")
+    parser.add_argument("--prompt-cache-disk-gb", type=ranged(POSITIVE), default=10.0,
+                        help="Most gigabytes --prompt-cache-dir may hold; the least recently "
+                        "used files go first (default 10)")
     parser.add_argument("--max-stored-responses", type=ranged(at_least(0)), default=256,
                         help="Responses API answers kept for previous_response_id per API "
                         "key, the key's least recently used dropped first (0: none kept)")
@@ -330,6 +346,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_tokens=args.max_tokens,
         prefill_step_size=args.prefill_step_size,
         prompt_cache_size=args.prompt_cache_size,
+        prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_disk_gb=args.prompt_cache_disk_gb,
         max_stored_responses=args.max_stored_responses,
         max_stored_response_bytes=args.max_stored_response_bytes,
         max_total_stored_response_bytes=args.max_total_stored_response_bytes,

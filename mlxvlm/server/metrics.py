@@ -16,6 +16,22 @@ def _metric(lines: list[str], name: str, kind: str, help_text: str, samples) -> 
         lines.append(f"{name}{{{label_text}}} {value}" if label_text else f"{name} {value}")
 
 
+# The prompt cache's disk tier (--prompt-cache-dir), per model.
+_DISK_METRICS = [
+    ("mlxvlm_prompt_cache_disk_files", "gauge", "Prompt-cache files of the model on disk",
+     "files"),
+    ("mlxvlm_prompt_cache_disk_loads_total", "counter",
+     "Prompt-cache entries read back from disk and reused", "loads"),
+    ("mlxvlm_prompt_cache_disk_refused_total", "counter",
+     "Prompt-cache files ignored as damaged or foreign", "refused"),
+    ("mlxvlm_prompt_cache_disk_writes_total", "counter", "Prompt-cache files written",
+     "writes"),
+    ("mlxvlm_prompt_cache_disk_dropped_writes_total", "counter",
+     "Finished requests' caches not written (the writer behind, or no stored form)",
+     "dropped_writes"),
+]
+
+
 def render_metrics(models: ModelRegistry, app_state) -> str:
     """The server's counts, then each loaded model's engine (labelled by model where the
     server serves several). ``app_state``: the app's state, with the listener's
@@ -113,6 +129,13 @@ def render_metrics(models: ModelRegistry, app_state) -> str:
     m("mlxvlm_decode_tokens_per_second", "gauge",
       "Decode throughput of the whole batch, smoothed over recent steps",
       per_model(lambda s: round(s.engine.stats.decode_tokens_per_second, 3)))
+    on_disk = [(model_id, service.prefix_cache.disk) for model_id, service in services
+               if service.prefix_cache is not None and service.prefix_cache.disk is not None]
+    for metric, kind, help_text, stat in _DISK_METRICS:
+        if on_disk:
+            m(metric, kind, help_text,
+              [({"model": model_id} if labelled else {}, getattr(disk.stats, stat))
+               for model_id, disk in on_disk])
     name = "mlxvlm_time_to_first_token_seconds"
     m(name, "summary", "Time from submission to the first generated token", [])
     for model_id, service in services:

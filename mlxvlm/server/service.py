@@ -23,8 +23,10 @@ from typing import Any, Callable, TypeVar
 import mlx.core as mx
 
 from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
+from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.speculative import Speculation
 from mlxvlm.media import MediaPolicy, PixelBudget, load_image, load_pdf
+from mlxvlm.batching.disk_prefix_cache import DiskPrefixCache, checkpoint_fingerprint
 from mlxvlm.batching.prefix_cache import PrefixCache, image_hash
 from mlxvlm.preparation import PreparationPools, PreparationStats
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
@@ -77,6 +79,21 @@ def has_media(messages: list[dict]) -> bool:
                for m in messages)
 
 
+def disk_prefix_cache(model: Any, config: ServerConfig) -> DiskPrefixCache | None:
+    """The prompt cache's disk tier (``--prompt-cache-dir``) for ``model``, keyed by the
+    checkpoint and adapter it was loaded from."""
+    if config.prompt_cache_dir is None:
+        return None
+    identity = checkpoint_fingerprint(getattr(model, "checkpoint_path", None),
+                                      getattr(model, "adapter_path", None))
+    try:
+        return DiskPrefixCache(config.prompt_cache_dir,
+                               int(config.prompt_cache_disk_gb * 1e9), identity)
+    except OSError as e:
+        raise MlxvlmError(f"cannot keep the prompt cache in --prompt-cache-dir "
+                          f"{config.prompt_cache_dir!r}: {e.strerror or e}") from e
+
+
 def speculation_of(config: ServerConfig) -> Speculation | None:
     """The engine's speculative decoding from ``--draft-model`` (loaded here; it takes
     the model's prompts as they are) or ``--prompt-lookup-num-tokens``."""
@@ -98,19 +115,19 @@ class GenerationService:
         self.model = model
         self.processor = processor
         self.config = config
-        prefix_cache = (
-            PrefixCache(max_entries=config.prompt_cache_size)
-            if config.prompt_cache_size > 0
-            else None
-        )
-        engine_class = BatchEngine
+        engine_class, prefix_cache = BatchEngine, None
         if model.sharding is not None:  # under mlx.launch: rank 0, whose passes all run
             from mlxvlm.batching.sharded_engine import ShardedEngine
 
-            if prefix_cache is not None:
-                logger.info("prompt-prefix reuse (--prompt-cache-size) is off on a sharded "
-                            "model: the other ranks do not mirror the cache")
-            engine_class, prefix_cache = ShardedEngine, None
+            if config.prompt_cache_size > 0 or config.prompt_cache_dir is not None:
+                logger.info("prompt-prefix reuse (--prompt-cache-size, --prompt-cache-dir) "
+                            "is off on a sharded model: the other ranks do not mirror the "
+                            "cache")
+            engine_class = ShardedEngine
+        elif config.prompt_cache_size > 0 or config.prompt_cache_dir is not None:
+            prefix_cache = PrefixCache(max_entries=config.prompt_cache_size,
+                                       disk=disk_prefix_cache(model, config))
+        self.prefix_cache = prefix_cache
         self.engine = engine_class(
             model,
             processor,
@@ -143,6 +160,8 @@ class GenerationService:
     def close(self) -> None:
         self.engine.close()
         self._pools.close()
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()  # after the engine: its last entries are written
 
     # -- admission ----------------------------------------------------------------
 

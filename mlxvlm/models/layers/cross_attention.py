@@ -84,6 +84,14 @@ class CrossAttentionCache:
     def state(self, v):
         self.keys, self.values = (v or (None, None))
 
+    @classmethod
+    def from_state(cls, state) -> "CrossAttentionCache":
+        """One row holding ``state``'s keys (a prompt cache read back from disk)."""
+        cache = cls()
+        if state:
+            cache.fill(*state, None)
+        return cache
+
     def is_trimmable(self) -> bool:
         return True
 
