@@ -45,6 +45,33 @@ def model_args(text: dict, mlp_layer_types: list[str]) -> deepseek.ModelArgs:
     return deepseek.ModelArgs(**values)
 
 
+class Attention(deepseek.DeepseekAttention):
+    """mlx-lm's attention under the head counts' names the tensor split reads and
+    updates (``n_heads``, ``n_kv_heads``, as mlx-lm's Llama calls them)."""
+
+    @property
+    def n_heads(self) -> int:
+        return self.num_attention_heads
+
+    @n_heads.setter
+    def n_heads(self, value: int) -> None:
+        self.num_attention_heads = value
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.num_kv_heads
+
+    @n_kv_heads.setter
+    def n_kv_heads(self, value: int) -> None:
+        self.num_kv_heads = value
+
+
+def decoder_layer(args: deepseek.ModelArgs, index: int) -> nn.Module:
+    layer = deepseek.DeepseekDecoderLayer(args, index)
+    layer.self_attn = Attention(args)
+    return layer
+
+
 class DeepseekMoeDecoder(TextDecoder):
     """Pipelined, it runs its own layers between ``receive`` and ``hand_on``."""
 
@@ -52,7 +79,7 @@ class DeepseekMoeDecoder(TextDecoder):
 
     def __init__(self, args: deepseek.ModelArgs, mlp_layer_types: list[str]):
         dense = dataclasses.replace(args, n_routed_experts=None)
-        layers = [deepseek.DeepseekDecoderLayer(args if kind == "sparse" else dense, i)
+        layers = [decoder_layer(args if kind == "sparse" else dense, i)
                   for i, kind in enumerate(mlp_layer_types)]
         super().__init__(args.vocab_size, args.hidden_size, layers,
                          nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps))
