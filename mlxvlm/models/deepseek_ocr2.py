@@ -276,9 +276,9 @@ class Model(VisionLanguageModel):
         """(N, C, H, W) views -> (N, queries, text width); views seen before come from
         the feature cache."""
         pixel_values = mx.array(pixel_values) if not isinstance(pixel_values, mx.array) else pixel_values
-        dtype = self.multi_modal_projector.weight.dtype
-        if not mx.issubdtype(dtype, mx.floating):  # quantized: the biases' dtype
-            dtype = self.multi_modal_projector.bias.dtype
+        # The compute dtype: a norm's (a linear layer's weight may stay 16-bit on the CPU,
+        # see mlxvlm.cpu.half_weights, and may be quantized).
+        dtype = self.vision_tower.vision_encoder.norm.weight.dtype
 
         def encode(views: mx.array) -> mx.array:
             return self.multi_modal_projector(
