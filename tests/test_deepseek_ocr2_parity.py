@@ -162,6 +162,40 @@ def test_cli_prints_the_reference_answer(prompt, case, tokens, tmp_path, capsys,
     assert capsys.readouterr().out.rstrip("\n") == reference_text(processor, ref)
 
 
+def test_cli_reads_a_pdf_page_by_page_into_markdown_files(tmp_path, tiny_checkpoints,
+                                                         loaded, ocr_reference):
+    """``--pdf`` with ``--output-dir``: each page, rendered at 72 DPI, answered in turn
+    with the model card's prompt into its own Markdown file -- transformers' answer on
+    that rendered page."""
+    import io
+
+    from mlxvlm.generate.__main__ import main
+    from mlxvlm.media.pdf import iter_pdf_pages, open_pdf
+
+    pdf = tmp_path / "scan.pdf"
+    buffer = io.BytesIO()
+    IMAGE_A.save(buffer, "PDF", save_all=True, append_images=[IMAGE_B], resolution=72)
+    pdf.write_bytes(buffer.getvalue())
+    document = open_pdf(pdf)
+    try:
+        pages = dict(iter_pdf_pages(document, [1, 2], dpi=72))
+    finally:
+        document.close()
+    tiny = tiny_checkpoints.model(FAMILY)
+    _, processor = loaded(FAMILY, "hub")
+    out = tmp_path / "pages"
+    code = main(["--model", str(tiny_checkpoints.path(FAMILY, "hub")), "--pdf", str(pdf),
+                 "--dpi", "72", "--prompt", "Free OCR.", "--max-tokens", str(parity.NEW_TOKENS),
+                 "--temperature", "0", "--output-dir", str(out)])
+    assert code in (0, None)
+    assert sorted(p.name for p in out.iterdir()) == ["page-001.md", "page-002.md"]
+    for number, page in pages.items():
+        ref = parity.reference_run(tiny.model, reference_processor(tiny),
+                                   parity.user(None, "Free OCR."), [page])
+        parity.assert_reference_is_decisive(ref)
+        assert (out / f"page-{number:03d}.md").read_text() == reference_text(processor, ref) + "\n"
+
+
 def test_server_entry_point_batches_requests_and_reuses_a_prefix(tiny_checkpoints, loaded,
                                                                  reference, ocr_reference):
     """``python -m mlxvlm.server`` as users start it: a 64-token OCR request and a text one
