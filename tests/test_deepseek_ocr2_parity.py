@@ -286,8 +286,10 @@ def test_both_layouts_sanitize_to_the_same_names(tiny_checkpoints, loaded):
         assert module.is_hf_checkpoint(weights.keys())
         sanitized = module.Model.from_config(read_config(tiny_checkpoints, FAMILY, layout)).sanitize(weights)
         assert set(sanitized) == expected, layout
-    for name in ("vision_tower.sam_encoder.layers.1.attn.rel_pos_h", "view_separator",
-                 "vision_tower.query_1024_resolution.weight", "multi_modal_projector.bias",
+    for name in ("sam_model.blocks.1.attn.rel_pos_h", "sam_model.neck.3.bias", "sam_model.net_3.weight",
+                 "sam_model.patch_embed.proj.weight", "view_separator",
+                 "vision_model.qwen2_encoder.query_1024", "vision_model.qwen2_encoder.layers.1.self_attn.q_proj.bias",
+                 "projector.layers.bias",
                  "language_model.model.layers.1.mlp.switch_mlp.gate_proj.weight",
                  "language_model.model.layers.1.mlp.shared_experts.up_proj.weight",
                  "language_model.model.layers.0.mlp.gate_proj.weight"):
@@ -301,3 +303,57 @@ def test_an_mlx_layout_checkpoint_loads_unchanged(tmp_path, tiny_checkpoints, lo
     mlx_model, processor = load(path)
     _, logits = parity.our_logits(mlx_model, processor, *CASES["one_image"])
     np.testing.assert_allclose(logits, reference(FAMILY, "one_image").logits, rtol=0, atol=LOGITS_ATOL)
+
+
+def deepseek_layout_config(config: dict) -> dict:
+    """The tiny config as DeepSeek's own config.json spells it (deepseek-ai/DeepSeek-OCR-2,
+    kept by mlx-community's conversions under ``model_type`` "deepseekocr_2"), with the
+    tiny sizes DeepSeek's file leaves to the code (SAM's patch and window, the query
+    encoder's depth and heads, SAM's MLP ratio and neck width) in the ``width`` entries beside the sizes
+    DeepSeek's file gives there."""
+    text, vision = config["text_config"], config["vision_config"]
+    sam, encoder = vision["sam_config"], vision["encoder_config"]
+    language = {k: text[k] for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "n_routed_experts",
+        "n_shared_experts", "num_experts_per_tok", "max_position_embeddings", "rms_norm_eps",
+        "bos_token_id", "eos_token_id")}
+    language.update(first_k_dense_replace=text["mlp_layer_types"].index("sparse"), moe_layer_freq=1,
+                    rope_theta=text["rope_parameters"]["rope_theta"], topk_method="greedy",
+                    n_group=1, topk_group=1, use_mla=False, qk_nope_head_dim=0, qk_rope_head_dim=0,
+                    kv_lora_rank=None, q_lora_rank=None, model_type="deepseek_v2")
+    return {
+        "model_type": "deepseekocr_2", "architectures": ["DeepseekOCR2ForCausalLM"],
+        "language_config": language,
+        "vision_config": {"image_size": sam["image_size"], "model_type": "vision", "width": {
+            "sam_vit_b": {"width": sam["hidden_size"], "layers": sam["num_hidden_layers"],
+                          "heads": sam["num_attention_heads"],
+                          "global_attn_indexes": sam["global_attn_indexes"],
+                          "downsample_channels": [sam["downsample_channels"][0], 1024],
+                          "patch_size": sam["patch_size"], "window_size": sam["window_size"],
+                          "mlp_ratio": sam["mlp_dim"] / sam["hidden_size"],
+                          "out_chans": sam["output_channels"]},
+            "qwen2-0-5b": {"dim": encoder["hidden_size"], "layers": encoder["num_hidden_layers"],
+                           "heads": encoder["num_attention_heads"],
+                           "kv_heads": encoder["num_key_value_heads"],
+                           "intermediate_size": encoder["intermediate_size"],
+                           "rope_theta": encoder["rope_parameters"]["rope_theta"]}}},
+        "projector_config": {"projector_type": "linear", "input_dim": encoder["hidden_size"],
+                             "n_embed": text["hidden_size"]},
+        "image_token_index": config["image_token_id"], "tile_tag": "2D", "global_view_pos": "head",
+    }
+
+
+def test_mlx_community_layout_loads(tmp_path, tiny_checkpoints, loaded, reference):
+    """mlx-community's conversions (mlx-vlm's): DeepSeek's own config (``deepseekocr_2``),
+    tensors under DeepSeek's names without the ``model.`` level (``sam_model.blocks.N``,
+    ``vision_model.qwen2_encoder``, ``projector.layers``, ``view_separator``) and mlx-lm's
+    expert banks, in MLX's layout -- ours."""
+    model, _ = loaded(FAMILY, "hub")
+    path = parity.save_as_mlx_checkpoint(model, tiny_checkpoints.path(FAMILY, "hub"), tmp_path)
+    config = read_config(tiny_checkpoints, FAMILY, "hub")
+    (path / "config.json").write_text(json.dumps(deepseek_layout_config(config)))
+    mlx_model, processor = load(path)
+    assert type(mlx_model) is get_family(FAMILY).Model
+    parity.assert_first_pass_matches(mlx_model, processor, CASES["two_images"],
+                                     reference(FAMILY, "two_images"))

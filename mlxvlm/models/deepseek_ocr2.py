@@ -38,10 +38,9 @@ from mlxvlm.models import merge
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.config_utils import as_transformers_reads_it, rope_parameters
 from mlxvlm.models.feature_cache import cached_rows
-from mlxvlm.models.layers import deepseek_moe_decoder, sam_vision
+from mlxvlm.models.layers import deepseek_moe_decoder
 from mlxvlm.models.layers.sam_vision import SamVisionConfig, SamVisionEncoder
 from mlxvlm.models.processor_utils import tokenizer_and_chat_template
-from mlxvlm.models.weights import rename_prefix
 
 # A user turn as the plain text the model card prompts with; an assistant turn's answer
 # ends with EOS, as the model ends it.
@@ -60,38 +59,46 @@ CHAT_TEMPLATE = (
 # The encoder's learned queries per view: 12 x 12 for a 768-px tile, 16 x 16 for the
 # 1024-px global view (transformers' fixed sizes).
 TILE_QUERIES, GLOBAL_QUERIES = 144, 256
+TILE_SIZE = 768  # DeepSeek's local views, where its own config does not say
 
-# transformers 5's names -> ours (longest prefix first wins)
+# transformers 5's names and the Hub's original ones -> ours (DeepSeek's originals under
+# mlx-community's top-level names), first match wins
+CHECKPOINT_NAMES = (
+    # transformers 5 (save_pretrained)
+    (r"^model\.vision_tower\.sam_encoder\.layers\.(\d+)\.layer_norm1\.", r"sam_model.blocks.\1.norm1."),
+    (r"^model\.vision_tower\.sam_encoder\.layers\.(\d+)\.layer_norm2\.", r"sam_model.blocks.\1.norm2."),
+    (r"^model\.vision_tower\.sam_encoder\.layers\.", "sam_model.blocks."),
+    (r"^model\.vision_tower\.sam_encoder\.patch_embed\.projection\.", "sam_model.patch_embed.proj."),
+    (r"^model\.vision_tower\.sam_encoder\.neck\.conv1\.", "sam_model.neck.0."),
+    (r"^model\.vision_tower\.sam_encoder\.neck\.layer_norm1\.", "sam_model.neck.1."),
+    (r"^model\.vision_tower\.sam_encoder\.neck\.conv2\.", "sam_model.neck.2."),
+    (r"^model\.vision_tower\.sam_encoder\.neck\.layer_norm2\.", "sam_model.neck.3."),
+    (r"^model\.vision_tower\.sam_encoder\.proj\.conv1\.", "sam_model.net_2."),
+    (r"^model\.vision_tower\.sam_encoder\.proj\.conv2\.", "sam_model.net_3."),
+    (r"^model\.vision_tower\.sam_encoder\.", "sam_model."),
+    (r"^model\.vision_tower\.vision_encoder\.", "vision_model.qwen2_encoder."),
+    (r"^model\.vision_tower\.query_(768|1024)_resolution\.weight$", r"vision_model.qwen2_encoder.query_\1"),
+    (r"^model\.multi_modal_projector\.", "projector.layers."),
+    (r"^model\.view_separator$", "view_separator"),
+    (r"^model\.language_model\.", "language_model.model."),
+    # the Hub's originals
+    (r"^model\.sam_model\.", "sam_model."),
+    (r"^model\.qwen2_model\.model\.model\.", "vision_model.qwen2_encoder."),
+    (r"^model\.qwen2_model\.query_(768|1024)\.weight$", r"vision_model.qwen2_encoder.query_\1"),
+    (r"^model\.projector\.", "projector."),
+    (r"^model\.view_seperator$", "view_separator"),
+    (r"^model\.(embed_tokens|layers|norm)\.", r"language_model.model.\1."),
+    (r"^lm_head\.", "language_model.lm_head."),
+)
+# PyTorch's (out, in, kh, kw) convolutions, moved to MLX's (out, kh, kw, in)
+CONVOLUTIONS = ("sam_model.patch_embed.proj.weight", "sam_model.neck.0.weight",
+                "sam_model.neck.2.weight", "sam_model.net_2.weight", "sam_model.net_3.weight")
+# For PEFT adapters' module names (decoder and projector)
 HF_PREFIXES = (
-    ("model.vision_tower.", "vision_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-    ("model.view_separator", "view_separator"),
     ("model.language_model.", "language_model.model."),
+    ("model.multi_modal_projector.", "projector.layers."),
     ("lm_head.", "language_model.lm_head."),
 )
-
-# The Hub's original names -> transformers 5's (the renames transformers' loader applies
-# to ``deepseek_ocr2`` checkpoints, conversion_mapping.py), first match wins.
-HUB_NAMES = (
-    (r"sam_model\.blocks\.(\d+)\.norm1\.", r"vision_tower.sam_encoder.layers.\1.layer_norm1."),
-    (r"sam_model\.blocks\.(\d+)\.norm2\.", r"vision_tower.sam_encoder.layers.\1.layer_norm2."),
-    (r"sam_model\.blocks\.(\d+)\.", r"vision_tower.sam_encoder.layers.\1."),
-    (r"sam_model\.patch_embed\.proj\.", "vision_tower.sam_encoder.patch_embed.projection."),
-    (r"sam_model\.pos_embed", "vision_tower.sam_encoder.pos_embed"),
-    (r"sam_model\.neck\.0\.", "vision_tower.sam_encoder.neck.conv1."),
-    (r"sam_model\.neck\.1\.", "vision_tower.sam_encoder.neck.layer_norm1."),
-    (r"sam_model\.neck\.2\.", "vision_tower.sam_encoder.neck.conv2."),
-    (r"sam_model\.neck\.3\.", "vision_tower.sam_encoder.neck.layer_norm2."),
-    (r"sam_model\.net_2\.", "vision_tower.sam_encoder.proj.conv1."),
-    (r"sam_model\.net_3\.", "vision_tower.sam_encoder.proj.conv2."),
-    (r"qwen2_model\.model\.model\.", "vision_tower.vision_encoder."),
-    (r"qwen2_model\.query_768\.", "vision_tower.query_768_resolution."),
-    (r"qwen2_model\.query_1024\.", "vision_tower.query_1024_resolution."),
-    (r"projector\.layers\.", "multi_modal_projector."),
-    (r"view_seperator", "view_separator"),
-    (r"^model\.(embed_tokens|layers|norm)\.", r"model.language_model.\1."),
-)
-HUB_MARKERS = ("sam_model.", "qwen2_model.", "projector.layers.", "view_seperator")
 # Buffers some checkpoints carry that are recomputed here.
 HF_ONLY_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -109,6 +116,8 @@ class ModelArgs:
 
     @classmethod
     def from_hf(cls, config: dict) -> "ModelArgs":
+        if is_deepseek_layout(config):
+            config = transformers_layout(config)
         config = as_transformers_reads_it(config)
         vision = config["vision_config"]
         text = dict(config["text_config"])
@@ -124,6 +133,57 @@ class ModelArgs:
             mlp_layer_types=tuple(layer_types),
             image_token_id=config["image_token_id"],
         )
+
+
+def is_deepseek_layout(config: dict) -> bool:
+    """DeepSeek's own config (deepseek-ai/DeepSeek-OCR-2, and mlx-community's conversions
+    of it, ``model_type`` "deepseekocr_2"): ``language_config``, the towers' sizes under
+    ``vision_config.width``, a ``projector_config``."""
+    return config.get("model_type") != "deepseek_ocr2" and "projector_config" in config
+
+
+def transformers_layout(config: dict) -> dict:
+    """DeepSeek's own config as transformers' ``deepseek_ocr2`` one. The sizes it leaves
+    out are DeepSeek-OCR 2's (the query encoder is Qwen2-0.5B's first 24 layers; SAM's
+    last convolution is as wide as the encoder, whatever ``downsample_channels`` says)."""
+    text = dict(config.get("language_config") or config.get("text_config") or {})
+    if text.get("use_mla") or (text.get("use_mla") is None and text.get("qk_nope_head_dim")):
+        raise NotImplementedError("a DeepSeek-OCR 2 text model with latent attention (MLA)")
+    if text.get("rope_scaling"):
+        raise NotImplementedError("DeepSeek-OCR 2 text RoPE scaling")
+    layers = text["num_hidden_layers"]
+    first_dense, every = text.get("first_k_dense_replace", 0), text.get("moe_layer_freq", 1)
+    sparse = [text.get("n_routed_experts") is not None and i >= first_dense and i % every == 0
+              for i in range(layers)]
+    text["mlp_layer_types"] = ["sparse" if s else "dense" for s in sparse]
+    text["rope_parameters"] = {"rope_type": "default",
+                               "rope_theta": float(text.pop("rope_theta", 10000.0))}
+    text.pop("model_type", None)
+    vision = config["vision_config"]
+    sam, qwen = vision["width"]["sam_vit_b"], vision["width"]["qwen2-0-5b"]
+    width = qwen.get("dim", 896)
+    sam_config = dict(
+        hidden_size=sam.get("width", 768), num_hidden_layers=sam.get("layers", 12),
+        num_attention_heads=sam.get("heads", 12), image_size=vision.get("image_size", 1024),
+        patch_size=sam.get("patch_size", 16), window_size=sam.get("window_size", 14),
+        global_attn_indexes=list(sam.get("global_attn_indexes", (2, 5, 8, 11))),
+        mlp_dim=int(sam.get("mlp_ratio", 4.0) * sam.get("width", 768)),
+        output_channels=sam.get("out_chans", 256),
+        downsample_channels=[list(sam.get("downsample_channels", (512,)))[0], width])
+    encoder_config = dict(
+        hidden_size=width, num_hidden_layers=qwen.get("layers", 24),
+        num_attention_heads=qwen.get("heads", 14), num_key_value_heads=qwen.get("kv_heads", 2),
+        intermediate_size=qwen.get("intermediate_size", 4864),
+        rms_norm_eps=qwen.get("rms_norm_eps", 1e-6), max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": float(qwen.get("rope_theta", 1e6))})
+    return {
+        "model_type": "deepseek_ocr2",
+        "image_token_id": config.get("image_token_id", config.get("image_token_index", 128815)),
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "vision_config": {"sam_config": sam_config, "encoder_config": encoder_config},
+        **({"quantization": config["quantization"]} if "quantization" in config else {}),
+    }
 
 
 def sam_config(sam: dict) -> SamVisionConfig:
@@ -158,43 +218,45 @@ def encoder_args(encoder: dict) -> qwen2.ModelArgs:
 
 
 class QueryEncoder(nn.Module):
-    """Qwen2 blocks over a view's map then its queries (mlx-lm's ``qwen2`` blocks)."""
+    """Qwen2 blocks over a view's map then its learned queries (mlx-lm's ``qwen2``
+    blocks); the queries' final states are the view's features."""
 
     def __init__(self, args: qwen2.ModelArgs):
         super().__init__()
         self.layers = [qwen2.TransformerBlock(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.query_768 = mx.zeros((TILE_QUERIES, args.hidden_size))
+        self.query_1024 = mx.zeros((GLOBAL_QUERIES, args.hidden_size))
 
-    def __call__(self, h: mx.array, num_patches: int) -> mx.array:
-        length = h.shape[1]
-        index = mx.arange(length)
-        # causal, and the map's tokens see the whole map (transformers' block of ids 0)
-        mask = (index[None, :] <= index[:, None]) | (
-            (index[:, None] < num_patches) & (index[None, :] < num_patches))
-        for layer in self.layers:
-            h = layer(h, mask)
-        return self.norm(h)
-
-
-class VisionTower(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        width = args.encoder.hidden_size
-        self.sam_encoder = SamVisionEncoder(args.sam)
-        self.vision_encoder = QueryEncoder(args.encoder)
-        self.query_768_resolution = nn.Embedding(TILE_QUERIES, width)
-        self.query_1024_resolution = nn.Embedding(GLOBAL_QUERIES, width)
-
-    def __call__(self, pixels: mx.array) -> mx.array:
-        """(N, H, W, C) views -> (N, queries, encoder width)."""
-        patches = self.sam_encoder(pixels)
+    def __call__(self, patches: mx.array) -> mx.array:
+        """(N, map tokens, width) -> (N, queries, width)."""
         count = patches.shape[1]
-        queries = (self.query_768_resolution if count <= TILE_QUERIES
-                   else self.query_1024_resolution).weight
+        queries = self.query_768 if count <= TILE_QUERIES else self.query_1024
         queries = mx.broadcast_to(queries[None].astype(patches.dtype),
                                   (patches.shape[0], *queries.shape))
-        h = self.vision_encoder(mx.concatenate([patches, queries], axis=1), count)
-        return h[:, count:]
+        h = mx.concatenate([patches, queries], axis=1)
+        index = mx.arange(h.shape[1])
+        # causal, and the map's tokens see the whole map (transformers' block of ids 0)
+        mask = (index[None, :] <= index[:, None]) | (
+            (index[:, None] < count) & (index[None, :] < count))
+        for layer in self.layers:
+            h = layer(h, mask)
+        return self.norm(h)[:, count:]
+
+
+class VisionModel(nn.Module):
+    def __init__(self, args: qwen2.ModelArgs):
+        super().__init__()
+        self.qwen2_encoder = QueryEncoder(args)
+
+
+class Projector(nn.Module):
+    def __init__(self, width: int, text_width: int):
+        super().__init__()
+        self.layers = nn.Linear(width, text_width)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.layers(x)
 
 
 # ------------------------------------------------------------------------------ model
@@ -209,8 +271,9 @@ class Model(VisionLanguageModel):
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.vision_tower = VisionTower(args)
-        self.multi_modal_projector = nn.Linear(args.encoder.hidden_size, args.text.hidden_size)
+        self.sam_model = SamVisionEncoder(args.sam)
+        self.vision_model = VisionModel(args.encoder)
+        self.projector = Projector(args.encoder.hidden_size, args.text.hidden_size)
         self.view_separator = mx.zeros((args.text.hidden_size,))
         self.language_model = deepseek_moe_decoder.DeepseekMoeLanguageModel(
             args.text, list(args.mlp_layer_types))
@@ -223,20 +286,19 @@ class Model(VisionLanguageModel):
 
     @classmethod
     def is_hf_checkpoint(cls, weight_names) -> bool:
-        names = list(weight_names)
-        if any(marker in name for name in names for marker in HUB_MARKERS):
-            return True
-        return super().is_hf_checkpoint(names)
+        """transformers 5's names and the Hub's originals all start ``model.`` or
+        ``lm_head.``; ours (mlx-community's) never do."""
+        return any(name.startswith(("model.", "lm_head.")) for name in weight_names)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         renamed = {}
         for name, value in weights.items():
             if name.endswith(HF_ONLY_SUFFIXES):
                 continue
-            name = hub_to_transformers_name(name)
-            if name.startswith("model.vision_tower.sam_encoder."):
-                value = sam_vision.convert_hf_weight(name, value)
-            renamed[rename_prefix(name, HF_PREFIXES)] = value
+            name = checkpoint_name(name)
+            if name in CONVOLUTIONS:
+                value = value.transpose(0, 2, 3, 1)
+            renamed[name] = value
         deepseek_moe_decoder.split_experts(renamed, "language_model.model.layers.",
                                            self.args.text.moe_intermediate_size)
         return renamed
@@ -244,14 +306,29 @@ class Model(VisionLanguageModel):
     @classmethod
     def load_processor(cls, model_path: str | Path, config: dict):
         """transformers' DeepseekOcr2Processor over the checkpoint's tokenizer and the PIL
-        image processor; the checkpoint's chat template, else ``CHAT_TEMPLATE``."""
+        image processor; the checkpoint's chat template, else ``CHAT_TEMPLATE``. A
+        checkpoint in DeepSeek's own layout (mlx-community's conversions) carries no
+        transformers processor files: its sizes come from its config and
+        processor_config.json (``patch_size``, ``downsample_ratio``)."""
         import transformers
 
+        model_path = Path(model_path)
         tokenizer, chat_template = tokenizer_and_chat_template(model_path)
+        chat_template = chat_template or CHAT_TEMPLATE
+        if config and is_deepseek_layout(config):
+            options = _json(model_path / "processor_config.json")
+            image_size = config["vision_config"].get("image_size", 1024)
+            tile_size = (options.get("image_processor") or {}).get("tile_size", TILE_SIZE)
+            image_processor = transformers.DeepseekOcr2ImageProcessorPil(
+                size={"height": image_size, "width": image_size}, tile_size=tile_size)
+            return transformers.DeepseekOcr2Processor(
+                image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
+                patch_size=options.get("patch_size", 16),
+                downsample_ratio=options.get("downsample_ratio", 4))
         image_processor = transformers.DeepseekOcr2ImageProcessorPil.from_pretrained(model_path)
         return transformers.DeepseekOcr2Processor.from_pretrained(
             model_path, tokenizer=tokenizer, image_processor=image_processor,
-            chat_template=chat_template or CHAT_TEMPLATE,
+            chat_template=chat_template,
         )
 
     # -- the contract -----------------------------------------------------------------
@@ -278,11 +355,11 @@ class Model(VisionLanguageModel):
         pixel_values = mx.array(pixel_values) if not isinstance(pixel_values, mx.array) else pixel_values
         # The compute dtype: a norm's (a linear layer's weight may stay 16-bit on the CPU,
         # see mlxvlm.cpu.half_weights, and may be quantized).
-        dtype = self.vision_tower.vision_encoder.norm.weight.dtype
+        dtype = self.vision_model.qwen2_encoder.norm.weight.dtype
 
         def encode(views: mx.array) -> mx.array:
-            return self.multi_modal_projector(
-                self.vision_tower(views.transpose(0, 2, 3, 1).astype(dtype)))
+            patches = self.sam_model(views.transpose(0, 2, 3, 1).astype(dtype))
+            return self.projector(self.vision_model.qwen2_encoder(patches))
 
         return cached_rows(self, "deepseek-ocr view", encode, pixel_values)
 
@@ -305,14 +382,20 @@ class Model(VisionLanguageModel):
         return mx.concatenate(parts, axis=0)
 
 
-def hub_to_transformers_name(name: str) -> str:
-    """A Hub checkpoint's original tensor name as transformers 5 names it (unchanged if
-    it already is)."""
-    for pattern, replacement in HUB_NAMES:
+def checkpoint_name(name: str) -> str:
+    """A Hugging Face checkpoint's tensor name (transformers 5's or the Hub's original)
+    as ours."""
+    for pattern, replacement in CHECKPOINT_NAMES:
         renamed, count = re.subn(pattern, replacement, name, count=1)
         if count:
             return renamed
     return name
+
+
+def _json(path: Path) -> dict:
+    import json
+
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 # Module names for callers outside the models package (tests, tools).

@@ -8,9 +8,11 @@ met as transformers meets them: the position table resized by antialiased bicubi
 interpolation, a global block's relative tables by linear interpolation
 (``interpolation.py``: the same weights PyTorch computes, as matrices).
 
-Names follow transformers' ``DeepseekOcr2SamVisionEncoder``: ``patch_embed.projection``,
-``pos_embed``, ``layers.N.{layer_norm1,attn.{qkv,proj,rel_pos_h,rel_pos_w},layer_norm2,
-mlp.{lin1,lin2}}``, ``neck.{conv1,layer_norm1,conv2,layer_norm2}``, ``proj.{conv1,conv2}``.
+Names are SAM's own, which DeepSeek's checkpoints and mlx-community's conversions keep:
+``patch_embed.proj``, ``pos_embed``, ``blocks.N.{norm1,attn.{qkv,proj,rel_pos_h,rel_pos_w},
+norm2,mlp.{lin1,lin2}}``, ``neck.{0,1,2,3}`` (1x1 convolution, LayerNorm, 3x3
+convolution, LayerNorm), ``net_2`` and ``net_3`` (the stride-2 convolutions);
+transformers 5 renames them (``layers.N.layer_norm1``, ``neck.conv1``, ``proj.conv1``...).
 """
 
 from __future__ import annotations
@@ -114,19 +116,19 @@ class SamBlock(nn.Module):
         """``window_size`` 0: global attention over the whole map."""
         super().__init__()
         self.window_size = window_size
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.attn = SamAttention(config, window_size or config.grid)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = SamMLP(config)
 
     def __call__(self, x: mx.array) -> mx.array:
-        h = self.layer_norm1(x)
+        h = self.norm1(x)
         if self.window_size:
             h = self.windowed(h)
         else:
             h = self.attn(h)
         x = x + h
-        return x + self.mlp(self.layer_norm2(x))
+        return x + self.mlp(self.norm2(x))
 
     def windowed(self, h: mx.array) -> mx.array:
         """Attention within non-overlapping windows; the map is padded with zeros to
@@ -144,43 +146,14 @@ class SamBlock(nn.Module):
         return out.reshape(B, Hp, Wp, C)[:, :H, :W, :]
 
 
-class SamNeck(nn.Module):
-    """1x1 and 3x3 convolutions to ``output_channels``, each followed by a LayerNorm over
-    the channels."""
-
-    def __init__(self, config: SamVisionConfig):
-        super().__init__()
-        channels = config.output_channels
-        self.conv1 = nn.Conv2d(config.hidden_size, channels, kernel_size=1, bias=False)
-        self.layer_norm1 = nn.LayerNorm(channels, eps=1e-6)
-        self.conv2 = nn.Conv2d(channels, channels, kernel_size=3, padding=1, bias=False)
-        self.layer_norm2 = nn.LayerNorm(channels, eps=1e-6)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.layer_norm2(self.conv2(self.layer_norm1(self.conv1(x))))
-
-
-class SamDownsample(nn.Module):
-    """Two 3x3 stride-2 convolutions: the map 4x smaller per side, wider."""
-
-    def __init__(self, config: SamVisionConfig):
-        super().__init__()
-        first, second = config.downsample_channels
-        self.conv1 = nn.Conv2d(config.output_channels, first, 3, stride=2, padding=1, bias=False)
-        self.conv2 = nn.Conv2d(first, second, 3, stride=2, padding=1, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.conv2(self.conv1(x))
-
-
 class SamPatchEmbed(nn.Module):
     def __init__(self, config: SamVisionConfig):
         super().__init__()
-        self.projection = nn.Conv2d(config.num_channels, config.hidden_size,
-                                    kernel_size=config.patch_size, stride=config.patch_size)
+        self.proj = nn.Conv2d(config.num_channels, config.hidden_size,
+                              kernel_size=config.patch_size, stride=config.patch_size)
 
     def __call__(self, pixels: mx.array) -> mx.array:
-        return self.projection(pixels)
+        return self.proj(pixels)
 
 
 class SamVisionEncoder(nn.Module):
@@ -193,20 +166,32 @@ class SamVisionEncoder(nn.Module):
         self.patch_embed = SamPatchEmbed(config)
         if config.use_abs_pos:
             self.pos_embed = mx.zeros((1, config.grid, config.grid, config.hidden_size))
-        self.layers = [
+        self.blocks = [
             SamBlock(config, 0 if i in config.global_attn_indexes else config.window_size)
             for i in range(config.num_hidden_layers)
         ]
-        self.neck = SamNeck(config)
-        self.proj = SamDownsample(config)
+        channels = config.output_channels
+        # 1x1 and 3x3 convolutions to ``output_channels``, each with a LayerNorm over them
+        self.neck = [
+            nn.Conv2d(config.hidden_size, channels, kernel_size=1, bias=False),
+            nn.LayerNorm(channels, eps=1e-6),
+            nn.Conv2d(channels, channels, kernel_size=3, padding=1, bias=False),
+            nn.LayerNorm(channels, eps=1e-6),
+        ]
+        # the map 4x smaller per side, wider
+        first, second = config.downsample_channels
+        self.net_2 = nn.Conv2d(channels, first, 3, stride=2, padding=1, bias=False)
+        self.net_3 = nn.Conv2d(first, second, 3, stride=2, padding=1, bias=False)
 
     def __call__(self, pixels: mx.array) -> mx.array:
         h = self.patch_embed(pixels)
         if self.config.use_abs_pos:
             h = h + self.positions(h.shape[1], h.shape[2]).astype(h.dtype)
-        for layer in self.layers:
+        for block in self.blocks:
+            h = block(h)
+        for layer in self.neck:
             h = layer(h)
-        h = self.proj(self.neck(h))
+        h = self.net_3(self.net_2(h))
         return h.reshape(h.shape[0], -1, h.shape[-1])
 
     def positions(self, height: int, width: int) -> mx.array:
