@@ -93,10 +93,12 @@ CHECKPOINT_NAMES = (
 # PyTorch's (out, in, kh, kw) convolutions, moved to MLX's (out, kh, kw, in)
 CONVOLUTIONS = ("sam_model.patch_embed.proj.weight", "sam_model.neck.0.weight",
                 "sam_model.neck.2.weight", "sam_model.net_2.weight", "sam_model.net_3.weight")
-# For PEFT adapters' module names (decoder and projector)
+# Our modules' names in transformers' module tree, for PEFT adapters (hf_module_name)
 HF_PREFIXES = (
     ("model.language_model.", "language_model.model."),
     ("model.multi_modal_projector.", "projector.layers."),
+    ("model.vision_tower.sam_encoder.layers.", "sam_model.blocks."),
+    ("model.vision_tower.vision_encoder.", "vision_model.qwen2_encoder."),
     ("lm_head.", "language_model.lm_head."),
 )
 # Buffers some checkpoints carry that are recomputed here.
