@@ -360,8 +360,15 @@ class Model(VisionLanguageModel):
         dtype = self.vision_model.qwen2_encoder.norm.weight.dtype
 
         def encode(views: mx.array) -> mx.array:
-            patches = self.sam_model(views.transpose(0, 2, 3, 1).astype(dtype))
-            return self.projector(self.vision_model.qwen2_encoder(patches))
+            # One view at a time: a global SAM block's scores and relative-position bias
+            # are heads x tokens^2 per view (12 x 4096^2 for a 1024-px view), which a
+            # batch of a page's tiles would multiply.
+            features = []
+            for view in views:
+                patches = self.sam_model(view[None].transpose(0, 2, 3, 1).astype(dtype))
+                features.append(self.projector(self.vision_model.qwen2_encoder(patches)))
+                mx.eval(features[-1])
+            return mx.concatenate(features)
 
         return cached_rows(self, "deepseek-ocr view", encode, pixel_values)
 
