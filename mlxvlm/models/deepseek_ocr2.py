@@ -15,10 +15,20 @@ model card's modes are the user's text unchanged: "Free OCR.", "<|grounding|>Con
 document to markdown." (the ``<|grounding|>`` token asks for ``<|ref|>``/``<|det|>``
 boxes), "Parse the figure.", "Describe this image in detail.".
 
-Checkpoints: transformers 5's names (``model.vision_tower.sam_encoder.*``, fused experts)
-and the Hub's original ones (``model.sam_model.blocks.N.norm1``, ``model.qwen2_model.*``,
-``model.projector.layers``, ``model.view_seperator``, one tensor per expert), which
-transformers renames as it loads (``HUB_NAMES`` does the same).
+The prompt's order is the original DeepSeek "plain" conversation's: turns written one
+after another, an answer ending with EOS.
+
+Checkpoints: our names are DeepSeek's own without the ``model.`` level, as mlx-community's
+conversions (mlx-vlm's) keep them: ``sam_model.blocks.N.norm1``, ``sam_model.neck.0``,
+``sam_model.net_2``, ``vision_model.qwen2_encoder.{layers,norm,query_768,query_1024}``,
+``projector.layers``, ``view_separator``, ``language_model.model.*`` with mlx-lm's expert
+banks (``mlp.switch_mlp``), ``language_model.lm_head``. ``sanitize`` maps the Hub's
+originals (``model.sam_model.*``, ``model.qwen2_model.model.model.*``,
+``model.view_seperator``, one tensor per expert) and transformers 5's
+(``model.vision_tower.sam_encoder.layers.N.layer_norm1``, fused experts) onto them
+(``CHECKPOINT_NAMES``). mlx-community's config is DeepSeek's own (``model_type``
+"deepseekocr_2": ``language_config``, ``vision_config.width``, ``projector_config``), read
+as transformers' (``transformers_layout``).
 """
 
 from __future__ import annotations

@@ -204,10 +204,3 @@ class SamVisionEncoder(nn.Module):
         cols = mx.array(bicubic_antialiased_matrix(table.shape[2], width), dtype=mx.float32)
         resized = mx.einsum("ih,jw,bhwc->bijc", rows, cols, table.astype(mx.float32))
         return resized.astype(table.dtype)
-
-
-def convert_hf_weight(name: str, value: mx.array) -> mx.array:
-    """PyTorch's (out, in, kh, kw) convolution kernels to MLX's (out, kh, kw, in)."""
-    if value.ndim == 4 and "pos_embed" not in name:
-        return value.transpose(0, 2, 3, 1)
-    return value
