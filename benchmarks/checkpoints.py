@@ -27,6 +27,11 @@ Writes under benchmarks/checkpoints/ (git-ignored):
 - ``glm-ocr-bf16``: zai-org/GLM-OCR's shapes (0.9B: a 24-layer 1024-wide GLM-OCR tower
   over a 16-layer 1536-wide GLM decoder with 128-wide heads), bfloat16, without its
   multi-token-prediction layer;
+- ``deepseek-ocr2-bf16``: deepseek-community/DeepSeek-OCR-2's shapes (3B, about 0.6B active:
+  SAM ViT-B, 12 x 768 at 1024 px with 14-patch windows, under a 24-layer 896-wide Qwen2
+  query encoder; a 12-layer 1280-wide DeepSeek-MoE decoder, the first layer dense, then 64
+  routed experts (6 a token) and 2 shared ones), bfloat16, with the family's plain chat
+  template (a user turn renders as the model card's prompt);
 - ``llama32-11b-vision-bf16``: meta-llama/Llama-3.2-11B-Vision-Instruct's shapes (a
   32+8-layer 1280-wide tiled vision encoder at 560-px tiles, up to 4 tiles; a 40-layer
   4096-wide Llama whose layers 3, 8, ..., 38 cross-attend to the image), bfloat16;
@@ -432,6 +437,49 @@ def glm_ocr():
     return GlmOcrForConditionalGeneration, config, parts, eos_ids
 
 
+def deepseek_ocr2():
+    """deepseek-community/DeepSeek-OCR-2's shapes: SAM ViT-B (12 x 768, 12 heads, 14-patch
+    windows, global attention in blocks 2, 5, 8 and 11, a 1024-px table of 16-px patches,
+    the neck to 256 channels and two stride-2 convolutions to 896) under a Qwen2-0.5B-sized
+    query encoder (24 x 896, 14 heads over 2 KV heads), over DeepSeek-OCR's DeepSeek-MoE
+    decoder (12 x 1280, 10 heads, a dense first layer of 6848, then 64 routed experts of 896
+    with 6 a token and 2 shared ones; a 129280-token vocabulary)."""
+    from transformers import (DeepseekOcr2Config, DeepseekOcr2ForConditionalGeneration,
+                              DeepseekOcr2ImageProcessorPil)
+
+    from mlxvlm.models.deepseek_ocr2 import CHAT_TEMPLATE
+
+    special = {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1, "<｜▁pad▁｜>": 2,
+               "<image>": 128815, "<|grounding|>": 128816, "<|ref|>": 128817,
+               "<|/ref|>": 128818, "<|det|>": 128819, "<|/det|>": 128820}
+    tokenizer = word_level_tokenizer(129280, special, eos="<｜end▁of▁sentence｜>",
+                                     pad="<｜▁pad▁｜>", bos="<｜begin▁of▁sentence｜>")
+    config = DeepseekOcr2Config(
+        image_token_id=128815, tie_word_embeddings=False,
+        vision_config=dict(
+            sam_config=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                            image_size=1024, patch_size=16, window_size=14,
+                            global_attn_indexes=[2, 5, 8, 11], output_channels=256,
+                            downsample_channels=[512, 896]),
+            encoder_config=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                num_attention_heads=14, num_key_value_heads=2,
+                                rms_norm_eps=1e-6, max_position_embeddings=32768,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+        text_config=dict(vocab_size=129280, hidden_size=1280, intermediate_size=6848,
+                         moe_intermediate_size=896, num_hidden_layers=12, num_attention_heads=10,
+                         num_key_value_heads=10, n_routed_experts=64, num_experts_per_tok=6,
+                         n_shared_experts=2, mlp_layer_types=["dense"] + ["sparse"] * 11,
+                         max_position_embeddings=8192, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                         bos_token_id=0, eos_token_id=1, pad_token_id=2),
+    )
+    image_processor = DeepseekOcr2ImageProcessorPil()  # a 1024-px global view, 768-px tiles
+    parts = Parts(tokenizer, image_processor, CHAT_TEMPLATE,
+                  {"processor_class": "DeepseekOcr2Processor", "patch_size": 16,
+                   "downsample_ratio": 4}, "DeepseekOcr2ImageProcessor")
+    return DeepseekOcr2ForConditionalGeneration, config, parts, [1]
+
+
 MLLAMA_TEMPLATE = (
     "{{- bos_token }}{%- for message in messages %}"
     "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
@@ -519,7 +567,7 @@ def internvl3_5_1b():
 BUILDERS = {
     "smolvlm-256m": smolvlm_256m, "qwen2vl-2b": qwen2vl_2b, "qwen2vl-mid": qwen2vl_mid,
     "gemma4-e2b": gemma4_e2b, "qwen3vl-embedding-2b": qwen3vl_embedding_2b,
-    "glm46v-flash": glm46v_flash, "glm-ocr": glm_ocr,
+    "glm46v-flash": glm46v_flash, "glm-ocr": glm_ocr, "deepseek-ocr2": deepseek_ocr2,
     "llama32-11b-vision": llama32_11b_vision,
     "internvl3_5-1b": internvl3_5_1b,
     "qwen2vl-small": qwen2vl_small, "qwen2vl-0.5b": qwen2vl_05b,

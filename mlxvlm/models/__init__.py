@@ -56,6 +56,9 @@ FAMILIES: dict[str, str] = {
     "minicpm_ocr": "minicpm_ocr",
     # GLM-OCR: GLM-4.6V-Flash's layers with its own switches (models/glm_ocr.py)
     "glm_ocr": "glm_ocr",
+    # DeepSeek-OCR 2: SAM + a Qwen2 query encoder, DeepSeek-MoE text (models/deepseek_ocr2.py)
+    "deepseek_ocr2": "deepseek_ocr2",
+    "deepseekocr_2": "deepseek_ocr2",  # mlx-community's conversions (DeepSeek's own config)
 }
 
 

@@ -48,6 +48,7 @@ BUILDERS = {
     "minicpmv4_6": "tiny.minicpmv4_6",
     "minicpm_ocr": "tiny.minicpm_ocr",
     "glm_ocr": "tiny.glm_ocr",
+    "deepseek_ocr2": "tiny.deepseek_ocr2",
 }
 # Families that embed or rank rather than generate (mlxvlm.retrieval): the family-wide
 # generation tests (text, BOS, threads, PEFT names) run over GENERATIVE.
