@@ -54,6 +54,8 @@ FAMILIES: dict[str, str] = {
     "minicpmv4_6": "minicpmv4_6",
     # GLM-OCR: GLM-4.6V-Flash's layers with its own switches (models/glm_ocr.py)
     "glm_ocr": "glm_ocr",
+    # Granite-Docling: Idefics3-style tiles, DeepStack taps, Granite's decoder
+    "granite_docling": "granite_docling",
 }
 
 
