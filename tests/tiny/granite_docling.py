@@ -11,7 +11,7 @@ two layouts:
 
 Tiles are 32 pixels (8 x 8 patches of 4): 4 tokens each on the coarse path (4 x 4 pixel
 shuffle), 16 on the fine one (2 x 2). At most 4 tiles per page, so a landscape picture is
-2 x 2 tiles plus the thumbnail and a wide one 1 x 2 plus the thumbnail. The vision tower
+2 x 2 tiles plus the thumbnail and a wide one 1 x 3 plus the thumbnail. The vision tower
 taps its layers 0 and 2 for DeepStack, added after the decoder's first two layers. The
 tokenizer carries DocTags' tags (``<doctag>``, ``<otsl>`` ...) as added tokens, as
 granite-docling's does, and adds no BOS (Granite's tokenizer adds none).
@@ -28,8 +28,13 @@ FAMILIES = ("granite_docling",)
 LAYOUTS = ("transformers", "hub")
 
 ROW_COL_TOKENS = tuple(f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5))
-DOCTAGS = ("<doctag>", "</doctag>", "<text>", "</text>", "<otsl>", "</otsl>", "<fcel>",
-           "<ched>", "<nl>", "<title>", "</title>") + tuple(f"<loc_{i}>" for i in range(0, 500, 50))
+# DocTags' tags a page answer uses (granite-docling's tokenizer has all of them).
+DOCTAGS = tuple(f"<{name}>" for name in (
+    "doctag", "/doctag", "title", "/title", "text", "/text", "page_header", "/page_header",
+    "section_header_level_1", "/section_header_level_1", "list_item", "/list_item",
+    "unordered_list", "/unordered_list", "otsl", "/otsl", "fcel", "ecel", "ched", "rhed",
+    "srow", "lcel", "nl", "picture", "/picture", "caption", "/caption",
+)) + tuple(f"<loc_{i}>" for i in range(500))
 SPECIAL_TOKENS = (
     "<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>", "<|pad|>",
     "<fake_token_around_image>", "<image>", "<global-img>",
