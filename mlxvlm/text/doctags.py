@@ -55,9 +55,7 @@ def doctags_token_ids(processor: Any) -> frozenset[int]:
     tokenizer = tokenizer_of(processor)
     vocab = tokenizer.get_vocab()
     ids = {vocab[tag] for tag in DocumentToken.get_special_tokens() if tag in vocab}
-    ends = set(tokenizer.all_special_ids) - set(getattr(tokenizer, "added_tokens_decoder", {}))
-    ends.update(i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id)
-                if i is not None)
+    ends = {tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id}
     return frozenset(ids - ends)
 
 

@@ -37,6 +37,7 @@ DOCTAGS = tuple(f"<{name}>" for name in (
 )) + tuple(f"<loc_{i}>" for i in range(500))
 SPECIAL_TOKENS = (
     "<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>", "<|pad|>",
+    "<|endoftext|>",  # unused here: the BOS of tests/tiny/bos.py's variants
     "<fake_token_around_image>", "<image>", "<global-img>",
 ) + ROW_COL_TOKENS + DOCTAGS
 
