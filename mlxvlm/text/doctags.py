@@ -60,8 +60,9 @@ def doctags_token_ids(processor: Any) -> frozenset[int]:
 
 
 def docling_core():
+    """docling-core's document types (``DoclingDocument``, ``DocTagsDocument``)."""
     try:
-        import docling_core.types.doc.document as document
+        import docling_core.types.doc as document
     except ImportError:
         raise DocTagsError(f"converting DocTags needs docling-core: {INSTALL_HINT}") from None
     return document
@@ -73,9 +74,7 @@ def convert(doctags: str, output_format: str, image: Any = None, name: str = "pa
     if output_format == "doctags":
         return doctags
     document = docling_core()
-    from docling_core.types.doc.doctags import DocTagsDocument
-
-    pages = DocTagsDocument.from_doctags_and_image_pairs(
+    pages = document.DocTagsDocument.from_doctags_and_image_pairs(
         [doctags], None if image is None else [image])
     doc = document.DoclingDocument.load_from_doctags(pages, document_name=name)
     if output_format == "markdown":
