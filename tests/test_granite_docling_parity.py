@@ -75,6 +75,17 @@ def reference_text(processor, ref) -> str:
     return processor.tokenizer.decode(ref.tokens, skip_special_tokens=True)
 
 
+def test_one_image_matches_transformers_for_64_tokens(tiny_checkpoints, loaded):
+    """A page's answer is long: 64 greedy tokens, the same as transformers'."""
+    model, processor = loaded(FAMILY, "hub")
+    tiny = tiny_checkpoints.model(FAMILY)
+    ref = parity.reference_run(tiny.model, reference_processor(tiny), *CASES["one_image"],
+                               new_tokens=64)
+    assert len(ref.tokens) == 64, "the reference stopped early; pick another seed"
+    assert ref.margin > parity.MIN_REFERENCE_MARGIN, f"margin {ref.margin:.2e} is too thin"
+    assert parity.our_tokens(model, processor, *CASES["one_image"], max_tokens=64) == ref.tokens
+
+
 def test_the_cases_cover_the_tile_layouts(loaded, reference):
     """One image is 2 x 2 tiles and the thumbnail, the wide one 1 x 3 and the thumbnail."""
     _, processor = loaded(FAMILY, "hub")
