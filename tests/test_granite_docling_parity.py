@@ -15,8 +15,10 @@ Guards: another image changes the answer, a wrong rope θ is caught.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -271,8 +273,12 @@ def test_cli_writes_a_pdfs_pages_as_converted_markdown(monkeypatch, tmp_path, ca
         assert_table_row(text)
 
 
-def test_output_format_needs_a_doctags_model(tmp_path, capsys, tiny_checkpoints):
-    """A model whose tokenizer has no <doctag>: the CLI's one-line error, the server's 400."""
+def test_output_format_is_refused_where_it_cannot_be_served(monkeypatch, tmp_path, capsys,
+                                                             tiny_checkpoints):
+    """A model whose tokenizer has no <doctag>: the CLI's one-line error, the server's 400.
+    Where docling-core cannot be imported: the CLI's error naming the extra, the server's
+    501 (the request is right, the server lacks the library). A conversion asked with
+    ``stream``: a 400 (it needs the whole answer)."""
     from server_harness import user
     from server_process import ServerProcess
 
@@ -280,24 +286,40 @@ def test_output_format_needs_a_doctags_model(tmp_path, capsys, tiny_checkpoints)
 
     from mlxvlm.generate.__main__ import main
 
-    other = str(tiny_checkpoints.path("idefics3", "hub"))
+    docling_path = str(tiny_checkpoints.path(FAMILY, "hub"))
+    other = str(tiny_checkpoints.path("idefics3", "hub"))  # no <doctag> in its tokenizer
     image = tmp_path / "page.png"
     IMAGE_A.save(image)
     capsys.readouterr()
     assert main(["--model", other, "--image", str(image), "--output-format", "markdown"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: --output-format markdown needs a model that answers in DocTags")
-    with ServerProcess("--model", other, "--served-model-name", "smol") as server:
+    assert capsys.readouterr().err.startswith(
+        "error: --output-format markdown needs a model that answers in DocTags")
+
+    missing = tmp_path / "site" / "docling_core"
+    missing.mkdir(parents=True)
+    (missing / "__init__.py").write_text("raise ImportError('no docling-core here')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(missing.parent), os.environ.get("PYTHONPATH", "")])}
+    with ServerProcess("--model", other, "--model", docling_path, env=env) as server:
         client = server.openai_client()
-        with pytest.raises(openai.BadRequestError) as caught:
-            client.chat.completions.create(model="smol", messages=[user("Hi")], max_tokens=4,
-                                           extra_body={"output_format": "markdown"})
-        assert caught.value.body["param"] == "output_format"
-        assert "answers in DocTags" in caught.value.body["message"]
-        with pytest.raises(openai.BadRequestError) as caught:  # a conversion needs the whole answer
-            client.chat.completions.create(model="smol", messages=[user("Hi")], max_tokens=4,
-                                           stream=True, extra_body={"output_format": "html"})
-        assert "stream" in caught.value.body["message"]
+
+        def refusal(model, **extra):
+            with pytest.raises(openai.APIStatusError) as caught:
+                client.chat.completions.create(model=model, messages=[user("Hi")], max_tokens=4,
+                                               **extra)
+            return caught.value
+
+        not_doctags = refusal(other, extra_body={"output_format": "markdown"})
+        streamed = refusal(other, stream=True, extra_body={"output_format": "html"})
+        no_library = refusal(docling_path, extra_body={"output_format": "doctags"})
+    assert not_doctags.status_code == 400 and not_doctags.body["param"] == "output_format"
+    assert "answers in DocTags" in not_doctags.body["message"]
+    assert streamed.status_code == 400 and "stream" in streamed.body["message"]
+    assert no_library.status_code == 501 and "mlxvlm[docs]" in no_library.body["message"]
+
+    monkeypatch.setitem(sys.modules, "docling_core.types.doc", None)  # import fails
+    assert main(["--model", docling_path, "--prompt", "Hi", "--output-format", "doctags"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: DocTags output needs docling-core: pip install 'mlxvlm[docs]' (docling-core)")
 
 
 # ---------------------------------------------------------------- the tests can fail

@@ -6,7 +6,7 @@ A model answers in DocTags when its tokenizer has ``<doctag>`` as one token. Its
 special tokens there, which a plain answer's text leaves out: a DocTags answer keeps them
 (``doctags_token_ids``, the sampling options' ``kept_token_ids``).
 
-docling-core is optional (``pip install 'mlxvlm[docs]'``); only converting needs it.
+docling-core is optional (``pip install 'mlxvlm[docs]'``); only a DocTags output needs it.
 """
 
 from __future__ import annotations
@@ -35,16 +35,15 @@ def answers_in_doctags(processor: Any) -> bool:
 
 def check_answers_in_doctags(processor: Any, output_format: str, what: str) -> None:
     """Refuse ``output_format`` (``what``: how the entry point names the option) for a
-    model whose tokenizer has no ``<doctag>`` token, and converting formats without
-    docling-core."""
+    model whose tokenizer has no ``<doctag>`` token, and without docling-core (which
+    knows DocTags' tags, and converts them)."""
     if output_format not in OUTPUT_FORMATS:
         raise DocTagsError(f"{what} {output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
     if not answers_in_doctags(processor):
         raise DocTagsError(
             f"{what} {output_format} needs a model that answers in DocTags (SmolDocling, "
             f"Granite-Docling); this model's tokenizer has no {DOCTAG} token")
-    if output_format != "doctags":
-        docling_core()
+    docling_core()
 
 
 def doctags_token_ids(processor: Any) -> frozenset[int]:
@@ -64,7 +63,7 @@ def docling_core():
     try:
         import docling_core.types.doc as document
     except ImportError:
-        raise DocTagsError(f"converting DocTags needs docling-core: {INSTALL_HINT}") from None
+        raise DocTagsError(f"DocTags output needs docling-core: {INSTALL_HINT}") from None
     return document
 
 
