@@ -272,6 +272,10 @@ class Model(VisionLanguageModel):
         features = deepstack = None
         if pixel_values is not None:
             fine = tile_fine_mask is not None and bool(np.asarray(tile_fine_mask).any())
+            if fine and not self.args.vision.use_fine_route:
+                raise ValueError("the processor asks for the fine connector path "
+                                 "(fine_route), which this checkpoint does not have "
+                                 "(use_fine_route is false)")
             features, deepstack = self.image_features(pixel_values, pixel_attention_mask, fine)
         h, ids = merge.embed_with_features(
             self.language_model.embed_tokens, input_ids, self.args.image_token_id, features,

@@ -28,9 +28,16 @@ class DocTagsError(MlxvlmError):
     docling-core."""
 
 
+def token_ids(tokenizer: Any, tokens: list[str]) -> dict[str, int]:
+    """The ids of those ``tokens`` that are one token of ``tokenizer`` (looked up one by
+    one: a vocabulary of 100k entries is not copied per request)."""
+    ids = tokenizer.convert_tokens_to_ids(tokens)
+    return {token: i for token, i in zip(tokens, ids)
+            if i is not None and tokenizer.convert_ids_to_tokens(i) == token}
+
+
 def answers_in_doctags(processor: Any) -> bool:
-    tokenizer = tokenizer_of(processor)
-    return DOCTAG in tokenizer.get_vocab()
+    return bool(token_ids(tokenizer_of(processor), [DOCTAG]))
 
 
 def check_answers_in_doctags(processor: Any, output_format: str, what: str) -> None:
@@ -52,8 +59,7 @@ def doctags_token_ids(processor: Any) -> frozenset[int]:
     from docling_core.types.doc.tokens import DocumentToken
 
     tokenizer = tokenizer_of(processor)
-    vocab = tokenizer.get_vocab()
-    ids = {vocab[tag] for tag in DocumentToken.get_special_tokens() if tag in vocab}
+    ids = set(token_ids(tokenizer, DocumentToken.get_special_tokens()).values())
     ends = {tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id}
     return frozenset(ids - ends)
 
