@@ -14,6 +14,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mlxvlm.sampling.ranges import SAMPLING
+from mlxvlm.text.doctags import OUTPUT_FORMATS
 
 # Up to this many stop strings (OpenAI allows 4; some clients send a few more).
 MAX_STOP_STRINGS = 16
@@ -207,7 +208,7 @@ class ChatCompletionRequest(StrictModel):
     user: str | None = None
     # mlxvlm's own: a DocTags model's answer as its raw DocTags, or converted whole by
     # docling-core (text/doctags.py); "doctags" alone streams.
-    output_format: Literal["doctags", "markdown", "html", "json"] | None = None
+    output_format: Literal[OUTPUT_FORMATS] | None = None
 
     # Field validators rather than one model validator, so that the error's location
     # (and with it the error body's "param") names the field.
