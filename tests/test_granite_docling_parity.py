@@ -9,7 +9,8 @@ the cached prefix through ``python -m mlxvlm.server``.
 DocTags: a page's DocTags (a table, a heading, a list) converted by docling-core through the
 CLI (``--output-format``, one image and a PDF's ``--output-dir``) and the server's
 ``output_format``; a model that does not answer in DocTags is refused.
-Guards: another image changes the answer, a wrong rope θ is caught.
+Guards: another image changes the answer, dropping the DeepStack rows or a wrong rope θ
+is caught.
 """
 
 from __future__ import annotations
@@ -328,6 +329,16 @@ def test_output_format_is_refused_where_it_cannot_be_served(monkeypatch, tmp_pat
 def test_another_image_changes_the_output(loaded, reference):
     model, processor = loaded(FAMILY, "hub")
     assert_another_image_changes_the_output(model, processor, ALL_CASES, FAMILY, reference)
+
+
+def test_dropping_the_deepstack_rows_would_be_caught(loaded, reference):
+    """The tiny tower's DeepStack rows weigh in the logits far beyond the parity tolerance,
+    so the parity tests check them (the fine path's mergers: its own parity test)."""
+    model, processor = loaded(FAMILY, "hub")
+    ids, embeddings, state = parity.embedded(model, processor, *CASES["one_image"])
+    assert state is not None and len(state.deepstack.layers) == 2
+    without = parity.first_pass(model, ids, embeddings, None)
+    assert np.abs(without - reference(FAMILY, "one_image").logits).max() > parity.CAUGHT
 
 
 def test_wrong_rope_theta_would_be_caught(tiny_checkpoints, loaded, reference):
