@@ -37,6 +37,10 @@ Writes under benchmarks/checkpoints/ (git-ignored):
   4096-wide Llama whose layers 3, 8, ..., 38 cross-attend to the image), bfloat16;
 - ``internvl3_5-1b-bf16``: OpenGVLab/InternVL3_5-1B-HF's shapes (InternViT-300M: 24x1024
   at 448 px, pixel shuffle 2 (256 tokens a tile), a 28-layer 1024-wide Qwen3), bfloat16;
+- ``granite-docling-bf16``: ibm-granite/granite-for-docling-500m's shapes (a 12-layer
+  768-wide SigLIP tower at 512-px tiles with DeepStack taps, coarse and fine connector
+  paths, a 28-layer 1024-wide Granite decoder), bfloat16, with DocTags' tags in its
+  tokenizer;
 - ``*-4bit`` and ``*-8bit`` of each, made with ``python -m mlxvlm.convert``.
 
 Each is a Hugging Face checkpoint (config.json in the Hub's layout, safetensors,
@@ -478,6 +482,46 @@ def deepseek_ocr2():
                   {"processor_class": "DeepseekOcr2Processor", "patch_size": 16,
                    "downsample_ratio": 4}, "DeepseekOcr2ImageProcessor")
     return DeepseekOcr2ForConditionalGeneration, config, parts, [1]
+GRANITE_DOCLING_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}{%- else -%}"
+    "{%- for part in message['content'] -%}{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- elif part['type'] == 'image' -%}{{- '<image>' -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{- '<|end_of_text|>\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start_of_role|>assistant<|end_of_role|>' -}}{%- endif -%}"
+)
+
+
+def granite_docling():
+    """ibm-granite/granite-for-docling-500m's shapes (transformers' GraniteDocling defaults:
+    a 12-layer 768-wide SigLIP tower at 512-px tiles, DeepStack taps after layers 3, 7 and
+    10, the coarse (4x4, 64 tokens a tile) and fine (2x2) connector paths, a 28-layer
+    1024-wide Granite decoder, tied embeddings), without the density router. The tokenizer
+    carries DocTags' <doctag> and location tags, so --output-format applies."""
+    from transformers import (GraniteDoclingConfig, GraniteDoclingForConditionalGeneration,
+                              GraniteDoclingImageProcessorPil)
+
+    names = ("<|start_of_role|>", "<|end_of_role|>", "<fake_token_around_image>", "<global-img>")
+    special = {"<|pad|>": 100256, "<|end_of_text|>": 100257, "<image>": 100337}
+    special.update({name: 100258 + index for index, name in enumerate(names)})
+    special.update({f"<row_{r}_col_{c}>": 100400 + (r - 1) * 16 + (c - 1)
+                    for r in range(1, 17) for c in range(1, 17)})
+    tags = ["<doctag>", "</doctag>", "<text>", "</text>", "<otsl>", "</otsl>"]
+    tags += [f"<loc_{i}>" for i in range(500)]
+    special.update({tag: 101000 + index for index, tag in enumerate(tags)})
+    tokenizer = word_level_tokenizer(133800, special, eos="<|end_of_text|>", pad="<|pad|>")
+    config = GraniteDoclingConfig(
+        image_token_id=100337, pad_token_id=100256, tie_word_embeddings=True,
+        text_config=dict(vocab_size=133800, pad_token_id=100256, bos_token_id=100257,
+                         eos_token_id=100257),
+        vision_config=dict(),
+    )
+    image_processor = GraniteDoclingImageProcessorPil()
+    parts = Parts(tokenizer, image_processor, GRANITE_DOCLING_TEMPLATE,
+                  {"processor_class": "GraniteDoclingProcessor", "image_seq_len": 64},
+                  "GraniteDoclingImageProcessor")
+    return GraniteDoclingForConditionalGeneration, config, parts, [100257]
 
 
 MLLAMA_TEMPLATE = (
@@ -569,7 +613,7 @@ BUILDERS = {
     "gemma4-e2b": gemma4_e2b, "qwen3vl-embedding-2b": qwen3vl_embedding_2b,
     "glm46v-flash": glm46v_flash, "glm-ocr": glm_ocr, "deepseek-ocr2": deepseek_ocr2,
     "llama32-11b-vision": llama32_11b_vision,
-    "internvl3_5-1b": internvl3_5_1b,
+    "internvl3_5-1b": internvl3_5_1b, "granite-docling": granite_docling,
     "qwen2vl-small": qwen2vl_small, "qwen2vl-0.5b": qwen2vl_05b,
 }
 

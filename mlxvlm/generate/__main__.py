@@ -66,6 +66,15 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
         help="With a PDF: write each page's answer to DIR/page-001.md, ... instead of "
         "printing them under '## Page N' headers",
     )
+    from mlxvlm.text.doctags import OUTPUT_FORMATS
+
+    parser.add_argument(
+        "--output-format", choices=OUTPUT_FORMATS, default=None,
+        help="For a model that answers in DocTags (SmolDocling, Granite-Docling): the answer "
+        "as its raw DocTags, or converted by docling-core (pip install 'mlxvlm[docs]') to "
+        "Markdown, HTML or Docling's JSON; printed once whole (default: the answer's text "
+        "as it streams)",
+    )
     parser.add_argument(
         "--fps", type=ranged(Range(float, 0, 1000, low_open=True)), default=None,
         help="Video frames sampled per second (default: the model's own rate, else "
@@ -282,29 +291,37 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
         print(f"[mlxvlm] sampling: {chosen.describe()}", file=sys.stderr)
     from mlxvlm.generate.pdf_pages import answer_pages
 
+    sampling = _sampling_options(args, processor)
     if any(kind == "pdf" for kind, _ in media):
         text = _prompt_text(args)
         answer_pages(args, media, lambda pieces: _stream(
-            args, model, processor, _user_turn(text, pieces), draft),
-            report=_print_statistics if args.verbose else None)
+            args, model, processor, _user_turn(text, pieces), draft, sampling),
+            report=_print_statistics if args.verbose else None,
+            convert=_converter(args))
         return
+    steps = _stream(args, model, processor, _user_turn(_prompt_text(args), media), draft, sampling)
     last = None
-    for last in _stream(args, model, processor, _user_turn(_prompt_text(args), media), draft):
-        print(last.text, end="", flush=True)
-    print()
+    if args.output_format is None:
+        for last in steps:
+            print(last.text, end="", flush=True)
+        print()
+    else:  # converted whole
+        pieces = []
+        for last in steps:
+            pieces.append(last.text)
+        images = [value for kind, value in media if kind == "image"]
+        print(_converter(args)("".join(pieces), images[0] if len(images) == 1 else None))
     if args.verbose and last is not None:
         _print_statistics(last)
 
 
-def _stream(args: argparse.Namespace, model, processor, messages: list[dict], draft):
-    """stream_generate over ``messages`` with the command line's options."""
-    from mlxvlm.generate import CacheOptions, SpeculationOptions, stream_generate
+def _sampling_options(args: argparse.Namespace, processor):
+    """The command line's sampling options (those left out: the checkpoint's); with
+    --output-format, DocTags' tags kept in the answer's text."""
+    from mlxvlm.generate.stream import sampling_options
 
-    return stream_generate(
-        model,
+    options = sampling_options(
         processor,
-        messages,
-        system=args.system,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -317,6 +334,34 @@ def _stream(args: argparse.Namespace, model, processor, messages: list[dict], dr
         logit_bias=dict(args.logit_bias) if args.logit_bias else None,
         seed=args.seed,
         stop=args.stop,
+    )
+    if args.output_format is not None:
+        from mlxvlm.text.doctags import check_answers_in_doctags, doctags_token_ids
+
+        check_answers_in_doctags(processor, args.output_format, "--output-format")
+        options.kept_token_ids = options.kept_token_ids | doctags_token_ids(processor)
+    return options
+
+
+def _converter(args: argparse.Namespace):
+    """(answer, page image or None) -> what --output-format asks for; None without it."""
+    if args.output_format is None:
+        return None
+    from mlxvlm.text.doctags import convert
+
+    return lambda answer, image: convert(answer.strip(), args.output_format, image)
+
+
+def _stream(args: argparse.Namespace, model, processor, messages: list[dict], draft, sampling):
+    """stream_generate over ``messages`` with the command line's options."""
+    from mlxvlm.generate import CacheOptions, SpeculationOptions, stream_generate
+
+    return stream_generate(
+        model,
+        processor,
+        messages,
+        system=args.system,
+        sampling=sampling,
         cache=CacheOptions(args.max_kv_size, args.kv_bits, args.kv_group_size,
                            args.quantized_kv_start),
         prefill_step_size=args.prefill_step_size,

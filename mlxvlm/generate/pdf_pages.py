@@ -59,27 +59,36 @@ def close_pdfs(media: Iterable[tuple[str, object]]) -> None:
             value.document.close()
 
 
-def page_file_name(page: int, page_count: int) -> str:
+# A page file's extension by --output-format (None: the answer's text, Markdown for OCR
+# models).
+PAGE_FILE_SUFFIXES = {None: ".md", "markdown": ".md", "html": ".html", "json": ".json",
+                      "doctags": ".doctags"}
+
+
+def page_file_name(page: int, page_count: int, suffix: str = ".md") -> str:
     """``page-007.md``: zero-padded so that the files sort in page order."""
-    return f"page-{page:0{max(3, len(str(page_count)))}d}.md"
+    return f"page-{page:0{max(3, len(str(page_count)))}d}{suffix}"
 
 
 def answer_pages(args: argparse.Namespace, media: list[tuple[str, object]],
                  stream_of: Callable[[list[tuple[str, object]]], Iterable],
-                 report: Callable[[object], None] | None = None) -> None:
+                 report: Callable[[object], None] | None = None,
+                 convert: Callable[[str, object], str] | None = None) -> None:
     """Answer the PDF's pages: ``stream_of(media)`` streams the answer to one prompt whose
     media are ``media`` with the PDF replaced by one page's image; ``report(last)``, if
-    given, after each answer (its statistics)."""
+    given, after each answer (its statistics); ``convert(answer, page image)``, if given,
+    turns each whole answer into what is printed or written (--output-format)."""
     pdf = next(value for kind, value in media if kind == "pdf")
     document, pages = pdf.document, pdf.pages
 
-    def with_page(page: int) -> list[tuple[str, object]]:
+    def with_page(page: int) -> tuple[object, list[tuple[str, object]]]:
         image = document.render(page, dpi=args.dpi)
-        return [("image", image) if kind == "pdf" else (kind, value) for kind, value in media]
+        return image, [("image", image) if kind == "pdf" else (kind, value)
+                       for kind, value in media]
 
-    if len(pages) == 1 and args.output_dir is None:
+    if len(pages) == 1 and args.output_dir is None and convert is None:
         last = None
-        for last in stream_of(with_page(pages[0])):
+        for last in stream_of(with_page(pages[0])[1]):
             print(last.text, end="", flush=True)
         print()
         if report is not None and last is not None:
@@ -93,15 +102,21 @@ def answer_pages(args: argparse.Namespace, media: list[tuple[str, object]],
         except OSError as e:
             raise MlxvlmError(f"cannot create --output-dir {str(out_dir)!r}: "
                               f"{e.strerror or e}") from e
+    suffix = PAGE_FILE_SUFFIXES[getattr(args, "output_format", None)]
     with progress(total=len(pages), desc=f"PDF {document.name}", unit="page",
                   plain_every_s=0) as bar:
         for page in pages:
             last, pieces = None, []
-            for last in stream_of(with_page(page)):
+            image, page_media = with_page(page)
+            for last in stream_of(page_media):
                 pieces.append(last.text)
             answer = "".join(pieces).strip()
-            if out_dir is not None:
-                path = out_dir / page_file_name(page, document.page_count)
+            if convert is not None:
+                answer = convert(answer, image).strip()
+            if len(pages) == 1 and out_dir is None:
+                print(answer, flush=True)
+            elif out_dir is not None:
+                path = out_dir / page_file_name(page, document.page_count, suffix)
                 try:
                     path.write_text(answer + "\n", encoding="utf-8")
                 except OSError as e:

@@ -59,6 +59,8 @@ FAMILIES: dict[str, str] = {
     # DeepSeek-OCR 2: SAM + a Qwen2 query encoder, DeepSeek-MoE text (models/deepseek_ocr2.py)
     "deepseek_ocr2": "deepseek_ocr2",
     "deepseekocr_2": "deepseek_ocr2",  # mlx-community's conversions (DeepSeek's own config)
+    # Granite-Docling: Idefics3-style tiles, DeepStack taps, Granite's decoder
+    "granite_docling": "granite_docling",
 }
 
 

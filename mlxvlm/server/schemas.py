@@ -14,6 +14,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mlxvlm.sampling.ranges import SAMPLING
+from mlxvlm.text.doctags import OUTPUT_FORMATS
 
 # Up to this many stop strings (OpenAI allows 4; some clients send a few more).
 MAX_STOP_STRINGS = 16
@@ -205,6 +206,9 @@ class ChatCompletionRequest(StrictModel):
     # OpenAI's limit; only 1 is served (see chat.sampling_options).
     n: int | None = Field(default=None, ge=1, le=128)
     user: str | None = None
+    # mlxvlm's own: a DocTags model's answer as its raw DocTags, or converted whole by
+    # docling-core (text/doctags.py); "doctags" alone streams.
+    output_format: Literal[OUTPUT_FORMATS] | None = None
 
     # Field validators rather than one model validator, so that the error's location
     # (and with it the error body's "param") names the field.
@@ -212,6 +216,14 @@ class ChatCompletionRequest(StrictModel):
         _set_only_with("stream", "stream_options is only allowed when stream is true"))
     _needs_logprobs = field_validator("top_logprobs")(
         _set_only_with("logprobs", "top_logprobs needs logprobs set to true"))
+
+    @field_validator("output_format")
+    @classmethod
+    def _converted_whole(cls, value, info: ValidationInfo):
+        if value not in (None, "doctags") and info.data.get("stream"):
+            raise ValueError(f"output_format {value} converts the whole answer: send stream "
+                             "false (or output_format doctags to stream the raw DocTags)")
+        return value
 
     @field_validator("response_format")
     @classmethod

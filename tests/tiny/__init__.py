@@ -49,6 +49,7 @@ BUILDERS = {
     "minicpm_ocr": "tiny.minicpm_ocr",
     "glm_ocr": "tiny.glm_ocr",
     "deepseek_ocr2": "tiny.deepseek_ocr2",
+    "granite_docling": "tiny.granite_docling",
 }
 # Families that embed or rank rather than generate (mlxvlm.retrieval): the family-wide
 # generation tests (text, BOS, threads, PEFT names) run over GENERATIVE.

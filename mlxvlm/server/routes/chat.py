@@ -3,6 +3,7 @@ the engine to OpenAI's body or its stream of chunks, within one ``RequestLifetim
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Annotated, AsyncIterator
 
@@ -24,11 +25,18 @@ from mlxvlm.server.chat_completions import (
     sse,
 )
 from mlxvlm.server.deps import chat_request, chat_service, get_token_bytes
-from mlxvlm.server.errors import error_body
+from mlxvlm.server.errors import APIError, error_body
 from mlxvlm.server.logprobs import TokenBytes, logprob_content
 from mlxvlm.server.schemas import ChatCompletionRequest
 from mlxvlm.server.service import GenerationService, TokenStream
 from mlxvlm.server.tools import AnswerPlan
+from mlxvlm.text.doctags import (
+    DocTagsError,
+    answers_in_doctags,
+    check_answers_in_doctags,
+    doctags_token_ids,
+)
+from mlxvlm.text.doctags import convert as convert_doctags
 
 logger = logging.getLogger("mlxvlm.server")
 
@@ -44,11 +52,19 @@ Bytes = Annotated[TokenBytes, Depends(get_token_bytes)]
 async def chat_completions(request: Request, chat: Body, service: Service,
                            token_bytes: Bytes) -> Response:
     options, plan = plan_answer(chat, service)
+    if chat.output_format is not None:
+        options.kept_token_ids = options.kept_token_ids | doctags_ids(chat, service)
     writer = CompletionWriter(service.config.model_id)
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
 
-    def body(first: BatchStep, stream: TokenStream):
-        return _collect(token_bytes, writer, plan, first, stream, chat.logprobs)
+    async def body(first: BatchStep, stream: TokenStream):
+        answer = await _collect(token_bytes, writer, plan, first, stream, chat.logprobs)
+        if chat.output_format not in (None, "doctags"):
+            message = answer["choices"][0]["message"]
+            # docling-core's conversion is CPU work: not on the event loop
+            message["content"] = await asyncio.to_thread(
+                convert_doctags, (message["content"] or "").strip(), chat.output_format)
+        return answer
 
     def events(first: BatchStep, stream: TokenStream):
         return _stream_events(token_bytes, writer, plan, first, stream, include_usage,
@@ -56,6 +72,18 @@ async def chat_completions(request: Request, chat: Body, service: Service,
 
     return await answer(request, chat, options, service, body=body, events=events,
                         plan=plan)
+
+
+def doctags_ids(chat: ChatCompletionRequest, service: GenerationService) -> frozenset[int]:
+    """The tags a DocTags answer keeps; a 400 for a model that does not answer in DocTags,
+    a 501 where the server lacks docling-core for a conversion."""
+    try:
+        check_answers_in_doctags(service.processor, chat.output_format, "output_format")
+    except DocTagsError as error:
+        if answers_in_doctags(service.processor):  # docling-core is missing
+            raise APIError(501, str(error), param="output_format") from None
+        raise APIError(400, str(error), param="output_format") from None
+    return doctags_token_ids(service.processor)
 
 
 def _finish_reason(last: BatchStep, splitter: AnswerSplitter) -> str | None:
