@@ -42,6 +42,7 @@ from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.acceptance import accept_greedy, accept_sampled, is_greedy, sampling_distribution
 from mlxvlm.generate.drafters import make_drafter
 from mlxvlm.generate.loop import generation_stream, prefill_prompt
+from mlxvlm.generate.mtp_drafter import MtpDrafter
 from mlxvlm.generate.rewind import CacheCheckpoint
 from mlxvlm.prompt import PreparedInputs
 from mlxvlm.sampling import RowSampler, SamplingOptions, sampling_step, step_seed
@@ -80,16 +81,20 @@ class SpeculationStats:
 class SpeculationOptions:
     """Speculative decoding for one ``generate`` call: a ``draft_model`` (a model, a
     ``(model, processor)`` pair as ``load`` returns, or a checkpoint path) drafting
-    ``num_draft_tokens`` per pass, or prompt lookup drafting ``prompt_lookup_num_tokens``
-    from the prompt's own n-grams; neither set: no speculation."""
+    ``num_draft_tokens`` per pass, the checkpoint's own multi-token-prediction head
+    (``mtp``, chained ``num_draft_tokens`` steps), or prompt lookup drafting
+    ``prompt_lookup_num_tokens`` from the prompt's own n-grams; none set: no
+    speculation."""
 
     draft_model: Any = None
     num_draft_tokens: int = 3
     prompt_lookup_num_tokens: int | None = None
+    mtp: bool = False
 
     @property
     def enabled(self) -> bool:
-        return self.draft_model is not None or self.prompt_lookup_num_tokens is not None
+        return (self.draft_model is not None or self.prompt_lookup_num_tokens is not None
+                or self.mtp)
 
     @property
     def drafted(self) -> int:
@@ -99,8 +104,11 @@ class SpeculationOptions:
         return self.prompt_lookup_num_tokens
 
     def validate(self) -> None:
-        if self.draft_model is not None and self.prompt_lookup_num_tokens is not None:
-            raise MlxvlmError("choose a draft model or prompt lookup, not both")
+        chosen = [self.draft_model is not None, self.prompt_lookup_num_tokens is not None,
+                  self.mtp]
+        if sum(chosen) > 1:
+            raise MlxvlmError("choose one drafter, not several: a draft model, prompt lookup "
+                              "or the checkpoint's MTP head (--mtp)")
 
 
 def check_speculation(options: SamplingOptions, sampler: Callable | None,
@@ -136,6 +144,8 @@ def speculative_tokens(
     row, options, drafter, num_draft_tokens, stats, quantize)."""
     progress = prompt_progress_callback or (lambda *_: None)
     quantize = decoding.get("quantize") or (lambda _: None)
+    if isinstance(decoding["drafter"], MtpDrafter):
+        model = decoding["drafter"].recording(model)  # the head reads every pass's states
     input_ids = inputs.input_ids
     prompt = input_ids[0].tolist()
     total = input_ids.shape[1]
