@@ -116,14 +116,13 @@ class MtpDrafter:
     def update(self, accepted: int, next_token: int) -> None:
         """Commit what the recorded passes confirmed: all of every pass but the last, and
         of the last its tokens but the rejected drafts; then ``next_token``."""
-        *whole, last = self.passes or [None]
-        confirmed = [(start, emb, hid) for start, emb, hid in whole]
-        end = self.embeddings.end
-        if last is not None:
-            start, emb, hid = last
-            kept = hid.shape[1] - len(self.drafts) + accepted
-            confirmed.append((start, emb[:, :kept], hid[:, :kept]))
-            end = start + kept
+        if not self.passes:  # every verdict follows a pass: the target was called directly
+            raise RuntimeError("the MTP drafter saw no pass of the target (call the target "
+                               "through drafter.recording(model))")
+        *confirmed, (start, emb, hid) = self.passes
+        kept = hid.shape[1] - len(self.drafts) + accepted
+        confirmed.append((start, emb[:, :kept], hid[:, :kept]))
+        end = start + kept
         for start, emb, hid in confirmed:
             self.hidden.extend(start, hid)
             self.embeddings.extend(start, emb)

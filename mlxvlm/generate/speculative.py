@@ -144,16 +144,17 @@ def speculative_tokens(
     row, options, drafter, num_draft_tokens, stats, quantize)."""
     progress = prompt_progress_callback or (lambda *_: None)
     quantize = decoding.get("quantize") or (lambda _: None)
-    if isinstance(decoding["drafter"], MtpDrafter):
-        model = decoding["drafter"].recording(model)  # the head reads every pass's states
+    drafter = decoding["drafter"]
+    # The MTP head reads every pass's hidden states, the prompt's too.
+    target = drafter.recording(model) if isinstance(drafter, MtpDrafter) else model
     input_ids = inputs.input_ids
     prompt = input_ids[0].tolist()
     total = input_ids.shape[1]
-    embeddings, state, done = prefill_prompt(model, inputs, cache, prefill_step_size,
+    embeddings, state, done = prefill_prompt(target, inputs, cache, prefill_step_size,
                                              quantize, progress)
     with mx.stream(generation_stream):
-        logits = model(input_ids[:, done:], cache, embeddings=embeddings[:, done:], state=state,
-                       last_only=True)
+        logits = target(input_ids[:, done:], cache, embeddings=embeddings[:, done:], state=state,
+                        last_only=True)
         quantize(cache)
         first, logprobs = sampling_step(logits[:, -1, :], [decoding["row"]], None)
         first = first.item()
@@ -184,6 +185,8 @@ def speculative_decode(
     cache by: at times fewer than were emitted, and drafts accepted after a stop the
     caller acts on)."""
     quantize = quantize or (lambda _: None)
+    if isinstance(drafter, MtpDrafter):
+        model = drafter.recording(model)
     held = [] if held is None else held
     emitted = [first]
     drafter.update(0, first)
@@ -272,14 +275,16 @@ def _fit(q: np.ndarray | None, vocab: int) -> np.ndarray | None:
 
 @dataclass(frozen=True)
 class Speculation:
-    """How the batching engine speculates (the server's ``--draft-model`` or
-    ``--prompt-lookup-num-tokens``): ``draft_model`` is a loaded model that takes the
-    target's prompt as it is (a quantized copy, a same-family model with the same
-    processor) or an mlx-lm text model."""
+    """How the batching engine speculates (the server's ``--draft-model``,
+    ``--prompt-lookup-num-tokens`` or ``--mtp``): ``draft_model`` is a loaded model that
+    takes the target's prompt as it is (a quantized copy, a same-family model with the
+    same processor) or an mlx-lm text model; ``mtp``: the model's own head, whose drafter
+    watches the prompt's prefill (``watching_drafter``)."""
 
     draft_model: Any = None
     num_draft_tokens: int = 3
     prompt_lookup_num_tokens: int | None = None
+    mtp: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -290,6 +295,16 @@ class Speculation:
     def usable(self, options: SamplingOptions) -> bool:
         """Whether a request can speculate (a grammar cannot)."""
         return options.constraint is None
+
+    def watching_drafter(self, model: nn.Module, options: SamplingOptions, first_position: int,
+                         prefill_step_size: int) -> MtpDrafter | None:
+        """The drafter that must see the prompt's prefill (the MTP head's, from
+        ``first_position``: after a reused prefix), made before it; None for the others."""
+        if not self.mtp or not self.usable(options):
+            return None
+        seed = None if options.seed is None else step_seed(options.seed, -1)
+        return MtpDrafter(model, options, first_position=first_position,
+                          chunk=prefill_step_size, seed=seed)
 
     def drafter(self, model: nn.Module, inputs: PreparedInputs, options: SamplingOptions,
                 prefill_step_size: int) -> Drafter:

@@ -77,6 +77,7 @@ class ServerConfig:
     draft_model: str | None = None
     num_draft_tokens: int = 3
     prompt_lookup_num_tokens: int | None = None
+    mtp: bool = False  # the model's own multi-token-prediction head drafts
     # Several models (models_registry): how many may be loaded at once (the least
     # recently used is unloaded to make room) and after how many unused seconds one is
     # unloaded (0: never).
@@ -133,9 +134,12 @@ class ServerConfig:
                      "idle_unload_seconds", "min_loaded_seconds"):
             if getattr(self, name) < 0:
                 raise MlxvlmError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.draft_model is not None and self.prompt_lookup_num_tokens is not None:
-            raise MlxvlmError("choose --draft-model or --prompt-lookup-num-tokens, not both")
-        speculates = self.draft_model is not None or self.prompt_lookup_num_tokens is not None
+        drafters = [self.draft_model is not None, self.prompt_lookup_num_tokens is not None,
+                    self.mtp]
+        if sum(drafters) > 1:
+            raise MlxvlmError("choose one of --draft-model, --prompt-lookup-num-tokens and "
+                              "--mtp, not both")
+        speculates = any(drafters)
         if speculates and self.max_concurrency > 1:
             raise MlxvlmError(
                 "speculative decoding needs --max-concurrency 1: a batched decode step already "
@@ -336,6 +340,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+        mtp=args.mtp,
         max_loaded_models=args.max_loaded_models,
         idle_unload_seconds=args.idle_unload_seconds,
         min_loaded_seconds=args.min_loaded_seconds,
