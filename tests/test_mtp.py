@@ -287,3 +287,42 @@ def test_convert_keeps_the_head_quantized(tiny_checkpoints, tmp_path):
     plain, _ = run(model, processor, max_tokens=16)
     tokens, last = run(model, processor, max_tokens=16, mtp=True, num_draft_tokens=2)
     assert tokens == plain and last.speculation.drafted > 0
+
+
+def test_the_server_drafts_with_the_head_and_refuses_what_it_cannot(models, tiny_checkpoints,
+                                                                    headless):
+    """``python -m mlxvlm.server --mtp``: the greedy answer of the server without it;
+    refused on a checkpoint without the head, and beside concurrent decoding."""
+    import httpx
+    from server_harness import LiveServer
+    from server_process import ServerProcess
+
+    from mlxvlm.server.config import ServerConfig
+
+    path = str(tiny_checkpoints.path("qwen3_5", "hub"))
+    body = {"model": "q", "messages": [{"role": "user", "content": TEXT}], "max_tokens": 24,
+            "temperature": 0.0}
+
+    def ask(server):
+        reply = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["message"]
+
+    with LiveServer(*models("qwen3_5"), model_id="q", max_concurrency=1) as server:
+        plain = ask(server)
+    with ServerProcess("--model", path, "--served-model-name", "q", "--max-concurrency", "1",
+                       "--mtp", "--num-draft-tokens", "3") as server:
+        assert ask(server) == plain
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    drafted = [line for line in metrics.splitlines()
+               if line.startswith("mlxvlm_draft_tokens_total")]
+    assert drafted and float(drafted[0].split()[-1]) > 0
+    assert plain["content"] or plain.get("reasoning_content")
+
+    # The entry point's refusal at start (exit 2 with its line) is the service's.
+    with pytest.raises(MlxvlmError, match="--mtp given but the checkpoint has no MTP head"):
+        LiveServer(*load(headless), model_id="q", max_concurrency=1, mtp=True)
+    with pytest.raises(MlxvlmError, match="--max-concurrency 1"):
+        ServerConfig(model_id="q", mtp=True)
+    with pytest.raises(MlxvlmError, match="not both"):
+        ServerConfig(model_id="q", max_concurrency=1, mtp=True, prompt_lookup_num_tokens=2)
