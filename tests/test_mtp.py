@@ -171,6 +171,9 @@ def test_greedy_output_is_the_same_with_mtp(models, family):
         tokens, last = run(model, processor, max_tokens=NEW, mtp=True, num_draft_tokens=k)
         assert tokens == plain
         assert last.speculation.drafted > 0
+    # A rotating window with sinks, well past its size (passes of one token there).
+    options = dict(max_tokens=NEW + 8, max_kv_size=last.prompt_tokens + 12)
+    assert run(model, processor, mtp=True, **options)[0] == run(model, processor, **options)[0]
 
 
 def test_sampling_accepts_drafts_and_keeps_the_head_cache_exact(models):

@@ -191,11 +191,12 @@ def make_drafter(
     prepare_draft_inputs: Callable[[Any, nn.Module], PreparedInputs],
     prefill_step_size: int = 2048,
 ):
-    """The drafter for a run: prompt lookup, the target's MTP head (``mtp``: it watches
-    the target's passes from the prompt's first, ``mtp_drafter``), or ``draft_model`` (a model, a ``(model,
-    processor)`` pair as ``load`` returns, or a checkpoint path), whose prompt is made as
-    the module's docstring says (``prepare_draft_inputs(processor, model)``: the same prompt and
-    media through the draft's processor)."""
+    """The drafter for a run: prompt lookup, the target's own MTP head (``mtp``; it must
+    watch the target's passes from the prompt's first: ``mtp_drafter``), or
+    ``draft_model`` (a model, a ``(model, processor)`` pair as ``load`` returns, or a
+    checkpoint path), whose prompt is made as the module's docstring says
+    (``prepare_draft_inputs(processor, model)``: the same prompt and media through the
+    draft's processor)."""
     if prompt_lookup:
         return PromptLookupDrafter()
     seed = None if options.seed is None else step_seed(options.seed, -1)

@@ -153,7 +153,9 @@ class MtpDrafter:
                                        self.cache, self.state, position)
                 self.slots += n
                 self.last = out[:, -1:]
-                mx.eval(self.last, [c.state for c in self.cache])
+                if n == self.chunk:  # a long prompt: one chunk's graph at a time
+                    mx.eval(self.last, [c.state for c in self.cache])
+                # else the next draft's read evaluates it with the chain
 
     # -- drafting ---------------------------------------------------------------------
 
