@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxvlm.errors import MlxvlmError
 from mlxvlm.models import qwen3_vl
-from mlxvlm.models.layers.mtp_head import MtpHead, MtpTarget
+from mlxvlm.models.layers.mtp_head import MTP, MtpHead, MtpTarget, mtp_target
 from mlxvlm.models.config_utils import text_config, token_id
 from mlxvlm.models.layers.hybrid_decoder import (
     FULL,
@@ -45,11 +44,10 @@ ZERO_CENTRED_NORMS = (
     "language_model.model.norm.weight",
     ".q_norm.weight",
     ".k_norm.weight",
-    "language_model.mtp.norm.weight",
+    f"{MTP}.norm.weight",
     ".pre_fc_norm_embedding.weight",
     ".pre_fc_norm_hidden.weight",
 )
-MTP = "language_model.mtp"
 
 
 
@@ -139,12 +137,7 @@ class Model(QwenVLModel):
         return self.language_model.model.make_cache()
 
     def multi_token_predictor(self) -> MtpTarget:
-        if "mtp" not in self.language_model:
-            raise MlxvlmError(
-                "--mtp given but the checkpoint has no MTP head (no mtp.* weights: an "
-                "mlx-lm conversion drops them); use the Hub's checkpoint or convert it with "
-                "python -m mlxvlm.convert, which keeps them")
-        return MtpTarget(self.language_model)
+        return mtp_target(self.language_model)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return hybrid_text_weights(super().sanitize(weights))

@@ -24,7 +24,12 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from mlxvlm.errors import MlxvlmError
 from mlxvlm.models.layers.hybrid_decoder import FULL, HybridDecoderLayer, HybridTextConfig
+
+# Where a family keeps the head (``mtp.`` in the Hub's checkpoints): beside the decoder,
+# so that quantization treats it as the text model's.
+MTP = "language_model.mtp"
 
 
 class MtpHead(nn.Module):
@@ -89,3 +94,13 @@ class MtpTarget:
         rotary = self.language_model.model.rotary.for_tokens(
             state, position, embeddings.shape[1], embeddings.dtype)
         return self.head(embeddings, hidden, cache, rotary, step)
+
+
+def mtp_target(language_model: nn.Module) -> MtpTarget:
+    """``multi_token_predictor`` of a family whose text model may carry the head."""
+    if "mtp" not in language_model:
+        raise MlxvlmError(
+            "--mtp given but the checkpoint has no MTP head (no mtp.* weights: an mlx-lm "
+            "conversion drops them); use the Hub's checkpoint or convert it with "
+            "python -m mlxvlm.convert, which keeps them")
+    return MtpTarget(language_model)
