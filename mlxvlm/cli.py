@@ -278,7 +278,8 @@ def add_speculation_arguments(parser: argparse.ArgumentParser, note: str = "") -
                         "pass of the model")
     parser.add_argument("--mtp", action="store_true",
                         help="Speculative decoding with the checkpoint's own multi-token-"
-                        "prediction head (Qwen3.5, Qwen3.5-MoE: the Hub's mtp.* weights), "
+                        "prediction head (Qwen3.5, Qwen3.5-MoE, MiniCPM-V 4.6: the Hub's mtp.* "
+                        "weights), "
                         f"chained --num-draft-tokens steps{note} (default: off)")
     parser.add_argument("--prompt-lookup-num-tokens", type=ranged(at_least(1, 64)), default=None,
                         help="Speculative decoding by prompt lookup: draft up to this many "

@@ -258,7 +258,7 @@ class VisionLanguageModel(nn.Module):
         one refuses."""
         family = type(self).__module__.rpartition(".")[2]
         raise MlxvlmError(f"--mtp given but the {family} family has no multi-token-prediction "
-                          "head (Qwen3.5 and Qwen3.5-MoE checkpoints ship one)")
+                          "head (Qwen3.5, Qwen3.5-MoE and MiniCPM-V 4.6 checkpoints ship one)")
 
     def bidirectional_spans(self, state: Any) -> list[tuple[int, int]]:
         """Prompt ranges ``[start, end)`` (from ``embed``'s ``state``) whose tokens attend
