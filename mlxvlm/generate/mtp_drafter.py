@@ -81,8 +81,8 @@ class RecordingTarget:
         hidden = target.hidden_states(input_ids, cache, embeddings, state)
         if embeddings is None:
             embeddings = target.embed_tokens(input_ids)
-        self._drafter.passes.append((start, embeddings, hidden))
         self._drafter.state = state  # the head rotates as the target does
+        self._drafter.record(start, embeddings, hidden)
         return target.logits(hidden[:, -1:] if last_only else hidden)
 
 
@@ -111,7 +111,23 @@ class MtpDrafter:
     def recording(self, model: nn.Module) -> RecordingTarget:
         return RecordingTarget(model, self)
 
-    # -- the verdict ------------------------------------------------------------------
+    # -- the target's passes and verdicts ----------------------------------------------
+
+    def record(self, start: int, embeddings: mx.array, hidden: mx.array) -> None:
+        """A pass of the target from position ``start``. The passes before it are
+        confirmed whole (only a verdict's pass has rejected tokens): they are committed
+        now, so that a long prompt's states go through the head chunk by chunk."""
+        if self.passes:
+            self._take_rows(self.passes)
+            self.passes = []
+            self._trim_chained()
+            self._commit(evaluate=True)
+        self.passes.append((start, embeddings, hidden))
+
+    def _take_rows(self, passes) -> None:
+        for start, emb, hid in passes:
+            self.hidden.extend(start, hid)
+            self.embeddings.extend(start, emb)
 
     def update(self, accepted: int, next_token: int) -> None:
         """Commit what the recorded passes confirmed: all of every pass but the last, and
@@ -123,9 +139,7 @@ class MtpDrafter:
         kept = hid.shape[1] - len(self.drafts) + accepted
         confirmed.append((start, emb[:, :kept], hid[:, :kept]))
         end = start + kept
-        for start, emb, hid in confirmed:
-            self.hidden.extend(start, hid)
-            self.embeddings.extend(start, emb)
+        self._take_rows(confirmed)
         self.passes, self.drafts = [], []
         self._trim_chained()
         with mx.stream(generation_stream):
@@ -140,8 +154,10 @@ class MtpDrafter:
                 layer_cache.trim(layer_cache.offset - offset)
         self.offsets = None
 
-    def _commit(self) -> None:
-        """Run the head over every slot both inputs are known for, in chunks."""
+    def _commit(self, evaluate: bool = False) -> None:
+        """Run the head over every slot both inputs are known for, in chunks; evaluated
+        chunk by chunk where ``evaluate`` (a prompt), else the last chunk is left to the
+        next draft's read (a verdict's few slots)."""
         with mx.stream(generation_stream):
             while True:
                 n = min(self.hidden.end, self.embeddings.end - 1) - self.slots
@@ -153,9 +169,8 @@ class MtpDrafter:
                                        self.cache, self.state, position)
                 self.slots += n
                 self.last = out[:, -1:]
-                if n == self.chunk:  # a long prompt: one chunk's graph at a time
+                if evaluate or n == self.chunk:
                     mx.eval(self.last, [c.state for c in self.cache])
-                # else the next draft's read evaluates it with the chain
 
     # -- drafting ---------------------------------------------------------------------
 
