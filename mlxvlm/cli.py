@@ -274,7 +274,13 @@ def add_speculation_arguments(parser: argparse.ArgumentParser, note: str = "") -
                         "mlxvlm checkpoint, e.g. a quantized copy of the model, or an mlx-lm "
                         f"text model){note} (default: none)")
     parser.add_argument("--num-draft-tokens", type=ranged(at_least(1, 64)), default=3,
-                        help="Tokens the draft model proposes per pass of the model")
+                        help="Tokens the draft model (or the MTP head, chained) proposes per "
+                        "pass of the model")
+    parser.add_argument("--mtp", action="store_true",
+                        help="Speculative decoding with the checkpoint's own multi-token-"
+                        "prediction head (Qwen3.5, Qwen3.5-MoE, MiniCPM-V 4.6: the Hub's mtp.* "
+                        "weights), "
+                        f"chained --num-draft-tokens steps{note} (default: off)")
     parser.add_argument("--prompt-lookup-num-tokens", type=ranged(at_least(1, 64)), default=None,
                         help="Speculative decoding by prompt lookup: draft up to this many "
                         f"tokens from n-grams of the prompt and the answer{note} (default: off)")

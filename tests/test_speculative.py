@@ -249,7 +249,7 @@ def test_prompt_lookup_takes_the_latest_longest_match():
 
 @pytest.mark.parametrize("options, message", [
     (dict(prompt_lookup_num_tokens=2, json_schema=True), "json_schema"),
-    (dict(prompt_lookup_num_tokens=0, draft_model="x"), "not both"),
+    (dict(prompt_lookup_num_tokens=0, draft_model="x"), "one drafter"),
     (dict(draft_model="unused", num_draft_tokens=0), "at least 1"),
 ])
 def test_bad_speculation_options_are_refused(models, options, message):

@@ -1,5 +1,5 @@
 """Speculative decoding in the batching engine (the server with ``--draft-model`` or
-``--prompt-lookup-num-tokens`` and ``--max-concurrency 1``): the same greedy tokens as the
+``--prompt-lookup-num-tokens`` or ``--mtp`` and ``--max-concurrency 1``): the same greedy tokens as the
 engine without it and as ``generate``, a next turn that reuses the speculative answer's
 cache from the prefix cache, cancellation, and the server's rule for its flags."""
 
@@ -34,14 +34,17 @@ def answer(engine, loaded, messages, max_tokens=NEW):
     return steps
 
 
-@pytest.mark.parametrize("family", ("qwen2_vl", "qwen3_5"))
-@pytest.mark.parametrize("kind", ("self-draft", "prompt lookup"))
+@pytest.mark.parametrize("family, kind", [
+    (family, kind) for family in ("qwen2_vl", "qwen3_5") for kind in ("self-draft", "prompt lookup")
+] + [("qwen3_5", "mtp")])
 def test_the_engine_speculates_with_the_same_tokens_and_reuses_the_answer(
         tiny_checkpoints, family, kind):
     loaded = mlxvlm.load(tiny_checkpoints.path(family, "hub"))
     model, processor = loaded
-    speculation = (Speculation(draft_model=model, num_draft_tokens=3) if kind == "self-draft"
-                   else Speculation(prompt_lookup_num_tokens=3))
+    speculation = {"self-draft": Speculation(draft_model=model, num_draft_tokens=3),
+                   "prompt lookup": Speculation(prompt_lookup_num_tokens=3),
+                   # chunked prefill watched, then a next turn's head from the reused prefix
+                   "mtp": Speculation(mtp=True, num_draft_tokens=3)}[kind]
     first_messages = user(None, "Describe this image.")
     runs = {}
     for name, spec in (("plain", None), ("speculative", speculation)):
@@ -53,9 +56,10 @@ def test_the_engine_speculates_with_the_same_tokens_and_reuses_the_answer(
                     *user("What colours are in it?")]
         second = answer(engine, loaded, messages)
         runs[name] = ([s.token for s in first], [s.token for s in second],
-                      second[0].cached_tokens, messages)
+                      second[0].cached_tokens, messages, engine.stats.drafted_tokens)
     plain, speculative = runs["plain"], runs["speculative"]
     assert speculative[:3] == plain[:3]
+    assert plain[4] == 0 and speculative[4] > 0  # it drafted
     assert speculative[2] > 0  # the next turn reused the speculative answer's cache
     fresh = mlxvlm.generate(model, processor, plain[3], image=[IMAGE], max_tokens=NEW)
     assert speculative[1] == fresh.tokens

@@ -141,6 +141,9 @@ class _Sequence:
     speculative: Any = None  # the speculative_decode generator, while it speculates
     held: list[int] | None = None  # the tokens its cache took in after the prompt
     namespace: str | None = None  # its API key's (a prefix-cache file must carry it)
+    # A drafter that watches the prefill (the MTP head's), made with it; else None.
+    drafter: Any = None
+    speculation_stats: SpeculationStats | None = None
 
     @property
     def cancelled(self) -> bool:
@@ -163,6 +166,9 @@ class EngineStats:
     time_to_first_token_count: int = 0
     decode_tokens_per_second: float = 0.0  # smoothed over recent decode steps
     peak_batch_size: int = 0  # the most requests decoded in one step so far
+    # Speculative decoding, over the requests that finished speculating.
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 # What ``_emit`` reports about a request.
@@ -453,8 +459,11 @@ class BatchEngine(EngineThread):
             # State layers cannot be trimmed: snapshot where the next turn will resume.
             ends = turn_boundaries(np.asarray(ids[0]).tolist(), self.eos_token_ids)
             boundaries = [end - start for end in ends]
+        if self.speculation is not None:
+            seq.drafter = self.speculation.watching_drafter(model, seq.options, start,
+                                                            self.prefill_step_size)
         seq.prefill = prefill_chunks(
-            model,
+            self._target_of(seq),
             ids[:, start:],
             embeddings,
             state,
@@ -483,7 +492,7 @@ class BatchEngine(EngineThread):
         self._prefilling = None
         rest = seq.cached_tokens + seq.prefilled
         with mx.stream(generation_stream):
-            logits = self.model(
+            logits = self._target_of(seq)(
                 seq.inputs.input_ids[:, rest:],
                 seq.cache,
                 embeddings=seq.embeddings[:, seq.prefilled :],
@@ -517,14 +526,20 @@ class BatchEngine(EngineThread):
 
     # -- speculative decoding (max_batch_size 1) --------------------------------------
 
+    def _target_of(self, seq: _Sequence) -> Any:
+        """The model as a sequence's prefill calls it: through its drafter where that
+        watches the passes."""
+        return self.model if seq.drafter is None else seq.drafter.recording(self.model)
+
     def _start_speculating(self, seq: _Sequence, first: int) -> None:
         seq.held = []
-        drafter = self.speculation.drafter(self.model, seq.inputs, seq.options,
-                                           self.prefill_step_size)
+        seq.speculation_stats = SpeculationStats()
+        drafter = seq.drafter or self.speculation.drafter(self.model, seq.inputs, seq.options,
+                                                          self.prefill_step_size)
         seq.speculative = speculative_decode(
             self.model, seq.cache, seq.state, seq.inputs.input_ids[0].tolist(), first,
             max_tokens=seq.text.max_tokens, row=seq.row, options=seq.options, drafter=drafter,
-            num_draft_tokens=self.speculation.num_tokens, stats=SpeculationStats(),
+            num_draft_tokens=self.speculation.num_tokens, stats=seq.speculation_stats,
             quantize=self.cache_options.quantize, held=seq.held)
         self._speculating = seq
 
@@ -542,6 +557,9 @@ class BatchEngine(EngineThread):
             return
         self._speculating = None
         seq.speculative.close()
+        seq.drafter = None
+        self.stats.drafted_tokens += seq.speculation_stats.drafted
+        self.stats.accepted_draft_tokens += seq.speculation_stats.accepted
         if outcome is _FINISHED:
             self._finished(seq, seq.cache if self._keeps_cache(seq) else None, fed=seq.held)
         else:

@@ -11,7 +11,7 @@ import glob
 import json
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -220,6 +220,7 @@ def build_model(model_path: Path, config: dict, family, weights: dict[str, mx.ar
     if not is_converted(model_path, config) and family.Model.is_hf_checkpoint(weights.keys()):
         weights = model.sanitize(weights)
     settle_absent_head(model, weights.keys(), head_optional, model_path)
+    drop_absent_parts(model, weights.keys())
     plan = None
     if sharding is not None:  # after sanitize, which may ask the towers how to map theirs
         from mlxvlm.distributed import sharding as shards
@@ -238,6 +239,21 @@ def build_model(model_path: Path, config: dict, family, weights: dict[str, mx.ar
         shards.shard(model, plan)
     model.sharding = plan
     return model
+
+
+def drop_absent_parts(model: nn.Module, weight_names: Iterable[str]) -> None:
+    """Remove each of the family's ``optional_parts`` of which the weights (after
+    ``sanitize``) hold no tensor, so that the strict load does not miss them."""
+    names = list(weight_names)
+    for path in model.optional_parts:
+        if any(name.startswith(f"{path}.") for name in names):
+            continue
+        parent_path, _, leaf = path.rpartition(".")
+        parent = model
+        for part in parent_path.split(".") if parent_path else ():
+            parent = parent[part]
+        if leaf in parent:
+            parent.pop(leaf)
 
 
 def load_model(

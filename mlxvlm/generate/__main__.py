@@ -366,7 +366,7 @@ def _stream(args: argparse.Namespace, model, processor, messages: list[dict], dr
                            args.quantized_kv_start),
         prefill_step_size=args.prefill_step_size,
         speculation=SpeculationOptions(draft, args.num_draft_tokens,
-                                       args.prompt_lookup_num_tokens),
+                                       args.prompt_lookup_num_tokens, args.mtp),
     )
 
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from mlxvlm.generate.acceptance import is_greedy, sampling_distribution
 from mlxvlm.generate.loop import generation_stream, prefill_prompt
+from mlxvlm.generate.mtp_drafter import MtpDrafter
 from mlxvlm.generate.rewind import CacheCheckpoint
 from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.prompt import PreparedInputs
@@ -186,15 +187,21 @@ def make_drafter(
     *,
     draft_model: Any = None,
     prompt_lookup: bool = False,
+    mtp: bool = False,
     prepare_draft_inputs: Callable[[Any, nn.Module], PreparedInputs],
     prefill_step_size: int = 2048,
 ):
-    """The drafter for a run: prompt lookup, or ``draft_model`` (a model, a ``(model,
-    processor)`` pair as ``load`` returns, or a checkpoint path), whose prompt is made as
-    the module's docstring says (``prepare_draft_inputs(processor, model)``: the same prompt and
-    media through the draft's processor)."""
+    """The drafter for a run: prompt lookup, the target's own MTP head (``mtp``; it must
+    watch the target's passes from the prompt's first: ``mtp_drafter``), or
+    ``draft_model`` (a model, a ``(model, processor)`` pair as ``load`` returns, or a
+    checkpoint path), whose prompt is made as the module's docstring says
+    (``prepare_draft_inputs(processor, model)``: the same prompt and media through the
+    draft's processor)."""
     if prompt_lookup:
         return PromptLookupDrafter()
+    seed = None if options.seed is None else step_seed(options.seed, -1)
+    if mtp:
+        return MtpDrafter(target, options, chunk=prefill_step_size, seed=seed)
     if isinstance(draft_model, (str, Path)):
         model, processor = load_draft(str(draft_model))
     elif isinstance(draft_model, tuple):
@@ -205,6 +212,5 @@ def make_drafter(
         draft_inputs = inputs if processor is None else prepare_draft_inputs(processor, model)
     else:
         draft_inputs = text_prompt(inputs.input_ids, set(target.placeholder_token_ids))
-    seed = None if options.seed is None else step_seed(options.seed, -1)
     return DraftModelDrafter(model, draft_inputs, options, prefill_step_size=prefill_step_size,
                              seed=seed)

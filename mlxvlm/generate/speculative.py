@@ -42,6 +42,7 @@ from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.acceptance import accept_greedy, accept_sampled, is_greedy, sampling_distribution
 from mlxvlm.generate.drafters import make_drafter
 from mlxvlm.generate.loop import generation_stream, prefill_prompt
+from mlxvlm.generate.mtp_drafter import MtpDrafter
 from mlxvlm.generate.rewind import CacheCheckpoint
 from mlxvlm.prompt import PreparedInputs
 from mlxvlm.sampling import RowSampler, SamplingOptions, sampling_step, step_seed
@@ -80,16 +81,20 @@ class SpeculationStats:
 class SpeculationOptions:
     """Speculative decoding for one ``generate`` call: a ``draft_model`` (a model, a
     ``(model, processor)`` pair as ``load`` returns, or a checkpoint path) drafting
-    ``num_draft_tokens`` per pass, or prompt lookup drafting ``prompt_lookup_num_tokens``
-    from the prompt's own n-grams; neither set: no speculation."""
+    ``num_draft_tokens`` per pass, the checkpoint's own multi-token-prediction head
+    (``mtp``, chained ``num_draft_tokens`` steps), or prompt lookup drafting
+    ``prompt_lookup_num_tokens`` from the prompt's own n-grams; none set: no
+    speculation."""
 
     draft_model: Any = None
     num_draft_tokens: int = 3
     prompt_lookup_num_tokens: int | None = None
+    mtp: bool = False
 
     @property
     def enabled(self) -> bool:
-        return self.draft_model is not None or self.prompt_lookup_num_tokens is not None
+        return (self.draft_model is not None or self.prompt_lookup_num_tokens is not None
+                or self.mtp)
 
     @property
     def drafted(self) -> int:
@@ -99,8 +104,11 @@ class SpeculationOptions:
         return self.prompt_lookup_num_tokens
 
     def validate(self) -> None:
-        if self.draft_model is not None and self.prompt_lookup_num_tokens is not None:
-            raise MlxvlmError("choose a draft model or prompt lookup, not both")
+        chosen = [self.draft_model is not None, self.prompt_lookup_num_tokens is not None,
+                  self.mtp]
+        if sum(chosen) > 1:
+            raise MlxvlmError("choose one drafter, not several: a draft model, prompt lookup "
+                              "or the checkpoint's MTP head (--mtp)")
 
 
 def check_speculation(options: SamplingOptions, sampler: Callable | None,
@@ -136,14 +144,17 @@ def speculative_tokens(
     row, options, drafter, num_draft_tokens, stats, quantize)."""
     progress = prompt_progress_callback or (lambda *_: None)
     quantize = decoding.get("quantize") or (lambda _: None)
+    drafter = decoding["drafter"]
+    # The MTP head reads every pass's hidden states, the prompt's too.
+    target = drafter.recording(model) if isinstance(drafter, MtpDrafter) else model
     input_ids = inputs.input_ids
     prompt = input_ids[0].tolist()
     total = input_ids.shape[1]
-    embeddings, state, done = prefill_prompt(model, inputs, cache, prefill_step_size,
+    embeddings, state, done = prefill_prompt(target, inputs, cache, prefill_step_size,
                                              quantize, progress)
     with mx.stream(generation_stream):
-        logits = model(input_ids[:, done:], cache, embeddings=embeddings[:, done:], state=state,
-                       last_only=True)
+        logits = target(input_ids[:, done:], cache, embeddings=embeddings[:, done:], state=state,
+                        last_only=True)
         quantize(cache)
         first, logprobs = sampling_step(logits[:, -1, :], [decoding["row"]], None)
         first = first.item()
@@ -174,6 +185,8 @@ def speculative_decode(
     cache by: at times fewer than were emitted, and drafts accepted after a stop the
     caller acts on)."""
     quantize = quantize or (lambda _: None)
+    if isinstance(drafter, MtpDrafter):
+        model = drafter.recording(model)
     held = [] if held is None else held
     emitted = [first]
     drafter.update(0, first)
@@ -262,14 +275,16 @@ def _fit(q: np.ndarray | None, vocab: int) -> np.ndarray | None:
 
 @dataclass(frozen=True)
 class Speculation:
-    """How the batching engine speculates (the server's ``--draft-model`` or
-    ``--prompt-lookup-num-tokens``): ``draft_model`` is a loaded model that takes the
-    target's prompt as it is (a quantized copy, a same-family model with the same
-    processor) or an mlx-lm text model."""
+    """How the batching engine speculates (the server's ``--draft-model``,
+    ``--prompt-lookup-num-tokens`` or ``--mtp``): ``draft_model`` is a loaded model that
+    takes the target's prompt as it is (a quantized copy, a same-family model with the
+    same processor) or an mlx-lm text model; ``mtp``: the model's own head, whose drafter
+    watches the prompt's prefill (``watching_drafter``)."""
 
     draft_model: Any = None
     num_draft_tokens: int = 3
     prompt_lookup_num_tokens: int | None = None
+    mtp: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -280,6 +295,16 @@ class Speculation:
     def usable(self, options: SamplingOptions) -> bool:
         """Whether a request can speculate (a grammar cannot)."""
         return options.constraint is None
+
+    def watching_drafter(self, model: nn.Module, options: SamplingOptions, first_position: int,
+                         prefill_step_size: int) -> MtpDrafter | None:
+        """The drafter that must see the prompt's prefill (the MTP head's, from
+        ``first_position``: after a reused prefix), made before it; None for the others."""
+        if not self.mtp or not self.usable(options):
+            return None
+        seed = None if options.seed is None else step_seed(options.seed, -1)
+        return MtpDrafter(model, options, first_position=first_position,
+                          chunk=prefill_step_size, seed=seed)
 
     def drafter(self, model: nn.Module, inputs: PreparedInputs, options: SamplingOptions,
                 prefill_step_size: int) -> Drafter:

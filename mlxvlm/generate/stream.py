@@ -174,8 +174,8 @@ def generate_prepared(
     speculates = speculation is not None and speculation.enabled
     if speculates and model.sharding is not None:
         raise MlxvlmError("speculative decoding does not run in a sharded model's generate "
-                          "yet: leave out --draft-model and --prompt-lookup-num-tokens (the "
-                          "sharded server speculates, with --max-concurrency 1)")
+                          "yet: leave out --draft-model, --prompt-lookup-num-tokens and --mtp "
+                          "(the sharded server speculates, with --max-concurrency 1)")
     start = time.perf_counter() if start is None else start
     tokenizer = generation_tokenizer(processor)
     eos_ids = eos_token_ids(processor)
@@ -203,7 +203,7 @@ def generate_prepared(
         drafter = make_drafter(
             model, inputs, options, draft_model=speculation.draft_model,
             prompt_lookup=speculation.prompt_lookup_num_tokens is not None,
-            prepare_draft_inputs=prepare_draft_inputs,
+            mtp=speculation.mtp, prepare_draft_inputs=prepare_draft_inputs,
             prefill_step_size=prefill_step_size,
         )
         stats = SpeculationStats()

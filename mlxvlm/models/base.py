@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from mlxvlm.errors import MlxvlmError
 from mlxvlm.models.feature_cache import FeatureCache
 from mlxvlm.models.processor_utils import pil_processor
 
@@ -121,6 +122,10 @@ class VisionLanguageModel(nn.Module):
     # Parts of a model some checkpoints carry (in either naming) that this family does
     # not build, such as an omni model's speech output: their tensors are left out.
     unused_weight_prefixes: tuple[str, ...] = ()
+    # Module paths of parts a checkpoint may leave out (Qwen3.5's multi-token-prediction
+    # head, which mlx-lm's conversions drop): built from the config, removed at load
+    # when the weights hold none of their tensors.
+    optional_parts: tuple[str, ...] = ()
     # Modules beside the language model that every rank of a sharded model keeps, because
     # embedding a token needs them (Gemma 3n's embedders of its vision and audio tokens);
     # the other ranks drop every other tower (distributed/sharding.py).
@@ -246,6 +251,14 @@ class VisionLanguageModel(nn.Module):
 
     def make_cache(self) -> list[Any]:
         return [KVCache() for _ in self.layers]
+
+    def multi_token_predictor(self) -> Any:
+        """What ``--mtp`` drafts with (``layers.mtp_head.MtpTarget``): the checkpoint's
+        multi-token-prediction head beside the target's hidden states. A family without
+        one refuses."""
+        family = type(self).__module__.rpartition(".")[2]
+        raise MlxvlmError(f"--mtp given but the {family} family has no multi-token-prediction "
+                          "head (Qwen3.5, Qwen3.5-MoE and MiniCPM-V 4.6 checkpoints ship one)")
 
     def bidirectional_spans(self, state: Any) -> list[tuple[int, int]]:
         """Prompt ranges ``[start, end)`` (from ``embed``'s ``state``) whose tokens attend

@@ -19,8 +19,9 @@ slices through the same tower, their features in place of the video tokens
 
 Checkpoint names (mlx-community's): ``vision_tower.*``, ``vit_merger.*`` (transformers'
 ``vision_tower.vit_merger``), ``merger.mlp.N.*``, ``language_model.model.*`` and
-``language_model.lm_head`` unless tied; the Hub's multi-token-prediction head (``mtp.*``)
-is not used.
+``language_model.lm_head`` unless tied, ``language_model.mtp.*`` for the Hub's
+multi-token-prediction head (``mtp.*``: Qwen3.5's, ``layers/mtp_head.py``), which drafts
+for ``--mtp`` and is left out where a checkpoint has none.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from mlxvlm.models.feature_cache import cached_features
 from mlxvlm.models.layers import minicpmv_vision
 from mlxvlm.models.layers.hybrid_decoder import HybridLanguageModel, HybridTextConfig
 from mlxvlm.models.layers.mrope_decoder import MRopeState
+from mlxvlm.models.layers.mtp_head import MTP, MtpHead, MtpTarget, mtp_target
 from mlxvlm.models.layers.pixel_shuffle import fold_blocks
 from mlxvlm.models.minicpm_video import MiniCPMVideoProcessor
 from mlxvlm.models.processor_utils import image_only, read_chat_template
@@ -58,10 +60,10 @@ HF_PREFIXES = (
     ("model.merger.", "merger."),
     TEXT_MODEL_NAMES,
     LM_HEAD_NAMES,
+    ("mtp.", f"{MTP}."),  # the multi-token-prediction head (``--mtp``)
 )
 TOWER = "vision_tower."
 LM_HEAD = "language_model.lm_head.weight"
-UNUSED = ("mtp.",)  # the Hub's multi-token-prediction head
 DOWNSAMPLE_MODES = ("16x", "4x")
 
 
@@ -167,7 +169,7 @@ class Model(VisionLanguageModel):
     feature_names = ("pixel_values", "target_sizes", "pixel_values_videos", "target_sizes_videos")
     args_class = ModelArgs
     hf_prefixes = HF_PREFIXES
-    unused_weight_prefixes = UNUSED
+    optional_parts = (MTP,)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
@@ -175,6 +177,11 @@ class Model(VisionLanguageModel):
         self.vit_merger = minicpmv_vision.WindowMerger(args.vision)
         self.merger = Merger(args)
         self.language_model = HybridLanguageModel(args.text)
+        if args.text.mtp_num_hidden_layers:
+            self.language_model.mtp = MtpHead(args.text)
+
+    def multi_token_predictor(self) -> MtpTarget:
+        return mtp_target(self.language_model)
 
     # -- checkpoint and processor -----------------------------------------------------
 
@@ -187,7 +194,7 @@ class Model(VisionLanguageModel):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         renamed = map_hf_weights(
-            weights, self.hf_to_mlx_name, skip_prefixes=UNUSED,
+            weights, self.hf_to_mlx_name,
             towers={TOWER: minicpmv_vision.convert_hf_weight},
             drop={LM_HEAD} if self.args.text.tie_word_embeddings else (),
         )

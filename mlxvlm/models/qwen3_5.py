@@ -8,9 +8,11 @@ per sequence: a rotating KV cache (``max_kv_size``) bounds the attention layers 
 and a quantized KV cache (``kv_bits``) quantizes only them.
 
 Checkpoint names (mlx-community's): ``vision_tower.*``, ``language_model.model.*``,
-``language_model.lm_head`` unless tied; Hugging Face's are the module tree's
-(``model.visual.*``, ``model.language_model.*``, ``lm_head``) plus a multi-token-prediction
-head (``mtp.*``) that is not used. transformers stores the decoder's RMSNorm weights
+``language_model.lm_head`` unless tied, ``language_model.mtp.*`` for the
+multi-token-prediction head (``layers/mtp_head.py``: it drafts for ``--mtp``); Hugging
+Face's are the module tree's (``model.visual.*``, ``model.language_model.*``,
+``lm_head``) and ``mtp.*``. A checkpoint without the head's tensors (an mlx-lm conversion
+drops them) loads without it. transformers stores the decoder's RMSNorm weights
 zero-centred (it scales by ``1 + weight``) and the depthwise convolution as (channels, 1,
 kernel); ``sanitize`` writes them as MLX's ``nn.RMSNorm`` and ``nn.Conv1d`` take them.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxvlm.models import qwen3_vl
+from mlxvlm.models.layers.mtp_head import MTP, MtpHead, MtpTarget, mtp_target
 from mlxvlm.models.config_utils import text_config, token_id
 from mlxvlm.models.layers.hybrid_decoder import (
     FULL,
@@ -30,7 +33,7 @@ from mlxvlm.models.layers.hybrid_decoder import (
 from mlxvlm.models.layers.mrope_decoder import default_mrope
 from mlxvlm.models.layers.qwen_vision import QwenVisionTransformer
 from mlxvlm.models.qwen_video import Qwen3VideoProcessor
-from mlxvlm.models.qwen_vl_base import VISION_FEATURES, ModelArgs, QwenVLModel, frame_spans
+from mlxvlm.models.qwen_vl_base import HF_PREFIXES, VISION_FEATURES, ModelArgs, QwenVLModel, frame_spans
 
 # transformers' PreTrainedConfig.default_theta (Qwen3.5 configs always name theirs).
 DEFAULT_ROPE_THETA = 10_000.0
@@ -41,7 +44,11 @@ ZERO_CENTRED_NORMS = (
     "language_model.model.norm.weight",
     ".q_norm.weight",
     ".k_norm.weight",
+    f"{MTP}.norm.weight",
+    ".pre_fc_norm_embedding.weight",
+    ".pre_fc_norm_hidden.weight",
 )
+
 
 
 def layer_types(text: dict) -> tuple[str, ...]:
@@ -87,6 +94,7 @@ def text_config_from_hf(config: dict) -> HybridTextConfig:
         shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0) if moe else 0,
         # Qwen3.5-MoE's router always renormalizes its top-k weights.
         norm_topk_prob=True,
+        mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
     )
 
 
@@ -96,11 +104,15 @@ class Model(QwenVLModel):
     processor_class = "Qwen3VLProcessor"
     video_processor_class = Qwen3VideoProcessor
     video_positions = staticmethod(frame_spans)
+    hf_prefixes = HF_PREFIXES + (("mtp.", f"{MTP}."),)
+    optional_parts = (MTP,)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.vision_tower = QwenVisionTransformer(args.vision)  # Qwen3-VL's, no DeepStack
         self.language_model = HybridLanguageModel(args.text)
+        if args.text.mtp_num_hidden_layers:
+            self.language_model.mtp = MtpHead(args.text)
 
     @classmethod
     def from_config(cls, config: dict) -> "Model":
@@ -124,8 +136,10 @@ class Model(QwenVLModel):
         recurrent state) per linear layer."""
         return self.language_model.model.make_cache()
 
+    def multi_token_predictor(self) -> MtpTarget:
+        return mtp_target(self.language_model)
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
         return hybrid_text_weights(super().sanitize(weights))
 
 

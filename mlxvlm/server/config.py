@@ -81,6 +81,7 @@ class ServerConfig:
     draft_model: str | None = None
     num_draft_tokens: int = 3
     prompt_lookup_num_tokens: int | None = None
+    mtp: bool = False  # the model's own multi-token-prediction head drafts
     # Several models (models_registry): how many may be loaded at once (the least
     # recently used is unloaded to make room) and after how many unused seconds one is
     # unloaded (0: never).
@@ -141,9 +142,12 @@ class ServerConfig:
         if self.prompt_cache_dir is not None and os.path.exists(self.prompt_cache_dir) \
                 and not os.path.isdir(self.prompt_cache_dir):
             raise MlxvlmError(f"--prompt-cache-dir {self.prompt_cache_dir!r} is not a folder")
-        if self.draft_model is not None and self.prompt_lookup_num_tokens is not None:
-            raise MlxvlmError("choose --draft-model or --prompt-lookup-num-tokens, not both")
-        speculates = self.draft_model is not None or self.prompt_lookup_num_tokens is not None
+        drafters = [self.draft_model is not None, self.prompt_lookup_num_tokens is not None,
+                    self.mtp]
+        if sum(drafters) > 1:
+            raise MlxvlmError("choose one of --draft-model, --prompt-lookup-num-tokens and "
+                              "--mtp, not both")
+        speculates = any(drafters)
         if speculates and self.max_concurrency > 1:
             raise MlxvlmError(
                 "speculative decoding needs --max-concurrency 1: a batched decode step already "
@@ -354,6 +358,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+        mtp=args.mtp,
         max_loaded_models=args.max_loaded_models,
         idle_unload_seconds=args.idle_unload_seconds,
         min_loaded_seconds=args.min_loaded_seconds,

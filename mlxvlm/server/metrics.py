@@ -126,6 +126,11 @@ def render_metrics(models: ModelRegistry, app_state) -> str:
            "Prompt tokens reused from an earlier request's cache instead of prefilled",
            "cached_prompt_tokens")
     engine("mlxvlm_generation_tokens_total", "counter", "Generated tokens", "generated_tokens")
+    engine("mlxvlm_draft_tokens_total", "counter",
+           "Tokens drafted for speculative decoding (requests that finished speculating)",
+           "drafted_tokens")
+    engine("mlxvlm_draft_tokens_accepted_total", "counter",
+           "Drafted tokens the model accepted", "accepted_draft_tokens")
     m("mlxvlm_decode_tokens_per_second", "gauge",
       "Decode throughput of the whole batch, smoothed over recent steps",
       per_model(lambda s: round(s.engine.stats.decode_tokens_per_second, 3)))

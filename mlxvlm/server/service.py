@@ -94,9 +94,16 @@ def disk_prefix_cache(model: Any, config: ServerConfig) -> DiskPrefixCache | Non
                           f"{config.prompt_cache_dir!r}: {e.strerror or e}") from e
 
 
-def speculation_of(config: ServerConfig) -> Speculation | None:
+def speculation_of(config: ServerConfig, model: Any) -> Speculation | None:
     """The engine's speculative decoding from ``--draft-model`` (loaded here; it takes
-    the model's prompts as they are) or ``--prompt-lookup-num-tokens``."""
+    the model's prompts as they are), ``--prompt-lookup-num-tokens`` or ``--mtp`` (the
+    model's head, checked here)."""
+    if config.mtp:
+        if model.sharding is not None:
+            raise MlxvlmError("--mtp does not run on a sharded model yet (its head would "
+                              "run on rank 0 alone): leave it out under mlx.launch")
+        model.multi_token_predictor()  # refuses a model without the head
+        return Speculation(mtp=True, num_draft_tokens=config.num_draft_tokens)
     if config.prompt_lookup_num_tokens is not None:
         return Speculation(prompt_lookup_num_tokens=config.prompt_lookup_num_tokens)
     if config.draft_model is None:
@@ -134,7 +141,7 @@ class GenerationService:
             max_batch_size=config.max_concurrency,
             prefill_step_size=config.prefill_step_size,
             prefix_cache=prefix_cache,
-            speculation=speculation_of(config),
+            speculation=speculation_of(config, model),
         )
         # Decoded pixels of each request and of all being prepared, charged from image
         # and video headers before decoding (see media.PixelBudget).

@@ -22,8 +22,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from tiny.common import INIT_RANGE, TinyModel, build_bpe_tokenizer, perturb_constants, write_safetensors
 
 FAMILIES = ("minicpmv4_6",)
@@ -174,11 +172,10 @@ def save_minicpm_checkpoint(tiny: TinyModel, directory: str | Path, layout: str,
         (directory / "config.json").write_text(json.dumps(hub_config(config), indent=2))
         from safetensors.numpy import load_file
 
+        from tiny.qwen3_5 import mtp_weights
+
         weights = load_file(str(directory / "model.safetensors"))
-        rng = np.random.default_rng(0)
-        hidden = config["text_config"]["hidden_size"]
-        weights["mtp.fc.weight"] = rng.normal(size=(hidden, 2 * hidden)).astype(np.float32)
-        weights["mtp.norm.weight"] = np.zeros(hidden, dtype=np.float32)
+        weights.update(mtp_weights(weights, config["text_config"], seed=0))
         write_safetensors(weights, directory)
         preprocessor = json.loads((directory / "preprocessor_config.json").read_text())
         preprocessor["image_processor_type"] = image_processor_type

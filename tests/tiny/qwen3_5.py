@@ -170,16 +170,34 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
     elif layout == "hub":
         config = json.loads((directory / "config.json").read_text())
         (directory / "config.json").write_text(json.dumps(hub_config(config), indent=2))
-        rng = np.random.default_rng(0)
-        hidden = config["text_config"]["hidden_size"]
-        weights["mtp.fc.weight"] = rng.normal(size=(hidden, 2 * hidden)).astype(np.float32)
-        weights["mtp.norm.weight"] = np.zeros(hidden, dtype=np.float32)
+        weights.update(mtp_weights(weights, config["text_config"], seed=len(tiny.family)))
         _save_hub_processor_files(tiny, directory)
     else:
         raise ValueError(f"unknown layout {layout!r} (choose from {LAYOUTS})")
     write_video_processor_config("qwen3_vl", directory)  # Qwen3.5 ships Qwen3-VL's
     write_safetensors(weights, directory)
     return directory
+
+
+def mtp_weights(weights: dict[str, np.ndarray], text: dict, seed: int) -> dict[str, np.ndarray]:
+    """A random multi-token-prediction head in the Hub's names (``mtp.fc``, the two
+    pre-fc norms, ``mtp.layers.0.*`` shaped as the decoder's full-attention layer, MoE
+    included, ``mtp.norm``); norms zero-centred as transformers stores them."""
+    rng = np.random.default_rng(seed)
+    hidden = text["hidden_size"]
+    full = text["layer_types"].index("full_attention")
+    source = f"model.language_model.layers.{full}."
+
+    def draw(shape, norm=False):
+        scale = 0.1 if norm else TEXT_INIT_RANGE
+        return rng.normal(scale=scale, size=shape).astype(np.float32)
+
+    head = {f"mtp.layers.0.{name[len(source):]}": draw(value.shape, value.ndim == 1)
+            for name, value in weights.items() if name.startswith(source)}
+    head["mtp.fc.weight"] = draw((hidden, 2 * hidden))
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        head[f"mtp.{norm}.weight"] = draw((hidden,), norm=True)
+    return head
 
 
 def hub_config(config: dict) -> dict:

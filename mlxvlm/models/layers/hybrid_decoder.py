@@ -73,6 +73,8 @@ class HybridTextConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # Layers of the multi-token-prediction head (``layers/mtp_head.py``); 0: none.
+    mtp_num_hidden_layers: int = 0
 
     @property
     def rotary_dim(self) -> int:
