@@ -81,15 +81,18 @@ def connect(port: int) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=DEADLINE)
 
 
-def read_status(sock: socket.socket) -> int | None:
-    """The status of the response on ``sock`` (read to the end), None if it was reset."""
-    data = b""
+def read_status(sock: socket.socket) -> int | str:
+    """The status of the response on ``sock`` (read to the end), else why there was none
+    ("reset", "timeout" or "closed")."""
+    data, ended = b"", "closed"
     try:
         while chunk := sock.recv(65536):
             data += chunk
-    except (ConnectionResetError, socket.timeout):
-        pass
-    return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else None
+    except ConnectionResetError:
+        ended = "reset"
+    except socket.timeout:
+        ended = "timeout"
+    return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else ended
 
 
 CHAT_HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -171,7 +174,8 @@ def test_soak(loaded):
         statuses = [read_status(sock) for sock in header_stalls + body_stalls]
         for sock in header_stalls + body_stalls:
             sock.close()
-        assert statuses == [408] * (HEADER_STALLS + BODY_STALLS), statuses
+        assert statuses == [408] * (HEADER_STALLS + BODY_STALLS), \
+            [(i, status) for i, status in enumerate(statuses) if status != 408]
         for thread in flooders:
             thread.join(timeout=DEADLINE)
         assert len(flood_statuses) == FLOODS and set(flood_statuses) <= {400, 429}
