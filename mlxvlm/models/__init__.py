@@ -54,6 +54,8 @@ FAMILIES: dict[str, str] = {
     "minicpmv4_6": "minicpmv4_6",
     # GLM-OCR: GLM-4.6V-Flash's layers with its own switches (models/glm_ocr.py)
     "glm_ocr": "glm_ocr",
+    # transformers' native layout (the Hub's original is phi4mm, with remote code)
+    "phi4_multimodal": "phi4_multimodal",
 }
 
 

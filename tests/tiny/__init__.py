@@ -47,6 +47,7 @@ BUILDERS = {
     "internvl3": "tiny.internvl",
     "minicpmv4_6": "tiny.minicpmv4_6",
     "glm_ocr": "tiny.glm_ocr",
+    "phi4_multimodal": "tiny.phi4_multimodal",
 }
 # Families that embed or rank rather than generate (mlxvlm.retrieval): the family-wide
 # generation tests (text, BOS, threads, PEFT names) run over GENERATIVE.
