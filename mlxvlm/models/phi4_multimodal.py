@@ -103,7 +103,9 @@ class ModelArgs:
         vision = config["vision_config"]
         audio = config["audio_config"]
         return cls(
-            text=text_args(config), rope=dict(config["rope_parameters"]),
+            # (the Hub's rope_scaling keeps its old "type" beside the standardized keys)
+            text=text_args(config),
+            rope={k: v for k, v in config["rope_parameters"].items() if k != "type"},
             vision=siglip.SiglipVisionConfig.from_hf(vision),
             audio=phi4mm_audio.AudioConfig.from_hf(audio),
             vision_feature_layer=vision["feature_layer"], crop_size=vision["crop_size"],
