@@ -336,6 +336,19 @@ def test_the_processors_give_transformers_inputs(tiny_checkpoints, loaded):
 # ----------------------------------------------------------------------- entry points
 
 
+# ``python -m MODULE ARGS`` that fails if torch was imported on the way (the processors'
+# torch-free twins): the command's own exit status otherwise.
+RUN_TORCH_FREE = """
+import runpy, sys
+module = sys.argv.pop(1)
+try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+finally:
+    imported = {"torch", "torchvision", "torchaudio"} & set(sys.modules)
+    assert not imported, f"{sorted(imported)} imported"
+"""
+
+
 def entry_point_env() -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("MLXVLM_ALLOW_TORCH", None)  # as a user's process runs: torch-free
@@ -345,7 +358,7 @@ def entry_point_env() -> dict:
 def test_cli_answers_an_image_and_a_clip_with_the_reference_tokens(tmp_path, tiny_checkpoints, loaded):
     """``python -m mlxvlm.generate --image a.png --audio a.wav`` on the Hub layout prints
     transformers' greedy answer for the image and the clip (as the WAV stores it) before
-    the prompt."""
+    the prompt, without importing torch."""
     _, processor = loaded(FAMILY, "hub")
     picture, clip = tmp_path / "a.png", tmp_path / "a.wav"
     IMAGE_A.save(picture)
@@ -358,7 +371,8 @@ def test_cli_answers_an_image_and_a_clip_with_the_reference_tokens(tmp_path, tin
         {"image": [IMAGE_A], "audio": [stored]})
     assert len(tokens) == NEW_TOKENS and margin > MIN_REFERENCE_MARGIN
     result = subprocess.run(
-        [sys.executable, "-m", "mlxvlm.generate", "--model", str(tiny_checkpoints.path(FAMILY, "hub")),
+        [sys.executable, "-c", RUN_TORCH_FREE, "mlxvlm.generate",
+         "--model", str(tiny_checkpoints.path(FAMILY, "hub")),
          "--image", str(picture), "--audio", str(clip), "--prompt", "Describe this.",
          "--max-tokens", str(NEW_TOKENS), "--temperature", "0"],
         capture_output=True, env=entry_point_env(), timeout=300,
