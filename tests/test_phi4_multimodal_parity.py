@@ -480,3 +480,38 @@ def test_an_mlx_layout_checkpoint_loads_unchanged(tmp_path, tiny_checkpoints, lo
     mlx_model, processor = load(save_as_mlx_checkpoint(model, tiny_checkpoints.path(FAMILY, "hub"), tmp_path))
     _, logits = our_logits(mlx_model, processor, *CASES["one_image"])
     np.testing.assert_allclose(logits, reference(FAMILY, "one_image").logits, rtol=0, atol=LOGITS_ATOL)
+
+
+# ---------------------------------------------------------------------- LoRA adapters
+
+
+def test_a_release_style_lora_folder_applies_as_transformers_applies_it(tmp_path, tiny_checkpoints,
+                                                                         loaded, audio_reference):
+    """The release keeps its vision and speech LoRAs as PEFT folders beside the base
+    weights (``vision-lora``, ``speech-lora``), which transformers applies with peft
+    (``load_adapter(..., adapter_kwargs={"subfolder": ...})`` and ``set_adapter``); a
+    ``speech-lora`` of that shape (the text model's qkv_proj, o_proj, gate_up_proj and
+    down_proj) loaded here with ``adapter_path`` gives peft's logits for a clip."""
+    peft = pytest.importorskip("peft")
+    path = tmp_path / "with-lora"
+    shutil.copytree(tiny_checkpoints.path(FAMILY, "hub"), path)
+    base = load_transformers_model_causal(path)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                             target_modules=r"model\.layers\.\d+\.(self_attn\.(qkv|o)_proj|mlp\.(gate_up|down)_proj)")
+    torch.manual_seed(5)
+    peft.get_peft_model(base, config).save_pretrained(path / "speech-lora")
+
+    # What transformers' load_adapter + set_adapter run (this peft is older than it takes)
+    reference_model = peft.PeftModel.from_pretrained(load_transformers_model_causal(path),
+                                                     path / "speech-lora").eval()
+    messages, media = AUDIO_CASES["audio"]
+    processor = reference_processor(tiny_checkpoints.model(FAMILY))
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    batch = processor(text=[text], audio=media["audio"], sampling_rate=16000, return_tensors="pt")
+    with torch.no_grad():
+        expected = reference_model(**batch).logits[0].numpy()
+    assert np.abs(expected - audio_reference("audio")[1]).max() > CAUGHT  # the adapter matters
+
+    model, ours = load(path, adapter_path=path / "speech-lora")
+    _, logits = our_media_logits(model, ours, messages, media)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=LOGITS_ATOL)
