@@ -515,3 +515,13 @@ def test_a_release_style_lora_folder_applies_as_transformers_applies_it(tmp_path
     model, ours = load(path, adapter_path=path / "speech-lora")
     _, logits = our_media_logits(model, ours, messages, media)
     np.testing.assert_allclose(logits, expected, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_the_chat_ui_offers_images_and_audio(loaded):
+    """Phi-4-multimodal's processor names its parts image_processor and audio_processor,
+    and its features image_pixel_values and audio_input_features: the chat UI offers
+    pictures (and PDF pages) and audio for it."""
+    from mlxvlm.ui.media_kinds import supported_kinds
+
+    model, processor = loaded(FAMILY, "hub")
+    assert [kind.name for kind in supported_kinds(model, processor)] == ["image", "pdf", "audio"]
