@@ -9,8 +9,8 @@ Through ``mlxvlm.load``: first-pass logits and 24 greedy tokens for text only, o
 clip; two clips of different lengths, the shorter padded), audio with an image (the
 vision-speech projection) and a clip longer than the encoder's 500-step window; LongRoPE
 past the original context; the CLI (an image and a WAV file in one prompt) and the
-server entry points (two concurrent requests batched, then a later turn that reuses the
-cached prefix); checkpoints in MLX's names. Guards check that the tests can fail.
+server (two concurrent requests batched, then a later turn that reuses the cached
+prefix); checkpoints in MLX's names. Guards check that the tests can fail.
 """
 
 from __future__ import annotations
@@ -383,24 +383,23 @@ def test_cli_answers_an_image_and_a_clip_with_the_reference_tokens(tmp_path, tin
 
 
 def test_server_batches_requests_and_reuses_a_turns_prefix(tiny_checkpoints, loaded, reference):
-    """``python -m mlxvlm.server``: two requests at once (an image one and a text one,
-    decoded in one batch) answer with their references' greedy text; then a later turn
-    (the first image's conversation, its answer and a new picture) reuses the cached
-    prefix and answers as transformers does for the whole conversation."""
-    from server_harness import png_data_url
+    """The server (in process, on the loaded Hub-layout model): two requests at once (an
+    image one and a text one, decoded in one batch) answer with their references' greedy
+    text; then a later turn (the first image's conversation, its answer and a new
+    picture) reuses the cached prefix and answers as transformers does for the whole
+    conversation."""
+    from server_harness import MODEL_ID, LiveServer, png_data_url
     from server_harness import user as server_user
-    from server_process import ServerProcess
 
-    _, processor = loaded(FAMILY, "hub")
+    model, processor = loaded(FAMILY, "hub")
     first_turn = [server_user("Describe this image.", png_data_url(IMAGE_A))]
     requests = {"one_image": first_turn,
                 "text": [{"role": "user", "content": CASES["text"][0][0]["content"]}]}
-    with ServerProcess("--model", str(tiny_checkpoints.path(FAMILY, "hub")),
-                       "--served-model-name", "tiny", env=entry_point_env()) as server:
-        client = server.openai_client()
+    with LiveServer(model, processor) as live:
+        client = live.client()
 
         def ask(messages):
-            return client.chat.completions.create(model="tiny", messages=messages,
+            return client.chat.completions.create(model=MODEL_ID, messages=messages,
                                                   max_tokens=NEW_TOKENS, temperature=0.0)
 
         with ThreadPoolExecutor(2) as pool:
