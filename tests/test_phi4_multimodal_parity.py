@@ -4,13 +4,14 @@ own processors (torchvision's image processor, the torch feature extractor) as t
 reference's.
 
 Through ``mlxvlm.load``: first-pass logits and 24 greedy tokens for text only, one image
-(2 x 2 crops, the last row and column mostly padding, and a global view), two images
-(that one and a wide one: 3 x 1 crops) and an image in a later turn; audio alone (one
+(2 x 1 crops, the last patch columns padding, and a global view), two images (that one
+and a tall one: 1 x 2 crops) and an image in a later turn; audio alone (one
 clip; two clips of different lengths, the shorter padded), audio with an image (the
 vision-speech projection) and a clip longer than the encoder's 500-step window; LongRoPE
-past the original context; the CLI (an image and a WAV file in one prompt) and the
-server (two concurrent requests batched, then a later turn that reuses the cached
-prefix); checkpoints in MLX's names. Guards check that the tests can fail.
+past the original context; a release-style LoRA folder; the CLI (an image and a WAV
+file in one prompt, torch-free) and the server (two concurrent requests batched, then a
+later turn that reuses the cached prefix); checkpoints in MLX's names; the chat UI's
+media kinds. Guards check that the tests can fail.
 """
 
 from __future__ import annotations
