@@ -45,6 +45,7 @@ from parity import (
     loaded,  # noqa: F401 (fixture)
     model_args_in_both_layouts,
     our_logits,
+    our_tokens,
     parameter_list,
     read_config,
     reference_fixture,
@@ -255,8 +256,10 @@ def test_another_sound_changes_the_output(loaded, audio_reference):
 
 
 def test_long_factors_past_the_original_context_match_transformers(tmp_path, tiny_checkpoints):
-    """With the original context at 16 positions, the one-image prompt runs on the long
-    factors in one pass (and the text prompt too): the logits are transformers'."""
+    """With the original context at 16 positions, the prompts are past it: transformers
+    computes each in one pass on the long factors, and generates on them. Prefilled here
+    in chunks of 8 (the first of which ends within the original context), the greedy
+    tokens are still transformers', and so are the logits of one pass."""
     path = tmp_path / "short-original"
     shutil.copytree(tiny_checkpoints.path(FAMILY, "transformers"), path)
     config = json.loads((path / "config.json").read_text())
@@ -266,12 +269,19 @@ def test_long_factors_past_the_original_context_match_transformers(tmp_path, tin
     model, processor = load(path)
     reference_model = load_transformers_model_causal(path)
     reference_proc = reference_processor(tiny_checkpoints.model(FAMILY))
-    for case in ("text", "one_image"):
-        messages, images = CASES[case]
-        assert len(our_logits(model, processor, messages, images)[0]) > 16
-        expected = transformers_logits(reference_model, reference_proc, messages, images)
-        np.testing.assert_allclose(our_logits(model, processor, messages, images)[1], expected,
-                                   rtol=0, atol=LOGITS_ATOL)
+    cases = {case: CASES[case] for case in ("text", "one_image")}
+    references = []
+    for messages, images in cases.values():
+        ids, logits = our_logits(model, processor, messages, images)
+        expected = reference_run(reference_model, reference_proc, messages, images)
+        assert len(ids) > 16 and ids == expected.input_ids
+        np.testing.assert_allclose(logits, expected.logits, rtol=0, atol=LOGITS_ATOL)
+        # (the text prompt's answer ends before 24 tokens: its end-of-turn token included)
+        assert expected.margin > MIN_REFERENCE_MARGIN
+        assert our_tokens(model, processor, messages, images, prefill_step_size=8) == expected.tokens
+        references.append(expected)
+    # decoded together: each row on the long factors by its own flag
+    assert_batched_tokens_match(model, processor, cases, references)
 
 
 def test_long_factors_within_the_original_context_would_be_caught(tiny_checkpoints, loaded, reference):
@@ -525,3 +535,30 @@ def test_the_chat_ui_offers_images_and_audio(loaded):
 
     model, processor = loaded(FAMILY, "hub")
     assert [kind.name for kind in supported_kinds(model, processor)] == ["image", "pdf", "audio"]
+
+
+def test_longrope_rows_take_their_own_factors(tiny_checkpoints, loaded):
+    """A batched pass (one offset per row) with one row marked long and one not: each row
+    is rotated on its own factors, as transformers' frequencies and rotation give them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.phi4_multimodal.modeling_phi4_multimodal import apply_rotary_pos_emb
+
+    from mlxvlm.models.layers.longrope import long_rows
+
+    model, _ = loaded(FAMILY, "transformers")
+    rope = model.language_model.model.layers[0].self_attn.rope
+    config = tiny_checkpoints.model(FAMILY).model.config
+    original = config.rope_parameters["original_max_position_embeddings"]
+    x = np.random.default_rng(3).normal(size=(2, 4, 3, 16)).astype(np.float32)
+    offsets = [5, 9]
+    with long_rows(np.array([True, False])):
+        ours = np.array(rope(mx.array(x), offset=mx.array(offsets)))
+    for row, (offset, seq_len) in enumerate(zip(offsets, (original + 1, None))):
+        inv_freq, scale = ROPE_INIT_FUNCTIONS["longrope"](config, seq_len=seq_len)
+        angles = torch.arange(offset, offset + 3, dtype=torch.float32)[:, None] * inv_freq
+        angles = torch.cat([angles, angles], dim=-1)[None]
+        cos, sin = angles.cos() * scale, angles.sin() * scale
+        expected, _ = apply_rotary_pos_emb(torch.from_numpy(x[row:row + 1]),
+                                           torch.from_numpy(x[row:row + 1]), cos, sin)
+        np.testing.assert_allclose(ours[row], expected[0].numpy(), rtol=0, atol=1e-5)
+    assert np.abs(ours[0] - np.array(rope(mx.array(x[:1]), offset=5))[0]).max() > 1e-2

@@ -42,7 +42,7 @@ from mlxvlm.models.config_utils import as_transformers_reads_it
 from mlxvlm.models.feature_cache import cached_rows
 from mlxvlm.models.layers import phi4mm_audio, siglip
 from mlxvlm.models.layers.blocks import TextDecoder
-from mlxvlm.models.layers.longrope import LongRoPE, attention_factor
+from mlxvlm.models.layers.longrope import LongRoPE, attention_factor, long_rows
 from mlxvlm.models.processor_utils import tokenizer_and_chat_template
 from mlxvlm.models.weights import map_hf_weights
 
@@ -114,6 +114,24 @@ class ModelArgs:
 
 
 # ----------------------------------------------------------------------------- decoder
+
+
+@dataclass(frozen=True)
+class RopeRegime:
+    """Per row, whether the sequence is on LongRoPE's long factors from its first token:
+    its prompt is longer than the original context, which transformers computes in one
+    pass on the long factors (see ``layers/longrope.py``)."""
+
+    long: np.ndarray  # (rows,) bool
+
+    @staticmethod
+    def batch(states) -> "RopeRegime":
+        return RopeRegime(np.concatenate(
+            [s.long if s is not None else np.zeros(1, bool) for s in states]))
+
+    def prefix(self, length: int) -> "RopeRegime":
+        # A longer prompt over a cached prefix: the prefix's keys keep its regime.
+        return self
 
 
 class TextModel(TextDecoder):
@@ -238,8 +256,15 @@ class Model(VisionLanguageModel):
     def __call__(self, input_ids, cache=None, *, embeddings=None, state=None, last_only=False):
         decoder = self.language_model.model
         h, cache = decoder.start(input_ids, cache, embeddings)
-        h = decoder(h, cache)
+        with long_rows(state.long if state is not None else None):
+            h = decoder(h, cache)
         return self.language_model.head(h[:, -1:] if last_only else h)
+
+    def rope_regime(self, length: int) -> RopeRegime:
+        original = self.args.rope.get("original_max_position_embeddings",
+                                      self.args.text.original_max_position_embeddings)
+        long = self.args.rope.get("rope_type") == "longrope" and length > original
+        return RopeRegime(np.array([long]))
 
     # -- embeddings -------------------------------------------------------------------
 
@@ -261,7 +286,7 @@ class Model(VisionLanguageModel):
                                          audio_attention_mask, with_image=images is not None)
         h = merge.merge_features(h, merge.placeholder_positions(ids, self.args.audio_token_id),
                                  sounds, "audio placeholder tokens", "the audio encoder")
-        return h, None
+        return h, self.rope_regime(len(ids))
 
     def crop_features(self, crops: mx.array, masks: np.ndarray) -> mx.array:
         """(crops, C, H, W) with their (crops, h, w) patch masks -> (crops, 16 * 16,

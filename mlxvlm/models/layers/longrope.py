@@ -6,21 +6,45 @@ position of the pass, plus one -- is within ``original_max_position_embeddings``
 *long* ones past it; cos and sin are scaled by the attention factor
 (``sqrt(1 + ln(factor) / ln(original))`` unless the config gives one). mlx-lm's
 ``SuScaledRoPE`` always takes the long factors, which differ from transformers' for
-every sequence a model was trained at; this module takes transformers' rule, decided per
-pass (and per row of a batch, by its own offset).
+every sequence a model was trained at; this module takes transformers' rule, per pass
+(and per row of a batch, by its own offset).
 
-A sequence that grows past the original length during one generation keeps the keys it
+transformers runs a whole prompt in one pass, so a prompt longer than the original
+length is on the long factors from its first token; mlxvlm prefills in chunks, whose
+first ones would end within it. A family therefore marks such sequences (``long_rows``,
+one flag per row of the pass, from the prompt's length) and this rotary takes the long
+factors for them at every position. A sequence that grows past the original length
+later (during an answer, or in a later turn of a cached conversation) keeps the keys it
 cached with the short factors; transformers instead recomputes the whole sequence once
 with the long ones at that point (its ``prepare_inputs_for_generation``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Sequence
+import threading
+from typing import Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+
+# The rows of the pass being built on this thread that are on the long factors throughout
+# (None: none is). Per thread: two threads may run one model.
+_LONG_ROWS = threading.local()
+
+
+@contextlib.contextmanager
+def long_rows(rows: np.ndarray | None) -> Iterator[None]:
+    """Within it, the rotaries built on this thread take the long factors for the rows
+    of the pass where ``rows`` (a (B,) bool array) is true, at every position."""
+    previous = getattr(_LONG_ROWS, "rows", None)
+    _LONG_ROWS.rows = None if rows is None or not np.any(rows) else np.asarray(rows, dtype=bool)
+    try:
+        yield
+    finally:
+        _LONG_ROWS.rows = previous
 
 
 def attention_factor(params: dict, max_position_embeddings: int) -> float:
@@ -55,7 +79,12 @@ class LongRoPE(nn.Module):
         """``x``: (B, heads, L, head_dim) at positions ``offset ..``; ``offset`` an int or
         one per row (a batched cache)."""
         length = x.shape[-2]
-        if isinstance(offset, int):
-            return self._rotate(x, offset, self._long if offset + length > self.original else self._short)
-        long = (offset + length > self.original).reshape(-1, 1, 1, 1)
+        pinned = getattr(_LONG_ROWS, "rows", None)
+        if isinstance(offset, int) and (pinned is None or pinned.all()):
+            long = offset + length > self.original or pinned is not None
+            return self._rotate(x, offset, self._long if long else self._short)
+        long = offset + length > self.original
+        if pinned is not None:
+            long = mx.logical_or(mx.array(pinned), long)
+        long = mx.broadcast_to(long, (x.shape[0],)).reshape(-1, 1, 1, 1)
         return mx.where(long, self._rotate(x, offset, self._long), self._rotate(x, offset, self._short))
