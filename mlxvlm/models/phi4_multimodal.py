@@ -205,10 +205,6 @@ class AudioEmbedding(nn.Module):
         return self.down_proj_for_speech(nn.gelu(self.up_proj_for_speech(states)))
 
 
-def _convert_vision_weight(name: str, value: mx.array) -> mx.array | None:
-    return siglip.convert_hf_weight(name, value)
-
-
 # ----------------------------------------------------------------------------- the model
 
 
@@ -231,7 +227,7 @@ class Model(VisionLanguageModel):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return map_hf_weights(
             weights, self.hf_to_mlx_name,
-            towers={VISION_TOWER: _convert_vision_weight, AUDIO_TOWER: phi4mm_audio.convert_hf_weight},
+            towers={VISION_TOWER: siglip.convert_hf_weight, AUDIO_TOWER: phi4mm_audio.convert_hf_weight},
             drop={LM_HEAD} if self.args.text.tie_word_embeddings else (),
         )
 

@@ -66,6 +66,8 @@ class AudioConfig:
             activation(name)  # an unsupported one is refused when the config is read
         if config.time_reduction % 2 or config.time_reduction < 2:
             raise ValueError("Phi-4-multimodal's audio time_reduction must be a power of 2")
+        if config.downsample_rate != 1:  # transformers' projection would not fit its states
+            raise NotImplementedError("Phi-4-multimodal with an audio downsample_rate other than 1")
         return config
 
     @property
