@@ -562,3 +562,16 @@ def test_longrope_rows_take_their_own_factors(tiny_checkpoints, loaded):
                                            torch.from_numpy(x[row:row + 1]), cos, sin)
         np.testing.assert_allclose(ours[row], expected[0].numpy(), rtol=0, atol=1e-5)
     assert np.abs(ours[0] - np.array(rope(mx.array(x[:1]), offset=5))[0]).max() > 1e-2
+
+
+def test_a_tokenizer_without_the_media_tokens_is_refused(tmp_path, tiny_checkpoints):
+    """The processor reads its image and audio tokens off the tokenizer: one that does not
+    name them is a clear error at load, not an AttributeError."""
+    path = tmp_path / "no-media-tokens"
+    shutil.copytree(tiny_checkpoints.path(FAMILY, "hub"), path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    for name in ("extra_special_tokens", "image_token", "audio_token"):
+        config.pop(name, None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="names no image_token or audio_token"):
+        phi4_multimodal.load_processor(path, read_config(tiny_checkpoints, FAMILY, "hub"))

@@ -241,6 +241,14 @@ class Model(VisionLanguageModel):
         from mlxvlm.models.phi4_multimodal_images import Phi4MultimodalImageProcessorPil
 
         tokenizer, chat_template = tokenizer_and_chat_template(model_path)
+        missing = [name for name in ("image_token", "audio_token")
+                   if getattr(tokenizer, name, None) is None]
+        if missing:
+            raise ValueError(
+                f"the checkpoint's tokenizer names no {' or '.join(missing)} (Phi-4-multimodal's "
+                "processor needs them: transformers' layout lists them in tokenizer_config.json "
+                "under extra_special_tokens)"
+            )
         return Phi4MultimodalProcessor(
             image_processor=Phi4MultimodalImageProcessorPil.from_pretrained(model_path),
             audio_processor=Phi4MultimodalFeatureExtractorNumpy.from_pretrained(model_path),
