@@ -393,6 +393,21 @@ def test_cli_answers_an_image_and_a_clip_with_the_reference_tokens(tmp_path, tin
     assert result.stdout.decode() == greedy_text(processor, tokens) + "\n"
 
 
+def test_cli_refuses_a_clip_shorter_than_one_frame(tmp_path, tiny_checkpoints):
+    """transformers' feature extractor fails on a clip shorter than its 25 ms window with
+    no word why; the command says so in one line."""
+    clip = write_audio(tmp_path / "click.wav", sine(0.01, 16000), 16000)
+    result = subprocess.run(
+        [sys.executable, "-m", "mlxvlm.generate", "--model", str(tiny_checkpoints.path(FAMILY, "hub")),
+         "--audio", str(clip), "--prompt", "What is this?", "--max-tokens", "2"],
+        capture_output=True, text=True, env=entry_point_env(), timeout=300,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: an audio clip of 160 samples is shorter than one 25 ms analysis frame "
+        "(400 samples at 16000 Hz); send a longer clip")
+
+
 def test_server_batches_requests_and_reuses_a_turns_prefix(tiny_checkpoints, loaded, reference):
     """The server (in process, on the loaded Hub-layout model): two requests at once (an
     image one and a text one, decoded in one batch) answer with their references' greedy

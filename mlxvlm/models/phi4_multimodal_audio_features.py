@@ -17,6 +17,8 @@ import numpy as np
 from transformers import Phi4MultimodalFeatureExtractor
 from transformers.feature_extraction_utils import BatchFeature
 
+from mlxvlm.errors import MlxvlmError
+
 
 def _ceil_div(value: np.ndarray, divisor: int) -> np.ndarray:
     return value // divisor + (value % divisor > 0)
@@ -38,6 +40,12 @@ class Phi4MultimodalFeatureExtractorNumpy(Phi4MultimodalFeatureExtractor):
             clips = list(np.asarray(raw_speech))
         clips = [np.asarray(c, dtype=np.float32) for c in clips]
         clips = [c.mean(-1) if c.ndim > 1 else c for c in clips]  # mono
+        for clip in clips:
+            if len(clip) < self.win_length:  # transformers fails on it with no word why
+                raise MlxvlmError(
+                    f"an audio clip of {len(clip)} samples is shorter than one "
+                    f"{1000 * self.win_length // self.sampling_rate} ms analysis frame "
+                    f"({self.win_length} samples at {self.sampling_rate} Hz); send a longer clip")
         padded = self.pad(
             BatchFeature({"audio_input_features": [c[:, None] for c in clips],
                           "audio_lengths": [len(c) for c in clips]}),

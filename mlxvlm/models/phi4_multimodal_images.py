@@ -22,6 +22,7 @@ from transformers.image_processing_utils import BatchFeature
 from transformers.image_utils import PILImageResampling
 from transformers.processing_utils import ImagesKwargs
 
+from mlxvlm.errors import MlxvlmError
 from mlxvlm.models.resize_uint8 import resize_uint8
 
 
@@ -55,7 +56,10 @@ def crop_layout(height: int, width: int, crop: int, max_crops: int):
         new = (int(width * (target_h / height)), target_h)
         pad = (target_w - new[0], 0)
     if min(new[1], target_h) < 10 or min(new[0], target_w) < 10:
-        raise ValueError(f"the aspect ratio is very extreme {new}")
+        # transformers' check ("the aspect ratio is very extreme"), as a user's error
+        raise MlxvlmError(f"an image of {width} x {height} pixels is too narrow for "
+                         f"Phi-4-multimodal's crops (one side would be {min(new)} pixels, "
+                         "under 10); crop or pad it nearer to square")
     return (columns, rows), new, pad
 
 
