@@ -20,7 +20,14 @@ Checkpoint names: transformers' module tree (``model.layers.*``, ``model.embed_t
 ``model.embed_tokens_extend.image_embed.*`` / ``.audio_embed.*``, ``lm_head``) as
 ``language_model.model.*``, ``image_embed.*``, ``audio_embed.*``,
 ``language_model.lm_head``. The release's LoRA adapters for vision and speech are PEFT
-folders beside the base weights (``vision-lora``, ``speech-lora``), not merged into them.
+folders beside the base weights (``vision-lora``, ``speech-lora``), not merged into them:
+one applies with ``load(..., adapter_path=<checkpoint>/vision-lora)`` (``--adapter-path``)
+as transformers' ``load_adapter`` + ``set_adapter`` apply it, for every request of that
+model (they are not switched per request by its media).
+
+``embed``'s state is the prompt's ``RopeRegime``: whether it is longer than the original
+context, in which case every position is on LongRoPE's long factors however the prompt
+is chunked (``layers/longrope.py``).
 """
 
 from __future__ import annotations
