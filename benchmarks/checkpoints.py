@@ -41,6 +41,10 @@ Writes under benchmarks/checkpoints/ (git-ignored):
   768-wide SigLIP tower at 512-px tiles with DeepStack taps, coarse and fine connector
   paths, a 28-layer 1024-wide Granite decoder), bfloat16, with DocTags' tags in its
   tokenizer;
+- ``phi4-multimodal-bf16``: microsoft/Phi-4-multimodal-instruct's shapes in transformers'
+  native layout (5.6B: a 27-layer 1152-wide SigLIP tower over 448-px crops, a 24-block
+  1024-wide conformer audio encoder, a 32-layer 3072-wide Phi-4-mini decoder with
+  LongRoPE on 3/4 of each head; no LoRA folders), bfloat16 (about 11 GB on disk);
 - ``*-4bit`` and ``*-8bit`` of each, made with ``python -m mlxvlm.convert``.
 
 Each is a Hugging Face checkpoint (config.json in the Hub's layout, safetensors,
@@ -608,12 +612,59 @@ def internvl3_5_1b():
     return InternVLForConditionalGeneration, config, parts, [151645, 151643]
 
 
+PHI4_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<|image|>"
+    "{% elif part['type'] == 'audio' %}<|audio|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def phi4_multimodal():
+    from transformers import Phi4MultimodalConfig, Phi4MultimodalForCausalLM
+
+    from mlxvlm.models.phi4_multimodal_audio_features import Phi4MultimodalFeatureExtractorNumpy
+    from mlxvlm.models.phi4_multimodal_images import Phi4MultimodalImageProcessorPil
+
+    special = {"<|endoftext|>": 199999, "<|image|>": 200010, "<|audio|>": 200011,
+               "<|assistant|>": 200019, "<|end|>": 200020, "<|user|>": 200021,
+               "<|system|>": 200022}
+    tokenizer = word_level_tokenizer(
+        200064, special, eos="<|endoftext|>", pad="<|endoftext|>", bos="<|endoftext|>",
+        extra_special_tokens={"image_token": "<|image|>", "audio_token": "<|audio|>"})
+    eos_ids = [199999, 200020]
+    pairs = 48  # 3/4 of the 128-wide heads rotate: 96 dims
+    config = Phi4MultimodalConfig(
+        vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072,
+        original_max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0 + i / pairs for i in range(pairs)],
+                         "long_factor": [1.0 + 40 * i / pairs for i in range(pairs)],
+                         "original_max_position_embeddings": 4096},
+        bos_token_id=199999, pad_token_id=199999, eos_token_id=eos_ids,
+        vision_config={"image_token_id": 200010}, audio_config={"audio_token_id": 200011},
+    )
+    audio = Phi4MultimodalFeatureExtractorNumpy().to_dict()
+    audio.pop("mel_filters", None)
+    audio["feature_extractor_type"] = "Phi4MultimodalFeatureExtractor"
+    # The 448x448 benchmark image is one crop and the global view.
+    parts = Parts(tokenizer, Phi4MultimodalImageProcessorPil(), PHI4_TEMPLATE,
+                  {"processor_class": "Phi4MultimodalProcessor"},
+                  "Phi4MultimodalImageProcessorFast", preprocessor_extra=audio)
+    return Phi4MultimodalForCausalLM, config, parts, eos_ids
+
+
 BUILDERS = {
     "smolvlm-256m": smolvlm_256m, "qwen2vl-2b": qwen2vl_2b, "qwen2vl-mid": qwen2vl_mid,
     "gemma4-e2b": gemma4_e2b, "qwen3vl-embedding-2b": qwen3vl_embedding_2b,
     "glm46v-flash": glm46v_flash, "glm-ocr": glm_ocr, "deepseek-ocr2": deepseek_ocr2,
     "llama32-11b-vision": llama32_11b_vision,
     "internvl3_5-1b": internvl3_5_1b, "granite-docling": granite_docling,
+    "phi4-multimodal": phi4_multimodal,
     "qwen2vl-small": qwen2vl_small, "qwen2vl-0.5b": qwen2vl_05b,
 }
 

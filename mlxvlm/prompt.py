@@ -305,7 +305,9 @@ def _load_media(processor: Any, media: list[tuple[str, Any]], policy: MediaPolic
     """Decode every source, checking first that the processor takes its kind."""
     kinds = {kind for kind, _ in media}
     video_processor = getattr(processor, "video_processor", None)
-    feature_extractor = getattr(processor, "feature_extractor", None)
+    # transformers names it feature_extractor, or audio_processor (Phi-4-multimodal)
+    feature_extractor = getattr(processor, "feature_extractor", None) or getattr(
+        processor, "audio_processor", None)
     if "video" in kinds and video_processor is None:
         raise MlxvlmError("this model does not take video input; pass images or text")
     if "audio" in kinds and feature_extractor is None:

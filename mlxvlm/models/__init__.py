@@ -61,6 +61,8 @@ FAMILIES: dict[str, str] = {
     "deepseekocr_2": "deepseek_ocr2",  # mlx-community's conversions (DeepSeek's own config)
     # Granite-Docling: Idefics3-style tiles, DeepStack taps, Granite's decoder
     "granite_docling": "granite_docling",
+    # transformers' native layout (the Hub's original is phi4mm, with remote code)
+    "phi4_multimodal": "phi4_multimodal",
 }
 
 

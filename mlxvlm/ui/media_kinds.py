@@ -33,7 +33,8 @@ class MediaKind:
     # Also the message part type (``mlxvlm.prompt``) and Gradio's file-type category.
     name: str
     features: frozenset[str]  # processor outputs that show the model takes this kind
-    processor_part: str  # the processor attribute that prepares it
+    # the processor attribute that prepares it (the first one the processor has)
+    processor_parts: tuple[str, ...]
     # (path, policy=MediaPolicy) -> decoded media, and its content hash; None: the path goes
     # into the message and ``prepare_inputs`` decodes it.
     load: Callable[..., Any] | None = None
@@ -67,15 +68,16 @@ class MediaKind:
 MEDIA_KINDS: tuple[MediaKind, ...] = (
     MediaKind(
         name="image",
-        features=frozenset({"pixel_values"}),
-        processor_part="image_processor",
+        # Phi-4-multimodal names its pixels image_pixel_values
+        features=frozenset({"pixel_values", "image_pixel_values"}),
+        processor_parts=("image_processor",),
         load=load_image,
         content_hash=image_hash,
     ),
     MediaKind(
         name="pdf",
-        features=frozenset({"pixel_values"}),
-        processor_part="image_processor",
+        features=frozenset({"pixel_values", "image_pixel_values"}),
+        processor_parts=("image_processor",),
         load=load_pdf_pages,
         content_hash=image_hash,
         document_type="application/pdf",
@@ -83,12 +85,13 @@ MEDIA_KINDS: tuple[MediaKind, ...] = (
     MediaKind(
         name="video",
         features=frozenset({"pixel_values_videos"}),
-        processor_part="video_processor",
+        processor_parts=("video_processor",),
     ),
     MediaKind(
         name="audio",
-        features=frozenset({"input_features"}),
-        processor_part="feature_extractor",
+        # Phi-4-multimodal: audio_input_features from its audio_processor
+        features=frozenset({"input_features", "audio_input_features"}),
+        processor_parts=("feature_extractor", "audio_processor"),
     ),
 )
 
@@ -99,7 +102,8 @@ def supported_kinds(model: Any, processor: Any) -> tuple[MediaKind, ...]:
     return tuple(
         kind
         for kind in MEDIA_KINDS
-        if kind.features & features and getattr(processor, kind.processor_part, None) is not None
+        if kind.features & features
+        and any(getattr(processor, part, None) is not None for part in kind.processor_parts)
     )
 
 

@@ -50,6 +50,7 @@ BUILDERS = {
     "glm_ocr": "tiny.glm_ocr",
     "deepseek_ocr2": "tiny.deepseek_ocr2",
     "granite_docling": "tiny.granite_docling",
+    "phi4_multimodal": "tiny.phi4_multimodal",
 }
 # Families that embed or rank rather than generate (mlxvlm.retrieval): the family-wide
 # generation tests (text, BOS, threads, PEFT names) run over GENERATIVE.

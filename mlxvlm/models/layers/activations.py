@@ -9,7 +9,8 @@ port matches the reference to float rounding:
 - ``quick_gelu``: ``x * sigmoid(1.702 x)`` (``QuickGELUActivation``) ->
   ``nn.gelu_fast_approx``, which is exactly that in the MLX this project requires
   (tests/test_activations.py checks every entry against transformers).
-- ``silu``: ``x * sigmoid(x)`` -> ``nn.silu``.
+- ``silu`` and ``swish`` (its other name): ``x * sigmoid(x)`` -> ``nn.silu``.
+- ``relu`` -> ``nn.relu``.
 
 The last three go through ``mlxvlm.cpu.ops`` (same function, faster on the CPU backend).
 
@@ -33,6 +34,8 @@ ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
     "gelu_pytorch_tanh": gelu_tanh,
     "quick_gelu": quick_gelu,
     "silu": silu,
+    "swish": silu,
+    "relu": nn.relu,
 }
 
 
