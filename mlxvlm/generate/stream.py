@@ -248,8 +248,59 @@ def generate_prepared(
             break
 
 
-def generate(model: nn.Module, processor: Any, prompt, image: Any = None, **kwargs) -> GenerationOutput:
-    """Generate the whole answer; same arguments as ``stream_generate``."""
+def generate(model: nn.Module, processor: Any, prompt, image: Any = None, *,
+             audio_output: bool = False, voice: str | None = None,
+             talker_temperature: float | None = None, talker_max_frames: int = 4096,
+             **kwargs) -> GenerationOutput:
+    """Generate the whole answer; same arguments as ``stream_generate``.
+
+    ``audio_output=True`` (a model that speaks: Qwen3-Omni's full checkpoint) also speaks
+    the answer once it is written: ``.audio`` (float32 mono), ``.sample_rate``,
+    ``.audio_codes`` (frames, code groups), in ``voice`` (the checkpoint's speaker names,
+    any case; None: its default). ``talker_temperature`` 0: argmax for the talker and
+    its code predictor, no repetition penalty; None: the checkpoint's own sampling.
+    ``talker_max_frames``: the most codec frames spoken (12.5 a second for Qwen3-Omni)."""
+    if not audio_output:
+        if voice is not None or talker_temperature is not None or talker_max_frames != 4096:
+            raise MlxvlmError("voice, talker_temperature and talker_max_frames need "
+                              "audio_output=True")
+        return _generate_text(model, processor, prompt, image, **kwargs)
+    from mlxvlm.speech.pipeline import hidden_tap, speak, speech_voice
+
+    start = time.perf_counter()
+    speech_voice(model, voice)  # an unknown voice is refused before the answer is written
+    if talker_temperature is not None and talker_temperature < 0:
+        raise MlxvlmError(f"talker_temperature must be at least 0, got {talker_temperature}")
+    if talker_max_frames < 1:
+        raise MlxvlmError(f"talker_max_frames must be at least 1, got {talker_max_frames}")
+    if model.sharding is not None:
+        raise MlxvlmError("audio output does not run on a sharded model")
+    speculation = kwargs.get("speculation")
+    if (kwargs.get("draft_model") is not None or kwargs.get("prompt_lookup_num_tokens")
+            or (speculation is not None and speculation.enabled)):
+        raise MlxvlmError("audio output does not run with speculative decoding: leave out "
+                          "the draft model and prompt lookup")
+    decoder = model.language_model.model
+    tap = decoder.hidden_tap = hidden_tap(model)
+    try:
+        output = _generate_text(model, processor, prompt, image, **kwargs)
+    finally:
+        decoder.hidden_tap = None
+    text_seconds = time.perf_counter() - start
+    speech = speak(model, tap, output.prompt_tokens, output.tokens, eos_token_ids(processor),
+                   voice=voice, talker_temperature=talker_temperature,
+                   max_frames=talker_max_frames)
+    output.audio, output.sample_rate, output.audio_codes = (speech.audio, speech.sample_rate,
+                                                            speech.codes)
+    output.voice = speech.voice
+    output.speech_seconds = speech.seconds
+    if speech.first_audio_seconds is not None:
+        output.time_to_first_audio = text_seconds + speech.first_audio_seconds
+    return output
+
+
+def _generate_text(model: nn.Module, processor: Any, prompt, image: Any = None,
+                   **kwargs) -> GenerationOutput:
     folder = OutputFolder()
     for result in stream_generate(model, processor, prompt, image, **kwargs):
         folder.add(result)
