@@ -18,6 +18,8 @@ from mlxvlm.generate.cache import CacheOptions
 from mlxvlm.generate.drafters import make_drafter
 from mlxvlm.generate.keywords import build_options, fold_keywords
 from mlxvlm.generate.loop import embed_prompt, fit_to_context, generate_tokens
+from mlxvlm.generate.speech import (SpeechRequest, check_speech_request, speak_answer,
+                                    thinker_states)
 from mlxvlm.generate.speculative import (
     SpeculationOptions,
     SpeculationStats,
@@ -260,42 +262,21 @@ def generate(model: nn.Module, processor: Any, prompt, image: Any = None, *,
     any case; None: its default). ``talker_temperature`` 0: argmax for the talker and
     its code predictor, no repetition penalty; None: the checkpoint's own sampling.
     ``talker_max_frames``: the most codec frames spoken (12.5 a second for Qwen3-Omni)."""
+    request = SpeechRequest(voice, talker_temperature, talker_max_frames)
     if not audio_output:
-        if voice is not None or talker_temperature is not None or talker_max_frames != 4096:
+        if request != SpeechRequest():
             raise MlxvlmError("voice, talker_temperature and talker_max_frames need "
                               "audio_output=True")
         return _generate_text(model, processor, prompt, image, **kwargs)
-    from mlxvlm.speech.pipeline import hidden_tap, speak, speech_voice
-
     start = time.perf_counter()
-    speech_voice(model, voice)  # an unknown voice is refused before the answer is written
-    if talker_temperature is not None and talker_temperature < 0:
-        raise MlxvlmError(f"talker_temperature must be at least 0, got {talker_temperature}")
-    if talker_max_frames < 1:
-        raise MlxvlmError(f"talker_max_frames must be at least 1, got {talker_max_frames}")
-    if model.sharding is not None:
-        raise MlxvlmError("audio output does not run on a sharded model")
-    speculation = kwargs.get("speculation")
-    if (kwargs.get("draft_model") is not None or kwargs.get("prompt_lookup_num_tokens")
-            or (speculation is not None and speculation.enabled)):
-        raise MlxvlmError("audio output does not run with speculative decoding: leave out "
-                          "the draft model and prompt lookup")
-    decoder = model.language_model.model
-    tap = decoder.hidden_tap = hidden_tap(model)
-    try:
+    check_speech_request(model, request, kwargs)
+    with thinker_states(model) as tap:
         output = _generate_text(model, processor, prompt, image, **kwargs)
-    finally:
-        decoder.hidden_tap = None
-    text_seconds = time.perf_counter() - start
-    speech = speak(model, tap, output.prompt_tokens, output.tokens, eos_token_ids(processor),
-                   voice=voice, talker_temperature=talker_temperature,
-                   max_frames=talker_max_frames)
-    output.audio, output.sample_rate, output.audio_codes = (speech.audio, speech.sample_rate,
-                                                            speech.codes)
-    output.voice = speech.voice
+    speech, output.time_to_first_audio = speak_answer(
+        model, processor, tap, output.prompt_tokens, output.tokens, request, start)
+    output.audio, output.sample_rate = speech.audio, speech.sample_rate
+    output.audio_codes, output.voice = speech.codes, speech.voice
     output.speech_seconds = speech.seconds
-    if speech.first_audio_seconds is not None:
-        output.time_to_first_audio = text_seconds + speech.first_audio_seconds
     return output
 
 

@@ -239,9 +239,3 @@ class Talker(nn.Module):
         self.hidden_projection = ResizeMLP(config.thinker_hidden_size, config.projection_size,
                                            text.hidden_size)
         self.code_predictor = CodePredictor(config.predictor, config.num_code_groups)
-
-    @staticmethod
-    def hf_to_mlx_name(name: str) -> str:
-        """Names after ``talker.`` as here, but for the experts (``stack``/``split`` in
-        the family's sanitize) and the code predictor's lists (same names)."""
-        return name
