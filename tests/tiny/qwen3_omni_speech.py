@@ -128,6 +128,9 @@ def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
                 param.copy_(0.3 * torch.randn(param.shape, generator=generator))
             elif name.endswith((".gamma", ".scale")):
                 param.copy_(0.5 + 0.2 * torch.randn(param.shape, generator=generator))
+        # the speakers' codec embeddings loud enough that each voice speaks other codes
+        speakers = list(SPEAKERS.values())
+        model.talker.model.codec_embedding.weight[speakers] *= 8
     tiny = omni_tiny(family, model.thinker, tokenizer, *qwen3_omni.build_processor_parts())
     tiny.full_model = model
     return tiny
