@@ -234,6 +234,24 @@ def test_a_full_config_over_thinker_tensors_loads_the_thinker_alone(checkpoint, 
     assert not model.speaks
 
 
+def test_a_quantized_conversion_quantizes_the_talker_and_keeps_the_codec_float(checkpoint,
+                                                                               tmp_path):
+    from mlxvlm.convert import convert
+
+    convert(str(checkpoint), tmp_path / "q4", quantize=True, q_bits=4, q_group_size=32,
+            quantize_vision=True)
+    model, processor = mlxvlm.load(str(tmp_path / "q4"))
+    assert model.speaks
+    quantized = {path for path, module in model.named_modules() if "scales" in module}
+    assert "talker.model.layers.0.self_attn.q_proj" in quantized
+    assert "talker.code_predictor.lm_head.0" in quantized
+    assert not [path for path in quantized if path.startswith("code2wav")]
+    out = mlxvlm.generate(model, processor, "Describe a red circle.", max_tokens=4,
+                          audio_output=True, talker_temperature=0, talker_max_frames=6)
+    assert out.audio_codes.shape == (6, qwen3_omni_speech.CODE_GROUPS)
+    assert out.audio.shape == (6 * 24 - 8,)
+
+
 # ------------------------------------------------------------------------------ the CLI
 
 
