@@ -269,7 +269,8 @@ def main() -> int:
     if args.output:
         for r in results:
             r.pop("codes")
-        Path(args.output).write_text(json.dumps(dict(vars(args), results=results), indent=2))
+        settings = {k: v for k, v in vars(args).items() if k not in ("engine", "output")}
+        Path(args.output).write_text(json.dumps(dict(settings, results=results), indent=2))
     return 0
 
 

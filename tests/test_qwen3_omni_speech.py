@@ -43,8 +43,8 @@ torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-THINKER_TOKENS = 10
-FRAMES = 24  # past the code2wav's 8-frame attention window
+THINKER_TOKENS = 8
+FRAMES = 12  # past the code2wav's 8-frame attention window
 WAVE_ATOL = 1e-4
 CHUNK_ATOL = 1e-5
 
@@ -151,6 +151,20 @@ def test_voices_are_matched_in_any_case_and_unknown_ones_named(loaded):
     model, processor = loaded
     with pytest.raises(MlxvlmError, match="need audio_output=True"):
         mlxvlm.generate(model, processor, "Hi", max_tokens=2, voice="ethan")
+
+
+def test_sampled_speech_draws_only_codes(loaded):
+    """The checkpoint's own sampling (temperature 0.9, top-k 50, the repetition penalty)
+    draws codec codes only: the special entries stay suppressed, groups stay in their
+    codebooks, the codec decodes them."""
+    model, processor = loaded
+    mx.random.seed(0)
+    out = mlxvlm.generate(model, processor, "Describe a red circle.", max_tokens=4,
+                          audio_output=True, talker_max_frames=FRAMES)
+    codes = out.audio_codes
+    assert codes.shape[1] == qwen3_omni_speech.CODE_GROUPS and 0 < len(codes) <= FRAMES
+    assert codes.min() >= 0 and codes.max() < qwen3_omni_speech.CODEBOOK
+    assert len(out.audio) == len(codes) * 24 - 8
 
 
 # ------------------------------------------------------------------------------ code2wav
