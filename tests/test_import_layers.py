@@ -22,8 +22,9 @@ LAYERS = (
     ("process_setup", "distributed", "media", "model_pool", "sampling", "prompt_length"),
     # the families; text handling; preparing off the caller's thread
     ("models", "text", "preparation"),
-    # what a model does besides generating; a conversation turned into a model's inputs
-    ("retrieval", "prompt"),
+    # what a model does besides generating; a conversation turned into a model's inputs;
+    # the stages that speak an answer
+    ("retrieval", "prompt", "speech"),
     # checkpoints read and written
     ("checkpoint",),
     # one sequence; what every command shares

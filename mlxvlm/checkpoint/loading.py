@@ -214,11 +214,14 @@ def build_model(model_path: Path, config: dict, family, weights: dict[str, mx.ar
     model only (``mlxvlm.distributed.sharding``), its weights still lazy; the plan is
     ``model.sharding``."""
     model = family.Model.from_config(config)
-    unused = family.Model.unused_weight_prefixes
+    # the model's own: a family may use parts of a checkpoint only when its config has them
+    unused = model.unused_weight_prefixes
     if unused:
         weights = {name: value for name, value in weights.items() if not name.startswith(unused)}
     if not is_converted(model_path, config) and family.Model.is_hf_checkpoint(weights.keys()):
         weights = model.sanitize(weights)
+    if hasattr(model, "drop_absent_parts"):  # optional parts the tensors leave out
+        model.drop_absent_parts(weights.keys())
     settle_absent_head(model, weights.keys(), head_optional, model_path)
     drop_absent_parts(model, weights.keys())
     plan = None

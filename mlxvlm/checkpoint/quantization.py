@@ -41,7 +41,11 @@ RECIPES = {
 # do), at the top or inside an omni model's `thinker`; everything else — vision/audio
 # towers and projectors — is multimodal.
 TEXT_MODEL = "language_model"
-TEXT_MODEL_PATHS = (TEXT_MODEL, f"thinker.{TEXT_MODEL}")
+# An omni model's talker (codec codes out of a decoder, Qwen3-Omni's) is quantized as the
+# text decoder is; its codec (code2wav: convolutions and a small transformer whose
+# errors reach the waveform directly) always stays float.
+TEXT_MODEL_PATHS = (TEXT_MODEL, f"thinker.{TEXT_MODEL}", "talker")
+NEVER_QUANTIZED_PATHS = ("code2wav",)
 
 Predicate = Callable[[str, nn.Module], "bool | dict"]
 
@@ -105,7 +109,11 @@ def recipe_spec(recipe: str, group_size: int | None = None) -> tuple[QuantSpec, 
 
 
 def is_multimodal_path(path: str) -> bool:
-    return not any(path == text or path.startswith(f"{text}.") for text in TEXT_MODEL_PATHS)
+    return not _under(path, TEXT_MODEL_PATHS)
+
+
+def _under(path: str, prefixes: tuple[str, ...]) -> bool:
+    return any(path == prefix or path.startswith(f"{prefix}.") for prefix in prefixes)
 
 
 def _block_index(path: str) -> int | None:
@@ -143,7 +151,7 @@ def conversion_predicate(
     """
 
     def predicate(path: str, module: nn.Module) -> bool | dict:
-        if not hasattr(module, "to_quantized"):
+        if not hasattr(module, "to_quantized") or _under(path, NEVER_QUANTIZED_PATHS):
             return False
         multimodal = is_multimodal_path(path)
         if multimodal and not quantize_multimodal:

@@ -32,7 +32,7 @@ def files_for_rank(files: HubFiles, config: dict, family, sharding, converted: b
     from mlxvlm.distributed import sharding as shards
 
     model = family.Model.from_config(config)
-    unused = family.Model.unused_weight_prefixes
+    unused = model.unused_weight_prefixes
     names_per_file: dict[str, list[str] | None] = {}
     for filename, (_, tensors) in files.items():
         stand_ins = {name: mx.zeros(shape, dtype=_DTYPES.get(dtype, mx.float32))

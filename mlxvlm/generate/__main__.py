@@ -193,12 +193,54 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Prompt tokens per prefill chunk")
     add_speculation_arguments(parser)
     add_sharding_arguments(parser)
+    add_speech_arguments(parser)
     parser.add_argument(
         "--verbose", action="store_true",
         help="Print statistics, backend details and where the sampling values came from to "
         "stderr (under mlx.launch: what each rank holds)",
     )
     return parser
+
+
+def add_speech_arguments(parser: argparse.ArgumentParser) -> None:
+    from mlxvlm.generate.speech import DEFAULT_MAX_FRAMES
+
+    parser.add_argument(
+        "--audio-output", default=None, metavar="OUT.wav",
+        help="Also speak the answer (a model with a talker: Qwen3-Omni's full checkpoint) "
+        "into this WAV file (16-bit PCM, mono, at the model's rate)",
+    )
+    parser.add_argument(
+        "--voice", default=None,
+        help="The voice, as the checkpoint names its speakers (any case; default: the "
+        "model's, Ethan for Qwen3-Omni); with --audio-output",
+    )
+    parser.add_argument(
+        "--talker-temperature", type=ranged(Range(float, 0, 100)), default=None,
+        help="The talker's sampling temperature (0: argmax for the talker and its code "
+        "predictor, no repetition penalty; default: the checkpoint's own sampling, "
+        "temperature 0.9, top-k 50, repetition penalty 1.05); with --audio-output",
+    )
+    parser.add_argument(
+        "--talker-max-frames", type=ranged(at_least(1)), default=DEFAULT_MAX_FRAMES,
+        help="The most codec frames spoken (Qwen3-Omni: 12.5 per second of audio); with "
+        "--audio-output",
+    )
+
+
+def _speech_request(args: argparse.Namespace):
+    """The speech flags as a SpeechRequest; None without --audio-output (and then the
+    other speech flags are refused)."""
+    from mlxvlm.errors import MlxvlmError
+    from mlxvlm.generate.speech import SpeechRequest
+
+    request = SpeechRequest(args.voice, args.talker_temperature, args.talker_max_frames)
+    if args.audio_output is None:
+        if request != SpeechRequest():
+            raise MlxvlmError("--voice, --talker-temperature and --talker-max-frames need "
+                              "--audio-output")
+        return None
+    return request
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -292,6 +334,10 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
     from mlxvlm.generate.pdf_pages import answer_pages
 
     sampling = _sampling_options(args, processor)
+    speech = _speech_request(args)
+    if speech is not None:
+        _answer_aloud(args, model, processor, media, draft, speech, sampling)
+        return
     if any(kind == "pdf" for kind, _ in media):
         text = _prompt_text(args)
         answer_pages(args, media, lambda pieces: _stream(
@@ -313,6 +359,53 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
         print(_converter(args)("".join(pieces), images[0] if len(images) == 1 else None))
     if args.verbose and last is not None:
         _print_statistics(last)
+
+
+def _answer_aloud(args: argparse.Namespace, model, processor, media, draft, request,
+                  sampling) -> None:
+    """The answer printed as it is written, then spoken into --audio-output."""
+    import time
+
+    from mlxvlm.errors import MlxvlmError
+    from mlxvlm.generate.speech import check_speech_request, speak_answer, thinker_states
+    from mlxvlm.speech.wav import write_wav
+
+    if any(kind == "pdf" for kind, _ in media):
+        raise MlxvlmError("--audio-output speaks one answer: it does not take a PDF")
+    check_speech_request(model, request, {"draft_model": draft,
+                                          "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
+                                          "mtp": args.mtp or None})
+    started = time.perf_counter()
+    tokens = []
+    last = None
+    with thinker_states(model) as tap:
+        for last in _stream(args, model, processor, _user_turn(_prompt_text(args), media), draft,
+                            sampling):
+            tokens.append(last.token)
+            print(last.text, end="", flush=True)
+    print()
+    if last is None:
+        return
+    speech, first_audio = speak_answer(model, processor, tap, last.prompt_tokens, tokens,
+                                       request, started)
+    write_wav(args.audio_output, speech.audio, speech.sample_rate)
+    if args.verbose:
+        _print_statistics(last)
+        _print_speech_statistics(speech, first_audio)
+
+
+def _print_speech_statistics(speech, first_audio: float | None) -> None:
+    seconds = speech.audio_seconds
+    factor = f"{speech.seconds / seconds:.2f}" if seconds else "n/a (no audio)"
+    first = f"{first_audio:.2f} s" if first_audio is not None else "n/a (no audio)"
+    print(
+        f"[mlxvlm] speech: {len(speech.codes)} frames, {seconds:.2f} s of audio at "
+        f"{speech.sample_rate} Hz, voice {speech.voice}\n"
+        f"[mlxvlm] time to first audio: {first} (from the start of the answer)\n"
+        f"[mlxvlm] real-time factor: {factor} (talker and codec seconds per second of "
+        f"audio; below 1 is faster than real time)",
+        file=sys.stderr,
+    )
 
 
 def _sampling_options(args: argparse.Namespace, processor):

@@ -18,6 +18,8 @@ from mlxvlm.generate.cache import CacheOptions
 from mlxvlm.generate.drafters import make_drafter
 from mlxvlm.generate.keywords import build_options, fold_keywords
 from mlxvlm.generate.loop import embed_prompt, fit_to_context, generate_tokens
+from mlxvlm.generate.speech import (SpeechRequest, check_speech_request, speak_answer,
+                                    thinker_states)
 from mlxvlm.generate.speculative import (
     SpeculationOptions,
     SpeculationStats,
@@ -248,8 +250,38 @@ def generate_prepared(
             break
 
 
-def generate(model: nn.Module, processor: Any, prompt, image: Any = None, **kwargs) -> GenerationOutput:
-    """Generate the whole answer; same arguments as ``stream_generate``."""
+def generate(model: nn.Module, processor: Any, prompt, image: Any = None, *,
+             audio_output: bool = False, voice: str | None = None,
+             talker_temperature: float | None = None, talker_max_frames: int = 4096,
+             **kwargs) -> GenerationOutput:
+    """Generate the whole answer; same arguments as ``stream_generate``.
+
+    ``audio_output=True`` (a model that speaks: Qwen3-Omni's full checkpoint) also speaks
+    the answer once it is written: ``.audio`` (float32 mono), ``.sample_rate``,
+    ``.audio_codes`` (frames, code groups), in ``voice`` (the checkpoint's speaker names,
+    any case; None: its default). ``talker_temperature`` 0: argmax for the talker and
+    its code predictor, no repetition penalty; None: the checkpoint's own sampling.
+    ``talker_max_frames``: the most codec frames spoken (12.5 a second for Qwen3-Omni)."""
+    request = SpeechRequest(voice, talker_temperature, talker_max_frames)
+    if not audio_output:
+        if request != SpeechRequest():
+            raise MlxvlmError("voice, talker_temperature and talker_max_frames need "
+                              "audio_output=True")
+        return _generate_text(model, processor, prompt, image, **kwargs)
+    start = time.perf_counter()
+    check_speech_request(model, request, kwargs)
+    with thinker_states(model) as tap:
+        output = _generate_text(model, processor, prompt, image, **kwargs)
+    speech, output.time_to_first_audio = speak_answer(
+        model, processor, tap, output.prompt_tokens, output.tokens, request, start)
+    output.audio, output.sample_rate = speech.audio, speech.sample_rate
+    output.audio_codes, output.voice = speech.codes, speech.voice
+    output.speech_seconds = speech.seconds
+    return output
+
+
+def _generate_text(model: nn.Module, processor: Any, prompt, image: Any = None,
+                   **kwargs) -> GenerationOutput:
     folder = OutputFolder()
     for result in stream_generate(model, processor, prompt, image, **kwargs):
         folder.add(result)

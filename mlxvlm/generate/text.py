@@ -116,6 +116,15 @@ class GenerationOutput:
     finish_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # With audio_output (generate): the answer spoken, float32 mono, at sample_rate; the
+    # talker's codes (frames, code groups); the voice; seconds from the call's start to
+    # the first decoded audio, and the talker and codec's own seconds.
+    audio: Any = None
+    sample_rate: int | None = None
+    audio_codes: Any = None
+    voice: str | None = None
+    time_to_first_audio: float | None = None
+    speech_seconds: float | None = None
 
 
 class OutputFolder:

@@ -12,7 +12,12 @@ Qwen2.5-Omni's design (``models/qwen2_5_omni.py``) on Qwen3 parts:
   sound track is merged with its frames token by token in time order
   (``InterleavedAudioVideoSpan``), its block opened and closed by two tokens each.
 
-The talker (speech out) and code2wav are not ported: this is text output only.
+Speech out: a full checkpoint (``talker_config`` and ``code2wav_config``, tensors
+``talker.*`` and ``code2wav.*``) also loads the talker (``layers/qwen3_omni_talker.py``)
+and code2wav (``layers/qwen3_omni_code2wav.py``) as ``talker`` and ``code2wav``, and
+``speaks`` is True; ``mlxvlm.speech`` runs them. A thinker-only checkpoint, or one whose
+config turns audio output off or whose tensors leave the speech parts out, loads the
+thinker alone as before.
 
 Checkpoints: the Hub's full model (``model_type: qwen3_omni_moe``; ``thinker_config``;
 tensors ``thinker.{audio_tower,visual,model,lm_head}.*`` with one tensor per expert,
@@ -44,6 +49,8 @@ from mlxvlm.models.layers.qwen3_omni_audio import (
     output_lengths,
     sanitize_conv_weights,
 )
+from mlxvlm.models.layers.qwen3_omni_code2wav import Code2Wav, Code2WavConfig
+from mlxvlm.models.layers.qwen3_omni_talker import Talker, TalkerConfig
 from mlxvlm.models.layers.qwen_vision import QwenVisionTransformer, convert_hf_weight
 from mlxvlm.models.qwen_video import QwenVideoProcessor
 from mlxvlm.models.weights import is_hf_naming, map_hf_weights, rename_prefix
@@ -158,10 +165,38 @@ class Thinker(nn.Module):
         self.language_model = LanguageModel(args.text)
 
 
+@dataclass(frozen=True)
+class SpeechConfig:
+    """What the talker needs of the full config beside its own: the thinker's special
+    tokens that frame the talker's prompt."""
+
+    talker: TalkerConfig
+    code2wav: Code2WavConfig
+    im_start_token_id: int
+    im_end_token_id: int
+    tts_pad_token_id: int
+    tts_bos_token_id: int
+    tts_eos_token_id: int
+    user_token_id: int
+    assistant_token_id: int
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "SpeechConfig | None":
+        """None for a config without the speech parts (or with audio output off)."""
+        if (not config.get("enable_audio_output", True) or not config.get("talker_config")
+                or not config.get("code2wav_config")):
+            return None
+        defaults = dict(im_start_token_id=151644, im_end_token_id=151645,
+                        tts_pad_token_id=151671, tts_bos_token_id=151672,
+                        tts_eos_token_id=151673, user_token_id=872, assistant_token_id=77091)
+        return cls(talker=TalkerConfig.from_hf(config["talker_config"]),
+                   code2wav=Code2WavConfig.from_hf(config["code2wav_config"]),
+                   **{key: config.get(key, value) for key, value in defaults.items()})
+
+
 class Model(qwen2_5_omni.Model):
     hf_prefixes = HF_PREFIXES
     mlx_prefixes = MLX_PREFIXES
-    unused_weight_prefixes = SPEECH_OUTPUT
     audio_config_class = Qwen3AudioConfig
     processor_class = "Qwen3OmniMoeProcessor"
     omni_tokens = OMNI_TOKENS
@@ -169,9 +204,32 @@ class Model(qwen2_5_omni.Model):
     # ("qwen2_vl") and preprocessing.
     video_processor_class = QwenVideoProcessor
 
+    speech_config: SpeechConfig | None = None
+
     def __init__(self, args: qwen2_5_omni.OmniArgs):
         VisionLanguageModel.__init__(self, args)
         self.thinker = Thinker(args)
+
+    def attach_speech(self, speech: SpeechConfig) -> None:
+        self.speech_config = speech
+        self.talker = Talker(speech.talker)
+        self.code2wav = Code2Wav(speech.code2wav)
+
+    @property
+    def speaks(self) -> bool:
+        """Whether the talker and code2wav are loaded (``mlxvlm.speech`` runs them)."""
+        return self.speech_config is not None
+
+    @property
+    def unused_weight_prefixes(self) -> tuple[str, ...]:
+        return () if self.speaks else SPEECH_OUTPUT
+
+    def drop_absent_parts(self, weight_names) -> None:
+        """A config with the speech parts over tensors without them (a thinker-only
+        conversion): the thinker alone, as such a checkpoint always loaded."""
+        if self.speaks and not any(name.startswith("talker.") for name in weight_names):
+            del self.talker, self.code2wav
+            self.speech_config = None
 
     # The towers and the text model, where the Qwen-VL code looks for them.
     audio_tower = property(lambda self: self.thinker.audio_tower)
@@ -189,6 +247,9 @@ class Model(qwen2_5_omni.Model):
     @classmethod
     def from_config(cls, config: dict) -> "Model":
         model = super().from_config(config)
+        speech = SpeechConfig.from_hf(config)
+        if speech is not None:
+            model.attach_speech(speech)
         model._experts_out_in = qwen3_vl_moe.experts_stored_out_in(config)
         return model
 
@@ -207,14 +268,35 @@ class Model(qwen2_5_omni.Model):
         return name
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        thinker = {k: v for k, v in weights.items() if not k.startswith(SPEECH_OUTPUT)}
         sanitized = map_hf_weights(
-            weights, self.hf_to_mlx_name,
+            thinker, self.hf_to_mlx_name,
             towers={VISION_TOWER: convert_hf_weight, AUDIO_TOWER: sanitize_conv_weights},
-            skip_prefixes=SPEECH_OUTPUT, skip_suffixes=BUFFERS,
+            skip_suffixes=BUFFERS,
             drop={LM_HEAD} if self.args.text.tie_word_embeddings else (),
         )
         sanitized = qwen3_vl_moe.stack_expert_modules(sanitized)
-        return qwen3_vl_moe.split_experts(sanitized, self.args.text, self._experts_out_in)
+        sanitized = qwen3_vl_moe.split_experts(sanitized, self.args.text, self._experts_out_in)
+        if self.speaks:
+            sanitized.update(self._sanitize_speech(weights))
+        return sanitized
+
+    def _sanitize_speech(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """``talker.*`` with its experts stacked as mlx-lm's ``switch_mlp``, ``code2wav.*``
+        in MLX's convolution layouts."""
+        talker = {k: v for k, v in weights.items()
+                  if k.startswith("talker.") and not k.endswith(BUFFERS)}
+        talker = qwen3_vl_moe.stack_expert_modules(talker)
+        talker = qwen3_vl_moe.split_experts(talker, self.speech_config.talker.text,
+                                            self._experts_out_in)
+        code2wav = {}
+        for name, value in weights.items():
+            if name.startswith("code2wav."):
+                inner = name[len("code2wav."):]
+                value = Code2Wav.sanitize(inner, value)
+                if value is not None:
+                    code2wav["code2wav." + Code2Wav.hf_to_mlx_name(inner)] = value
+        return {**talker, **code2wav}
 
     def hf_split_modules(self, name: str):
         return None  # transformers' vision attention is one fused qkv, as ours

@@ -540,6 +540,8 @@ class Qwen2MRopeModel(MRopeDecoder):
 
     layer_class = DecoderLayer
     runs_pipelined = True
+    # A HiddenTap (layers/hidden_tap.py) set by a caller that needs the states, else None.
+    hidden_tap = None
 
     def __init__(self, config: TextConfig):
         super().__init__(config, config.head_dim, config.mrope_interleaved)
@@ -559,14 +561,22 @@ class Qwen2MRopeModel(MRopeDecoder):
         deepstack = None
         if state is not None and state.deepstack is not None:
             deepstack = state.deepstack.window(offset, n)
+        tap = self.hidden_tap
+        if tap is not None:
+            tap.record_input(inputs, h, state)
         h = self.receive(h)
         layers = zip(self.pipeline_layers, cache)
         for index, (layer, layer_cache) in enumerate(layers, start=self.start_idx):
             h = layer(h, rotary, mask, layer_cache)
+            if tap is not None and index + 1 < len(self.layers):
+                tap.record_layer(index + 1, h)  # before DeepStack, as transformers records
             if deepstack is not None and index < len(deepstack[1]):
                 where, features = deepstack
                 h = h.at[where].add(features[index].astype(h.dtype))
-        return self.norm(self.hand_on(h, cache))
+        out = self.norm(self.hand_on(h, cache))
+        if tap is not None:
+            tap.record_layer(len(self.layers), out)
+        return out
 
 
 class LanguageModel(nn.Module):

@@ -1,0 +1,278 @@
+"""Qwen3-Omni's speech stages: time to first audio, real-time factor and peak memory of the
+talker (with its code predictor) and code2wav, mlxvlm against transformers.
+
+    python benchmarks/omni_speech.py                        # 6 experts, 48 frames
+    python benchmarks/omni_speech.py --experts 128 --frames 125 --output r.json
+
+The talker and codec have Qwen/Qwen3-Omni-30B-A3B-Instruct's shapes (its config.json:
+a 20-layer 1024-wide MoE talker, 6 of its experts per token with a shared expert, 16
+heads over 2 KV heads; a 5-layer 1024-wide code predictor for the other 15 of 16 code
+groups; code2wav's 8-layer transformer and 1920x upsampling decoder) with random weights
+(bfloat16 on disk, float32 compute on both engines), built once under
+``benchmarks/checkpoints/``. ``--experts`` keeps fewer of the 128 experts (at least the 6
+a token uses): a token's work is the same (6 experts of 384), only memory shrinks (128
+experts in float32 are 12 GB; with 6, both engines hold about 2.5 GB).
+The thinker (30B) is left out: the talker is given random conditioning of the thinker's
+width (a ``--prompt``-position prefill, one text row per frame), as both engines take it.
+
+Each engine runs in a fresh process, greedy (no repetition penalty) for ``--frames``
+frames (12.5 a second of audio). mlxvlm streams: the talker's frames go to code2wav
+in chunks (4 frames first, then 24), and its time to first audio is the first chunk's
+waveform from the talker's prefill on. transformers has no stream: its first audio is the
+whole waveform, after ``generate`` and ``chunked_decode`` (its 300-frame chunks). The
+real-time factor is the engine's talker + codec seconds over the audio's seconds (below 1
+is faster than real time). Both engines' codes are compared (equal for the frames both
+made).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CHECKPOINTS = HERE / "checkpoints"
+SAMPLE_RATE = 24000
+SEED = 0
+
+TALKER_TEXT = dict(
+    vocab_size=3072, hidden_size=1024, intermediate_size=2048, num_hidden_layers=20,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
+    num_experts=128, num_experts_per_tok=6, moe_intermediate_size=384,
+    shared_expert_intermediate_size=768, norm_topk_prob=True, max_position_embeddings=65536,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                     "mrope_section": [24, 20, 20], "interleaved": True},
+)
+CODE_PREDICTOR = dict(
+    vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=5,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+    num_code_groups=16, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
+TALKER = dict(
+    num_code_groups=16, thinker_hidden_size=2048, accept_hidden_layer=24,
+    codec_eos_token_id=2150, codec_pad_id=2148, codec_bos_id=2149, codec_nothink_id=2155,
+    codec_think_bos_id=2156, codec_think_eos_id=2157, spatial_merge_size=2,
+    speaker_id={"chelsie": 2301, "ethan": 2302, "aiden": 2303},
+)
+
+
+def checkpoint_dir(experts: int) -> Path:
+    return CHECKPOINTS / f"qwen3-omni-30b-a3b-speech-e{experts}"
+
+
+def build(experts: int) -> Path:
+    """transformers' talker and code2wav at the real shapes, random, saved in bf16."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3OmniMoeConfig
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as tm
+
+    out = checkpoint_dir(experts)
+    if (out / "model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(SEED)
+    text = {**TALKER_TEXT, "num_experts": experts}
+    config = Qwen3OmniMoeConfig(talker_config={**TALKER, "text_config": text,
+                                               "code_predictor_config": CODE_PREDICTOR},
+                                code2wav_config={}, enable_audio_output=True)
+    state = {}
+    with torch.device("cpu"):
+        talker = tm.Qwen3OmniMoeTalkerForConditionalGeneration._from_config(
+            config.talker_config, dtype=torch.bfloat16)
+        state.update({f"talker.{k}": v.contiguous() for k, v in talker.state_dict().items()})
+        del talker
+        code2wav = tm.Qwen3OmniMoeCode2Wav._from_config(config.code2wav_config,
+                                                         dtype=torch.bfloat16)
+        state.update({f"code2wav.{k}": v.contiguous() for k, v in code2wav.state_dict().items()})
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    full = config.to_dict()
+    (out / "config.json").write_text(json.dumps(
+        {"talker_config": full["talker_config"], "code2wav_config": full["code2wav_config"],
+         "transformers_version": full.get("transformers_version", "5")}, indent=2))
+    return out
+
+
+def conditioning(prompt: int, frames: int):
+    """The thinker's side, random: the talker's prefill, one text row per frame, tts_pad."""
+    import numpy as np
+
+    rng = np.random.default_rng(SEED)
+    width = TALKER_TEXT["hidden_size"]
+    prefill = rng.standard_normal((1, prompt, width)).astype(np.float32) * 0.5
+    trailing = rng.standard_normal((frames, width)).astype(np.float32) * 0.5
+    pad = rng.standard_normal((1, width)).astype(np.float32) * 0.5
+    return prefill, trailing, pad
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+def run_mlxvlm(directory: Path, prompt: int, frames: int) -> dict:
+    import mlxvlm  # noqa: F401  (first: its CPU set-up runs before MLX loads)
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxvlm.checkpoint.loading import load_weights_files
+    from mlxvlm.models import qwen3_vl_moe
+    from mlxvlm.models.layers.qwen3_omni_code2wav import Code2Wav, Code2WavConfig
+    from mlxvlm.models.layers.qwen3_omni_talker import Talker, TalkerConfig
+    from mlxvlm.speech.codec import CodecStream
+    from mlxvlm.speech.talker import TalkerSampling, TalkerStream
+
+    config = json.loads((directory / "config.json").read_text())
+    start = time.perf_counter()
+    talker_config = TalkerConfig.from_hf(config["talker_config"])
+    talker, code2wav = Talker(talker_config), Code2Wav(Code2WavConfig.from_hf(config["code2wav_config"]))
+    weights = load_weights_files(directory)
+    for name in list(weights):  # one tensor at a time: the bf16 copy goes as it is read
+        weights[name] = weights[name].astype(mx.float32)
+        mx.eval(weights[name])
+    talker_weights = qwen3_vl_moe.split_experts(
+        {k[len("talker."):]: v for k, v in weights.items() if k.startswith("talker.")},
+        talker_config.text, out_in=True)
+    talker.load_weights(list(talker_weights.items()), strict=True)
+    codec_weights = {}
+    for name, value in weights.items():
+        if name.startswith("code2wav.") and not name.endswith("code_offset"):
+            inner = name[len("code2wav."):]
+            codec_weights[Code2Wav.hf_to_mlx_name(inner)] = Code2Wav.sanitize(inner, value)
+    code2wav.load_weights(list(codec_weights.items()), strict=True)
+    mx.eval(talker.parameters(), code2wav.parameters())
+    del weights
+    load_seconds = time.perf_counter() - start
+
+    prefill, trailing, pad = conditioning(prompt, frames)
+    stream = TalkerStream(talker, TalkerSampling(temperature=0.0, max_frames=frames))
+    stream.add_text(mx.array(trailing))
+    stream.end_text(mx.array(pad))
+    codec = CodecStream(code2wav)
+    mx.reset_peak_memory()
+    started = time.perf_counter()
+    first_audio = None
+    chunks, codes = [], []
+    talker_seconds = codec_seconds = 0.0
+    positions = mx.broadcast_to(mx.arange(prompt, dtype=mx.int32), (3, prompt))
+    stream.prefill(mx.array(prefill), positions)
+    talker_seconds += time.perf_counter() - started
+    while True:
+        t = time.perf_counter()
+        frame = stream.step()
+        talker_seconds += time.perf_counter() - t
+        t = time.perf_counter()
+        chunk = codec.push(frame) if frame is not None else codec.flush()
+        if chunk is not None:
+            chunks.append(chunk)
+            if first_audio is None:
+                first_audio = time.perf_counter() - started
+        codec_seconds += time.perf_counter() - t
+        if frame is None:
+            break
+        codes.append(frame)
+    total = time.perf_counter() - started
+    audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    return dict(engine="mlxvlm", load_seconds=load_seconds, frames=len(codes),
+                audio_seconds=len(audio) / SAMPLE_RATE, first_audio_seconds=first_audio,
+                talker_seconds=talker_seconds, codec_seconds=codec_seconds, total_seconds=total,
+                peak_rss_gb=peak_rss_gb(), mlx_peak_gb=mx.get_peak_memory() / 1e9,
+                codes=np.stack(codes).tolist() if codes else [])
+
+
+def run_transformers(directory: Path, prompt: int, frames: int) -> dict:
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Qwen3OmniMoeConfig
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as tm
+
+    saved = json.loads((directory / "config.json").read_text())
+    config = Qwen3OmniMoeConfig(talker_config=saved["talker_config"],
+                                code2wav_config=saved["code2wav_config"])
+    start = time.perf_counter()
+    weights = load_file(str(directory / "model.safetensors"))
+    talker = tm.Qwen3OmniMoeTalkerForConditionalGeneration._from_config(
+        config.talker_config, dtype=torch.float32).eval()
+    talker.load_state_dict({k[len("talker."):]: v.float() for k, v in weights.items()
+                            if k.startswith("talker.")}, strict=True)
+    code2wav = tm.Qwen3OmniMoeCode2Wav._from_config(config.code2wav_config,
+                                                    dtype=torch.float32).eval()
+    code2wav.load_state_dict({k[len("code2wav."):]: v.float() for k, v in weights.items()
+                              if k.startswith("code2wav.")}, strict=True)
+    del weights
+    load_seconds = time.perf_counter() - start
+
+    prefill, trailing, pad = conditioning(prompt, frames)
+    vocab = TALKER_TEXT["vocab_size"]
+    eos = TALKER["codec_eos_token_id"]
+    torch.set_grad_enabled(False)
+    started = time.perf_counter()
+    result = talker.generate(
+        inputs_embeds=torch.from_numpy(prefill), trailing_text_hidden=torch.from_numpy(trailing)[None],
+        tts_pad_embed=torch.from_numpy(pad)[None],
+        talker_input_ids=torch.zeros((1, prompt), dtype=torch.long),
+        attention_mask=torch.ones((1, prompt), dtype=torch.long), max_new_tokens=frames + 1,
+        do_sample=False, repetition_penalty=1.0, eos_token_id=eos,
+        suppress_tokens=[i for i in range(vocab - 1024, vocab) if i != eos],
+        output_hidden_states=True, return_dict_in_generate=True)
+    codes = torch.stack([h[-1] for h in result.hidden_states if h[-1] is not None], dim=1)
+    codes = codes.transpose(1, 2)
+    talker_seconds = time.perf_counter() - started
+    t = time.perf_counter()
+    wav = code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25)
+    codec_seconds = time.perf_counter() - t
+    total = time.perf_counter() - started
+    return dict(engine="transformers", load_seconds=load_seconds, frames=int(codes.shape[-1]),
+                audio_seconds=wav.shape[-1] / SAMPLE_RATE, first_audio_seconds=total,
+                talker_seconds=talker_seconds, codec_seconds=codec_seconds, total_seconds=total,
+                peak_rss_gb=peak_rss_gb(), codes=codes[0].T.numpy().tolist())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, default=6)
+    parser.add_argument("--frames", type=int, default=48)
+    parser.add_argument("--prompt", type=int, default=64, help="talker prefill positions")
+    parser.add_argument("--engines", nargs="+", default=["mlxvlm", "transformers"])
+    parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)  # a child's
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    directory = checkpoint_dir(args.experts)
+    if args.engine is not None:
+        run = run_mlxvlm if args.engine == "mlxvlm" else run_transformers
+        print(json.dumps(run(directory, args.prompt, args.frames)))
+        return 0
+    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); "
+                    f"import omni_speech; omni_speech.build({args.experts})"], check=True)
+    results = []
+    for engine in args.engines:
+        child = subprocess.run([sys.executable, __file__, "--engine", engine, "--experts",
+                                str(args.experts), "--frames", str(args.frames), "--prompt",
+                                str(args.prompt)], capture_output=True, text=True, check=True)
+        results.append(json.loads(child.stdout.strip().splitlines()[-1]))
+    if len(results) == 2:
+        a, b = (r["codes"] for r in results)
+        n = min(len(a), len(b))
+        print(f"codes equal over the {n} frames both made: {a[:n] == b[:n]}")
+    for r in results:
+        factor = (r["talker_seconds"] + r["codec_seconds"]) / r["audio_seconds"] if r["audio_seconds"] else float("nan")
+        print(f"{r['engine']:>12}: {r['frames']} frames, {r['audio_seconds']:.2f} s audio; first "
+              f"audio {r['first_audio_seconds']:.2f} s; talker {r['talker_seconds']:.2f} s "
+              f"({1000 * r['talker_seconds'] / max(r['frames'], 1):.0f} ms/frame), codec "
+              f"{r['codec_seconds']:.2f} s; real-time factor {factor:.2f}; peak RSS "
+              f"{r['peak_rss_gb']:.2f} GB; load {r['load_seconds']:.1f} s")
+    if args.output:
+        for r in results:
+            r.pop("codes")
+        settings = {k: v for k, v in vars(args).items() if k not in ("engine", "output")}
+        Path(args.output).write_text(json.dumps(dict(settings, results=results), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""A decoder's hidden states kept as it runs: the token ids fed, their input embeddings
+(after any media features are merged in) and one layer's output, for a second model
+that is conditioned on them (Qwen3-Omni's talker reads the thinker's).
+
+A decoder that supports it (``Qwen2MRopeModel``) records into the ``HiddenTap`` set as
+its ``hidden_tap`` on every forward pass: prefill chunks and decode steps alike, in
+order, so the records cover the positions fed so far.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class HiddenTap:
+    """Records, per forward pass, the ids (None when only embeddings were given), the
+    input embeddings, the first position state given and the output of ``layer`` (transformers' ``hidden_states[layer]``:
+    0 the embeddings, ``i`` the output of layer ``i - 1``, the last one after the norm)."""
+
+    def __init__(self, layer: int):
+        self.layer = layer
+        self.ids: list[mx.array | None] = []
+        self.embeddings: list[mx.array] = []
+        self.hidden: list[mx.array] = []
+        self.state = None  # the prompt's position state (an MRopeState), when it has one
+
+    def record_input(self, ids: mx.array | None, embeddings: mx.array, state=None) -> None:
+        if state is not None and self.state is None:
+            self.state = state
+        self.ids.append(ids)
+        self.embeddings.append(embeddings)
+        if self.layer == 0:
+            self.hidden.append(embeddings)
+
+    def record_layer(self, number: int, hidden: mx.array) -> None:
+        """``number``: transformers' index (the output of layer ``number - 1``)."""
+        if number == self.layer:
+            self.hidden.append(hidden)
+
+    def positions(self) -> int:
+        return sum(e.shape[1] for e in self.embeddings)
+
+    def states(self, length: int) -> tuple[mx.array, mx.array]:
+        """The first ``length`` positions' embeddings and tapped hidden states, each
+        (length, width)."""
+        if self.positions() < length:
+            raise ValueError(f"the tap holds {self.positions()} positions, {length} asked for")
+        embeddings = mx.concatenate(self.embeddings, axis=1)[0, :length]
+        hidden = mx.concatenate(self.hidden, axis=1)[0, :length]
+        return embeddings, hidden
