@@ -18,7 +18,8 @@ from transformers import PreTrainedTokenizerFast
 
 from tiny import make_image
 from mlxvlm import generate, load, stream_generate
-from mlxvlm.text.tokenization import generation_tokenizer, processor_state
+from mlxvlm.sampling.defaults import NO_CHECKPOINT_DEFAULTS
+from mlxvlm.text.tokenization import attach_processor_state, generation_tokenizer, processor_state
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -419,3 +420,24 @@ def test_kept_special_tokens_show_where_they_come(tokenizer):
         assert detokenizer.text.replace(content, "", 1) == plain
         assert before == len(expected(tokenizer, words[:at]))
     assert stream(tokenizer, words[:1] + [kept] + words[1:])[0] == plain  # a fresh copy
+
+
+def test_a_familys_answer_markup_is_kept_by_every_sequence(tokenizer):
+    # A family's answer markup (DeepSeek-OCR 2's <|ref|>/<|det|>) is named at load: every
+    # copy the wrapper hands out keeps it, as decode(skip_special_tokens=False) shows it,
+    # and still drops the other special tokens; a sequence's own kept tokens do not leak.
+    markup, other, *_ = special_ids(tokenizer)
+    state = attach_processor_state(SimpleNamespace(tokenizer=tokenizer), set(),
+                                   NO_CHECKPOINT_DEFAULTS,
+                                   [tokenizer.convert_ids_to_tokens(markup), "<|not-a-token|>"])
+    assert state.answer_markup_ids == {markup}
+    words = tokenizer.encode("red circle blue", add_special_tokens=False)
+    ids = words[:1] + [markup] + words[1:2] + [other, markup] + words[2:]
+    want = tokenizer.decode([t for t in ids if t != other], skip_special_tokens=False)
+    for _ in range(2):  # each copy
+        detokenizer = state.generation_tokenizer.detokenizer
+        for token in ids:
+            detokenizer.add_token(token)
+        detokenizer.finalize()
+        assert detokenizer.text == want
+        detokenizer.keep_tokens([other])  # this sequence's own: not the next one's

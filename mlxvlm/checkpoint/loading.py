@@ -357,7 +357,7 @@ def load(
     # generation_config.json's sampling values, for the requests that leave them out.
     state = attach_processor_state(
         processor, collect_eos_token_ids(model_path, config, processor.tokenizer),
-        read_checkpoint_defaults(model_path))
+        read_checkpoint_defaults(model_path), family.Model.answer_markup_tokens)
     processor.sampling_defaults = state.sampling_defaults  # documented: read by users
     model.retrieval = use
     # Where it came from: what a prompt cache kept on disk is keyed by.

@@ -139,6 +139,11 @@ class VisionLanguageModel(nn.Module):
     # to it through cross-attention). The prefix cache then shares a prefix only between
     # prompts with the same images (``batching.prefix_cache.prompt_key``).
     media_condition_every_token: bool = False
+    # Special tokens this family's answers carry as markup, which transformers' usage
+    # keeps (``decode(..., skip_special_tokens=False)``), e.g. DeepSeek-OCR 2's grounding
+    # tags: every entry point keeps their text in the answer (``load`` hands them to the
+    # processor's state, ``mlxvlm.text.tokenization``); decode drops every other one.
+    answer_markup_tokens: tuple[str, ...] = ()
 
     def __init__(self, args: Any = None):
         """``args``: the family's parsed config (an ``args_class``), which the defaults

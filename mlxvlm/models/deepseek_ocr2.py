@@ -13,7 +13,10 @@ prompts, ``processor(text="<image>\\nFree OCR.")`` -- ``CHAT_TEMPLATE``, which r
 user turn as that plain text: each image part as ``<image>\\n``, then the text. So the
 model card's modes are the user's text unchanged: "Free OCR.", "<|grounding|>Convert the
 document to markdown." (the ``<|grounding|>`` token asks for ``<|ref|>``/``<|det|>``
-boxes), "Parse the figure.", "Describe this image in detail.".
+boxes), "Parse the figure.", "Describe this image in detail.". Those four markers are
+special tokens of its tokenizer: ``answer_markup_tokens`` keeps them in the answer text,
+which pairs each label with its box (``<|ref|>title<|/ref|><|det|>[[x1, y1, x2,
+y2]]<|/det|>``), as the model card's decoding keeps them.
 
 The prompt's order is the original DeepSeek "plain" conversation's: turns written one
 after another, an answer ending with EOS.
@@ -280,6 +283,7 @@ class Model(VisionLanguageModel):
     hf_prefixes = HF_PREFIXES
     processor_class = "DeepseekOcr2Processor"
     image_processor_class = "DeepseekOcr2ImageProcessorPil"
+    answer_markup_tokens = ("<|ref|>", "<|/ref|>", "<|det|>", "<|/det|>")
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)

@@ -15,7 +15,10 @@ Special tokens and ids the tokenizer does not know (a padded output head can emi
 are dropped before the decoder, as ``decode`` drops them: they are invisible, even in the
 middle of a character split over several tokens; ``keep_tokens`` names special tokens
 whose text a sequence keeps instead (e.g. Gemma 4's thinking markers, which the server
-splits on): such a token ends any pending character and adds its own text. Other decoders (WordPiece, CTC, slow
+splits on), and ``kept_token_ids`` at construction those every sequence keeps (a
+family's answer markup, e.g. DeepSeek-OCR 2's grounding tags, as ``decode(ids,
+skip_special_tokens=False)`` shows them): such a token ends any pending character and
+adds its own text. Other decoders (WordPiece, CTC, slow
 tokenizers) fall back to decoding a short window of recent tokens with the tokenizer.
 
 The interface is mlx-lm's streaming detokenizer's (``reset``, ``add_token``,
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import codecs
 import json
-from typing import Any
+from typing import Any, Iterable
 
 _METASPACE = "\u2581"
 
@@ -120,7 +123,7 @@ class StreamingDetokenizer:
     skip_special_tokens=True)`` once finalised; held back only while a character (or a
     run of byte-fallback tokens) is incomplete."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, kept_token_ids: Iterable[int] = ()):
         self._tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
         plan = plan_for(_decoder_spec(backend)) if backend is not None else _Plan("window")
@@ -135,6 +138,8 @@ class StreamingDetokenizer:
             self._skipped = frozenset(i for i, token in added.items() if token.special)
         self._alphabet = _byte_alphabet() if plan.kind == "bytes" else None
         self._pieces: dict[int, Any] = {}  # token id -> its piece (shared by copies)
+        self.keep_tokens(kept_token_ids)
+        self._kept_by_all = dict(self._kept)  # what every copy starts keeping
         self.reset()
 
     # -- state ---------------------------------------------------------------------------
@@ -153,7 +158,7 @@ class StreamingDetokenizer:
     def __copy__(self):
         clone = object.__new__(type(self))
         clone.__dict__.update(self.__dict__)
-        clone._kept = {}
+        clone._kept = dict(self._kept_by_all)
         clone.reset()
         return clone
 

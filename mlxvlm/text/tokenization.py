@@ -11,14 +11,18 @@ from ``generation_tokenizer(processor).detokenizer``: mlx-lm's TokenizerWrapper 
 hands out a fresh copy per sequence) carrying mlxvlm's ``StreamingDetokenizer``, whose
 text is exactly ``tokenizer.decode(ids, skip_special_tokens=True)`` (see
 mlxvlm/text/detokenizer.py; mlx-lm's own detokenizers show byte 0x00 as "Ā" and special or
-out-of-vocabulary ids as "!").
+out-of-vocabulary ids as "!"), except the family's answer markup: the special tokens a
+family names in ``answer_markup_tokens`` (DeepSeek-OCR 2's ``<|ref|>``/``<|det|>``
+grounding tags), which transformers' usage decodes with ``skip_special_tokens=False``
+and which so reach the answer text of every entry point.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Iterable
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import PreTrainedTokenizerBase
@@ -40,6 +44,9 @@ class ProcessorState:
     # generation_config.json's sampling values, for what a caller leaves out (none for a
     # processor ``load`` did not make)
     sampling_defaults: CheckpointDefaults = NO_CHECKPOINT_DEFAULTS
+    # The special tokens of the family's answer markup, kept in every answer's text by
+    # ``generation_tokenizer``'s detokenizer (none for a processor ``load`` did not make)
+    answer_markup_ids: frozenset[int] = frozenset()
 
 
 def tokenizer_of(processor: Any) -> Any:
@@ -51,16 +58,30 @@ def tokenizer_of(processor: Any) -> Any:
     return processor.tokenizer
 
 
+def special_token_ids(tokenizer: Any, tokens: Iterable[str]) -> frozenset[int]:
+    """The ids of those of ``tokens`` that are special tokens of ``tokenizer`` (the ones
+    ``decode`` drops; a token that is plain text there needs no keeping)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = {token.content: i for i, token in added.items() if token.special}
+    return frozenset(special[token] for token in tokens if token in special)
+
+
 def attach_processor_state(processor: Any, eos_token_ids: set[int],
-                           sampling_defaults: CheckpointDefaults) -> ProcessorState:
-    """Keep ``load``'s findings on ``processor`` (replacing any earlier ones)."""
+                           sampling_defaults: CheckpointDefaults,
+                           answer_markup: Iterable[str] = ()) -> ProcessorState:
+    """Keep ``load``'s findings on ``processor`` (replacing any earlier ones).
+    ``answer_markup``: the family's ``answer_markup_tokens``."""
     tokenizer = tokenizer_of(processor)
+    markup_ids = special_token_ids(tokenizer, answer_markup)
+    detokenizer = (partial(StreamingDetokenizer, kept_token_ids=markup_ids) if markup_ids
+                   else StreamingDetokenizer)
     state = ProcessorState(
         tokenizer=tokenizer,
-        generation_tokenizer=TokenizerWrapper(tokenizer, StreamingDetokenizer,
+        generation_tokenizer=TokenizerWrapper(tokenizer, detokenizer,
                                               eos_token_ids=set(eos_token_ids)),
         eos_token_ids=set(eos_token_ids),
         sampling_defaults=sampling_defaults,
+        answer_markup_ids=markup_ids,
     )
     setattr(processor, STATE_ATTRIBUTE, state)
     return state
