@@ -72,6 +72,14 @@ class GatheredEmbedding(nn.Module):
         """The table's bytes on disk (none of them held in memory)."""
         return sum(t.nbytes for t in (self._weight, self._scales, self._biases) if t is not None)
 
+    def stored_tensors(self) -> dict[str, mx.array]:
+        """The whole table as the checkpoint stores it, read into memory (``weight``, and
+        ``scales`` / ``biases`` for a quantized one): the parameters the in-memory layer
+        would hold, under their names, for whoever must have them all."""
+        parts = {"weight": self._weight, "scales": self._scales, "biases": self._biases}
+        everything = np.arange(self.num_embeddings)
+        return {name: part.gather(everything) for name, part in parts.items() if part is not None}
+
     def __call__(self, ids: mx.array) -> mx.array:
         flat = np.asarray(ids).reshape(-1)
         rows = self._rows(flat)
