@@ -218,3 +218,28 @@ def test_the_server_answers_concurrent_requests_as_the_whole_table_does(checkpoi
         with ThreadPoolExecutor(len(questions)) as pool:
             answers = list(pool.map(ask, questions))
     assert answers == expected
+
+
+def test_the_generate_command_says_what_it_left_on_disk(checkpoints):
+    """python -m mlxvlm.generate --verbose names the table and the bytes it did not load,
+    and answers as ``generate`` does with the whole table."""
+    import os
+    import subprocess
+    import sys
+
+    from mlxvlm.generate.stream import generate
+
+    path = checkpoints["gemma4"]["bf16"]
+    whole, processor = load(path, tables_on_disk=False)
+    expected = generate(whole, processor, "w1 w2 w3", max_tokens=4, temperature=0.0).text
+    assert expected.strip()
+    env = {k: v for k, v in os.environ.items() if k != "MLXVLM_ALLOW_TORCH"}
+    done = subprocess.run(
+        [sys.executable, "-m", "mlxvlm.generate", "--model", str(path), "--prompt", "w1 w2 w3",
+         "--max-tokens", "4", "--temperature", "0", "--verbose"],
+        capture_output=True, text=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    stored = TABLE_VOCAB * 6 * PER_LAYER_WIDTH * 2  # bfloat16
+    assert (f"[mlxvlm] embedding tables: {TABLE} read from the checkpoint's files row by row "
+            f"({stored / 1e9:.2f} GB not loaded)") in done.stderr
+    assert expected in done.stdout

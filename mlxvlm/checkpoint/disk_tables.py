@@ -132,3 +132,14 @@ def keep_tables_on_disk(model: nn.Module, locations: TensorLocations,
     if swaps:
         model.update_modules(tree_unflatten(swaps))
     return [path for path, _ in swaps]
+
+
+def describe(model: nn.Module) -> str | None:
+    """What ``--verbose`` says of the tables ``model`` gathers from disk (None: none)."""
+    paths = sorted(getattr(model, "tables_on_disk", ()))
+    if not paths:
+        return None
+    modules = dict(model.named_modules())
+    stored = sum(modules[path].stored_bytes for path in paths) / 1e9
+    return (f"{', '.join(paths)} read from the checkpoint's files row by row "
+            f"({stored:.2f} GB not loaded)")
