@@ -125,6 +125,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=5, help="text layers (E2B: 35)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--output", type=Path, help="also write every run's figures (JSON)")
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -139,6 +140,8 @@ def main() -> int:
         for whole in ((True, False) if i % 2 == 0 else (False, True)):
             runs.append(one_run(path, whole, args.max_tokens))
             print(json.dumps(runs[-1]), file=sys.stderr)
+    if args.output is not None:
+        args.output.write_text(json.dumps(runs, indent=2))
     size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
     table = (path / "model-00002-of-00003.safetensors").stat().st_size / 1e9
     print(f"checkpoint {path.name}: {size:.2f} GB, the per-layer table {table:.2f} GB; "
