@@ -27,6 +27,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from mlxvlm.models.base import VisionLanguageModel
 from mlxvlm.models.layers.gathered_embedding import GatheredEmbedding, Quantization, StoredRows
 
 # safetensors dtype -> (how numpy holds the bytes, what MLX reads them as); others
@@ -118,13 +119,13 @@ def gathered(module: nn.Module, locations: TensorLocations,
     return None
 
 
-def keep_tables_on_disk(model: nn.Module, locations: TensorLocations,
+def keep_tables_on_disk(model: VisionLanguageModel, locations: TensorLocations,
                         dtype: mx.Dtype | None) -> list[str]:
     """The family's ``gathered_tables`` of ``model`` swapped for ``GatheredEmbedding``s,
     in place; returns the module paths swapped."""
     modules = dict(model.named_modules())
     swaps = []
-    for path in getattr(model, "gathered_tables", ()):
+    for path in model.gathered_tables:
         module = modules.get(path)
         table = None if module is None else gathered(module, locations, dtype)
         if table is not None:
@@ -134,9 +135,9 @@ def keep_tables_on_disk(model: nn.Module, locations: TensorLocations,
     return [path for path, _ in swaps]
 
 
-def describe(model: nn.Module) -> str | None:
+def describe(model: VisionLanguageModel) -> str | None:
     """What ``--verbose`` says of the tables ``model`` gathers from disk (None: none)."""
-    paths = sorted(getattr(model, "tables_on_disk", ()))
+    paths = sorted(model.tables_on_disk)
     if not paths:
         return None
     modules = dict(model.named_modules())
