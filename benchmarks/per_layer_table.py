@@ -1,7 +1,7 @@
 """Peak RSS and decode speed with Gemma's per-layer embedding table in memory (before)
 and gathered from the checkpoint's file (after, mlxvlm/checkpoint/disk_tables.py).
 
-    python benchmarks/per_layer_table.py [--layers 5] [--runs 3] [--max-tokens 24]
+    python benchmarks/per_layer_table.py [--layers 5] [--runs 3] [--max-tokens 24] [--bits 4]
 
 Builds (once) ``benchmarks/checkpoints/gemma4-e2b-text{L}-bf16``: google/gemma-4-E2B-it's
 shapes from ``checkpoints.py`` (1536-wide, 256-wide per-layer inputs over the 262,144-word
@@ -10,7 +10,9 @@ layers, the tokenizer, processor and chat template) at ``L`` text layers instead
 (sliding, sliding, global, then KV-sharing sliding and global layers: ``L - 2`` of their
 own, the last 2 sharing), and one-layer towers; random bfloat16 weights written straight
 from MLX in MLX's layout (the per-layer table alone in the second of three files). The
-per-layer table keeps its real row width per layer: ``L`` x 256 x 262,144.
+per-layer table keeps its real row width per layer: ``L`` x 256 x 262,144. ``--bits``
+measures its 4- or 8-bit conversion (``python -m mlxvlm.convert -q``: the table quantized
+too) instead.
 
 Each run is a fresh process (``--measure``): ``mlxvlm.load``, then a greedy answer to the
 80-word benchmark prompt with ``--max-tokens`` tokens; it reports the process's peak RSS,
@@ -106,6 +108,8 @@ def measure(path: Path, whole: bool, max_tokens: int) -> dict:
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
         "mlx_peak_gb": mx.get_peak_memory() / 1e9,
         "table_on_disk": sorted(model.tables_on_disk),
+        "table_gb": sum(dict(model.named_modules())[p].stored_bytes
+                        for p in model.tables_on_disk) / 1e9,
     }
 
 
@@ -125,6 +129,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=5, help="text layers (E2B: 35)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--bits", type=int, choices=(4, 8),
+                        help="measure a quantized conversion (made with mlxvlm.convert)")
     parser.add_argument("--output", type=Path, help="also write every run's figures (JSON)")
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
@@ -135,6 +141,14 @@ def main() -> int:
     path = HERE / "checkpoints" / f"gemma4-e2b-text{args.layers}-bf16"
     if not (path / "model.safetensors.index.json").exists():
         build(path, args.layers)
+    if args.bits is not None:
+        quantized = path.with_name(path.name.replace("-bf16", f"-{args.bits}bit"))
+        if not (quantized / "benchmark.json").exists():
+            subprocess.run([sys.executable, "-m", "mlxvlm.convert", "--hf-path", str(path),
+                            "--mlx-path", str(quantized), "-q", "--q-bits", str(args.bits),
+                            "--force"], check=True)
+            (quantized / "benchmark.json").write_bytes((path / "benchmark.json").read_bytes())
+        path = quantized
     runs = []
     for i in range(args.runs):
         for whole in ((True, False) if i % 2 == 0 else (False, True)):
@@ -143,7 +157,7 @@ def main() -> int:
     if args.output is not None:
         args.output.write_text(json.dumps(runs, indent=2))
     size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
-    table = (path / "model-00002-of-00003.safetensors").stat().st_size / 1e9
+    table = runs[0]["table_gb"] if runs[0]["setting"] == "gathered" else runs[1]["table_gb"]
     print(f"checkpoint {path.name}: {size:.2f} GB, the per-layer table {table:.2f} GB; "
           f"{args.runs} runs each, {args.max_tokens} tokens; median (min-max)")
     print("| setting | peak RSS (GB) | MLX peak (GB) | decode tokens/s | load (s) |")
