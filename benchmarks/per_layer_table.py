@@ -21,7 +21,8 @@ quantized too) instead.
 Each run is a fresh process (``--measure``): ``mlxvlm.load``, then a greedy answer to the
 80-word benchmark prompt with ``--max-tokens`` tokens; it reports the process's peak RSS,
 MLX's peak allocation and ``generate``'s decode tokens/s. The two settings alternate run
-by run, their order reversed every other run.
+by run, their order reversed every other run. ``--step-rounds N`` times decode steps
+instead, both settings in one process (less of a shared host's drift between them).
 """
 
 from __future__ import annotations
@@ -221,6 +222,37 @@ def measure(path: Path, whole: bool, max_tokens: int) -> dict:
     }
 
 
+def decode_steps(path: Path, rounds: int, steps: int = 14) -> None:
+    """Decode steps timed in this one process, the two settings alternating (their order
+    reversed every other round): a 64-token prompt, then ``steps`` greedy steps, the
+    first two left out of the median."""
+    import gc
+    import time
+
+    import mlx.core as mx
+
+    import mlxvlm
+
+    for i in range(rounds):
+        for whole in ((True, False) if i % 2 == 0 else (False, True)):
+            model, _ = mlxvlm.load(str(path), tables_on_disk=not whole)
+            cache = model.make_cache()
+            mx.eval(model(mx.array([list(range(3, 67))]), cache, last_only=True))
+            token, times = mx.array([[5]]), []
+            for _ in range(steps):
+                start = time.perf_counter()
+                token = mx.argmax(model(token, cache, last_only=True)[:, -1], axis=-1,
+                                  keepdims=True)
+                mx.eval(token)
+                times.append(time.perf_counter() - start)
+            kept = times[2:]
+            print(f"round {i + 1} {'whole' if whole else 'gathered'}: median step "
+                  f"{1000 * statistics.median(kept):.1f} ms, fastest {1000 * min(kept):.1f} ms",
+                  flush=True)
+            del model, cache
+            gc.collect()
+
+
 def one_run(path: Path, whole: bool, max_tokens: int) -> dict:
     command = [sys.executable, __file__, "--measure", str(path), "--max-tokens", str(max_tokens)]
     result = subprocess.run(command + (["--whole"] if whole else []), check=True,
@@ -241,6 +273,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--bits", type=int, choices=(4, 8),
                         help="measure a quantized conversion (made with mlxvlm.convert)")
+    parser.add_argument("--step-rounds", type=int, default=0,
+                        help="instead: time decode steps in one process, this many rounds")
     parser.add_argument("--output", type=Path, help="also write every run's figures (JSON)")
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
@@ -259,6 +293,9 @@ def main() -> int:
                             "--force"], check=True)
             (quantized / "benchmark.json").write_bytes((path / "benchmark.json").read_bytes())
         path = quantized
+    if args.step_rounds:
+        decode_steps(path, args.step_rounds)
+        return 0
     runs = []
     for i in range(args.runs):
         for whole in ((True, False) if i % 2 == 0 else (False, True)):
