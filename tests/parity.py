@@ -218,7 +218,12 @@ def reference_forward(model, processor, messages, images, continuation: list[int
 
 
 def parameter_list(model) -> list[tuple[str, mx.array]]:
-    return [(k, v) for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)]
+    """Every weight of a loaded model, the tables it gathers from disk included."""
+    params = [(k, v) for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)]
+    modules = dict(model.named_modules()) if getattr(model, "tables_on_disk", ()) else {}
+    for path in getattr(model, "tables_on_disk", ()):
+        params += [(f"{path}.{k}", v) for k, v in modules[path].stored_tensors().items()]
+    return params
 
 
 def embedded(model, processor, messages, images):

@@ -173,6 +173,22 @@ def test_residual_plus_uses_the_layer_product_where_it_can():
                                np.array(residual + plain(x)), rtol=1e-6, atol=1e-6)
 
 
+def test_a_half_linear_whose_weight_its_model_rewrote_computes_as_nn_linear():
+    """mlx-lm's Gemma 3n AltUp sets its coefficient layers' weights to float32 copies on
+    every call: such a layer computes as ``nn.Linear`` with the new weight (the kernel
+    takes only 16-bit ones), product and residual sum alike."""
+    x = mx.random.normal((3, 4), key=mx.random.key(42))
+    residual = mx.random.normal((3, 16), key=mx.random.key(43))
+    layer = nn.Linear(4, 16, bias=False)
+    layer.weight = layer.weight.astype(mx.bfloat16)
+    half = CPUHalfLinear(layer)
+    half.weight = mx.clip(half.weight.astype(mx.float32), -0.1, 0.1)  # as AltUp does
+    want = x @ half.weight.T
+    np.testing.assert_array_equal(np.array(half(x)), np.array(want))
+    np.testing.assert_array_equal(np.array(residual_plus(residual, half, x)),
+                                  np.array(residual + want))
+
+
 def test_vit_blocks_add_their_residuals_inside_16_bit_products():
     """A SigLIP/CLIP block with 16-bit weights: its two residual additions happen in the
     out and fc2 products (two MLX additions fewer), with the unfused block's result."""

@@ -147,10 +147,15 @@ def weights_files(model_path: Path) -> list[Path]:
     return files
 
 
+def read_weight_files(model_path: Path) -> dict[Path, dict[str, mx.array]]:
+    """Each safetensors file's tensors, lazily loaded (read when first evaluated)."""
+    return {file: mx.load(str(file)) for file in weights_files(model_path)}
+
+
 def load_weights_files(model_path: Path) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
-    for file in weights_files(model_path):
-        weights.update(mx.load(str(file)))
+    for arrays in read_weight_files(model_path).values():
+        weights.update(arrays)
     return weights
 
 
@@ -266,19 +271,31 @@ def load_model(
     keep_half_weights: bool = False,
     sharding: tuple[mx.distributed.Group, str] | None = None,
     head_optional: bool = False,
+    tables_on_disk: bool = False,
 ) -> nn.Module:
     """The model of the checkpoint at ``model_path``. ``keep_half_weights``: with the
     default compute dtype on the CPU, leave the 16-bit weights of linear and embedding
     layers as they are (for ``mlxvlm.cpu.half_weights``) instead of converting them.
     ``sharding``: see ``build_model`` (a tensor-parallel rank's sharded linear layers keep
     their 16-bit slices too: ``mlxvlm.cpu.half_weights``).
-    ``head_optional``: see ``build_model``."""
+    ``head_optional``: see ``build_model``. ``tables_on_disk``: the family's
+    ``gathered_tables`` stay in the weight files, their rows gathered per call
+    (``checkpoint.disk_tables``; ``model.tables_on_disk`` lists them); such a model's
+    parameters lack them, so it is not for saving."""
     config = config if config is not None else read_config(model_path)
     family = get_family(config.get("model_type"))
-    model = build_model(model_path, config, family, load_weights_files(model_path), sharding,
-                        head_optional)
+    loaded = read_weight_files(model_path)
+    weights = {name: array for arrays in loaded.values() for name, array in arrays.items()}
+    model = build_model(model_path, config, family, weights, sharding, head_optional)
+    del weights
     keep_half_weights = keep_half_weights and dtype is None
     dtype = compute_dtype_for_device(dtype)
+    if tables_on_disk:
+        from mlxvlm.checkpoint.disk_tables import TensorLocations, keep_tables_on_disk
+
+        swapped = keep_tables_on_disk(model, TensorLocations(loaded), dtype)
+        model.tables_on_disk = frozenset(swapped)  # a set: stays out of the module tree
+    del loaded  # the tables' lazy tensors go with it, unread
     if dtype == mx.float32 and keep_half_weights:
         from mlxvlm.cpu import ops
 
@@ -300,6 +317,7 @@ def load(
     dtype: mx.Dtype | None = None,
     cpu_fast_paths: bool = True,
     shard: str | None = None,
+    tables_on_disk: bool = True,
 ):
     """Load a model and its processor from a local directory or a Hugging Face repo.
 
@@ -321,6 +339,11 @@ def load(
     process was launched in (``mlx.launch``; see ``mlxvlm.distributed``), each rank
     reading only its shard's weights; ``model.sharding`` is then the rank's plan. Without
     a launched group (one process) it loads the whole model.
+
+    ``tables_on_disk``: embedding tables of which a token reads one row (Gemma 3n's and
+    Gemma 4's per-layer embeddings) stay in the checkpoint's files, memory-mapped, and
+    each step gathers the rows it needs (``mlxvlm.checkpoint.disk_tables``). Pass False to
+    hold them in memory, e.g. to train or save the whole model.
     """
     from mlxvlm.text.tokenization import attach_processor_state
 
@@ -346,11 +369,12 @@ def load(
 
         keep = ops.keeps_half_weights()
         model = load_model(model_path, config, dtype=dtype, keep_half_weights=keep,
-                           sharding=sharding, head_optional=head_optional)
+                           sharding=sharding, head_optional=head_optional,
+                           tables_on_disk=tables_on_disk)
         model.cpu_fast_paths = ops.apply_cpu_fast_paths(model)
     else:
         model = load_model(model_path, config, dtype=dtype, sharding=sharding,
-                           head_optional=head_optional)
+                           head_optional=head_optional, tables_on_disk=tables_on_disk)
     processor = family.Model.load_processor(model_path, config)
     from mlxvlm.sampling.defaults import read_checkpoint_defaults
 

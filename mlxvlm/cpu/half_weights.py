@@ -33,7 +33,11 @@ HALF_DTYPES = (mx.bfloat16, mx.float16)
 
 
 class CPUHalfLinear(nn.Linear):
-    """``nn.Linear`` with a bfloat16/float16 weight, computed in float32."""
+    """``nn.Linear`` with a bfloat16/float16 weight, computed in float32.
+
+    A model may replace the weight itself (mlx-lm's Gemma 3n AltUp sets its coefficient
+    layers' weights to a float32 copy on every call): such a layer then computes as the
+    plain ``nn.Linear`` it is."""
 
     def __init__(self, layer: nn.Linear):
         nn.Module.__init__(self)
@@ -42,11 +46,15 @@ class CPUHalfLinear(nn.Linear):
             self.bias = layer.bias.astype(mx.float32)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.weight.dtype not in HALF_DTYPES:  # rewritten by its model (see above)
+            return super().__call__(x)
         return kernels.half_linear(x, self.weight, self.get("bias"))
 
     def add_to(self, residual: mx.array, x: mx.array) -> mx.array:
         """``residual + self(x)``, the residual summed in the product's own output pass
         (and its buffer reused for the output when nothing else holds it)."""
+        if self.weight.dtype not in HALF_DTYPES:
+            return residual + super().__call__(x)
         return kernels.half_linear(x, self.weight, self.get("bias"), residual)
 
 

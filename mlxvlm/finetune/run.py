@@ -162,7 +162,8 @@ def finetune(config: FinetuneConfig, *, callback: Any = None) -> FinetuneResult:
         else default_validation(config.data)
     )
     model_path = resolve_model_path(config.model, config.revision, config.trust_remote_code)
-    model, processor = load(model_path, cpu_fast_paths=False)
+    # The whole model in memory: a full fine-tune trains and saves every table.
+    model, processor = load(model_path, cpu_fast_paths=False, tables_on_disk=False)
     check_generates(model)  # a retrieval model's loss would be a language model's
     _keep_quantized_for_training(model)
     mx.random.seed(config.seed)  # the adapters' initial weights

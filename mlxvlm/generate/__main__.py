@@ -318,6 +318,10 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
 
         draft = load_draft(args.draft_model)
     if args.verbose:
+        from mlxvlm.checkpoint.disk_tables import describe as describe_disk_tables
+
+        if (on_disk := describe_disk_tables(model)) is not None:
+            print(f"[mlxvlm] embedding tables: {on_disk}", file=sys.stderr)
         if model.cpu_fast_paths is not None:
             print(f"[mlxvlm] CPU fast paths: {model.cpu_fast_paths.describe()}", file=sys.stderr)
         if mx.default_device() == mx.cpu:

@@ -130,6 +130,11 @@ class VisionLanguageModel(nn.Module):
     # embedding a token needs them (Gemma 3n's embedders of its vision and audio tokens);
     # the other ranks drop every other tower (distributed/sharding.py).
     kept_on_every_rank: tuple[str, ...] = ()
+    # Embedding tables of which a token reads one row, by module path: loading may leave
+    # them in the checkpoint's files and gather the rows each call needs
+    # (checkpoint/disk_tables.py); those it did are ``tables_on_disk``.
+    gathered_tables: tuple[str, ...] = ()
+    tables_on_disk: frozenset[str] = frozenset()
     # transformers' processor and PIL image processor classes, by their exported names
     # (transformers is imported only when a processor is built).
     processor_class: str | None = None

@@ -212,6 +212,8 @@ class Model(VisionLanguageModel):
     untunable_linears = ("altup.prediction_coefs", "altup.correction_coefs")
     # Their token embeddings (embed_tokens): every rank embeds the tokens it feeds back.
     kept_on_every_rank = ("embed_vision", "embed_audio")
+    # The per-layer embeddings (E2B: 262,144 x 30 layers x 256): one row per token.
+    gathered_tables = ("language_model.model.embed_tokens_per_layer",)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)

@@ -228,6 +228,8 @@ class Model(VisionLanguageModel):
                      "video_position_ids", "input_features", "input_features_mask")
     args_class = ModelArgs
     hf_prefixes = HF_PREFIXES
+    # The per-layer embeddings (E2B: 262,144 x 35 layers x 256): one row per token.
+    gathered_tables = ("language_model.model.embed_tokens_per_layer",)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
