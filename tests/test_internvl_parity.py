@@ -188,8 +188,9 @@ def test_batched_generation_gives_each_prompt_its_tokens(loaded, reference):
     assert_batched_tokens_match(model, processor, CASES, [reference(FAMILY, c) for c in CASES])
 
 
-def test_sampling_defaults_come_from_generation_config(loaded):
-    _, processor = loaded(FAMILY, "hub")
+@pytest.mark.parametrize("family", [FAMILY, MOE])
+def test_sampling_defaults_come_from_generation_config(family, loaded):
+    _, processor = loaded(family, "hub")
     assert processor.sampling_defaults.values == HUB_SAMPLING
 
 
@@ -261,7 +262,9 @@ def test_cli_answers_with_the_reference_tokens(family, tmp_path, tiny_checkpoint
     assert result.stdout.decode() == greedy_text(processor, ref) + "\n"
 
 
-def test_server_batches_requests_and_reuses_a_turns_prefix(tiny_checkpoints, loaded, reference):
+@pytest.mark.parametrize("family", [FAMILY, MOE])
+def test_server_batches_requests_and_reuses_a_turns_prefix(family, tiny_checkpoints, loaded,
+                                                           reference):
     """``python -m mlxvlm.server``: two requests at once (an image one and a text one,
     decoded in one batch) answer with their references' greedy text; then a later turn
     (the first image's conversation, its answer and a new picture) reuses the cached
@@ -270,11 +273,11 @@ def test_server_batches_requests_and_reuses_a_turns_prefix(tiny_checkpoints, loa
     from server_harness import user as server_user
     from server_process import ServerProcess
 
-    _, processor = loaded(FAMILY, "hub")
+    _, processor = loaded(family, "hub")
     first_turn = [server_user("Describe this image.", png_data_url(IMAGE_A))]
     requests = {"one_image": first_turn,
                 "text": [{"role": "user", "content": CASES["text"][0][0]["content"]}]}
-    with ServerProcess("--model", str(tiny_checkpoints.path(FAMILY, "hub")),
+    with ServerProcess("--model", str(tiny_checkpoints.path(family, "hub")),
                        "--served-model-name", "tiny", env=entry_point_env()) as server:
         client = server.openai_client()
 
@@ -285,7 +288,7 @@ def test_server_batches_requests_and_reuses_a_turns_prefix(tiny_checkpoints, loa
         with ThreadPoolExecutor(2) as pool:
             answers = dict(zip(requests, pool.map(ask, requests.values())))
         for case, answer in answers.items():
-            assert answer.choices[0].message.content == greedy_text(processor, reference(FAMILY, case))
+            assert answer.choices[0].message.content == greedy_text(processor, reference(family, case))
 
         said = answers["one_image"].choices[0].message.content
         later = [*first_turn, {"role": "assistant", "content": said},
@@ -293,8 +296,8 @@ def test_server_batches_requests_and_reuses_a_turns_prefix(tiny_checkpoints, loa
         answer = ask(later)
     messages = [*user(None, "Describe this image."), {"role": "assistant", "content": said},
                 *user(None, "And this one?")]  # server_user puts images first
-    expected = reference_run(tiny_checkpoints.model(FAMILY).model,
-                             reference_processor(tiny_checkpoints.model(FAMILY)),
+    expected = reference_run(tiny_checkpoints.model(family).model,
+                             reference_processor(tiny_checkpoints.model(family)),
                              messages, [IMAGE_A, IMAGE_NEXT])
     assert answer.choices[0].message.content == greedy_text(processor, expected)
     first_prompt = answers["one_image"].usage.prompt_tokens
