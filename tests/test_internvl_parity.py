@@ -394,11 +394,14 @@ def test_rms_tower_names(loaded):
     assert "vision_tower.encoder.layer.0.attention.q_proj.bias" not in names
 
 
-def test_an_mlx_layout_checkpoint_loads_unchanged(tmp_path, tiny_checkpoints, loaded, reference):
-    model, _ = loaded(FAMILY, "hub")
-    mlx_model, processor = load(save_as_mlx_checkpoint(model, tiny_checkpoints.path(FAMILY, "hub"), tmp_path))
+@pytest.mark.parametrize("family", [FAMILY, MOE])
+def test_an_mlx_layout_checkpoint_loads_unchanged(family, tmp_path, tiny_checkpoints, loaded,
+                                                  reference):
+    """Our names (mlx-lm's ``switch_mlp`` for the experts) load as they are."""
+    model, _ = loaded(family, "hub")
+    mlx_model, processor = load(save_as_mlx_checkpoint(model, tiny_checkpoints.path(family, "hub"), tmp_path))
     _, logits = our_logits(mlx_model, processor, *CASES["two_images"])
-    np.testing.assert_allclose(logits, reference(FAMILY, "two_images").logits, rtol=0,
+    np.testing.assert_allclose(logits, reference(family, "two_images").logits, rtol=0,
                                atol=LOGITS_ATOL)
 
 
