@@ -262,6 +262,26 @@ def test_cli_answers_with_the_reference_tokens(family, tmp_path, tiny_checkpoint
     assert result.stdout.decode() == greedy_text(processor, ref) + "\n"
 
 
+@pytest.mark.parametrize("entry_point", ["mlxvlm.generate", "mlxvlm.server"])
+def test_the_original_internvl_chat_layout_is_refused_in_one_line(entry_point, tmp_path):
+    """``OpenGVLab/InternVL3_5-*`` without -HF (remote code, ``llm_config``): the CLI and
+    the server stop with one line that points to the -HF checkpoint."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "internvl_chat", "architectures": ["InternVLChatModel"],
+        "llm_config": {"model_type": "qwen3"}, "vision_config": {"model_type": "intern_vit_6b"},
+        "template": "internvl2_5", "downsample_ratio": 0.5,
+    }))
+    prompt = ["--prompt", "Hi"] if entry_point == "mlxvlm.generate" else []
+    result = subprocess.run(
+        [sys.executable, "-m", entry_point, "--model", str(tmp_path), *prompt],
+        capture_output=True, text=True, env=entry_point_env(), timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: model_type 'internvl_chat'"), lines
+    assert "-HF checkpoint" in lines[0]
+
+
 @pytest.mark.parametrize("family", [FAMILY, MOE])
 def test_server_batches_requests_and_reuses_a_turns_prefix(family, tiny_checkpoints, loaded,
                                                            reference):
