@@ -66,9 +66,10 @@ FAMILIES: dict[str, str] = {
 
 # model_types mlxvlm recognizes but does not load -> what to use instead.
 REFUSED: dict[str, str] = {
-    # InternVL's original layout: remote code builds its prompts (a system message, the
-    # <image> placeholder expanded to tiles) and images, with no transformers processor
-    # that reproduces them; every size has a transformers-native -HF conversion.
+    # InternVL's original layout: remote code builds its prompts (the conversation
+    # template its config names, the <image> placeholder expanded to tiles in code) and
+    # its config names no image token, so no transformers processor is known to
+    # reproduce them; every size has a transformers-native -HF conversion.
     "internvl_chat": (
         "InternVL's original layout (remote code) is not supported; use the model's -HF "
         "checkpoint instead (OpenGVLab/InternVL3_5-8B-HF for OpenGVLab/InternVL3_5-8B)"
