@@ -87,8 +87,9 @@ class ModelArgs:
         text = dict(config["text_config"])
         experts = text.get("num_experts") or text.get("num_local_experts")
         if experts and text["model_type"] not in EXPERT_TEXT_MODELS:
-            # GPT-OSS's experts (interleaved gate/up, biases, MXFP4 blocks) need a mapping
-            # of their own
+            # GPT-OSS: mlx-lm's gpt_oss Model takes no input embeddings, its YaRN rounds the
+            # correction range that transformers' (``truncate: false``) keeps, and its
+            # experts (interleaved gate/up, (experts, in, out), biases) need a mapping
             raise NotImplementedError(
                 f"InternVL with a {text['model_type']} mixture-of-experts text model "
                 "(InternVL3_5-GPT-OSS-20B-A4B-Preview-HF) is not supported yet"

@@ -97,7 +97,8 @@ def text_model(args: Any) -> nn.Module:
 # the head (``lm_head``, or the embedding when tied): for them, logits for the last
 # position alone skip the head's product over the others. Other modules get the full
 # logits sliced (the same numbers, without the saving).
-HEAD_AFTER_DECODER = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "ministral3", "lfm2"})
+HEAD_AFTER_DECODER = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "ministral3",
+                                "lfm2"})
 
 
 class MlxLmDecoder:
