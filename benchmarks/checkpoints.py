@@ -37,6 +37,9 @@ Writes under benchmarks/checkpoints/ (git-ignored):
   4096-wide Llama whose layers 3, 8, ..., 38 cross-attend to the image), bfloat16;
 - ``internvl3_5-1b-bf16``: OpenGVLab/InternVL3_5-1B-HF's shapes (InternViT-300M: 24x1024
   at 448 px, pixel shuffle 2 (256 tokens a tile), a 28-layer 1024-wide Qwen3), bfloat16;
+- ``internvl3_5-30b-a3b-bf16``: OpenGVLab/InternVL3_5-30B-A3B-HF's shapes (the same tower;
+  a 48-layer 2048-wide Qwen3-MoE, 128 experts of width 768, 8 a token, untied head),
+  bfloat16 (about 61 GB: built only where that fits in memory and on disk);
 - ``granite-docling-bf16``: ibm-granite/granite-for-docling-500m's shapes (a 12-layer
   768-wide SigLIP tower at 512-px tiles with DeepStack taps, coarse and fine connector
   paths, a 28-layer 1024-wide Granite decoder), bfloat16, with DocTags' tags in its
@@ -579,7 +582,8 @@ INTERNVL_TEMPLATE = (
 )
 
 
-def internvl3_5_1b():
+def internvl3_5(text_config: dict, tied: bool):
+    """InternVL3.5-*-HF over ``text_config`` (the sizes' shared InternViT-300M tower)."""
     from transformers import (GotOcr2ImageProcessorPil, InternVLConfig,
                               InternVLForConditionalGeneration)
 
@@ -591,13 +595,12 @@ def internvl3_5_1b():
                               "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"})
     config = InternVLConfig(
         image_token_id=151671, image_seq_length=256, downsample_ratio=0.5,
-        tie_word_embeddings=True,
-        text_config=dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072,
-                         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                         head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True,
+        tie_word_embeddings=tied,
+        text_config=dict(head_dim=128,
+                         vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                         tie_word_embeddings=tied,
                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                         bos_token_id=151643, eos_token_id=151645),
+                         bos_token_id=151643, eos_token_id=151645, **text_config),
         vision_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
                            num_attention_heads=16, image_size=448, patch_size=14,
                            attention_bias=True, use_qk_norm=False, norm_type="layer_norm"),
@@ -656,6 +659,19 @@ def phi4_multimodal():
                   {"processor_class": "Phi4MultimodalProcessor"},
                   "Phi4MultimodalImageProcessorFast", preprocessor_extra=audio)
     return Phi4MultimodalForCausalLM, config, parts, eos_ids
+def internvl3_5_1b():
+    return internvl3_5(dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+                            num_hidden_layers=28, num_attention_heads=16,
+                            num_key_value_heads=8), tied=True)
+
+
+def internvl3_5_30b_a3b():
+    return internvl3_5(dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                            num_hidden_layers=48, num_attention_heads=32,
+                            num_key_value_heads=4, num_experts=128,
+                            num_experts_per_tok=8, moe_intermediate_size=768,
+                            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+                       tied=False)
 
 
 BUILDERS = {
@@ -663,8 +679,8 @@ BUILDERS = {
     "gemma4-e2b": gemma4_e2b, "qwen3vl-embedding-2b": qwen3vl_embedding_2b,
     "glm46v-flash": glm46v_flash, "glm-ocr": glm_ocr, "deepseek-ocr2": deepseek_ocr2,
     "llama32-11b-vision": llama32_11b_vision,
-    "internvl3_5-1b": internvl3_5_1b, "granite-docling": granite_docling,
-    "phi4-multimodal": phi4_multimodal,
+    "internvl3_5-1b": internvl3_5_1b, "internvl3_5-30b-a3b": internvl3_5_30b_a3b,
+    "granite-docling": granite_docling, "phi4-multimodal": phi4_multimodal,
     "qwen2vl-small": qwen2vl_small, "qwen2vl-0.5b": qwen2vl_05b,
 }
 

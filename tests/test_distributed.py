@@ -193,11 +193,12 @@ EVERY_FAMILY = tuple(sorted(__import__("tiny").GENERATIVE))  # retrieval models 
 BF16, Q4 = "qwen3_5-bf16", "qwen2_vl-4bit"
 # Blocks split by what they hold beyond attention and gated MLPs: (family, a weight rank
 # 1 holds half the rows of) -- GLM-4's fused gate/up projection, GLM-4.5's shared
-# experts, Llama 3.2 Vision's cross-attention heads.
+# experts, Llama 3.2 Vision's cross-attention heads, each Qwen3-MoE expert (InternVL3.5's).
 SPLIT_ROWS = (("glm4v", "language_model.model.layers.0.mlp.gate_up_proj.weight"),
               ("glm_ocr", "language_model.model.layers.0.mlp.gate_up_proj.weight"),
               ("glm4v_moe", "language_model.model.layers.1.mlp.shared_experts.gate_proj.weight"),
-              ("mllama", "language_model.model.layers.1.cross_attn.q_proj.weight"))
+              ("mllama", "language_model.model.layers.1.cross_attn.q_proj.weight"),
+              ("internvl_moe", "language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight"))
 
 
 @pytest.fixture(scope="module")
@@ -247,8 +248,9 @@ def test_every_family_on_two_ranks_gives_one_process_tokens(family_checkpoints, 
         assert quantized["dtypes"][f"{k}.weight"] == "uint32"
         assert quantized["parameters"][f"{k}.weight"][1] == 64 * 4 // 32  # 4-bit words
         for family, name in SPLIT_ROWS:
-            rows, columns = shapes[family][name]
-            assert held[(str(paths[family]), 1)]["parameters"][name] == [rows // 2, columns]
+            *experts, rows, columns = shapes[family][name]  # experts: (experts, rows, columns)
+            assert held[(str(paths[family]), 1)]["parameters"][name] == [*experts, rows // 2,
+                                                                          columns]
 
 
 def _flat_shapes(model) -> list[tuple[str, list[int]]]:

@@ -4,7 +4,8 @@ checkpoints (tests/tiny/internvl.py) in both layouts.
 Through ``mlxvlm.load``: first-pass logits and 24 greedy tokens for text only, one
 image (2 x 2 tiles and a thumbnail), two images (that one and a wide one: 3 x 1 tiles
 and a thumbnail) and an image in a later turn; the RMSNorm/q-k-norm tower of the largest
-sizes on the image cases; a video (frames as tiles, sampled as transformers' processor
+sizes on the image cases; the Qwen3-MoE text model of InternVL3.5-30B-A3B (experts one
+tensor each as the Hub stores them, or fused as transformers 5 holds them); a video (frames as tiles, sampled as transformers' processor
 samples them); the CLI and the server entry points (two concurrent requests batched,
 then a later turn with a new picture that reuses the cached prefix); checkpoints in
 mlx-community's names. Guards check that the tests can fail.
@@ -60,6 +61,7 @@ torch = pytest.importorskip("torch")
 FAMILY = "internvl"
 RMS = "internvl_rms"  # the InternViT-6B-like tower
 INTERNVL3 = "internvl3"  # a Qwen2 text model with an untied head
+MOE = "internvl_moe"  # a Qwen3-MoE text model (InternVL3.5-30B-A3B, -241B-A28B)
 IMAGE_A = make_image(80, 56, seed=1)  # 2 x 2 tiles of 32 + a thumbnail
 IMAGE_WIDE = make_image(120, 40, seed=2)  # 3 x 1 tiles + a thumbnail
 IMAGE_A2 = make_image(80, 56, seed=8)  # A's size, other content (and answer)
@@ -108,11 +110,55 @@ def test_qwen2_text_model_with_an_untied_head_matches_transformers(layout, case,
     assert_greedy_tokens_match(model, processor, CASES[case], reference(INTERNVL3, case))
 
 
-def test_a_mixture_of_experts_text_model_is_refused(tiny_checkpoints):
+# ----------------------------------------------------------------- mixture of experts
+
+
+@pytest.mark.parametrize("layout, case", [("hub", "text"), ("hub", "one_image"),
+                                          ("hub", "two_images"), ("hub", "image_in_second_turn"),
+                                          ("transformers", "one_image")])
+def test_qwen3_moe_text_model_matches_transformers(layout, case, loaded, reference):
+    """InternVL3.5-30B-A3B's shape: mlx-lm's Qwen3-MoE (2 of 4 experts a token, layer 1
+    dense) with the experts stacked from one tensor each (both layouts store them so)."""
+    model, processor = loaded(MOE, layout)
+    assert model.args.text.model_type == "qwen3_moe" and "switch_mlp" in model.layers[0].mlp
+    assert_first_pass_matches(model, processor, CASES[case], reference(MOE, case))
+    assert_greedy_tokens_match(model, processor, CASES[case], reference(MOE, case))
+
+
+def test_fused_expert_tensors_map_as_the_hubs(tiny_checkpoints, loaded):
+    """transformers 5's in-memory layout (``mlp.experts.gate_up_proj`` (experts, 2 x
+    width, hidden), ``down_proj``) and the Hub's one tensor per expert sanitize to the
+    same mlx-lm ``switch_mlp`` weights, expert by expert."""
+    model, _ = loaded(MOE, "hub")
+    fused = {name: mx.array(value.numpy())
+             for name, value in tiny_checkpoints.model(MOE).model.state_dict().items()}
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in fused
+    hub = mx.load(str(tiny_checkpoints.path(MOE, "hub") / "model.safetensors"))
+    assert "model.language_model.layers.0.mlp.experts.3.up_proj.weight" in hub
+    from_fused, from_hub = model.sanitize(fused), model.sanitize(hub)
+    assert set(from_fused) == set(from_hub) == {name for name, _ in parameter_list(model)}
+    for name, value in from_hub.items():
+        np.testing.assert_array_equal(np.array(from_fused[name]), np.array(value), err_msg=name)
+    up = np.array(from_hub["language_model.model.layers.0.mlp.switch_mlp.up_proj.weight"])
+    np.testing.assert_array_equal(
+        up[3], np.array(hub["model.language_model.layers.0.mlp.experts.3.up_proj.weight"]))
+
+
+def test_unrenormalized_routing_would_be_caught(tiny_checkpoints, loaded, reference):
+    """The fixture renormalizes its top-2 routing weights (``norm_topk_prob``, as the
+    30B-A3B does): a model that reads it wrong fails parity."""
+    config = read_config(tiny_checkpoints, MOE, "hub")
+    config["text_config"]["norm_topk_prob"] = False
+    model, processor = loaded(MOE, "hub")
+    assert_wrong_model_is_caught(internvl.Model.from_config(config), model, processor,
+                                 CASES["one_image"], reference(MOE, "one_image"))
+
+
+def test_a_gpt_oss_text_model_is_refused(tiny_checkpoints):
     config = read_config(tiny_checkpoints, FAMILY, "hub")
-    config["text_config"] = {**config["text_config"], "model_type": "qwen3_moe", "num_experts": 8,
-                             "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+    config["text_config"] = {**config["text_config"], "model_type": "gpt_oss",
+                             "num_local_experts": 8, "num_experts_per_tok": 2}
+    with pytest.raises(NotImplementedError, match="gpt_oss mixture-of-experts"):
         internvl.Model.from_config(config)
 
 
@@ -142,8 +188,9 @@ def test_batched_generation_gives_each_prompt_its_tokens(loaded, reference):
     assert_batched_tokens_match(model, processor, CASES, [reference(FAMILY, c) for c in CASES])
 
 
-def test_sampling_defaults_come_from_generation_config(loaded):
-    _, processor = loaded(FAMILY, "hub")
+@pytest.mark.parametrize("family", [FAMILY, MOE])
+def test_sampling_defaults_come_from_generation_config(family, loaded):
+    _, processor = loaded(family, "hub")
     assert processor.sampling_defaults.values == HUB_SAMPLING
 
 
@@ -195,15 +242,17 @@ def entry_point_env() -> dict:
     return env
 
 
-def test_cli_answers_with_the_reference_tokens(tmp_path, tiny_checkpoints, loaded, reference):
+@pytest.mark.parametrize("family", [FAMILY, MOE])
+def test_cli_answers_with_the_reference_tokens(family, tmp_path, tiny_checkpoints, loaded,
+                                               reference):
     """``python -m mlxvlm.generate`` on the Hub layout prints transformers' greedy answer."""
-    _, processor = loaded(FAMILY, "hub")
-    ref = reference(FAMILY, "one_image")
+    _, processor = loaded(family, "hub")
+    ref = reference(family, "one_image")
     assert_reference_is_decisive(ref)
     picture = tmp_path / "a.png"
     IMAGE_A.save(picture)
     result = subprocess.run(
-        [sys.executable, "-m", "mlxvlm.generate", "--model", str(tiny_checkpoints.path(FAMILY, "hub")),
+        [sys.executable, "-m", "mlxvlm.generate", "--model", str(tiny_checkpoints.path(family, "hub")),
          "--image", str(picture), "--prompt", "Describe this image.",
          "--max-tokens", str(NEW_TOKENS), "--temperature", "0"],
         capture_output=True, env=entry_point_env(), timeout=300,
@@ -213,7 +262,29 @@ def test_cli_answers_with_the_reference_tokens(tmp_path, tiny_checkpoints, loade
     assert result.stdout.decode() == greedy_text(processor, ref) + "\n"
 
 
-def test_server_batches_requests_and_reuses_a_turns_prefix(tiny_checkpoints, loaded, reference):
+@pytest.mark.parametrize("entry_point", ["mlxvlm.generate", "mlxvlm.server"])
+def test_the_original_internvl_chat_layout_is_refused_in_one_line(entry_point, tmp_path):
+    """``OpenGVLab/InternVL3_5-*`` without -HF (remote code, ``llm_config``): the CLI and
+    the server stop with one line that points to the -HF checkpoint."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "internvl_chat", "architectures": ["InternVLChatModel"],
+        "llm_config": {"model_type": "qwen3"}, "vision_config": {"model_type": "intern_vit_6b"},
+        "template": "internvl2_5", "downsample_ratio": 0.5,
+    }))
+    prompt = ["--prompt", "Hi"] if entry_point == "mlxvlm.generate" else []
+    result = subprocess.run(
+        [sys.executable, "-m", entry_point, "--model", str(tmp_path), *prompt],
+        capture_output=True, text=True, env=entry_point_env(), timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: model_type 'internvl_chat'"), lines
+    assert "-HF checkpoint" in lines[0]
+
+
+@pytest.mark.parametrize("family", [FAMILY, MOE])
+def test_server_batches_requests_and_reuses_a_turns_prefix(family, tiny_checkpoints, loaded,
+                                                           reference):
     """``python -m mlxvlm.server``: two requests at once (an image one and a text one,
     decoded in one batch) answer with their references' greedy text; then a later turn
     (the first image's conversation, its answer and a new picture) reuses the cached
@@ -222,11 +293,11 @@ def test_server_batches_requests_and_reuses_a_turns_prefix(tiny_checkpoints, loa
     from server_harness import user as server_user
     from server_process import ServerProcess
 
-    _, processor = loaded(FAMILY, "hub")
+    _, processor = loaded(family, "hub")
     first_turn = [server_user("Describe this image.", png_data_url(IMAGE_A))]
     requests = {"one_image": first_turn,
                 "text": [{"role": "user", "content": CASES["text"][0][0]["content"]}]}
-    with ServerProcess("--model", str(tiny_checkpoints.path(FAMILY, "hub")),
+    with ServerProcess("--model", str(tiny_checkpoints.path(family, "hub")),
                        "--served-model-name", "tiny", env=entry_point_env()) as server:
         client = server.openai_client()
 
@@ -237,7 +308,7 @@ def test_server_batches_requests_and_reuses_a_turns_prefix(tiny_checkpoints, loa
         with ThreadPoolExecutor(2) as pool:
             answers = dict(zip(requests, pool.map(ask, requests.values())))
         for case, answer in answers.items():
-            assert answer.choices[0].message.content == greedy_text(processor, reference(FAMILY, case))
+            assert answer.choices[0].message.content == greedy_text(processor, reference(family, case))
 
         said = answers["one_image"].choices[0].message.content
         later = [*first_turn, {"role": "assistant", "content": said},
@@ -245,8 +316,8 @@ def test_server_batches_requests_and_reuses_a_turns_prefix(tiny_checkpoints, loa
         answer = ask(later)
     messages = [*user(None, "Describe this image."), {"role": "assistant", "content": said},
                 *user(None, "And this one?")]  # server_user puts images first
-    expected = reference_run(tiny_checkpoints.model(FAMILY).model,
-                             reference_processor(tiny_checkpoints.model(FAMILY)),
+    expected = reference_run(tiny_checkpoints.model(family).model,
+                             reference_processor(tiny_checkpoints.model(family)),
                              messages, [IMAGE_A, IMAGE_NEXT])
     assert answer.choices[0].message.content == greedy_text(processor, expected)
     first_prompt = answers["one_image"].usage.prompt_tokens
@@ -343,11 +414,14 @@ def test_rms_tower_names(loaded):
     assert "vision_tower.encoder.layer.0.attention.q_proj.bias" not in names
 
 
-def test_an_mlx_layout_checkpoint_loads_unchanged(tmp_path, tiny_checkpoints, loaded, reference):
-    model, _ = loaded(FAMILY, "hub")
-    mlx_model, processor = load(save_as_mlx_checkpoint(model, tiny_checkpoints.path(FAMILY, "hub"), tmp_path))
+@pytest.mark.parametrize("family", [FAMILY, MOE])
+def test_an_mlx_layout_checkpoint_loads_unchanged(family, tmp_path, tiny_checkpoints, loaded,
+                                                  reference):
+    """Our names (mlx-lm's ``switch_mlp`` for the experts) load as they are."""
+    model, _ = loaded(family, "hub")
+    mlx_model, processor = load(save_as_mlx_checkpoint(model, tiny_checkpoints.path(family, "hub"), tmp_path))
     _, logits = our_logits(mlx_model, processor, *CASES["two_images"])
-    np.testing.assert_allclose(logits, reference(FAMILY, "two_images").logits, rtol=0,
+    np.testing.assert_allclose(logits, reference(family, "two_images").logits, rtol=0,
                                atol=LOGITS_ATOL)
 
 

@@ -18,7 +18,8 @@ FAMILIES = [
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni", "gemma3",
     "idefics3", "smolvlm", "llava", "llava_next", "llava_onevision", "pixtral", "mistral3",
     "paligemma", "qwen3_5", "qwen3_5_moe", "lfm2_vl", "paddleocr_vl",
-    "qwen3_omni_moe", "gemma4", "gemma4_moe", "gemma3n", "internvl", "internvl3", "minicpmv4_6",
+    "qwen3_omni_moe", "gemma4", "gemma4_moe", "gemma3n", "internvl", "internvl3", "internvl_moe",
+    "minicpmv4_6",
     "minicpm_ocr",
 ]
 MESSAGES = user(None, "Describe this image.")

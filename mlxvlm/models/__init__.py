@@ -66,11 +66,26 @@ FAMILIES: dict[str, str] = {
 }
 
 
+# model_types mlxvlm recognizes but does not load -> what to use instead.
+REFUSED: dict[str, str] = {
+    # InternVL's original layout: remote code builds its prompts (the conversation
+    # template its config names, the <image> placeholder expanded to tiles in code) and
+    # its config names no image token, so no transformers processor is known to
+    # reproduce them; every size has a transformers-native -HF conversion.
+    "internvl_chat": (
+        "InternVL's original layout (remote code) is not supported; use the model's -HF "
+        "checkpoint instead (OpenGVLab/InternVL3_5-8B-HF for OpenGVLab/InternVL3_5-8B)"
+    ),
+}
+
+
 class UnsupportedModelError(MlxvlmError, ValueError):
     """The checkpoint's model_type has no family module."""
 
 
 def get_family(model_type: str | None) -> ModuleType:
+    if model_type in REFUSED:
+        raise UnsupportedModelError(f"model_type {model_type!r}: {REFUSED[model_type]}")
     if model_type not in FAMILIES:
         supported = ", ".join(sorted(FAMILIES))
         raise UnsupportedModelError(

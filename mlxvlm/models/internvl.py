@@ -9,12 +9,14 @@ patch features, the class token dropped, are folded by a pixel shuffle (every
 ``1 / downsample_ratio`` square of patches into one token, transformers' channel order)
 and projected by a LayerNorm + two-layer MLP to the text width. The tokens replace the
 ``<IMG_CONTEXT>`` placeholders (``image_seq_length`` per tile, between ``<img>`` and
-``</img>``) ahead of a stock text model: Qwen3 for InternVL3.5, Qwen2 or Llama for
-InternVL3 (mlx-lm's, through its input embeddings).
+``</img>``) ahead of a stock text model: Qwen3 for InternVL3.5 (Qwen3-MoE for its
+30B-A3B and 241B-A28B sizes), Qwen2 or Llama for InternVL3 (mlx-lm's, through its input
+embeddings).
 
 Checkpoint names (mlx-community's, transformers' module names without the ``model.``
 level): ``vision_tower.*``, ``multi_modal_projector.{layer_norm,linear_1,linear_2}``,
-``language_model.model.*`` and ``language_model.lm_head`` unless tied.
+``language_model.model.*`` and ``language_model.lm_head`` unless tied; a Qwen3-MoE layer's
+experts stacked as mlx-lm's ``mlp.switch_mlp.{gate,up,down}_proj`` (experts, out, in).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from mlxvlm.models.layers.activations import activation
 # transformers' InternVLModel.pixel_shuffle (module-level, so that a test can swap it)
 from mlxvlm.models.layers.pixel_shuffle import fold_blocks as pixel_shuffle
 from mlxvlm.models.processor_utils import image_only, tokenizer_and_chat_template
+from mlxvlm.models.qwen3_vl_moe import split_experts, stack_expert_modules
 from mlxvlm.models.weights import (
     LM_HEAD_NAMES,
     PROJECTOR_NAMES,
@@ -59,6 +62,9 @@ TOWER = "vision_tower."
 LM_HEAD = "language_model.lm_head.weight"
 # Tensors transformers keeps that inference never reads (masked image modelling).
 UNUSED_TOWER_WEIGHTS = ("embeddings.mask_token",)
+# Mixture-of-experts text models whose experts ``sanitize`` maps onto mlx-lm's: Qwen3-MoE
+# (InternVL3.5-30B-A3B's and -241B-A28B's).
+EXPERT_TEXT_MODELS = ("qwen3_moe",)
 
 
 @dataclass(frozen=True)
@@ -79,12 +85,14 @@ class ModelArgs:
         model's by its own model_type, ``tie_word_embeddings`` at the top level)."""
         config = as_transformers_reads_it({**config, "model_type": "internvl"})
         text = dict(config["text_config"])
-        if text.get("num_experts") or text.get("num_local_experts"):
-            # mlx-lm's MoE models stack the experts' tensors in their own sanitize, which
-            # the mapping here does not run
+        experts = text.get("num_experts") or text.get("num_local_experts")
+        if experts and text["model_type"] not in EXPERT_TEXT_MODELS:
+            # GPT-OSS: mlx-lm's gpt_oss Model takes no input embeddings, its YaRN rounds the
+            # correction range that transformers' (``truncate: false``) keeps, and its
+            # experts (interleaved gate/up, (experts, in, out), biases) need a mapping
             raise NotImplementedError(
-                f"InternVL with a mixture-of-experts text model ({text['model_type']}: "
-                "InternVL3.5-30B-A3B, -241B-A28B, -GPT-OSS) is not supported yet"
+                f"InternVL with a {text['model_type']} mixture-of-experts text model "
+                "(InternVL3_5-GPT-OSS-20B-A4B-Preview-HF) is not supported yet"
             )
         text["rope_parameters"] = rope_parameters(text, 10_000.0)
         text["tie_word_embeddings"] = bool(config["tie_word_embeddings"])
@@ -153,10 +161,15 @@ class Model(mlx_lm_backbone.MlxLmDecoder, VisionLanguageModel):
                 return None
             return intern_vit.convert_hf_weight(name, value)
 
-        return map_hf_weights(
+        mapped = map_hf_weights(
             weights, self.hf_to_mlx_name, towers={TOWER: tower_weight},
             drop={LM_HEAD} if self.args.text.tie_word_embeddings else (),
         )
+        if getattr(self.args.text, "num_experts", 0):
+            # the Hub's one tensor per expert (what transformers 5 saves too), or transformers
+            # 5's in-memory fused (experts, out, in) tensors, as mlx-lm's switch_mlp
+            mapped = split_experts(stack_expert_modules(mapped), self.args.text, True)
+        return mapped
 
     @classmethod
     def load_processor(cls, model_path: str | Path, config: dict):

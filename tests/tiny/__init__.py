@@ -45,6 +45,7 @@ BUILDERS = {
     "internvl": "tiny.internvl",
     "internvl_rms": "tiny.internvl",
     "internvl3": "tiny.internvl",
+    "internvl_moe": "tiny.internvl",
     "minicpmv4_6": "tiny.minicpmv4_6",
     "minicpm_ocr": "tiny.minicpm_ocr",
     "glm_ocr": "tiny.glm_ocr",

@@ -104,3 +104,23 @@ def make_image(width: int, height: int, seed: int = 0) -> Image.Image:
         channels.append(np.sin(2 * np.pi * (fx * xs + fy * ys) + phase))
     field = np.stack(channels, axis=-1) * 0.4 + 0.5 + rng.normal(0, 0.08, (height, width, 3))
     return Image.fromarray((np.clip(field, 0, 1) * 255).astype(np.uint8))
+
+
+def one_tensor_per_expert(weights: dict) -> dict:
+    """transformers 5's fused ``mlp.experts.gate_up_proj`` (experts, 2 * width, hidden) and
+    ``down_proj`` as the Hub's one ``mlp.experts.E.{gate,up,down}_proj.weight`` each
+    (the Hub's MoE checkpoints, written by transformers 4.5x); other tensors as they are."""
+    out = {}
+    for name, value in weights.items():
+        prefix, _, kind = name.rpartition(".mlp.experts.")
+        if not prefix or kind not in ("gate_up_proj", "down_proj"):
+            out[name] = value
+            continue
+        for expert, matrix in enumerate(value):
+            if kind == "gate_up_proj":
+                gate, up = np.split(matrix, 2, axis=0)
+                out[f"{prefix}.mlp.experts.{expert}.gate_proj.weight"] = np.ascontiguousarray(gate)
+                out[f"{prefix}.mlp.experts.{expert}.up_proj.weight"] = np.ascontiguousarray(up)
+            else:
+                out[f"{prefix}.mlp.experts.{expert}.down_proj.weight"] = np.ascontiguousarray(matrix)
+    return out

@@ -45,7 +45,14 @@ from pathlib import Path
 
 import numpy as np
 
-from tiny.common import INIT_RANGE, TinyModel, build_bpe_tokenizer, perturb_constants, write_safetensors
+from tiny.common import (
+    INIT_RANGE,
+    TinyModel,
+    build_bpe_tokenizer,
+    one_tensor_per_expert,
+    perturb_constants,
+    write_safetensors,
+)
 
 FAMILIES = ("glm4v", "glm4v_moe")
 LAYOUTS = ("transformers", "hub")
@@ -250,7 +257,7 @@ def save_checkpoint(tiny: TinyModel, directory: str | Path, layout: str) -> Path
     weights = load_file(str(directory / "model.safetensors"))
     config = json.loads((directory / "config.json").read_text())
     if tiny.family == "glm4v_moe":
-        weights = _hub_expert_tensors(weights)
+        weights = one_tensor_per_expert(weights)
         weights.update(_mtp_layer(weights, config))
     (directory / "config.json").write_text(json.dumps(hub_config(config), indent=2))
     image_processor = tiny.image_processor
@@ -291,26 +298,6 @@ def hub_config(config: dict) -> dict:
     hub["vision_config"] = vision
     hub["torch_dtype"] = "float32"
     return hub
-
-
-def _hub_expert_tensors(weights: dict) -> dict:
-    """transformers 5's fused ``mlp.experts.gate_up_proj`` (experts, 2 * width, hidden) and
-    ``down_proj`` as the Hub's one ``mlp.experts.E.{gate,up,down}_proj.weight`` each
-    (transformers 5 may save either)."""
-    out = {}
-    for name, value in weights.items():
-        prefix, _, kind = name.rpartition(".mlp.experts.")
-        if not prefix or kind not in ("gate_up_proj", "down_proj"):
-            out[name] = value
-            continue
-        for expert, matrix in enumerate(value):
-            if kind == "gate_up_proj":
-                gate, up = np.split(matrix, 2, axis=0)
-                out[f"{prefix}.mlp.experts.{expert}.gate_proj.weight"] = np.ascontiguousarray(gate)
-                out[f"{prefix}.mlp.experts.{expert}.up_proj.weight"] = np.ascontiguousarray(up)
-            else:
-                out[f"{prefix}.mlp.experts.{expert}.down_proj.weight"] = np.ascontiguousarray(matrix)
-    return out
 
 
 def _mtp_layer(weights: dict, config: dict) -> dict:

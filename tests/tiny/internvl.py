@@ -7,6 +7,9 @@ offline (see tests/tiny/__init__.py).
 q/k RMSNorm across all heads, unbiased q/k/v) before the same text model.
 ``"internvl3"``: InternVL3's -hf checkpoints in shape -- the small tower before a Qwen2
 text model (biased q/k/v) with an untied output head.
+``"internvl_moe"``: InternVL3.5-30B-A3B-HF in shape -- the small tower before a Qwen3-MoE
+text model with an untied head: layer 0 routes each token to 2 of 4 experts (weights
+renormalized), layer 1 keeps a dense MLP (``mlp_only_layers``).
 
 The tower takes 32-pixel tiles of 4-pixel patches (8 x 8, a 4 x 4 grid after the pixel
 shuffle: 16 tokens a tile); the processor cuts a picture into 1 to 4 tiles plus a
@@ -19,7 +22,8 @@ Layouts:
 ``"hub"``
     As the Hub's ``OpenGVLab/InternVL3_5-*-HF`` checkpoints are laid out (written by
     transformers 4.5x): the text config with ``rope_theta`` and no ``rope_parameters``,
-    ``torch_dtype``, tensors by the module tree, ``preprocessor_config.json`` (the fast
+    ``torch_dtype``, tensors by the module tree (a Qwen3-MoE's experts one tensor each,
+    ``mlp.experts.E.gate_proj.weight``, as transformers 4.5x wrote them), ``preprocessor_config.json`` (the fast
     image processor's name), ``video_preprocessor_config.json``, ``processor_config.json``
     with ``image_seq_length`` only, the tokenizer naming its image tokens under
     ``extra_special_tokens``, ``chat_template.jinja``, and sampling settings in
@@ -33,9 +37,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tiny.common import INIT_RANGE, TinyModel, build_bpe_tokenizer, perturb_constants, write_safetensors
+from tiny.common import (
+    INIT_RANGE,
+    TinyModel,
+    build_bpe_tokenizer,
+    one_tensor_per_expert,
+    perturb_constants,
+    write_safetensors,
+)
 
-FAMILIES = ("internvl", "internvl_rms", "internvl3")
+FAMILIES = ("internvl", "internvl_rms", "internvl3", "internvl_moe")
 LAYOUTS = ("transformers", "hub")
 
 IMAGE_TOKENS = {
@@ -112,16 +123,20 @@ def _config(family: str, tokenizer):
     from transformers import InternVLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    tied = family != "internvl3"
+    tied = family not in ("internvl3", "internvl_moe")
+    text_type = {"internvl3": "qwen2", "internvl_moe": "qwen3_moe"}.get(family, "qwen3")
     text = dict(
-        model_type="qwen3" if tied else "qwen2", vocab_size=(len(tokenizer) + 15) // 16 * 16,
+        model_type=text_type, vocab_size=(len(tokenizer) + 15) // 16 * 16,
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
         initializer_range=INIT_RANGE, bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"], tie_word_embeddings=tied,
-        **({"head_dim": 16} if tied else {}),
+        **({} if text_type == "qwen2" else {"head_dim": 16}),
     )
+    if text_type == "qwen3_moe":
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
     rms = family == "internvl_rms"
     vision = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -205,6 +220,8 @@ def hub_config(config: dict) -> dict:
     text["rope_scaling"] = None
     text.pop("dtype", None)
     text["torch_dtype"] = "bfloat16"
+    if "num_local_experts" in text:  # Qwen3-MoE's name for it in transformers 4.5x
+        text["num_experts"] = text.pop("num_local_experts")
     vision = {k: v for k, v in config["vision_config"].items() if k != "dtype"}
     hub = {k: v for k, v in config.items() if k not in ("dtype", "text_config", "vision_config")}
     return {**hub, "text_config": text, "vision_config": vision, "torch_dtype": "bfloat16",
@@ -217,7 +234,7 @@ def _save_hub_weights(tiny: TinyModel, directory: Path) -> None:
     weights = {name: value.detach().numpy().copy()
                for name, value in tiny.model.state_dict().items()
                if not (tied and name == "lm_head.weight")}
-    write_safetensors(weights, directory)
+    write_safetensors(one_tensor_per_expert(weights), directory)
 
 
 def _save_hub_processor_files(tiny: TinyModel, directory: Path) -> None:

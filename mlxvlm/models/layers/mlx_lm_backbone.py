@@ -66,6 +66,9 @@ def model_args(text: dict) -> Any:
     fields = {f.name for f in dataclasses.fields(module.ModelArgs)}
     rope = dict(text["rope_parameters"])
     values = {k: v for k, v in text.items() if k in fields}
+    if "num_experts" in fields and "num_experts" not in values and "num_local_experts" in text:
+        # transformers 5 writes Qwen3-MoE's expert count under the name it maps to
+        values["num_experts"] = text["num_local_experts"]
     values["rope_theta"] = float(rope.pop("rope_theta"))
     values["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     values["tie_word_embeddings"] = bool(text["tie_word_embeddings"])
@@ -94,7 +97,8 @@ def text_model(args: Any) -> nn.Module:
 # the head (``lm_head``, or the embedding when tied): for them, logits for the last
 # position alone skip the head's product over the others. Other modules get the full
 # logits sliced (the same numbers, without the saving).
-HEAD_AFTER_DECODER = frozenset({"llama", "qwen2", "qwen3", "gemma3_text", "ministral3", "lfm2"})
+HEAD_AFTER_DECODER = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "ministral3",
+                                "lfm2"})
 
 
 class MlxLmDecoder:
