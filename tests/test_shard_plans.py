@@ -118,3 +118,51 @@ def test_kv_sharing_layers_stay_beside_their_source():
     assert pipeline_split.split(Decoder(), 3) == [4, 1, 1]
     Decoder.layer_idx_to_cache_idx = [0, 0, 0, 0, 0, 0]
     assert pipeline_split.split(Decoder(), 2) is None
+
+
+# The families whose text models hold sparse-MoE blocks (mlx-lm's ``switch_mlp`` beside a
+# router, some with shared experts): GLM-4.5's, Qwen3-MoE's and Qwen3-Next's blocks
+# reduce their own output given a ``sharding_group``; DeepSeek-MoE's has no reduction.
+SPARSE_MOE_FAMILIES = ("deepseek_ocr2", "glm4v_moe", "qwen3_5_moe", "qwen3_omni_moe",
+                       "qwen3_vl_moe")
+
+
+def _sparse_moe_layer(tiny_checkpoints, family: str) -> nn.Module:
+    model = build(tiny_checkpoints, family)
+    decoder = sharding._decoder(sharding._module_at(model, sharding.text_model_path(model)))
+    return next(layer for layer in decoder.layers if "switch_mlp" in layer.mlp)
+
+
+@pytest.mark.parametrize("family", SPARSE_MOE_FAMILIES)
+def test_a_split_sparse_moe_block_is_summed_over_the_ranks(tiny_checkpoints, family,
+                                                           monkeypatch):
+    """Each rank's share of a sparse-MoE block (its slice of every routed and shared
+    expert) is a partial sum: the layer's block, once split, ends in one all-reduce of
+    its output, and the two ranks' partials add up to the whole block's output. The
+    all-reduce is a recording stand-in (one process): it returns this rank's partial."""
+    from mlx.utils import tree_map
+
+    whole = _sparse_moe_layer(tiny_checkpoints, family).mlp
+    mx.random.seed(0)  # routers built as zeros would route every token alike
+    whole.update(tree_map(lambda p: 0.5 * mx.random.normal(p.shape).astype(p.dtype),
+                          whole.parameters()))
+    x = mx.random.normal((1, 5, whole.switch_mlp.gate_proj.weight.shape[-1]))
+    expected = whole(x)
+    reduced = []
+
+    def all_sum(y, group=None, stream=None):
+        reduced.append(y)
+        return y
+
+    monkeypatch.setattr(mx.distributed, "all_sum", all_sum)
+    partials = []
+    for rank in (0, 1):
+        layer = _sparse_moe_layer(tiny_checkpoints, family)
+        layer.mlp.update(whole.parameters())
+        tensor_split.split_layers([layer], StandInGroup(rank, 2))
+        reduced.clear()
+        out = layer.mlp(x)
+        assert reduced and reduced[-1] is out, "the block's output is left unreduced"
+        partials.append(out)
+    assert not mx.allclose(partials[0], expected, atol=1e-3).item()  # a rank's is partial
+    assert mx.allclose(partials[0] + partials[1], expected, atol=1e-4).item()

@@ -8,8 +8,10 @@ partial outputs are all-reduced where the block's output leaves them.
 The slicing is mlx.nn's (``shard_linear``: the sharded linear layers, quantized ones
 too, whose all-reduce is in them; ``shard_inplace`` where the block reduces itself), as
 mlx-lm's models' ``shard`` methods use it; mlx-lm's MoE and Gated DeltaNet blocks reduce
-their own output once given a ``sharding_group``. What no block here reduces itself (an
-expert module followed by a norm: Gemma 4) is wrapped in ``AllSummed``.
+their own output once given a ``sharding_group`` (they declare one, None, when built).
+What no block here reduces itself (an expert module followed by a norm: Gemma 4; a
+sparse-MoE block that declares no ``sharding_group``: mlx-lm's DeepSeek-MoE) is wrapped
+in ``AllSummed``.
 
 Fewer key/value heads than ranks (or a count the ranks do not divide): each key/value
 head is repeated, as vLLM does, until the ranks divide them and every rank's query heads
@@ -88,8 +90,13 @@ def _mlp_width(mlp: nn.Module) -> int | None:
     return None if names is None else mlp[names[0]].weight.shape[0]
 
 
+def _mlp_name(layer: nn.Module) -> str | None:
+    return next((name for name in MLP_NAMES if name in layer), None)
+
+
 def _mlp(layer: nn.Module) -> nn.Module | None:
-    return next((layer[name] for name in MLP_NAMES if name in layer), None)
+    name = _mlp_name(layer)
+    return None if name is None else layer[name]
 
 
 def problems(layers: list, size: int) -> str | None:
@@ -203,14 +210,20 @@ def _split_in_place_mlp(mlp: nn.Module, group: mx.distributed.Group) -> None:
         mlp[down].bias = mx.zeros_like(mlp[down].bias)
 
 
-def split_sparse_moe(block: nn.Module, group: mx.distributed.Group) -> None:
-    """mlx-lm's sparse-MoE blocks (Qwen3-MoE's, Qwen3-Next's, GLM-4.5's): each expert's
-    matrices (and the shared experts') split in place; the block all-reduces its own
-    output once given ``sharding_group``. The router stays whole."""
+def split_sparse_moe(block: nn.Module, group: mx.distributed.Group) -> nn.Module:
+    """mlx-lm's sparse-MoE blocks (Qwen3-MoE's, Qwen3-Next's, GLM-4.5's, DeepSeek-MoE's):
+    each expert's matrices (and the shared experts') split in place; the router stays
+    whole. Returns what the layer runs in the block's place: the block itself when it
+    all-reduces its own output once given ``sharding_group`` (a block that can declares
+    one); else the block in ``AllSummed``, since its output is only this rank's partial
+    sum (mlx-lm's ``deepseek.DeepseekMoE`` has no reduction of its own)."""
     _split_switch_glu(block.switch_mlp, group)
     for shared in _shared_experts(block):
         _split_in_place_mlp(shared, group)
+    if not hasattr(block, "sharding_group"):
+        return AllSummed(block, group)
     block.sharding_group = group
+    return block
 
 
 def split_gated_delta_net(linear: nn.Module, group: mx.distributed.Group) -> None:
@@ -247,7 +260,7 @@ def split_layers(layers: list, group: mx.distributed.Group) -> None:
         mlp = _mlp(layer)
         if mlp is not None:
             if "switch_mlp" in mlp:
-                split_sparse_moe(mlp, group)
+                layer[_mlp_name(layer)] = split_sparse_moe(mlp, group)
             elif _mlp_width(mlp) is not None and _splits_mlp(mlp):
                 split_gated_mlp(mlp, group)
         if "experts" in layer and "switch_glu" in layer.experts:  # Gemma 4's experts
