@@ -141,6 +141,9 @@ def main() -> int:
                         choices=["mlxvlm", LOOKUP, "mlx-vlm", "transformers"])
     parser.add_argument("--mlx-vlm-python", default=None,
                         help="Interpreter with mlx-vlm installed (skipped when not given)")
+    parser.add_argument("--mlx-vlm-checkpoint", default=None,
+                        help="The copy mlx-vlm reads, where it needs another config layout "
+                             "(mlx_vlm_copy.py; default: --checkpoint)")
     parser.add_argument("--transformers-python", default=sys.executable,
                         help="Interpreter with transformers + torch (default: this one)")
     parser.add_argument("--transformers-dtype", default="float32",
@@ -178,7 +181,9 @@ def main() -> int:
     failures: dict[str, str] = {}  # an engine that fails is reported and left out of later runs
     for index in range(args.runs):
         for engine in run_order([e for e in engines if e not in failures], index):
-            command = engine_command(engine, pythons[engine], checkpoint, image, prompt,
+            path = Path(args.mlx_vlm_checkpoint) if (
+                engine == "mlx-vlm" and args.mlx_vlm_checkpoint) else checkpoint
+            command = engine_command(engine, pythons[engine], path, image, prompt,
                                      args.max_tokens, args.transformers_dtype,
                                      args.prompt_lookup_num_tokens)
             try:

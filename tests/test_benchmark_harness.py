@@ -83,3 +83,28 @@ def test_a_page_is_letter_sized_dark_text_on_white():
     assert page.size == (306, 396)
     dark = sum(1 for value in page.get_flattened_data() if value < 128) / (306 * 396)
     assert 0.01 < dark < 0.3  # text, not a blank or black sheet
+
+
+def test_the_mlx_vlm_copy_links_the_weights_and_drops_the_keys_it_rejects(tmp_path):
+    import json
+    import sys
+
+    sys.path.insert(0, str(RUN_PY.parent))
+    from mlx_vlm_copy import mlx_vlm_copy
+
+    source = tmp_path / "glm-ocr-bf16"
+    source.mkdir()
+    config = {"model_type": "glm_ocr", "dtype": "bfloat16",
+              "text_config": {"hidden_size": 8, "dtype": "bfloat16"},
+              "vision_config": {"depth": 2, "dtype": "bfloat16",
+                                "rope_parameters": {"rope_theta": 10000.0}}}
+    (source / "config.json").write_text(json.dumps(config))
+    (source / "model.safetensors").write_bytes(b"weights")
+    target = mlx_vlm_copy(source)
+    assert target.name == "glm-ocr-bf16-mlx-vlm"
+    assert (target / "model.safetensors").resolve() == (source / "model.safetensors").resolve()
+    copied = json.loads((target / "config.json").read_text())
+    assert copied["vision_config"] == {"depth": 2}
+    assert copied["text_config"] == config["text_config"] and copied["dtype"] == "bfloat16"
+    assert json.loads((source / "config.json").read_text()) == config  # the source untouched
+    assert mlx_vlm_copy(source) == target  # again: the links already there are kept
