@@ -108,3 +108,25 @@ def test_the_mlx_vlm_copy_links_the_weights_and_drops_the_keys_it_rejects(tmp_pa
     assert copied["text_config"] == config["text_config"] and copied["dtype"] == "bfloat16"
     assert json.loads((source / "config.json").read_text()) == config  # the source untouched
     assert mlx_vlm_copy(source) == target  # again: the links already there are kept
+
+
+def test_fewer_layers_keeps_the_widths_and_each_per_layer_list_in_step():
+    import sys
+
+    import pytest
+    from transformers import DeepseekOcr2Config, GlmOcrConfig, MllamaConfig
+
+    sys.path.insert(0, str(RUN_PY.parent))
+    from checkpoints import fewer_layers
+
+    glm = GlmOcrConfig(text_config=dict(num_hidden_layers=16, hidden_size=1536),
+                       vision_config=dict(depth=24, hidden_size=1024))
+    fewer_layers(glm, 4, 2)
+    assert (glm.text_config.num_hidden_layers, glm.vision_config.depth) == (4, 2)
+    assert (glm.text_config.hidden_size, glm.vision_config.hidden_size) == (1536, 1024)
+    ocr = DeepseekOcr2Config(text_config=dict(num_hidden_layers=12,
+                                              mlp_layer_types=["dense"] + ["sparse"] * 11))
+    fewer_layers(ocr, 3, None)
+    assert ocr.text_config.mlp_layer_types == ["dense", "sparse", "sparse"]
+    with pytest.raises(SystemExit, match="cross-attention"):
+        fewer_layers(MllamaConfig(), 8, None)
