@@ -693,10 +693,29 @@ def benchmark_image(size: int = 448) -> Image.Image:
     return Image.fromarray((np.clip(rgb, 0, 1) * 255).astype(np.uint8))
 
 
-def build(name: str, target: Path) -> None:
+def fewer_layers(config, text_layers: int | None, vision_layers: int | None) -> None:
+    """Keep the first layers of the decoder and of the vision tower, at the same widths
+    (a host without room for the whole model still times a layer of its real shape)."""
+    if text_layers:
+        text = config.text_config
+        if getattr(text, "cross_attention_layers", None):
+            raise SystemExit("error: --text-layers does not place cross-attention layers")
+        text.num_hidden_layers = text_layers
+        for key in ("layer_types", "mlp_layer_types"):
+            if getattr(text, key, None):
+                setattr(text, key, getattr(text, key)[:text_layers])
+    if vision_layers:
+        vision = config.vision_config
+        key = "depth" if hasattr(vision, "depth") else "num_hidden_layers"
+        setattr(vision, key, vision_layers)
+
+
+def build(name: str, target: Path, text_layers: int | None = None,
+          vision_layers: int | None = None) -> None:
     import torch
 
     model_class, config, parts, eos_ids = BUILDERS[name]()
+    fewer_layers(config, text_layers, vision_layers)
     torch.manual_seed(0)
     model = model_class._from_config(config, dtype=torch.bfloat16).eval()
     with torch.no_grad():  # greedy decoding of a random model must never pick EOS
@@ -724,10 +743,16 @@ def main() -> int:
                         help="Build only this one (repeatable; default: all)")
     parser.add_argument("--no-quantized", action="store_true",
                         help="Skip the 4-bit and 8-bit conversions (default: make them)")
+    parser.add_argument("--text-layers", type=int, default=None,
+                        help="Keep this many decoder layers (the name gets -t<N>)")
+    parser.add_argument("--vision-layers", type=int, default=None,
+                        help="Keep this many vision-tower layers (the name gets -v<N>)")
     args = parser.parse_args()
+    depth = "".join(f"-{tag}{n}" for tag, n in (("t", args.text_layers), ("v", args.vision_layers))
+                    if n)
     for name in args.only or sorted(BUILDERS):
-        source = OUT / f"{name}-bf16"
-        build(name, source)
+        source = OUT / f"{name}{depth}-bf16"
+        build(name, source, args.text_layers, args.vision_layers)
         if not args.no_quantized:
             for bits in (4, 8):
                 convert(source, bits)

@@ -3,6 +3,8 @@
     python benchmarks/checkpoints.py                        # build the checkpoints once
     python benchmarks/run.py --checkpoint smolvlm-256m-bf16 --runs 3 \
         --mlx-vlm-python /path/to/venv-with-mlx-vlm/bin/python
+    python benchmarks/run.py --checkpoint glm-ocr-bf16 --page 612 --prompt "Text Recognition:" \
+        --engines mlxvlm mlxvlm+lookup transformers --max-tokens 128    # OCR pages/min
 
 Every run is a fresh process (so load time and memory are measured from a cold start)
 and the engines alternate run by run (in reverse order every other run), so that a slower
@@ -32,14 +34,28 @@ METRICS = [
     ("prompt tokens/s", "prompt_tps", ".1f", True),
     ("decode tokens/s", "decode_tps", ".2f", True),
     ("peak RSS (GB)", "max_rss_gb", ".2f", False),
+    ("pages/min", "pages_per_min", ".2f", True),
 ]
+
+# The engine that runs mlxvlm's driver with speculative decoding by prompt lookup
+LOOKUP = "mlxvlm+lookup"
+
+
+def pages_per_min(run: dict) -> float:
+    """60 / (time to first token + decode time): one page answered to --max-tokens."""
+    decode_s = (run["decode_tokens"] - 1) / run["decode_tps"] if run["decode_tps"] else 0.0
+    return 60 / (run["ttft_s"] + decode_s)
 
 
 def engine_command(engine: str, python: str, checkpoint: Path, image: Path, prompt: str,
-                   max_tokens: int, transformers_dtype: str = "float32") -> list[str]:
-    script = ENGINES / f"{engine.replace('-', '_')}_engine.py"
+                   max_tokens: int, transformers_dtype: str = "float32",
+                   prompt_lookup_num_tokens: int = 4) -> list[str]:
+    driver = "mlxvlm" if engine == LOOKUP else engine
+    script = ENGINES / f"{driver.replace('-', '_')}_engine.py"
     command = [python, str(script), "--model", str(checkpoint), "--image", str(image),
                "--prompt", prompt, "--max-tokens", str(max_tokens)]
+    if engine == LOOKUP:
+        command += ["--prompt-lookup-num-tokens", str(prompt_lookup_num_tokens)]
     return command + (["--dtype", transformers_dtype] if engine == "transformers" else [])
 
 
@@ -51,7 +67,8 @@ def run_once(command: list[str], timeout: float) -> dict:
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(command[:2])} failed:\n{out.stderr[-3000:]}")
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1])
+    run = json.loads(lines[-1])
+    return {**run, "pages_per_min": pages_per_min(run)}
 
 
 def run_order(engines: list[str], index: int) -> list[str]:
@@ -86,10 +103,24 @@ def table(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def save(path: Path, results: dict[str, list[dict]], failures: dict[str, str]) -> None:
-    """The raw runs per engine, and each failed engine's error under ``failures``."""
-    path.write_text(json.dumps({**results, **({"failures": failures} if failures else {})},
-                               indent=2))
+def acceptance(results: dict[str, list[dict]]) -> str:
+    """Each speculating engine's drafted tokens accepted, over all its runs."""
+    lines = []
+    for engine, runs in results.items():
+        drafted = sum(run.get("drafted", 0) for run in runs)
+        if drafted:
+            accepted = sum(run.get("accepted", 0) for run in runs)
+            lines.append(f"{engine}: {accepted}/{drafted} drafted tokens accepted "
+                         f"({100 * accepted / drafted:.1f}%)")
+    return "\n".join(lines)
+
+
+def save(path: Path, results: dict[str, list[dict]], failures: dict[str, str],
+         setup: dict | None = None) -> None:
+    """The raw runs per engine, each failed engine's error under ``failures``, and what was
+    run under ``setup`` (image, prompt, tokens, the host's load average at the start)."""
+    path.write_text(json.dumps({**results, **({"failures": failures} if failures else {}),
+                                **({"setup": setup} if setup else {})}, indent=2))
 
 
 def main() -> int:
@@ -98,12 +129,21 @@ def main() -> int:
                         help="A directory, or a name under benchmarks/checkpoints/")
     parser.add_argument("--image", type=Path, default=None,
                         help="Default: the checkpoint's benchmark image (448x448)")
+    parser.add_argument("--page", type=int, default=None, metavar="WIDTH",
+                        help="Read a rendered letter-sized document page this many pixels wide "
+                             "instead of --image (page.py; saved beside the checkpoint)")
     parser.add_argument("--prompt", default=None, help="Default: the checkpoint's 87-token prompt")
+    parser.add_argument("--prompt-lookup-num-tokens", type=int, default=4,
+                        help=f"Tokens the {LOOKUP} engine drafts by prompt lookup")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--engines", nargs="+", default=["mlxvlm", "mlx-vlm", "transformers"])
+    parser.add_argument("--engines", nargs="+", default=["mlxvlm", "mlx-vlm", "transformers"],
+                        choices=["mlxvlm", LOOKUP, "mlx-vlm", "transformers"])
     parser.add_argument("--mlx-vlm-python", default=None,
                         help="Interpreter with mlx-vlm installed (skipped when not given)")
+    parser.add_argument("--mlx-vlm-checkpoint", default=None,
+                        help="The copy mlx-vlm reads, where it needs another config layout "
+                             "(mlx_vlm_copy.py; default: --checkpoint)")
     parser.add_argument("--transformers-python", default=sys.executable,
                         help="Interpreter with transformers + torch (default: this one)")
     parser.add_argument("--transformers-dtype", default="float32",
@@ -120,9 +160,15 @@ def main() -> int:
     bench = json.loads((checkpoint / "benchmark.json").read_text()) if (
         checkpoint / "benchmark.json").exists() else {}
     image = args.image or checkpoint / bench.get("image", "image.png")
+    if args.page:
+        from page import document_page, letter_size
+
+        size = letter_size(args.page)
+        image = checkpoint / f"page-{size[0]}x{size[1]}.png"
+        document_page(*size).save(image)
     prompt = args.prompt or bench.get("prompt") or "Describe this image in detail."
 
-    pythons = {"mlxvlm": sys.executable, "mlx-vlm": args.mlx_vlm_python,
+    pythons = {"mlxvlm": sys.executable, LOOKUP: sys.executable, "mlx-vlm": args.mlx_vlm_python,
                "transformers": args.transformers_python}
     engines = [e for e in args.engines if pythons.get(e)]
     skipped = [e for e in args.engines if e not in engines]
@@ -130,11 +176,16 @@ def main() -> int:
         print(f"skipping (no interpreter given): {', '.join(skipped)}", file=sys.stderr)
 
     results: dict[str, list[dict]] = {e: [] for e in engines}
+    setup = {"checkpoint": checkpoint.name, "image": Path(image).name, "prompt": prompt,
+             "max_tokens": args.max_tokens, "load_average": os.getloadavg()}
     failures: dict[str, str] = {}  # an engine that fails is reported and left out of later runs
     for index in range(args.runs):
         for engine in run_order([e for e in engines if e not in failures], index):
-            command = engine_command(engine, pythons[engine], checkpoint, image, prompt,
-                                     args.max_tokens, args.transformers_dtype)
+            path = Path(args.mlx_vlm_checkpoint) if (
+                engine == "mlx-vlm" and args.mlx_vlm_checkpoint) else checkpoint
+            command = engine_command(engine, pythons[engine], path, image, prompt,
+                                     args.max_tokens, args.transformers_dtype,
+                                     args.prompt_lookup_num_tokens)
             try:
                 run = run_once(command, args.timeout)
             except (RuntimeError, subprocess.TimeoutExpired) as error:
@@ -143,21 +194,24 @@ def main() -> int:
                 continue
             results[engine].append(run)
             print(f"run {index + 1}/{args.runs} {engine}: ttft {run['ttft_s']:.2f} s, "
-                  f"decode {run['decode_tps']:.2f} tok/s, rss {run['max_rss_gb']:.2f} GB",
+                  f"decode {run['decode_tps']:.2f} tok/s, {run['pages_per_min']:.2f} pages/min, "
+                  f"rss {run['max_rss_gb']:.2f} GB",
                   file=sys.stderr, flush=True)
             if args.output:  # after every run, so that an interrupted series keeps its runs
-                save(args.output, results, failures)
+                save(args.output, results, failures, setup)
 
     measured = {engine: runs for engine, runs in results.items() if runs}
     print(f"checkpoint: {checkpoint.name}, prompt tokens (mlxvlm): "
           f"{measured['mlxvlm'][0]['prompt_tokens'] if 'mlxvlm' in measured else '?'}, "
           f"new tokens: {args.max_tokens}, runs: {args.runs}\n")
+    print(f"image: {image.name}")
     if "mlxvlm" in measured:
         print(table(measured))
+        print(acceptance(measured))
     for engine, error in failures.items():
         print(f"\n{engine} failed on {error}")
     if args.output:
-        save(args.output, results, failures)
+        save(args.output, results, failures, setup)
     return 0
 
 

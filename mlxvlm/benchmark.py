@@ -34,6 +34,9 @@ class RunStats:
     decode_tps: float
     peak_memory_gb: float  # MLX's allocator peak (or the engine's own measure)
     max_rss_gb: float  # the process's resident-set high-water mark (comparable across engines)
+    # With speculative decoding (prompt lookup, a draft model): tokens proposed and kept
+    drafted: int = 0
+    accepted: int = 0
 
 
 def max_rss_gb() -> float:
@@ -41,8 +44,11 @@ def max_rss_gb() -> float:
     return kilobytes * (1 if sys.platform == "darwin" else 1024) / 1e9
 
 
-def time_generation(model, processor, prompt, images, max_tokens: int, ignore_eos: bool):
-    """One generation: (time to first token, prompt tokens, decode tokens, decode s, peak)."""
+def time_generation(model, processor, prompt, images, max_tokens: int, ignore_eos: bool,
+                    **generate_options):
+    """One generation: (time to first token, prompt tokens, decode tokens, decode s, peak,
+    the last result's speculation statistics or None); ``generate_options`` go to
+    ``stream_generate`` (``prompt_lookup_num_tokens``, for instance)."""
     from mlxvlm.generate import stream_generate
     from mlxvlm.text.tokenization import processor_state
 
@@ -54,18 +60,20 @@ def time_generation(model, processor, prompt, images, max_tokens: int, ignore_eo
         start = time.perf_counter()
         first = last = None
         count = 0
-        for result in stream_generate(model, processor, prompt, images, max_tokens=max_tokens):
+        for result in stream_generate(model, processor, prompt, images, max_tokens=max_tokens,
+                                      **generate_options):
             now = time.perf_counter()
             first = first or now
             last, count, final = now, count + 1, result
     finally:
         state.eos_token_ids = saved_eos
     decode_s = (last - first) if count > 1 else 0.0
-    return first - start, final.prompt_tokens, count, decode_s, final.peak_memory
+    return first - start, final.prompt_tokens, count, decode_s, final.peak_memory, final.speculation
 
 
 def measure(model_path: str, images: list, prompt: str, max_tokens: int, runs: int,
-            ignore_eos: bool = False, **load_options) -> list[RunStats]:
+            ignore_eos: bool = False, generate_options: dict | None = None,
+            **load_options) -> list[RunStats]:
     from mlxvlm.checkpoint.loading import load
     from mlxvlm.media import load_image
 
@@ -78,8 +86,8 @@ def measure(model_path: str, images: list, prompt: str, max_tokens: int, runs: i
         # Each run encodes its pictures afresh, as a new request does: a later run must not
         # take the features the first one left in the model's feature cache.
         model.feature_cache.clear()
-        ttft, prompt_tokens, count, decode_s, peak = time_generation(
-            model, processor, prompt, pictures, max_tokens, ignore_eos
+        ttft, prompt_tokens, count, decode_s, peak, speculation = time_generation(
+            model, processor, prompt, pictures, max_tokens, ignore_eos, **(generate_options or {})
         )
         stats.append(
             RunStats(
@@ -92,6 +100,8 @@ def measure(model_path: str, images: list, prompt: str, max_tokens: int, runs: i
                 decode_tps=(count - 1) / decode_s if decode_s > 0 else 0.0,
                 peak_memory_gb=peak,
                 max_rss_gb=max_rss_gb(),
+                drafted=speculation.drafted if speculation else 0,
+                accepted=speculation.accepted if speculation else 0,
             )
         )
     return stats

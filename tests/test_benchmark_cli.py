@@ -47,6 +47,23 @@ def test_every_run_encodes_the_picture(tiny_checkpoints, tmp_path, monkeypatch):
     assert len(lookups) >= 3 and not any(lookups), lookups
 
 
+def test_measure_passes_speculation_options_and_counts_the_drafts(tiny_checkpoints, tmp_path):
+    from mlxvlm.benchmark import measure
+
+    image = tmp_path / "image.png"
+    make_image(112, 84, seed=1).save(image)
+    model = str(tiny_checkpoints.path("qwen2_vl", "hub"))
+    plain, = measure(model, [str(image)], "w1 w2 w3 w1 w2 w3 w1 w2 w3", 12, 1, ignore_eos=True)
+    lookup, = measure(model, [str(image)], "w1 w2 w3 w1 w2 w3 w1 w2 w3", 12, 1, ignore_eos=True,
+                      generate_options={"prompt_lookup_num_tokens": 3})
+    assert plain.drafted == plain.accepted == 0
+    assert lookup.decode_tokens == 12 and 0 <= lookup.accepted <= lookup.drafted
+    # The model drafting for itself: every drafted token is kept, and counted
+    selfdraft, = measure(model, [str(image)], "Describe.", 12, 1, ignore_eos=True,
+                         generate_options={"draft_model": model, "num_draft_tokens": 3})
+    assert selfdraft.decode_tokens == 12 and selfdraft.accepted == selfdraft.drafted > 0
+
+
 def test_benchmark_bad_model_is_a_one_line_error(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "missing"), "--runs", "1"]) == 2
     assert capsys.readouterr().err.startswith("error: ")

@@ -17,7 +17,7 @@ def _harness():
 
 def _run(ttft: float, decode: float) -> dict:
     return {"load_s": 1.0, "ttft_s": ttft, "prompt_tps": 100 / ttft, "decode_tps": decode,
-            "max_rss_gb": 0.5}
+            "max_rss_gb": 0.5, "pages_per_min": 60 / (ttft + 10 / decode)}
 
 
 def test_engines_alternate_and_reverse_every_other_run():
@@ -46,3 +46,87 @@ def test_table_gives_the_ratio_of_medians_and_the_run_by_run_ratios():
     assert ttft[4] == "0.80 (0.80–1.25) |"
     decode = rows["decode tokens/s"]
     assert decode[3] == "2.00×" and decode[4] == "2.00 (1.25–2.00) |"
+
+
+def test_pages_per_minute_is_a_page_read_and_answered():
+    harness = _harness()
+    # 11 tokens: the first at 2 s, the 10 after it at 5 tokens/s, so a page takes 4 s
+    assert harness.pages_per_min({"ttft_s": 2.0, "decode_tokens": 11, "decode_tps": 5.0}) == 15.0
+    assert harness.pages_per_min({"ttft_s": 3.0, "decode_tokens": 1, "decode_tps": 0.0}) == 20.0
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")
+            for line in harness.table({"mlxvlm": [_run(2.0, 5.0)],
+                                       "transformers": [_run(8.0, 5.0)]}).splitlines()}
+    assert rows["pages/min"][1:4] == ["15.00 (15.00–15.00)", "6.00 (6.00–6.00)", "2.50×"]
+
+
+def test_the_lookup_engine_is_mlxvlm_drafting_from_the_prompt(tmp_path):
+    harness = _harness()
+    command = harness.engine_command(harness.LOOKUP, "python", tmp_path, tmp_path / "p.png",
+                                     "OCR:", 32, prompt_lookup_num_tokens=5)
+    assert Path(command[1]).name == "mlxvlm_engine.py"
+    assert command[-2:] == ["--prompt-lookup-num-tokens", "5"]
+    plain = harness.engine_command("mlxvlm", "python", tmp_path, tmp_path / "p.png", "OCR:", 32)
+    assert "--prompt-lookup-num-tokens" not in plain
+    runs = {"mlxvlm": [{"drafted": 0}], harness.LOOKUP: [{"drafted": 8, "accepted": 2},
+                                                         {"drafted": 12, "accepted": 3}]}
+    assert harness.acceptance(runs) == "mlxvlm+lookup: 5/20 drafted tokens accepted (25.0%)"
+
+
+def test_a_page_is_letter_sized_dark_text_on_white():
+    import sys
+
+    sys.path.insert(0, str(RUN_PY.parent))
+    from page import document_page, letter_size
+
+    assert letter_size(612) == (612, 792)
+    page = document_page(*letter_size(306)).convert("L")
+    assert page.size == (306, 396)
+    dark = sum(1 for value in page.get_flattened_data() if value < 128) / (306 * 396)
+    assert 0.01 < dark < 0.3  # text, not a blank or black sheet
+
+
+def test_the_mlx_vlm_copy_links_the_weights_and_drops_the_keys_it_rejects(tmp_path):
+    import json
+    import sys
+
+    sys.path.insert(0, str(RUN_PY.parent))
+    from mlx_vlm_copy import mlx_vlm_copy
+
+    source = tmp_path / "glm-ocr-bf16"
+    source.mkdir()
+    config = {"model_type": "glm_ocr", "dtype": "bfloat16",
+              "text_config": {"hidden_size": 8, "dtype": "bfloat16"},
+              "vision_config": {"depth": 2, "dtype": "bfloat16",
+                                "rope_parameters": {"rope_theta": 10000.0}}}
+    (source / "config.json").write_text(json.dumps(config))
+    (source / "model.safetensors").write_bytes(b"weights")
+    target = mlx_vlm_copy(source)
+    assert target.name == "glm-ocr-bf16-mlx-vlm"
+    assert (target / "model.safetensors").resolve() == (source / "model.safetensors").resolve()
+    copied = json.loads((target / "config.json").read_text())
+    assert copied["vision_config"] == {"depth": 2}
+    assert copied["text_config"] == config["text_config"] and copied["dtype"] == "bfloat16"
+    assert json.loads((source / "config.json").read_text()) == config  # the source untouched
+    assert mlx_vlm_copy(source) == target  # again: the links already there are kept
+
+
+def test_fewer_layers_keeps_the_widths_and_each_per_layer_list_in_step():
+    import sys
+
+    import pytest
+    from transformers import DeepseekOcr2Config, GlmOcrConfig, MllamaConfig
+
+    sys.path.insert(0, str(RUN_PY.parent))
+    from checkpoints import fewer_layers
+
+    glm = GlmOcrConfig(text_config=dict(num_hidden_layers=16, hidden_size=1536),
+                       vision_config=dict(depth=24, hidden_size=1024))
+    fewer_layers(glm, 4, 2)
+    assert (glm.text_config.num_hidden_layers, glm.vision_config.depth) == (4, 2)
+    assert (glm.text_config.hidden_size, glm.vision_config.hidden_size) == (1536, 1024)
+    ocr = DeepseekOcr2Config(text_config=dict(num_hidden_layers=12,
+                                              mlp_layer_types=["dense"] + ["sparse"] * 11))
+    fewer_layers(ocr, 3, None)
+    assert ocr.text_config.mlp_layer_types == ["dense", "sparse", "sparse"]
+    with pytest.raises(SystemExit, match="cross-attention"):
+        fewer_layers(MllamaConfig(), 8, None)

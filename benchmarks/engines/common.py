@@ -19,6 +19,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--dtype", default="float32",
                         help="transformers' weights (the other engines keep the checkpoint's)")
+    parser.add_argument("--prompt-lookup-num-tokens", type=int, default=None,
+                        help="mlxvlm only: speculative decoding by prompt lookup")
     return parser.parse_args()
 
 

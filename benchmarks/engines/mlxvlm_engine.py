@@ -15,5 +15,8 @@ from common import parse_args  # noqa: E402
 from mlxvlm.benchmark import measure  # noqa: E402
 
 args = parse_args()
-for run in measure(args.model, [args.image], args.prompt, args.max_tokens, args.runs, ignore_eos=True):
+options = ({"prompt_lookup_num_tokens": args.prompt_lookup_num_tokens}
+           if args.prompt_lookup_num_tokens else {})
+for run in measure(args.model, [args.image], args.prompt, args.max_tokens, args.runs,
+                   ignore_eos=True, generate_options=options):
     print(json.dumps(asdict(run)), flush=True)

@@ -52,6 +52,10 @@ for _ in range(args.runs):
     watch = Stopwatch()
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     inputs = processor(text=[text], images=[image], return_tensors="pt")
+    # Pixels in the weights' dtype, as the model cards do (some towers, DeepSeek-OCR 2's SAM
+    # convolution, do not cast float32 pixels to bfloat16 weights themselves)
+    inputs = {key: value.to(model.dtype) if value.is_floating_point() else value
+              for key, value in inputs.items()}
     model.generate(**inputs, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
                    do_sample=False, streamer=TokenTimes(watch))
     watch.report("transformers", load_s, int(inputs["input_ids"].shape[1]), 0.0)
