@@ -92,6 +92,8 @@ def closest_option(given: str, known: Sequence[str]) -> str | None:
     for candidate in (FLAG_ALIASES.get(hyphenated), hyphenated):
         if candidate in known and candidate != name:
             return candidate
+    if hyphenated in FLAG_ALIASES:  # another tool's name for a flag this one lacks
+        return None
     close = difflib.get_close_matches(hyphenated, known, n=1, cutoff=0.7)
     return close[0] if close else None
 

@@ -77,9 +77,10 @@ def converted(tiny_checkpoints, tmp_path_factory):
 
 
 def load_as_stored(path: Path):
-    """``load`` keeping quantized layers as stored (on the CPU backend its fast paths
-    would dequantize them to float32 layers)."""
-    return load(path, cpu_fast_paths=False)
+    """``load`` keeping every layer as stored: quantized layers (on the CPU backend its
+    fast paths would dequantize them to float32 layers) and embedding tables a family
+    gathers from disk (Gemma's per-layer table) among the model's modules."""
+    return load(path, cpu_fast_paths=False, tables_on_disk=False)
 
 
 @pytest.fixture(scope="module")

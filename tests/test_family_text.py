@@ -43,7 +43,11 @@ def script_for(model, processor) -> list[int]:
     tokenizer = processor.tokenizer
     text = tokenizer.encode("a red cat 中文 😀 é", add_special_tokens=False)
     added = tokenizer.backend_tokenizer.get_added_tokens_decoder()
-    specials = sorted(i for i, t in added.items() if t.special and i not in processor_state(processor).eos_token_ids)
+    state = processor_state(processor)
+    # A family's answer markup is kept in its text (tests/test_answer_markup.py); every
+    # other special token is dropped.
+    specials = sorted(i for i, t in added.items() if t.special
+                      and i not in state.eos_token_ids and i not in state.answer_markup_ids)
     # Tokens past the output head's rows cannot be generated (Llama 3.2 Vision's image
     # token is the first id past its head).
     rows = getattr(getattr(model.args, "text", None), "vocab_size", None)

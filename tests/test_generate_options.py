@@ -73,7 +73,7 @@ def test_speculation_object_speculates_like_the_flat_keyword(qwen):
         assert results[-1].speculation is not None
         assert [r.token for r in results] == plain  # greedy speculation keeps the tokens
     both = SpeculationOptions(draft_model=model, prompt_lookup_num_tokens=2)
-    with pytest.raises(MlxvlmError, match="not both"):
+    with pytest.raises(MlxvlmError, match="choose one drafter"):
         generate(model, processor, PROMPT, IMAGE, max_tokens=4, speculation=both)
 
 
