@@ -39,6 +39,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.batching.decode import DecodeBatch
+from mlxvlm.batching.model_turns import ModelTurns
 from mlxvlm.batching.engine_thread import EngineThread
 from mlxvlm.models.base import materialize
 from mlxvlm.errors import MlxvlmError, bounded
@@ -248,6 +249,8 @@ class BatchEngine(EngineThread):
         self._batch = self.decode_batch_class(model, merged=max_batch_size > 1,
                                   quantize=self.cache_options.quantize)
         self._next_id = 0
+        # Work that holds the model alone between steps (``ModelTurns.alone``).
+        self.turns = ModelTurns()
         self._init_thread()
 
     # -- the caller's side -----------------------------------------------------------
@@ -327,7 +330,8 @@ class BatchEngine(EngineThread):
                 if not self._wait_for(lambda: self.has_work):
                     return
             try:
-                self.step()
+                with self.turns.step():
+                    self.step()
             except Exception as e:  # never leave callers waiting on a dead thread
                 _log_failure(e, "the batching engine failed; failing its requests")
                 failure = _fault_of(e, "the engine failed")

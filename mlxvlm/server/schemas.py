@@ -141,6 +141,13 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class AudioOutput(StrictModel):
+    """OpenAI's ``audio`` field: the voice and format of a spoken answer."""
+
+    voice: str | None = None  # None: the checkpoint's default voice
+    format: Literal["wav", "pcm16"] = "wav"
+
+
 def _ranged(name: str):
     """A field limited to ``name``'s range, the one the command lines check too."""
     return Field(default=None, **SAMPLING[name].pydantic())
@@ -209,6 +216,14 @@ class ChatCompletionRequest(StrictModel):
     # mlxvlm's own: a DocTags model's answer as its raw DocTags, or converted whole by
     # docling-core (text/doctags.py); "doctags" alone streams.
     output_format: Literal[OUTPUT_FORMATS] | None = None
+    # OpenAI's audio output: ["text", "audio"] speaks the answer in ``audio``'s voice
+    # and format (mlxvlm/server/speech.py); talker_temperature is mlxvlm's own (0: the
+    # talker's argmax; left out: the checkpoint's talker sampling).
+    modalities: Annotated[list[Literal["text", "audio"]], Field(min_length=1)] | None = None
+    audio: AudioOutput | None = None
+    talker_temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    # the most codec frames spoken (12.5 a second for Qwen3-Omni); left out: 4096
+    talker_max_frames: int | None = Field(default=None, ge=1)
 
     # Field validators rather than one model validator, so that the error's location
     # (and with it the error body's "param") names the field.
@@ -224,6 +239,24 @@ class ChatCompletionRequest(StrictModel):
             raise ValueError(f"output_format {value} converts the whole answer: send stream "
                              "false (or output_format doctags to stream the raw DocTags)")
         return value
+
+    @field_validator("audio")
+    @classmethod
+    def _audio_needs_the_modality(cls, value, info: ValidationInfo):
+        if value is not None and "audio" not in (info.data.get("modalities") or []):
+            raise ValueError('audio needs modalities ["text", "audio"]')
+        return value
+
+    @field_validator("talker_temperature", "talker_max_frames")
+    @classmethod
+    def _talker_needs_the_modality(cls, value, info: ValidationInfo):
+        if value is not None and "audio" not in (info.data.get("modalities") or []):
+            raise ValueError(f'{info.field_name} needs modalities ["text", "audio"]')
+        return value
+
+    @property
+    def speaks(self) -> bool:
+        return "audio" in (self.modalities or [])
 
     @field_validator("response_format")
     @classmethod

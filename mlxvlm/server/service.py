@@ -279,6 +279,20 @@ class GenerationService:
 
         return await self._pools.submit(job, media=media).result()
 
+    async def run_alone(self, messages: list[dict], template_options: dict | None,
+                        work: Callable[[PreparedRequest], T]) -> T:
+        """``messages`` prepared as ``prepare`` prepares them, then ``work(prepared)``
+        with the model held alone (the engine steps no batch meanwhile: see
+        ``batching.model_turns``), in a preparation worker. A spoken answer runs so: the
+        thinker's state tap is model-wide."""
+        def job() -> T:
+            with self.pixels.request():
+                prepared = self._prepare_within_budget(messages, template_options)
+            with self.engine.turns.alone():
+                return work(prepared)
+
+        return await self._pools.submit(job, media=has_media(messages)).result()
+
     # -- generation -----------------------------------------------------------------
 
     def submit(self, request: PreparedRequest, options: SamplingOptions) -> "TokenStream":

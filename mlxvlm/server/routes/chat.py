@@ -29,6 +29,7 @@ from mlxvlm.server.errors import APIError, error_body
 from mlxvlm.server.logprobs import TokenBytes, logprob_content
 from mlxvlm.server.schemas import ChatCompletionRequest
 from mlxvlm.server.service import GenerationService, TokenStream
+from mlxvlm.server.speech import answer_spoken
 from mlxvlm.server.tools import AnswerPlan
 from mlxvlm.text.doctags import (
     DocTagsError,
@@ -55,6 +56,8 @@ async def chat_completions(request: Request, chat: Body, service: Service,
     if chat.output_format is not None:
         options.kept_token_ids = options.kept_token_ids | doctags_ids(chat, service)
     writer = CompletionWriter(service.config.model_id)
+    if chat.speaks:
+        return await answer_spoken(request, chat, options, plan, service, writer)
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
 
     async def body(first: BatchStep, stream: TokenStream):

@@ -1,0 +1,156 @@
+"""Spoken answers on chat completions (``"modalities": ["text", "audio"]``): the checks
+that answer 400 before a request is admitted, the answer written and spoken with the
+model held alone, and OpenAI's ``message.audio``.
+
+A spoken answer does not go through the batching engine: the talker reads the thinker's
+hidden states of this one request, and the state tap (``generate.speech.thinker_states``)
+records every pass of the model, so the answer is written by ``generate``'s own loop while
+the engine steps no batch (``GenerationService.run_alone``), then spoken there. Spoken
+answers therefore run one at a time, and other requests' decoding pauses while one runs.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from jinja2 import TemplateError
+
+from mlxvlm.generate.cache import CacheOptions
+from mlxvlm.errors import MlxvlmError
+from mlxvlm.generate.loop import fit_to_context
+from mlxvlm.generate.speech import SpeechRequest, check_speech_request, speak_answer, thinker_states
+from mlxvlm.generate.stream import generate_prepared
+from mlxvlm.media.decode_work import check_cancelled
+from mlxvlm.sampling import SamplingOptions
+from mlxvlm.server.answering import as_api_error
+from mlxvlm.server.chat_completions import CompletionWriter, to_messages
+from mlxvlm.server.errors import APIError
+from mlxvlm.server.lifetime import RequestLifetime
+from mlxvlm.server.schemas import AudioOutput, ChatCompletionRequest
+from mlxvlm.server.service import GenerationService, PreparedRequest
+from mlxvlm.speech.pipeline import Speech, check_speaks, speech_voice
+from mlxvlm.server.tools import AnswerPlan
+from mlxvlm.speech.wav import pcm16, wav_bytes
+
+# How long a client may refer to an answer's audio by its id, as OpenAI's expires_at
+# says (this server keeps no audio: the field is for clients that read it).
+AUDIO_LIFETIME_SECONDS = 3600
+
+
+@dataclass
+class SpokenAnswer:
+    """A written and spoken answer; its counts are named as a batch step's (``usage``)."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    finish_reason: str | None
+    speech: Speech
+    cached_tokens: int = 0  # no prefix reuse: the talker needs the whole prompt's states
+
+    @property
+    def generation_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def speech_request(service: GenerationService, voice: str | None,
+                   talker_temperature: float | None, talker_max_frames: int | None, *,
+                   voice_param: str,
+                   modality_param: str = "modalities") -> SpeechRequest:
+    """The request's speech, or a 400: a model that does not speak (``modality_param``),
+    an unknown voice (``voice_param``, the message naming the voices)."""
+    model = service.model
+    try:
+        check_speaks(model)
+        if model.sharding is not None:
+            raise MlxvlmError("audio output does not run on a sharded model")
+    except MlxvlmError as error:
+        raise APIError(400, str(error), param=modality_param) from None
+    try:
+        speech_voice(model, voice)
+    except MlxvlmError as error:
+        raise APIError(400, str(error), param=voice_param) from None
+    request = SpeechRequest(voice, talker_temperature,
+                            talker_max_frames or SpeechRequest.talker_max_frames)
+    check_speech_request(model, request, {})
+    return request
+
+
+def write_and_speak(service: GenerationService, options: SamplingOptions,
+                    request: SpeechRequest, prepared: PreparedRequest) -> SpokenAnswer:
+    """With the model held alone: the answer written (``generate``'s loop, under the
+    thinker tap) and spoken. Stops at the next token if the client went away."""
+    model, processor = service.model, service.processor
+    inputs = prepared.inputs
+    options.max_tokens = fit_to_context(model, inputs.num_tokens, options.max_tokens)
+    start = time.perf_counter()
+    texts, tokens, finish_reason = [], [], None
+    with thinker_states(model) as tap:
+        for result in generate_prepared(model, processor, inputs, options, CacheOptions(),
+                                        prefill_step_size=service.config.prefill_step_size,
+                                        start=start):
+            check_cancelled("writing the answer to speak")
+            texts.append(result.text)
+            tokens.append(result.token)
+            finish_reason = result.finish_reason
+    speech, _ = speak_answer(model, processor, tap, inputs.num_tokens, tokens, request, start)
+    return SpokenAnswer("".join(texts), tokens, inputs.num_tokens, finish_reason, speech)
+
+
+def audio_bytes(speech: Speech, fmt: str) -> bytes:
+    """``wav``: a 16-bit mono WAV file; ``pcm16``/``pcm``: its raw little-endian samples."""
+    if fmt == "wav":
+        return wav_bytes(speech.audio, speech.sample_rate)
+    return pcm16(speech.audio)
+
+
+def message_audio(speech: Speech, fmt: str, transcript: str) -> dict[str, Any]:
+    """OpenAI's ``choices[0].message.audio``."""
+    return {
+        "id": f"audio_{uuid.uuid4().hex}",
+        "data": base64.b64encode(audio_bytes(speech, fmt)).decode("ascii"),
+        "expires_at": int(time.time()) + AUDIO_LIFETIME_SECONDS,
+        "transcript": transcript,
+    }
+
+
+async def answer_spoken(request: Request, chat: ChatCompletionRequest, options: SamplingOptions,
+                        plan: AnswerPlan, service: GenerationService,
+                        writer: CompletionWriter) -> Response:
+    """A chat completion with ``modalities`` ["text", "audio"]: the body with
+    ``message.audio`` beside ``content`` (the transcript)."""
+    audio = chat.audio or AudioOutput()
+    speech = speech_request(service, audio.voice, chat.talker_temperature,
+                            chat.talker_max_frames, voice_param="audio.voice")
+    if chat.stream:
+        raise APIError(400, "audio output is not streamed yet: send stream false",
+                       param="stream")
+    if chat.tools or chat.response_format is not None:
+        raise APIError(400, "audio output does not take tools or a response_format",
+                       param="modalities")
+    messages = plan.conversation(to_messages(chat))
+    with RequestLifetime(service, request) as life:
+        def work(prepared: PreparedRequest) -> SpokenAnswer:
+            plan.prompt_text = prepared.inputs.prompt_text
+            return write_and_speak(service, options, speech, prepared)
+
+        try:
+            spoken = await life.until_disconnect(
+                service.run_alone(messages, plan.template_options, work))
+        except (MlxvlmError, ValueError, TemplateError) as error:
+            raise as_api_error(error) from error
+    splitter = plan.splitter()
+    parts = splitter.feed(spoken.text) + splitter.finish()
+    content = "".join(p.text for p in parts if p.kind == "content")
+    message: dict[str, Any] = {"content": content,
+                               "audio": message_audio(spoken.speech, audio.format, content)}
+    reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return JSONResponse(writer.body(message, spoken.finish_reason, spoken, None))

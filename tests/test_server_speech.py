@@ -1,0 +1,159 @@
+"""Spoken answers through ``python -m mlxvlm.server`` with the official ``openai`` client,
+on the tiny full Qwen3-Omni (tests/tiny/qwen3_omni_speech.py):
+
+- chat completions with ``modalities`` ["text", "audio"]: ``message.audio``'s data
+  (a WAV file, or raw 16-bit PCM for pcm16) holds the samples ``mlxvlm.generate(...,
+  audio_output=True)`` speaks for the same prompt, voice and talker_temperature 0, its
+  transcript the answer's text;
+- the 400s: a model without a talker, an unknown voice (named among the voices), a format
+  other than wav/pcm16, audio fields without the audio modality, a streamed spoken answer.
+One server serves both the speaking checkpoint and a thinker-only one.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+
+import numpy as np
+import pytest
+
+from server_process import ServerProcess
+from tiny import qwen3_omni_speech
+
+import mlxvlm
+from mlxvlm.speech.wav import pcm16
+
+pytest.importorskip("torch")  # the tiny checkpoint is built with transformers' classes
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+THINKER_TOKENS = 6
+FRAMES = 12  # the random talker never ends: a few frames
+MESSAGES = [{"role": "user", "content": "Describe a red circle."}]
+
+
+@pytest.fixture(scope="module")
+def speaking_checkpoint(tmp_path_factory):
+    tiny = qwen3_omni_speech.build_tiny_model("qwen3_omni_moe_speech", seed=2)
+    return str(qwen3_omni_speech.save_checkpoint(
+        tiny, tmp_path_factory.mktemp("qwen3-omni-speech"), "hub"))
+
+
+@pytest.fixture(scope="module")
+def thinker_only(tiny_checkpoints):
+    return str(tiny_checkpoints.path("qwen3_omni_moe", "hub"))
+
+
+@pytest.fixture(scope="module")
+def server(speaking_checkpoint, thinker_only):
+    with ServerProcess("--model", speaking_checkpoint, "--model", thinker_only) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai_client()
+
+
+@pytest.fixture(scope="module")
+def loaded(speaking_checkpoint):
+    return mlxvlm.load(speaking_checkpoint)
+
+
+def reference(loaded, voice: str | None) -> mlxvlm.GenerationOutput:
+    model, processor = loaded
+    return mlxvlm.generate(model, processor, MESSAGES, max_tokens=THINKER_TOKENS,
+                           temperature=0.0, audio_output=True, voice=voice,
+                           talker_temperature=0, talker_max_frames=FRAMES)
+
+
+def chat(client, model: str, **fields):
+    return client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=THINKER_TOKENS, temperature=0,
+        **fields)
+
+
+def wav_samples(data: bytes) -> tuple[np.ndarray, int]:
+    with wave.open(io.BytesIO(data)) as audio:
+        assert (audio.getnchannels(), audio.getsampwidth()) == (1, 2)
+        return np.frombuffer(audio.readframes(audio.getnframes()), "<i2"), audio.getframerate()
+
+
+@pytest.mark.parametrize("fmt,voice", [("wav", "Chelsie"), ("pcm16", None)])
+def test_a_spoken_answer_is_the_speech_generate_makes(client, speaking_checkpoint, loaded, fmt,
+                                                      voice):
+    expected = reference(loaded, voice)
+    expected_samples = np.frombuffer(pcm16(expected.audio), "<i2")
+    assert len(expected_samples) > 0
+    audio = {"format": fmt} | ({"voice": voice} if voice else {})
+    answer = chat(client, speaking_checkpoint, modalities=["text", "audio"], audio=audio,
+                  extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})
+    message = answer.choices[0].message
+    assert message.content == expected.text
+    assert message.audio.transcript == expected.text
+    assert message.audio.id and message.audio.expires_at > 0
+    data = base64.b64decode(message.audio.data)
+    if fmt == "wav":
+        samples, rate = wav_samples(data)
+        assert rate == expected.sample_rate == 24000
+    else:
+        samples = np.frombuffer(data, "<i2")
+    np.testing.assert_array_equal(samples, expected_samples)
+    assert answer.usage.completion_tokens == expected.generation_tokens
+
+
+def test_the_voice_changes_the_speech(client, speaking_checkpoint):
+    def spoken(voice):
+        answer = chat(client, speaking_checkpoint, modalities=["text", "audio"],
+                      audio={"voice": voice, "format": "pcm16"},
+                      extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})
+        return base64.b64decode(answer.choices[0].message.audio.data)
+
+    assert spoken("ethan") != spoken("Aiden")
+
+
+def refusal(client, model: str, **fields) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, model, **fields)
+    return caught.value
+
+
+def test_a_model_without_a_talker_is_refused(client, thinker_only):
+    error = refusal(client, thinker_only, modalities=["text", "audio"],
+                    audio={"voice": "Ethan", "format": "wav"})
+    assert error.body["param"] == "modalities"
+    assert "does not speak" in error.body["message"]
+
+
+def test_an_unknown_voice_is_refused_naming_the_voices(client, speaking_checkpoint):
+    error = refusal(client, speaking_checkpoint, modalities=["text", "audio"],
+                    audio={"voice": "alloy", "format": "wav"})
+    assert error.body["param"] == "audio.voice"
+    assert "'alloy'" in error.body["message"]
+    for voice in ("Aiden", "Chelsie", "Ethan"):
+        assert voice in error.body["message"]
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "mp3"}},
+     "audio.format"),
+    ({"audio": {"voice": "Ethan", "format": "wav"}}, "audio"),
+    ({"extra_body": {"talker_temperature": 0}}, "talker_temperature"),
+    ({"modalities": ["text", "audio"], "extra_body": {"talker_max_frames": 0}},
+     "talker_max_frames"),
+    ({"modalities": ["text", "audio"], "extra_body": {"talker_temperature": -1}},
+     "talker_temperature"),
+    ({"modalities": ["text", "audio"], "stream": True}, "stream"),
+])
+def test_audio_fields_that_cannot_be_served_are_refused(client, speaking_checkpoint, fields,
+                                                       param):
+    assert refusal(client, speaking_checkpoint, **fields).body["param"] == param
+
+
+def test_text_answers_still_come_from_the_engine(client, speaking_checkpoint):
+    answer = chat(client, speaking_checkpoint)
+    assert answer.choices[0].message.audio is None
+    assert answer.choices[0].message.content
