@@ -23,6 +23,8 @@ from server_process import ServerProcess
 from tiny import qwen3_omni_speech
 
 import mlxvlm
+from mlxvlm.server.speech import SAY_REQUEST
+from mlxvlm.speech.forced_answer import ForcedAnswer
 from mlxvlm.speech.wav import pcm16
 
 pytest.importorskip("torch")  # the tiny checkpoint is built with transformers' classes
@@ -157,3 +159,57 @@ def test_text_answers_still_come_from_the_engine(client, speaking_checkpoint):
     answer = chat(client, speaking_checkpoint)
     assert answer.choices[0].message.audio is None
     assert answer.choices[0].message.content
+
+
+# ------------------------------------------------------------------ /v1/audio/speech
+
+SAID = "A red circle sits above a blue square."
+
+
+def said_by_generate(loaded, voice: str | None) -> mlxvlm.GenerationOutput:
+    """``SAID`` spoken through the Python API: the speech endpoint's conversation, its
+    answer forced to the text."""
+    model, processor = loaded
+    forced = ForcedAnswer.of_text(processor, SAID)
+    return mlxvlm.generate(
+        model, processor, [{"role": "user", "content": SAY_REQUEST.format(text=SAID)}],
+        max_tokens=len(forced.ids), logits_processors=[forced.processor(len(forced.ids))],
+        audio_output=True, voice=voice, talker_temperature=0, talker_max_frames=FRAMES)
+
+
+@pytest.mark.parametrize("fmt,voice", [("wav", "aiden"), ("pcm", None)])
+def test_the_speech_endpoint_says_the_input(client, speaking_checkpoint, loaded, fmt, voice):
+    expected = said_by_generate(loaded, voice)
+    assert expected.text == SAID
+    # the client needs a voice; None (JSON null) asks for the checkpoint's default
+    response = client.audio.speech.with_raw_response.create(
+        model=speaking_checkpoint, input=SAID, response_format=fmt, voice=voice,
+        extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})
+    assert response.headers["content-type"] == f"audio/{fmt}"
+    data = response.content
+    if fmt == "wav":
+        samples, rate = wav_samples(data)
+        assert rate == 24000
+    else:
+        samples = np.frombuffer(data, "<i2")
+    np.testing.assert_array_equal(samples, np.frombuffer(pcm16(expected.audio), "<i2"))
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"voice": "alloy"}, "voice"),
+    ({"response_format": "mp3"}, "response_format"),
+    ({"input": ""}, "input"),
+])
+def test_the_speech_endpoint_refuses_what_it_cannot_say(client, speaking_checkpoint, fields,
+                                                       param):
+    request = {"model": speaking_checkpoint, "input": SAID, "voice": "Ethan", **fields}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.audio.speech.create(**request)
+    assert caught.value.body["param"] == param
+
+
+def test_the_speech_endpoint_refuses_a_model_without_a_talker(client, thinker_only):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.audio.speech.create(model=thinker_only, input=SAID, voice="Ethan")
+    assert caught.value.body["param"] == "model"
+    assert "does not speak" in caught.value.body["message"]

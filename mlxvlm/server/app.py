@@ -13,7 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from mlxvlm.server.config import ServerConfig
 from mlxvlm.server.errors import install_error_handlers
 from mlxvlm.server.response_store import ResponseStore
-from mlxvlm.server.routes import anthropic_messages, chat, models, responses, retrieval
+from mlxvlm.server.routes import anthropic_messages, chat, models, responses, retrieval, speech
 from mlxvlm.server.security import (
     APIKeyMiddleware,
     BodyBudget,
@@ -76,4 +76,5 @@ def create_registry_app(registry: ModelRegistry) -> FastAPI:
     app.include_router(anthropic_messages.router)
     app.include_router(responses.router)
     app.include_router(retrieval.router)
+    app.include_router(speech.router)
     return app

@@ -1,6 +1,6 @@
-"""Spoken answers on chat completions (``"modalities": ["text", "audio"]``): the checks
-that answer 400 before a request is admitted, the answer written and spoken with the
-model held alone, and OpenAI's ``message.audio``.
+"""Spoken answers on chat completions (``"modalities": ["text", "audio"]``) and text said
+on ``/v1/audio/speech``: the checks that answer 400 before a request is admitted, the
+answer written and spoken with the model held alone, OpenAI's ``message.audio``.
 
 A spoken answer does not go through the batching engine: the talker reads the thinker's
 hidden states of this one request, and the state tap (``generate.speech.thinker_states``)
@@ -35,8 +35,17 @@ from mlxvlm.server.lifetime import RequestLifetime
 from mlxvlm.server.schemas import AudioOutput, ChatCompletionRequest
 from mlxvlm.server.service import GenerationService, PreparedRequest
 from mlxvlm.speech.pipeline import Speech, check_speaks, speech_voice
+from mlxvlm.server.speech_schemas import SpeechBody
 from mlxvlm.server.tools import AnswerPlan
+from mlxvlm.speech.forced_answer import ForcedAnswer
 from mlxvlm.speech.wav import pcm16, wav_bytes
+
+# What /v1/audio/speech answers with, by response_format
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+
+# The user's turn of /v1/audio/speech; the assistant's turn is the input itself, forced
+# (speech.forced_answer), so that the words said are the input's whatever the model.
+SAY_REQUEST = "Say the following text exactly as it is written, and nothing else:\n\n{text}"
 
 # How long a client may refer to an answer's audio by its id, as OpenAI's expires_at
 # says (this server keeps no audio: the field is for clients that read it).
@@ -104,7 +113,8 @@ def write_and_speak(service: GenerationService, options: SamplingOptions,
 
 
 def audio_bytes(speech: Speech, fmt: str) -> bytes:
-    """``wav``: a 16-bit mono WAV file; ``pcm16``/``pcm``: its raw little-endian samples."""
+    """``wav``: a 16-bit mono WAV file; ``pcm16``/``pcm``: its raw little-endian samples
+    at the model's rate."""
     if fmt == "wav":
         return wav_bytes(speech.audio, speech.sample_rate)
     return pcm16(speech.audio)
@@ -154,3 +164,23 @@ async def answer_spoken(request: Request, chat: ChatCompletionRequest, options: 
     if reasoning:
         message["reasoning_content"] = reasoning
     return JSONResponse(writer.body(message, spoken.finish_reason, spoken, None))
+
+
+async def say(request: Request, body: SpeechBody, service: GenerationService) -> bytes:
+    """/v1/audio/speech: the input said in the voice asked for, as ``response_format``'s
+    bytes. The conversation is a user turn asking for the text to be said and the text
+    as the assistant's answer, forced token by token (greedy, whatever the model would
+    write), which the talker speaks."""
+    speech = speech_request(service, body.voice, body.talker_temperature,
+                            body.talker_max_frames, voice_param="voice", modality_param="model")
+    forced = ForcedAnswer.of_text(service.processor, body.input)
+    options = SamplingOptions(max_tokens=len(forced.ids), extra_processors=(forced,))
+    messages = [{"role": "user", "content": SAY_REQUEST.format(text=body.input)}]
+    with RequestLifetime(service, request) as life:
+        try:
+            spoken = await life.until_disconnect(service.run_alone(
+                messages, None,
+                lambda prepared: write_and_speak(service, options, speech, prepared)))
+        except (MlxvlmError, ValueError, TemplateError) as error:
+            raise as_api_error(error, "input") from error
+    return audio_bytes(spoken.speech, body.response_format)

@@ -1,0 +1,22 @@
+"""The request body of ``POST /v1/audio/speech`` (OpenAI's text-to-speech shape)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mlxvlm.server.schemas import StrictModel
+
+# OpenAI's limit on the text of one request
+MAX_INPUT_CHARS = 4096
+
+
+class SpeechBody(StrictModel):
+    model: str
+    input: str = Field(min_length=1, max_length=MAX_INPUT_CHARS)
+    voice: str | None = None  # None: the checkpoint's default voice
+    # wav: a 16-bit mono WAV file; pcm: its raw little-endian samples (24 kHz)
+    response_format: Literal["wav", "pcm"] = "wav"
+    talker_temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    talker_max_frames: int | None = Field(default=None, ge=1)
