@@ -107,6 +107,25 @@ def test_a_spoken_answer_is_the_speech_generate_makes(client, speaking_checkpoin
     assert answer.usage.completion_tokens == expected.generation_tokens
 
 
+def test_a_spoken_answer_beside_a_text_answer_being_decoded(client, speaking_checkpoint,
+                                                            loaded):
+    """The engine keeps decoding another request meanwhile: the talker still reads only
+    the spoken request's thinker states (the engine steps no batch while it is written)."""
+    expected = reference(loaded, None)
+    text = client.chat.completions.create(
+        model=speaking_checkpoint, messages=[{"role": "user", "content": "Count to many."}],
+        max_tokens=300, temperature=0, stream=True)
+    chunks = iter(text)
+    next(chunks)  # the text request is admitted and decoding
+    answer = chat(client, speaking_checkpoint, modalities=["text", "audio"],
+                  audio={"format": "pcm16"},
+                  extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})
+    finished = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
+    assert finished[-1] in ("stop", "length")
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(answer.choices[0].message.audio.data), "<i2"),
+                                  np.frombuffer(pcm16(expected.audio), "<i2"))
+
+
 def test_the_voice_changes_the_speech(client, speaking_checkpoint):
     def spoken(voice):
         answer = chat(client, speaking_checkpoint, modalities=["text", "audio"],
