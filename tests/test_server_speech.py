@@ -6,7 +6,12 @@ on the tiny full Qwen3-Omni (tests/tiny/qwen3_omni_speech.py):
   audio_output=True)`` speaks for the same prompt, voice and talker_temperature 0, its
   transcript the answer's text;
 - the 400s: a model without a talker, an unknown voice (named among the voices), a format
-  other than wav/pcm16, audio fields without the audio modality, a streamed spoken answer.
+  other than wav/pcm16 (pcm16 alone when streamed), audio fields without the audio
+  modality;
+- streamed: the transcript and content deltas are the answer, the audio chunks' pcm16
+  concatenate to generate's speech;
+- a spoken answer while the engine decodes another request speaks its own states;
+- ``/v1/audio/speech`` says its input as the Python API speaks the same forced answer.
 One server serves both the speaking checkpoint and a thinker-only one.
 """
 
@@ -107,6 +112,35 @@ def test_a_spoken_answer_is_the_speech_generate_makes(client, speaking_checkpoin
     assert answer.usage.completion_tokens == expected.generation_tokens
 
 
+def test_a_streamed_spoken_answer_sends_the_transcript_then_the_audio(
+        client, speaking_checkpoint, loaded):
+    expected = reference(loaded, "Chelsie")
+    stream = chat(client, speaking_checkpoint, modalities=["text", "audio"],
+                  audio={"voice": "Chelsie", "format": "pcm16"}, stream=True,
+                  stream_options={"include_usage": True},
+                  extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})
+    content, transcript, data, finish, usage, ids = [], [], [], [], None, set()
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content.append(delta.content or "")
+        audio = delta.audio.model_dump(exclude_none=True) if delta.audio else {}
+        ids.update([audio["id"]] if "id" in audio else [])
+        transcript.append(audio.get("transcript", ""))
+        if "data" in audio:
+            data.append(base64.b64decode(audio["data"]))
+        finish.append(chunk.choices[0].finish_reason)
+    assert "".join(content) == "".join(transcript) == expected.text
+    assert len(ids) == 1 and len(data) > 1  # the codec's chunks as they are decoded
+    np.testing.assert_array_equal(np.frombuffer(b"".join(data), "<i2"),
+                                  np.frombuffer(pcm16(expected.audio), "<i2"))
+    assert finish[-1] == expected.finish_reason
+    assert usage.completion_tokens == expected.generation_tokens
+
+
 def test_a_spoken_answer_beside_a_text_answer_being_decoded(client, speaking_checkpoint,
                                                             loaded):
     """The engine keeps decoding another request meanwhile: the talker still reads only
@@ -167,7 +201,7 @@ def test_an_unknown_voice_is_refused_naming_the_voices(client, speaking_checkpoi
      "talker_max_frames"),
     ({"modalities": ["text", "audio"], "extra_body": {"talker_temperature": -1}},
      "talker_temperature"),
-    ({"modalities": ["text", "audio"], "stream": True}, "stream"),
+    ({"modalities": ["text", "audio"], "stream": True}, "audio.format"),
 ])
 def test_audio_fields_that_cannot_be_served_are_refused(client, speaking_checkpoint, fields,
                                                        param):

@@ -15,8 +15,12 @@ import base64
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
+import asyncio
+import logging
+
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
@@ -25,11 +29,12 @@ from mlxvlm.generate.cache import CacheOptions
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.loop import fit_to_context
 from mlxvlm.generate.speech import SpeechRequest, check_speech_request, speak_answer, thinker_states
-from mlxvlm.generate.stream import generate_prepared
+from mlxvlm.generate.stream import GenerationResult, generate_prepared
 from mlxvlm.media.decode_work import check_cancelled
 from mlxvlm.sampling import SamplingOptions
-from mlxvlm.server.answering import as_api_error
-from mlxvlm.server.chat_completions import CompletionWriter, to_messages
+from mlxvlm.server.answering import as_api_error, stream_failure
+from mlxvlm.server.chat_completions import SSE_DONE, CompletionWriter, sse, to_messages
+from mlxvlm.server.errors import error_body
 from mlxvlm.server.errors import APIError
 from mlxvlm.server.lifetime import RequestLifetime
 from mlxvlm.server.schemas import AudioOutput, ChatCompletionRequest
@@ -39,6 +44,8 @@ from mlxvlm.server.speech_schemas import SpeechBody
 from mlxvlm.server.tools import AnswerPlan
 from mlxvlm.speech.forced_answer import ForcedAnswer
 from mlxvlm.speech.wav import pcm16, wav_bytes
+
+logger = logging.getLogger("mlxvlm.server")
 
 # What /v1/audio/speech answers with, by response_format
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
@@ -92,9 +99,13 @@ def speech_request(service: GenerationService, voice: str | None,
 
 
 def write_and_speak(service: GenerationService, options: SamplingOptions,
-                    request: SpeechRequest, prepared: PreparedRequest) -> SpokenAnswer:
+                    request: SpeechRequest, prepared: PreparedRequest,
+                    on_step: Callable[[GenerationResult], None] | None = None,
+                    on_audio: Callable[[np.ndarray], None] | None = None) -> SpokenAnswer:
     """With the model held alone: the answer written (``generate``'s loop, under the
-    thinker tap) and spoken. Stops at the next token if the client went away."""
+    thinker tap), then spoken (the talker starts once the answer is complete); each step
+    to ``on_step``, each decoded chunk of samples to ``on_audio``. Stops at the next
+    token or chunk if the client went away."""
     model, processor = service.model, service.processor
     inputs = prepared.inputs
     options.max_tokens = fit_to_context(model, inputs.num_tokens, options.max_tokens)
@@ -108,7 +119,16 @@ def write_and_speak(service: GenerationService, options: SamplingOptions,
             texts.append(result.text)
             tokens.append(result.token)
             finish_reason = result.finish_reason
-    speech, _ = speak_answer(model, processor, tap, inputs.num_tokens, tokens, request, start)
+            if on_step is not None:
+                on_step(result)
+
+    def chunk_decoded(samples: np.ndarray) -> None:
+        check_cancelled("speaking the answer")
+        if on_audio is not None:
+            on_audio(samples)
+
+    speech, _ = speak_answer(model, processor, tap, inputs.num_tokens, tokens, request, start,
+                             on_chunk=chunk_decoded)
     return SpokenAnswer("".join(texts), tokens, inputs.num_tokens, finish_reason, speech)
 
 
@@ -138,13 +158,16 @@ async def answer_spoken(request: Request, chat: ChatCompletionRequest, options: 
     audio = chat.audio or AudioOutput()
     speech = speech_request(service, audio.voice, chat.talker_temperature,
                             chat.talker_max_frames, voice_param="audio.voice")
-    if chat.stream:
-        raise APIError(400, "audio output is not streamed yet: send stream false",
-                       param="stream")
+    if chat.stream and audio.format != "pcm16":
+        raise APIError(400, "streamed audio is pcm16 (as OpenAI streams it): send audio "
+                       "format pcm16, or stream false", param="audio.format")
     if chat.tools or chat.response_format is not None:
         raise APIError(400, "audio output does not take tools or a response_format",
                        param="modalities")
     messages = plan.conversation(to_messages(chat))
+    if chat.stream:
+        return await _stream_spoken(request, chat, options, plan, service, writer, speech,
+                                    messages)
     with RequestLifetime(service, request) as life:
         def work(prepared: PreparedRequest) -> SpokenAnswer:
             plan.prompt_text = prepared.inputs.prompt_text
@@ -184,3 +207,82 @@ async def say(request: Request, body: SpeechBody, service: GenerationService) ->
         except (MlxvlmError, ValueError, TemplateError) as error:
             raise as_api_error(error, "input") from error
     return audio_bytes(spoken.speech, body.response_format)
+
+
+async def _stream_spoken(request: Request, chat: ChatCompletionRequest,
+                         options: SamplingOptions, plan: AnswerPlan,
+                         service: GenerationService, writer: CompletionWriter,
+                         speech: SpeechRequest, messages: list[dict]) -> Response:
+    """A streamed spoken answer: the text as it is written (``content`` and
+    ``audio.transcript`` deltas), then the audio as the codec decodes it (``audio.data``:
+    base64 pcm16 chunks), as OpenAI's audio models stream. The response starts once the
+    first token is written, so that a request that fails before gets its error status."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def put(kind: str, item: Any) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (kind, item))
+
+    def work(prepared: PreparedRequest) -> SpokenAnswer:
+        plan.prompt_text = prepared.inputs.prompt_text
+        return write_and_speak(service, options, speech, prepared,
+                               on_step=lambda step: put("step", step),
+                               on_audio=lambda samples: put("audio", samples))
+
+    include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+    audio_id = f"audio_{uuid.uuid4().hex}"
+    with RequestLifetime(service, request) as life:
+        task = asyncio.ensure_future(service.run_alone(messages, plan.template_options, work))
+        task.add_done_callback(lambda _: queue.put_nowait(("done", None)))
+        try:
+            first = await life.until_disconnect(queue.get())
+            if first[0] == "done":
+                task.result()  # its failure, before any header is sent
+        except BaseException as error:  # a failure before the first token, or the client left
+            task.cancel()
+            if isinstance(error, (MlxvlmError, ValueError, TemplateError)):
+                raise as_api_error(error) from error
+            raise
+        return life.event_stream(_spoken_events(writer, plan, audio_id, first, queue, task,
+                                                include_usage))
+
+
+async def _spoken_events(writer: CompletionWriter, plan: AnswerPlan, audio_id: str,
+                         first: tuple, queue: asyncio.Queue, task: asyncio.Future,
+                         include_usage: bool) -> AsyncIterator[str]:
+    splitter = plan.splitter()
+    item = first
+    try:
+        yield writer.chunk({"role": "assistant", "content": ""},
+                           include_usage=include_usage)
+        while item[0] != "done":
+            kind, value = item
+            if kind == "step":
+                parts = splitter.feed(value.text)
+                if value.finish_reason is not None:
+                    parts += splitter.finish()
+                for part in parts:
+                    if part.kind == "reasoning":
+                        delta = {"reasoning_content": part.text}
+                    else:
+                        delta = {"content": part.text,
+                                 "audio": {"id": audio_id, "transcript": part.text}}
+                    yield writer.chunk(delta, include_usage=include_usage)
+            else:
+                data = base64.b64encode(pcm16(value)).decode("ascii")
+                yield writer.chunk({"audio": {"id": audio_id, "data": data}},
+                                   include_usage=include_usage)
+            item = await queue.get()
+        spoken = task.result()
+    except Exception as error:  # headers are sent: the failure goes as an error event
+        logger.exception("a spoken answer failed while streaming")
+        yield sse(error_body(*stream_failure(error)))
+        return
+    finally:
+        task.cancel()  # the client left: the worker stops at its next token or chunk
+    yield writer.chunk({"audio": {"id": audio_id, "expires_at": int(time.time())
+                                  + AUDIO_LIFETIME_SECONDS}},
+                       finish_reason=spoken.finish_reason, include_usage=include_usage)
+    if include_usage:
+        yield writer.usage_chunk(spoken)
+    yield SSE_DONE
