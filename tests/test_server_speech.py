@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 import wave
+
+import httpx
 
 import numpy as np
 import pytest
@@ -139,6 +142,38 @@ def test_a_streamed_spoken_answer_sends_the_transcript_then_the_audio(
                                   np.frombuffer(pcm16(expected.audio), "<i2"))
     assert finish[-1] == expected.finish_reason
     assert usage.completion_tokens == expected.generation_tokens
+
+
+def cancelled(server) -> float:
+    for line in httpx.get(server.base_url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("mlxvlm_preparations_cancelled_total"):
+            return float(line.split()[-1])
+    raise AssertionError("no mlxvlm_preparations_cancelled_total in /metrics")
+
+
+def test_a_client_leaving_a_streamed_spoken_answer_stops_it(client, server,
+                                                          speaking_checkpoint, loaded):
+    before = cancelled(server)
+    # the random talker never ends: without the stop it would speak 4096 frames
+    stream = chat(client, speaking_checkpoint, modalities=["text", "audio"],
+                  audio={"format": "pcm16"}, stream=True,
+                  extra_body={"talker_temperature": 0, "talker_max_frames": 4096})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.audio and chunk.choices[0].delta.audio.data:
+            break  # speaking has begun
+    stream.close()
+    deadline = time.monotonic() + 120
+    while cancelled(server) == before:
+        assert time.monotonic() < deadline, "the spoken answer was not stopped"
+        time.sleep(0.1)
+    # the model is free again: the next spoken answer is whole
+    expected = reference(loaded, None)
+    answer = chat(client, speaking_checkpoint, modalities=["text", "audio"],
+                  audio={"format": "pcm16"},
+                  extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})
+    np.testing.assert_array_equal(
+        np.frombuffer(base64.b64decode(answer.choices[0].message.audio.data), "<i2"),
+        np.frombuffer(pcm16(expected.audio), "<i2"))
 
 
 def test_a_spoken_answer_beside_a_text_answer_being_decoded(client, speaking_checkpoint,
