@@ -31,6 +31,7 @@ from server_process import ServerProcess
 from tiny import qwen3_omni_speech
 
 import mlxvlm
+from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.server.speech import SAY_REQUEST
 from mlxvlm.speech.forced_answer import ForcedAnswer
 from mlxvlm.speech.wav import pcm16
@@ -260,7 +261,7 @@ def said_by_generate(loaded, voice: str | None) -> mlxvlm.GenerationOutput:
     """``SAID`` spoken through the Python API: the speech endpoint's conversation, its
     answer forced to the text."""
     model, processor = loaded
-    forced = ForcedAnswer.of_text(processor, SAID)
+    forced = ForcedAnswer.of_text(processor, SAID, eos_token_ids(processor))
     return mlxvlm.generate(
         model, processor, [{"role": "user", "content": SAY_REQUEST.format(text=SAID)}],
         max_tokens=len(forced.ids), logits_processors=[forced.processor(len(forced.ids))],

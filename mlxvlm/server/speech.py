@@ -11,38 +11,37 @@ answers therefore run one at a time, and other requests' decoding pauses while o
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
-
-import asyncio
-import logging
 
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
-from mlxvlm.generate.cache import CacheOptions
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.generate.cache import CacheOptions
 from mlxvlm.generate.loop import fit_to_context
 from mlxvlm.generate.speech import SpeechRequest, check_speech_request, speak_answer, thinker_states
 from mlxvlm.generate.stream import GenerationResult, generate_prepared
+from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.media.decode_work import check_cancelled
 from mlxvlm.sampling import SamplingOptions
 from mlxvlm.server.answering import as_api_error, stream_failure
 from mlxvlm.server.chat_completions import SSE_DONE, CompletionWriter, sse, to_messages
-from mlxvlm.server.errors import error_body
-from mlxvlm.server.errors import APIError
+from mlxvlm.server.errors import APIError, error_body
 from mlxvlm.server.lifetime import RequestLifetime
 from mlxvlm.server.schemas import AudioOutput, ChatCompletionRequest
 from mlxvlm.server.service import GenerationService, PreparedRequest
-from mlxvlm.speech.pipeline import Speech, check_speaks, speech_voice
 from mlxvlm.server.speech_schemas import SpeechBody
 from mlxvlm.server.tools import AnswerPlan
 from mlxvlm.speech.forced_answer import ForcedAnswer
+from mlxvlm.speech.pipeline import Speech, check_speaks, speech_voice
 from mlxvlm.speech.wav import pcm16, wav_bytes
 
 logger = logging.getLogger("mlxvlm.server")
@@ -196,7 +195,8 @@ async def say(request: Request, body: SpeechBody, service: GenerationService) ->
     write), which the talker speaks."""
     speech = speech_request(service, body.voice, body.talker_temperature,
                             body.talker_max_frames, voice_param="voice", modality_param="model")
-    forced = ForcedAnswer.of_text(service.processor, body.input)
+    forced = ForcedAnswer.of_text(service.processor, body.input,
+                                  eos_token_ids(service.processor))
     options = SamplingOptions(max_tokens=len(forced.ids), extra_processors=(forced,))
     messages = [{"role": "user", "content": SAY_REQUEST.format(text=body.input)}]
     with RequestLifetime(service, request) as life:

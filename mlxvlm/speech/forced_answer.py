@@ -5,12 +5,11 @@ input as the assistant's turn, as vLLM-Omni proposes for Qwen3-Omni's TTS)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import mlx.core as mx
 
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.text.tokenization import tokenizer_of
 
 # The end of an assistant turn in the Qwen chat templates the omni models use.
@@ -26,12 +25,12 @@ class ForcedAnswer:
         self.ids = list(ids)
 
     @classmethod
-    def of_text(cls, processor: Any, text: str) -> "ForcedAnswer":
-        """``text``'s tokens, then the end of the turn."""
+    def of_text(cls, processor: Any, text: str, eos_ids: Collection[int]) -> "ForcedAnswer":
+        """``text``'s tokens, then the end of the turn (else the first of ``eos_ids``)."""
         tokenizer = tokenizer_of(processor)
         end = tokenizer.convert_tokens_to_ids(TURN_END)
         if not isinstance(end, int) or end == tokenizer.unk_token_id:
-            end = sorted(eos_token_ids(processor))[0]
+            end = sorted(eos_ids)[0]
         return cls(list(tokenizer.encode(text, add_special_tokens=False)) + [end])
 
     def processor(self, max_tokens: int) -> Callable[[mx.array, mx.array], mx.array]:
