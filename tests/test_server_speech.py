@@ -240,6 +240,7 @@ def test_an_unknown_voice_is_refused_naming_the_voices(client, speaking_checkpoi
     ({"modalities": ["text", "audio"], "stream": True}, "audio.format"),
     ({"modalities": ["text", "audio"], "response_format": {"type": "json_object"}},
      "modalities"),
+    ({"modalities": ["text", "audio"], "logprobs": True}, "logprobs"),
 ])
 def test_audio_fields_that_cannot_be_served_are_refused(client, speaking_checkpoint, fields,
                                                        param):

@@ -163,6 +163,8 @@ async def answer_spoken(request: Request, chat: ChatCompletionRequest, options: 
     if chat.tools or chat.response_format is not None:
         raise APIError(400, "audio output does not take tools or a response_format",
                        param="modalities")
+    if chat.logprobs:
+        raise APIError(400, "audio output gives no logprobs", param="logprobs")
     messages = plan.conversation(to_messages(chat))
     if chat.stream:
         return await _stream_spoken(request, chat, options, plan, service, writer, speech,
