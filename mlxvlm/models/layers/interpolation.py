@@ -7,6 +7,8 @@ float32 tensors (in float64 the weights differ by up to 1e-6 of the table's scal
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from mlxvlm.models.video_resize import FILTERS
@@ -14,6 +16,7 @@ from mlxvlm.models.video_resize import FILTERS
 f32 = np.float32
 
 
+@lru_cache(maxsize=32)  # a tower asks for the same sizes every view
 def bicubic_antialiased_matrix(in_size: int, out_size: int) -> np.ndarray:
     """``mode="bicubic", align_corners=False, antialias=True``: Keys' cubic (a = -0.5)
     widened by the scale when downsizing, each row's weights normalized."""
@@ -30,9 +33,11 @@ def bicubic_antialiased_matrix(in_size: int, out_size: int) -> np.ndarray:
         weights = kernel((taps - center + f32(0.5)) * inv_scale).astype(f32)
         total = weights.sum(dtype=f32)
         matrix[i, first:last] = weights / total if total != 0 else f32(0.0)
+    matrix.flags.writeable = False  # shared by every caller (cached)
     return matrix
 
 
+@lru_cache(maxsize=32)  # a tower asks for the same sizes every view
 def linear_matrix(in_size: int, out_size: int) -> np.ndarray:
     """``mode="linear", align_corners=False`` (no antialiasing)."""
     scale = f32(in_size) / f32(out_size)
@@ -44,4 +49,5 @@ def linear_matrix(in_size: int, out_size: int) -> np.ndarray:
         frac = f32(source - low)
         matrix[i, low] += f32(1.0) - frac
         matrix[i, high] += frac
+    matrix.flags.writeable = False  # shared by every caller (cached)
     return matrix

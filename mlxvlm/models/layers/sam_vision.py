@@ -23,8 +23,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlxvlm.cpu.ops import scaled_dot_product_attention
 from mlxvlm.models.layers.activations import activation
 from mlxvlm.models.layers.interpolation import bicubic_antialiased_matrix, linear_matrix
+
+
+# Bias elements per band of query rows in an attention (64 MB in float32).
+BIAS_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -71,22 +76,34 @@ class SamAttention(nn.Module):
         B, H, W, C = x.shape
         qkv = self.qkv(x).reshape(B, H * W, 3, self.num_heads, -1).transpose(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]  # (B, heads, H*W, head_dim)
-        bias = self.relative_bias(q, H, W) if self.use_rel_pos else None
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=bias)
+        if not self.use_rel_pos:
+            out = scaled_dot_product_attention(q, k, v, scale=self.scale)
+        else:
+            rh = relative_table(self.rel_pos_h, H)  # (H, H, dim)
+            rw = relative_table(self.rel_pos_w, W)
+            # The bias is heads x tokens^2 (12 x 4096^2 for a global block of a 1024-px
+            # view): built and used a band of query rows at a time, never whole.
+            rows = max(1, BIAS_ELEMENTS // (B * self.num_heads * W * H * W))
+            out = mx.concatenate([
+                scaled_dot_product_attention(
+                    q[:, :, top * W:(top + rows) * W], k, v, scale=self.scale,
+                    mask=relative_bias(q, rh, rw, H, W, top, min(top + rows, H)))
+                for top in range(0, H, rows)], axis=2)
         out = out.reshape(B, self.num_heads, H, W, -1).transpose(0, 2, 3, 1, 4).reshape(B, H, W, C)
         return self.proj(out)
 
-    def relative_bias(self, q: mx.array, H: int, W: int) -> mx.array:
-        """The decomposed relative-position term added to the scores (unscaled queries):
-        (B, heads, H*W, H*W)."""
-        B, heads, _, dim = q.shape
-        rh = relative_table(self.rel_pos_h, H)  # (H, H, dim)
-        rw = relative_table(self.rel_pos_w, W)
-        r_q = q.reshape(B, heads, H, W, dim)
-        rel_h = mx.einsum("bnhwc,hkc->bnhwk", r_q, rh)
-        rel_w = mx.einsum("bnhwc,wkc->bnhwk", r_q, rw)
-        bias = rel_h[..., :, None] + rel_w[..., None, :]  # (B, heads, H, W, H, W)
-        return bias.reshape(B, heads, H * W, H * W)
+
+def relative_bias(q: mx.array, rh: mx.array, rw: mx.array, H: int, W: int, top: int,
+                  bottom: int) -> mx.array:
+    """The decomposed relative-position term added to the scores of the queries in map
+    rows ``top:bottom`` (unscaled queries, as SAM adds it): (B, heads, rows*W, H*W)."""
+    B, heads, _, dim = q.shape
+    rows = bottom - top
+    r_q = q[:, :, top * W:bottom * W].reshape(B, heads, rows, W, dim)
+    rel_h = mx.einsum("bnhwc,hkc->bnhwk", r_q, rh[top:bottom])
+    rel_w = mx.einsum("bnhwc,wkc->bnhwk", r_q, rw)
+    bias = rel_h[..., :, None] + rel_w[..., None, :]  # (B, heads, rows, W, H, W)
+    return bias.reshape(B, heads, rows * W, H * W)
 
 
 def relative_table(rel_pos: mx.array, size: int) -> mx.array:
