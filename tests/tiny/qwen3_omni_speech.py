@@ -121,6 +121,13 @@ def build_tiny_model(family: str, seed: int = 0) -> TinyModel:
     generator = torch.Generator().manual_seed(seed + 1)
     perturb_constants(model, generator)
     with torch.no_grad():
+        # transformers 5.25 leaves the talker's fused expert banks as torch.empty gives
+        # them (no init covers them: what memory held, so the model changed with whatever
+        # the process had done before) and its routers at zero (every expert tied, so the
+        # choice among them was the top-k's tie-break, not the model's)
+        for name, param in model.talker.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight")):
+                param.copy_(INIT_RANGE * torch.randn(param.shape, generator=generator))
         # the snake activations' log-scales and the layer scales off their init, the
         # ConvNeXt scales (1e-6) to where they matter
         for name, param in model.code2wav.named_parameters():
