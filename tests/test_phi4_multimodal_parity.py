@@ -590,3 +590,10 @@ def test_a_tokenizer_without_the_media_tokens_is_refused(tmp_path, tiny_checkpoi
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="names no image_token or audio_token"):
         phi4_multimodal.load_processor(path, read_config(tiny_checkpoints, FAMILY, "hub"))
+
+
+def test_the_remote_code_layout_is_refused_naming_the_native_one():
+    from mlxvlm.models import UnsupportedModelError, get_family
+
+    with pytest.raises(UnsupportedModelError, match="model_type 'phi4mm'.*phi4_multimodal"):
+        get_family("phi4mm")

@@ -76,6 +76,14 @@ REFUSED: dict[str, str] = {
         "InternVL's original layout (remote code) is not supported; use the model's -HF "
         "checkpoint instead (OpenGVLab/InternVL3_5-8B-HF for OpenGVLab/InternVL3_5-8B)"
     ),
+    # Phi-4-multimodal's remote-code layout (the Hub's main branch, and mlx-community's
+    # conversions of it): its LoRA adapters merged under other names and its processor in
+    # remote code; mlxvlm reads transformers' native phi4_multimodal layout.
+    "phi4mm": (
+        "Phi-4-multimodal's remote-code layout is not supported; use a checkpoint in "
+        "transformers' native layout (model_type phi4_multimodal: load the model with "
+        "transformers' Phi4MultimodalForCausalLM and save_pretrained it)"
+    ),
 }
 
 
