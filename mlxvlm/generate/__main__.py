@@ -367,11 +367,10 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
 
 def _answer_aloud(args: argparse.Namespace, model, processor, media, draft, request,
                   sampling) -> None:
-    """The answer printed as it is written, then spoken into --audio-output."""
-    import time
-
+    """The answer printed as it is written and spoken meanwhile (the talker follows the
+    thinker), into --audio-output."""
     from mlxvlm.errors import MlxvlmError
-    from mlxvlm.generate.speech import check_speech_request, speak_answer, thinker_states
+    from mlxvlm.generate.speech import check_speech_request
     from mlxvlm.speech.wav import write_wav
 
     if any(kind == "pdf" for kind, _ in media):
@@ -379,23 +378,23 @@ def _answer_aloud(args: argparse.Namespace, model, processor, media, draft, requ
     check_speech_request(model, request, {"draft_model": draft,
                                           "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
                                           "mtp": args.mtp or None})
-    started = time.perf_counter()
-    tokens = []
-    last = None
-    with thinker_states(model) as tap:
-        for last in _stream(args, model, processor, _user_turn(_prompt_text(args), media), draft,
-                            sampling):
-            tokens.append(last.token)
-            print(last.text, end="", flush=True)
+    last = speech = None
+    for result in _stream(args, model, processor, _user_turn(_prompt_text(args), media), draft,
+                          sampling, audio_output=True, voice=request.voice,
+                          talker_temperature=request.talker_temperature,
+                          talker_max_frames=request.talker_max_frames):
+        if result.token is None:  # a chunk of the speech
+            speech = result.speech or speech
+            continue
+        last = result
+        print(result.text, end="", flush=True)
     print()
-    if last is None:
+    if speech is None:
         return
-    speech, first_audio = speak_answer(model, processor, tap, last.prompt_tokens, tokens,
-                                       request, started)
     write_wav(args.audio_output, speech.audio, speech.sample_rate)
     if args.verbose:
         _print_statistics(last)
-        _print_speech_statistics(speech, first_audio)
+        _print_speech_statistics(speech, speech.first_audio_seconds)
 
 
 def _print_speech_statistics(speech, first_audio: float | None) -> None:
@@ -449,8 +448,10 @@ def _converter(args: argparse.Namespace):
     return lambda answer, image: convert(answer.strip(), args.output_format, image)
 
 
-def _stream(args: argparse.Namespace, model, processor, messages: list[dict], draft, sampling):
-    """stream_generate over ``messages`` with the command line's options."""
+def _stream(args: argparse.Namespace, model, processor, messages: list[dict], draft, sampling,
+            **speech):
+    """stream_generate over ``messages`` with the command line's options (``speech``: its
+    audio_output keywords)."""
     from mlxvlm.generate import CacheOptions, SpeculationOptions, stream_generate
 
     return stream_generate(
@@ -464,6 +465,7 @@ def _stream(args: argparse.Namespace, model, processor, messages: list[dict], dr
         prefill_step_size=args.prefill_step_size,
         speculation=SpeculationOptions(draft, args.num_draft_tokens,
                                        args.prompt_lookup_num_tokens, args.mtp),
+        **speech,
     )
 
 

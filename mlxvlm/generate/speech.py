@@ -1,17 +1,16 @@
-"""An answer spoken (``audio_output``): the checks before the thinker runs, the tap that
-records the thinker's states while it writes, and the speech made from them after
-(``mlxvlm.speech.pipeline``). Shared by ``generate`` and the generate command."""
+"""An answer spoken (``audio_output``): the checks before the thinker runs and the tap
+that records the thinker's states while it writes, which the talker follows
+(``mlxvlm.speech.pipeline.AnswerSpeaker``, driven by ``generate_prepared``). Shared by
+``generate``, the generate command and the server."""
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.generate.text import eos_token_ids
-from mlxvlm.speech.pipeline import Speech, hidden_tap, speak, speech_voice
+from mlxvlm.speech.pipeline import hidden_tap, speech_voice
 
 DEFAULT_MAX_FRAMES = 4096
 
@@ -53,17 +52,3 @@ def thinker_states(model) -> Iterator:
         yield tap
     finally:
         decoder.hidden_tap = None
-
-
-def speak_answer(model, processor, tap, prompt_tokens: int, tokens, request: SpeechRequest,
-                 started: float, on_chunk=None) -> tuple[Speech, float | None]:
-    """The answer spoken, and the seconds from ``started`` (perf_counter) to its first
-    decoded audio; ``on_chunk(samples)`` as each chunk is decoded."""
-    text_done = time.perf_counter()
-    speech = speak(model, tap, prompt_tokens, tokens, eos_token_ids(processor),
-                   voice=request.voice, talker_temperature=request.talker_temperature,
-                   max_frames=request.talker_max_frames, on_chunk=on_chunk)
-    first = None
-    if speech.first_audio_seconds is not None:
-        first = text_done - started + speech.first_audio_seconds
-    return speech, first

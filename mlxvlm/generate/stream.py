@@ -18,8 +18,7 @@ from mlxvlm.generate.cache import CacheOptions
 from mlxvlm.generate.drafters import make_drafter
 from mlxvlm.generate.keywords import build_options, fold_keywords
 from mlxvlm.generate.loop import embed_prompt, fit_to_context, generate_tokens
-from mlxvlm.generate.speech import (SpeechRequest, check_speech_request, speak_answer,
-                                    thinker_states)
+from mlxvlm.generate.speech import SpeechRequest, check_speech_request, thinker_states
 from mlxvlm.generate.speculative import (
     SpeculationOptions,
     SpeculationStats,
@@ -33,6 +32,7 @@ from mlxvlm.retrieval.api import check_generates
 from mlxvlm.sampling.constrained import json_schema_constraint
 from mlxvlm.sampling import RowSampler, SamplingOptions, token_logprobs
 from mlxvlm.sampling.defaults import resolve as resolve_sampling
+from mlxvlm.speech.pipeline import AnswerSpeaker, Speech
 from mlxvlm.text.tokenization import generation_tokenizer, processor_state, tokenizer_of
 
 
@@ -56,6 +56,14 @@ class GenerationResult:
     # With a draft model or prompt lookup: how speculation has gone so far.
     speculation: SpeculationStats | None = None
     stop_string: str | None = None  # on the last result: the stop string that ended it
+    # With audio_output: a result that carries speech only (token None, text ""): the
+    # next chunk of the answer's waveform, float32 mono at sample_rate, as decoded. These
+    # come between the text's results (the talker follows the thinker) and after its
+    # last one; the stream's last result has ``speech`` (the whole of it: codes, voice,
+    # first_audio_seconds from the call's start, the talker and codec's seconds).
+    audio: np.ndarray | None = None
+    sample_rate: int | None = None
+    speech: Speech | None = None
 
 
 def sampling_options(processor: Any, **given: Any) -> SamplingOptions:
@@ -80,6 +88,10 @@ def stream_generate(
     cache: CacheOptions | None = None,
     media: MediaOptions | None = None,
     speculation: SpeculationOptions | None = None,
+    audio_output: bool = False,
+    voice: str | None = None,
+    talker_temperature: float | None = None,
+    talker_max_frames: int = 4096,
     **kwargs: Any,
 ) -> Generator[GenerationResult, None, None]:
     """Generate text for a prompt (a string or chat messages) and images, videos or audio,
@@ -105,8 +117,23 @@ def stream_generate(
     ``json_schema`` (the answer is JSON valid under this schema, ``True``: any JSON
     object, by constrained decoding, ``mlxvlm.sampling.constrained``), ``sampler``,
     ``logits_processors``, ``prompt_progress_callback`` and ``prefill_step_size``.
+
+    ``audio_output=True`` (a model that speaks: Qwen3-Omni's full checkpoint) also speaks
+    the answer while it is written: results with ``audio`` set (token None, text "")
+    carry each waveform chunk as the codec decodes it, float32 mono at ``sample_rate``,
+    between the text's results and after its last one (which has ``finish_reason``); the
+    stream's last result has ``speech`` (codes, voice, timing). ``voice``: the
+    checkpoint's speaker names, any case (None: its default). ``talker_temperature`` 0:
+    argmax for the talker and its code predictor, no repetition penalty; None: the
+    checkpoint's own sampling; a ``seed`` makes the talker's sampled codes reproducible
+    too. ``talker_max_frames``: the most codec frames spoken (12.5 a second for
+    Qwen3-Omni).
     """
     check_generates(model)
+    speech = SpeechRequest(voice, talker_temperature, talker_max_frames)
+    if not audio_output and speech != SpeechRequest():
+        raise MlxvlmError("voice, talker_temperature and talker_max_frames need "
+                          "audio_output=True")
     objects = dict(sampling=sampling, cache=cache, media=media, speculation=speculation)
     folded = fold_keywords("stream_generate", objects, kwargs)
     plain = folded.plain
@@ -130,6 +157,8 @@ def stream_generate(
     cache_options = build_options(CacheOptions, cache, folded.grouped["cache"])
     media = build_options(MediaOptions, media, folded.grouped["media"])
     speculation = build_options(SpeculationOptions, speculation, folded.grouped["speculation"])
+    if audio_output:
+        check_speech_request(model, speech, {"speculation": speculation})
 
     start = time.perf_counter()
     mx.reset_peak_memory()
@@ -149,6 +178,7 @@ def stream_generate(
         sampler=plain["sampler"], logits_processors=plain["logits_processors"],
         prompt_progress_callback=plain["prompt_progress_callback"], start=start,
         fit_context=not unbounded, speculation=speculation, prepare_draft_inputs=prepare,
+        speech=speech if audio_output else None,
     )
 
 
@@ -168,17 +198,89 @@ def generate_prepared(
     job: GenerationJob | None = None,
     speculation: SpeculationOptions | None = None,
     prepare_draft_inputs: Callable | None = None,
+    speech: SpeechRequest | None = None,
 ) -> Generator[GenerationResult, None, None]:
     """``stream_generate`` from its prepared inputs and resolved options on. On rank 0 of
     a sharded model it runs the towers and sends the other ranks the job first; they come
     here with that ``job`` (``mlxvlm.generate.follower``). ``prepare_draft_inputs(
-    processor, draft)``: the prompt as a draft model's own processor prepares it."""
+    processor, draft)``: the prompt as a draft model's own processor prepares it.
+    ``speech``: the answer spoken as it is written (``stream_generate``'s audio_output)."""
+    start = time.perf_counter() if start is None else start
+    written = _written(model, processor, inputs, options, cache_options,
+                       prefill_step_size=prefill_step_size, sampler=sampler,
+                       logits_processors=logits_processors,
+                       prompt_progress_callback=prompt_progress_callback, start=start,
+                       fit_context=fit_context, job=job, speculation=speculation,
+                       prepare_draft_inputs=prepare_draft_inputs)
+    if speech is None:
+        yield from written
+    else:
+        yield from _spoken(model, processor, inputs, options, speech, start, written)
+
+
+def _spoken(model, processor, inputs: PreparedInputs, options: SamplingOptions,
+            speech: SpeechRequest, start: float, written) -> Generator[GenerationResult, None, None]:
+    """The text's results interleaved with the speech's: after each token, the chunks
+    the talker and codec decode from what the thinker has fed so far; the rest once the
+    answer is complete. Stopping the stream (the caller closes it, an exception) stops
+    every stage and frees their caches."""
+    check_speech_request(model, speech, {})
+    with thinker_states(model) as tap:
+        speaker = AnswerSpeaker(model, tap, inputs.num_tokens, eos_token_ids(processor),
+                                voice=speech.voice, talker_temperature=speech.talker_temperature,
+                                max_frames=speech.talker_max_frames, seed=options.seed,
+                                started=start)
+        try:
+            last = None
+            for last in written:
+                yield last
+                for chunk in speaker.wrote(last.token, last.finish_reason is not None):
+                    yield _audio_result(last, chunk, speaker)
+            if last is None:
+                raise MlxvlmError("there is no answer to speak (no tokens were generated)")
+            pending = None
+            for chunk in speaker.finish():
+                if pending is not None:
+                    yield pending
+                pending = _audio_result(last, chunk, speaker)
+            final = pending or _audio_result(last, np.zeros(0, np.float32), speaker)
+            final.speech = speaker.speech
+            yield final
+        finally:
+            written.close()
+            speaker.close()
+
+
+def _audio_result(last: GenerationResult, chunk: np.ndarray,
+                  speaker: AnswerSpeaker) -> GenerationResult:
+    return dataclasses.replace(last, text="", token=None, logprobs=None, finish_reason=None,
+                               logprob=None, top_logprobs=None, stop_string=None,
+                               audio=chunk, sample_rate=speaker.speech.sample_rate)
+
+
+def _written(
+    model: nn.Module,
+    processor: Any,
+    inputs: PreparedInputs,
+    options: SamplingOptions,
+    cache_options: CacheOptions,
+    *,
+    prefill_step_size: int,
+    sampler: Callable[[mx.array], mx.array] | None,
+    logits_processors: Sequence[Callable] | None,
+    prompt_progress_callback: Callable[[int, int], None] | None,
+    start: float,
+    fit_context: bool,
+    job: GenerationJob | None,
+    speculation: SpeculationOptions | None,
+    prepare_draft_inputs: Callable | None,
+) -> Generator[GenerationResult, None, None]:
+    """The answer's text, step by step."""
     speculates = speculation is not None and speculation.enabled
     if speculates and model.sharding is not None:
         raise MlxvlmError("speculative decoding does not run in a sharded model's generate "
                           "yet: leave out --draft-model, --prompt-lookup-num-tokens and --mtp "
                           "(the sharded server speculates, with --max-concurrency 1)")
-    start = time.perf_counter() if start is None else start
     tokenizer = generation_tokenizer(processor)
     eos_ids = eos_token_ids(processor)
     prompt_tokens = inputs.num_tokens
@@ -250,43 +352,29 @@ def generate_prepared(
             break
 
 
-def generate(model: nn.Module, processor: Any, prompt, image: Any = None, *,
-             audio_output: bool = False, voice: str | None = None,
-             talker_temperature: float | None = None, talker_max_frames: int = 4096,
+def generate(model: nn.Module, processor: Any, prompt, image: Any = None,
              **kwargs) -> GenerationOutput:
     """Generate the whole answer; same arguments as ``stream_generate``.
 
-    ``audio_output=True`` (a model that speaks: Qwen3-Omni's full checkpoint) also speaks
-    the answer once it is written: ``.audio`` (float32 mono), ``.sample_rate``,
-    ``.audio_codes`` (frames, code groups), in ``voice`` (the checkpoint's speaker names,
-    any case; None: its default). ``talker_temperature`` 0: argmax for the talker and
-    its code predictor, no repetition penalty; None: the checkpoint's own sampling.
-    ``talker_max_frames``: the most codec frames spoken (12.5 a second for Qwen3-Omni)."""
-    request = SpeechRequest(voice, talker_temperature, talker_max_frames)
-    if not audio_output:
-        if request != SpeechRequest():
-            raise MlxvlmError("voice, talker_temperature and talker_max_frames need "
-                              "audio_output=True")
-        return _generate_text(model, processor, prompt, image, **kwargs)
-    start = time.perf_counter()
-    check_speech_request(model, request, kwargs)
-    with thinker_states(model) as tap:
-        output = _generate_text(model, processor, prompt, image, **kwargs)
-    speech, output.time_to_first_audio = speak_answer(
-        model, processor, tap, output.prompt_tokens, output.tokens, request, start)
-    output.audio, output.sample_rate = speech.audio, speech.sample_rate
-    output.audio_codes, output.voice = speech.codes, speech.voice
-    output.speech_seconds = speech.seconds
-    return output
-
-
-def _generate_text(model: nn.Module, processor: Any, prompt, image: Any = None,
-                   **kwargs) -> GenerationOutput:
+    With ``audio_output=True`` the answer is also spoken (as it is written, see
+    ``stream_generate``): ``.audio`` (float32 mono, the chunks joined), ``.sample_rate``,
+    ``.audio_codes`` (frames, code groups), ``.voice``, ``.time_to_first_audio`` (seconds
+    from the call's start) and ``.speech_seconds`` (the talker and codec's own)."""
     folder = OutputFolder()
+    speech = None
     for result in stream_generate(model, processor, prompt, image, **kwargs):
+        if result.token is None:  # speech only
+            speech = result.speech or speech
+            continue
         folder.add(result)
         output = folder.output
         output.prompt_tps = result.prompt_tps
         output.generation_tps = result.generation_tps
         output.peak_memory = result.peak_memory
-    return folder.result()
+    output = folder.result()
+    if speech is not None:
+        output.audio, output.sample_rate = speech.audio, speech.sample_rate
+        output.audio_codes, output.voice = speech.codes, speech.voice
+        output.time_to_first_audio = speech.first_audio_seconds
+        output.speech_seconds = speech.seconds
+    return output

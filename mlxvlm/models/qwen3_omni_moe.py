@@ -205,6 +205,8 @@ class Model(qwen2_5_omni.Model):
     video_processor_class = QwenVideoProcessor
 
     speech_config: SpeechConfig | None = None
+    # mlxvlm.speech.stages' name for this family's talker text, talker and codec
+    speech_stages = "qwen3_omni"
 
     def __init__(self, args: qwen2_5_omni.OmniArgs):
         VisionLanguageModel.__init__(self, args)

@@ -120,10 +120,12 @@ class SamplingOptions:
         return processors
 
 
-def step_seed(seed: int, step: int) -> int:
+def step_seed(seed: int, step: int, stage: str = "") -> int:
     """A seed per (sequence seed, token index): a seeded sequence samples the same tokens
-    alone or in any batch, through ``generate`` or the server."""
-    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    alone or in any batch, through ``generate`` or the server. ``stage``: another model
+    drawing from the same request's seed (a talker), apart from the text's draws."""
+    key = f"{seed}:{step}" if not stage else f"{seed}:{stage}:{step}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 

@@ -82,6 +82,12 @@ class RequestLifetime:
         self._handed_to_response = True
         return _EventStreamResponse(events, self)
 
+    def byte_stream(self, content: AsyncIterator[bytes], media_type: str) -> StreamingResponse:
+        """The response that streams ``content`` (chunked) and, however it ends, releases
+        this request."""
+        self._handed_to_response = True
+        return _EventStreamResponse(content, self, media_type=media_type, headers={})
+
 
 async def client_gone(request: Request) -> None:
     """Returns once the client of ``request``, whose body has been read, goes away (the
@@ -94,11 +100,13 @@ class _EventStreamResponse(StreamingResponse):
     """Server-sent events that release their request however the stream ends: finished,
     failed, or abandoned by the client (before or while streaming)."""
 
-    def __init__(self, content: AsyncIterator[str], lifetime: RequestLifetime):
+    def __init__(self, content: AsyncIterator, lifetime: RequestLifetime,
+                 media_type: str = "text/event-stream", headers: dict | None = None):
         super().__init__(
             content,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            media_type=media_type,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            if headers is None else headers,
         )
         self._lifetime = lifetime
 

@@ -5,8 +5,10 @@ answer written and spoken with the model held alone, OpenAI's ``message.audio``.
 A spoken answer does not go through the batching engine: the talker reads the thinker's
 hidden states of this one request, and the state tap (``generate.speech.thinker_states``)
 records every pass of the model, so the answer is written by ``generate``'s own loop while
-the engine steps no batch (``GenerationService.run_alone``), then spoken there. Spoken
-answers therefore run one at a time, and other requests' decoding pauses while one runs.
+the engine steps no batch (``GenerationService.run_alone``), and spoken as it is written
+(the talker follows the thinker token by token, ``speech.pipeline.AnswerSpeaker``): a
+streamed answer's text and audio deltas alternate. Spoken answers therefore run one at a
+time, and other requests' decoding pauses while one runs.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from jinja2 import TemplateError
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.cache import CacheOptions
 from mlxvlm.generate.loop import fit_to_context
-from mlxvlm.generate.speech import SpeechRequest, check_speech_request, speak_answer, thinker_states
+from mlxvlm.generate.speech import SpeechRequest, check_speech_request
 from mlxvlm.generate.stream import GenerationResult, generate_prepared
 from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.media.decode_work import check_cancelled
@@ -102,32 +104,28 @@ def write_and_speak(service: GenerationService, options: SamplingOptions,
                     on_step: Callable[[GenerationResult], None] | None = None,
                     on_audio: Callable[[np.ndarray], None] | None = None) -> SpokenAnswer:
     """With the model held alone: the answer written (``generate``'s loop, under the
-    thinker tap), then spoken (the talker starts once the answer is complete); each step
-    to ``on_step``, each decoded chunk of samples to ``on_audio``. Stops at the next
-    token or chunk if the client went away."""
+    thinker tap) and spoken as it is written; each text step to ``on_step``, each decoded
+    chunk of samples to ``on_audio``, in the order they come. Stops at the next token or
+    frame's chunk if the client went away (every stage's caches freed)."""
     model, processor = service.model, service.processor
     inputs = prepared.inputs
     options.max_tokens = fit_to_context(model, inputs.num_tokens, options.max_tokens)
-    start = time.perf_counter()
-    texts, tokens, finish_reason = [], [], None
-    with thinker_states(model) as tap:
-        for result in generate_prepared(model, processor, inputs, options, CacheOptions(),
-                                        prefill_step_size=service.config.prefill_step_size,
-                                        start=start):
-            check_cancelled("writing the answer to speak")
-            texts.append(result.text)
-            tokens.append(result.token)
-            finish_reason = result.finish_reason
-            if on_step is not None:
-                on_step(result)
-
-    def chunk_decoded(samples: np.ndarray) -> None:
-        check_cancelled("speaking the answer")
-        if on_audio is not None:
-            on_audio(samples)
-
-    speech, _ = speak_answer(model, processor, tap, inputs.num_tokens, tokens, request, start,
-                             on_chunk=chunk_decoded)
+    texts, tokens, finish_reason, speech = [], [], None, None
+    for result in generate_prepared(model, processor, inputs, options, CacheOptions(),
+                                    prefill_step_size=service.config.prefill_step_size,
+                                    speech=request):
+        if result.token is None:  # a chunk of the speech
+            check_cancelled("speaking the answer")
+            speech = result.speech or speech
+            if on_audio is not None and len(result.audio):
+                on_audio(result.audio)
+            continue
+        check_cancelled("writing the answer to speak")
+        texts.append(result.text)
+        tokens.append(result.token)
+        finish_reason = result.finish_reason
+        if on_step is not None:
+            on_step(result)
     return SpokenAnswer("".join(texts), tokens, inputs.num_tokens, finish_reason, speech)
 
 
@@ -190,11 +188,12 @@ async def answer_spoken(request: Request, chat: ChatCompletionRequest, options: 
     return JSONResponse(writer.body(message, spoken.finish_reason, spoken, None))
 
 
-async def say(request: Request, body: SpeechBody, service: GenerationService) -> bytes:
+async def say(request: Request, body: SpeechBody, service: GenerationService) -> Response:
     """/v1/audio/speech: the input said in the voice asked for, as ``response_format``'s
-    bytes. The conversation is a user turn asking for the text to be said and the text
-    as the assistant's answer, forced token by token (greedy, whatever the model would
-    write), which the talker speaks."""
+    bytes: ``pcm`` streamed as the codec decodes it (chunked), ``wav`` whole (its header
+    holds the length). The conversation is a user turn asking for the text to be said and
+    the text as the assistant's answer, forced token by token (greedy, whatever the model
+    would write), which the talker speaks as it is forced."""
     speech = speech_request(service, body.voice, body.talker_temperature,
                             body.talker_max_frames, voice_param="voice", modality_param="model")
     forced = ForcedAnswer.of_text(service.processor, body.input,
@@ -202,13 +201,63 @@ async def say(request: Request, body: SpeechBody, service: GenerationService) ->
     options = SamplingOptions(max_tokens=len(forced.ids), extra_processors=(forced,))
     messages = [{"role": "user", "content": SAY_REQUEST.format(text=body.input)}]
     with RequestLifetime(service, request) as life:
+        if body.response_format == "pcm":
+            first, queue, task = await _first_event(
+                life, service, messages, None, "input",
+                lambda prepared, put: write_and_speak(
+                    service, options, speech, prepared,
+                    on_audio=lambda samples: put("audio", samples)))
+            return life.byte_stream(_said_bytes(first, queue, task), MEDIA_TYPES["pcm"])
         try:
             spoken = await life.until_disconnect(service.run_alone(
                 messages, None,
                 lambda prepared: write_and_speak(service, options, speech, prepared)))
         except (MlxvlmError, ValueError, TemplateError) as error:
             raise as_api_error(error, "input") from error
-    return audio_bytes(spoken.speech, body.response_format)
+    return Response(content=audio_bytes(spoken.speech, "wav"), media_type=MEDIA_TYPES["wav"])
+
+
+async def _first_event(life: RequestLifetime, service: GenerationService, messages: list[dict],
+                       template_options: Any, param: str,
+                       work: Callable[[PreparedRequest, Callable[[str, Any], None]], Any]):
+    """``work(prepared, put)`` run with the model held alone, each ``put(kind, item)`` of
+    it queued for the response; returns once the first is (so that a request failing
+    before gets its error status), with the queue and the task (its end queued as
+    ("done", None))."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def put(kind: str, item: Any) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (kind, item))
+
+    task = asyncio.ensure_future(service.run_alone(messages, template_options,
+                                                   lambda prepared: work(prepared, put)))
+    task.add_done_callback(lambda _: queue.put_nowait(("done", None)))
+    try:
+        first = await life.until_disconnect(queue.get())
+        if first[0] == "done":
+            task.result()  # its failure, before any header is sent
+    except BaseException as error:  # a failure before the first item, or the client left
+        task.cancel()
+        if isinstance(error, (MlxvlmError, ValueError, TemplateError)):
+            raise as_api_error(error, param) from error
+        raise
+    return first, queue, task
+
+
+async def _said_bytes(first: tuple, queue: asyncio.Queue,
+                      task: asyncio.Future) -> AsyncIterator[bytes]:
+    item = first
+    try:
+        while item[0] != "done":
+            yield pcm16(item[1])
+            item = await queue.get()
+        task.result()
+    except Exception:  # the status is sent: the stream breaks off, unterminated
+        logger.exception("speech failed while streaming")
+        raise
+    finally:
+        task.cancel()  # the client left: the worker stops at its next token or chunk
 
 
 async def _stream_spoken(request: Request, chat: ChatCompletionRequest,
@@ -216,16 +265,12 @@ async def _stream_spoken(request: Request, chat: ChatCompletionRequest,
                          service: GenerationService, writer: CompletionWriter,
                          speech: SpeechRequest, messages: list[dict]) -> Response:
     """A streamed spoken answer: the text as it is written (``content`` and
-    ``audio.transcript`` deltas), then the audio as the codec decodes it (``audio.data``:
-    base64 pcm16 chunks), as OpenAI's audio models stream. The response starts once the
-    first token is written, so that a request that fails before gets its error status."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-
-    def put(kind: str, item: Any) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (kind, item))
-
-    def work(prepared: PreparedRequest) -> SpokenAnswer:
+    ``audio.transcript`` deltas) and, while it is, the audio as the codec decodes it
+    (``audio.data``: base64 pcm16 chunks), as OpenAI's audio models stream; the talker
+    follows the thinker, so the two kinds of deltas alternate. The response starts once
+    the first token is written, so that a request that fails before gets its error
+    status."""
+    def work(prepared: PreparedRequest, put) -> SpokenAnswer:
         plan.prompt_text = prepared.inputs.prompt_text
         return write_and_speak(service, options, speech, prepared,
                                on_step=lambda step: put("step", step),
@@ -234,17 +279,8 @@ async def _stream_spoken(request: Request, chat: ChatCompletionRequest,
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
     audio_id = f"audio_{uuid.uuid4().hex}"
     with RequestLifetime(service, request) as life:
-        task = asyncio.ensure_future(service.run_alone(messages, plan.template_options, work))
-        task.add_done_callback(lambda _: queue.put_nowait(("done", None)))
-        try:
-            first = await life.until_disconnect(queue.get())
-            if first[0] == "done":
-                task.result()  # its failure, before any header is sent
-        except BaseException as error:  # a failure before the first token, or the client left
-            task.cancel()
-            if isinstance(error, (MlxvlmError, ValueError, TemplateError)):
-                raise as_api_error(error) from error
-            raise
+        first, queue, task = await _first_event(life, service, messages, plan.template_options,
+                                                "messages", work)
         return life.event_stream(_spoken_events(writer, plan, audio_id, first, queue, task,
                                                 include_usage))
 

@@ -1,24 +1,25 @@
-"""A whole answer spoken, the stages one after another: the talker prompt from the
-thinker's recorded states, the talker's frames, code2wav's chunks as frames arrive.
-
-The thinker has finished writing before the talker starts here; a streaming orchestrator
-(the server's, later) would drive the same stages interleaved, handing the talker each
-text row as the thinker writes it (``TalkerStream.add_text``)."""
+"""An answer spoken while it is written: ``AnswerSpeaker`` drives a family's stages
+(``speech.stages``) interleaved with the thinker. After each token the thinker writes,
+the talker text follower hands the talker what it can hear now (its prefill once the
+answer's first token is fed, then one text row per token), the talker steps while it has
+its text, and the codec decodes every few frames (a smaller first chunk), each chunk
+continuing the last exactly. When the talker would need a row the thinker has not
+written yet it waits for the next token, so its codes are those of a talker started
+after the whole answer (``speak``)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.models.layers.hidden_tap import HiddenTap
-from mlxvlm.speech.codec import CodecStream
-from mlxvlm.speech.qwen3_omni_prompt import build_talker_prompt
-from mlxvlm.speech.talker import TalkerSampling, TalkerStream
+from mlxvlm.speech.stages import stages_of
+from mlxvlm.speech.talker import TalkerSampling
 from mlxvlm.speech.voices import resolve_voice
 
 
@@ -28,8 +29,8 @@ class Speech:
     sample_rate: int
     codes: np.ndarray  # (frames, code_groups)
     voice: str
-    first_audio_seconds: float | None = None  # from the talker's start to its first chunk
-    seconds: float = 0.0  # the talker and codec's time
+    first_audio_seconds: float | None = None  # from the start (the speaker's) to the first chunk
+    seconds: float = 0.0  # the talker and codec's own time
     chunks: list[np.ndarray] = field(default_factory=list)
 
     @property
@@ -55,54 +56,89 @@ def hidden_tap(model) -> HiddenTap:
     return HiddenTap(model.speech_config.talker.accept_hidden_layer)
 
 
-def speak(model, tap: HiddenTap, prompt_tokens: int, generated_ids, eos_ids, *,
-          voice: str | None = None, talker_temperature: float | None = None,
-          max_frames: int = 4096, on_chunk: Callable[[np.ndarray], None] | None = None) -> Speech:
-    """The answer ``generated_ids`` (to the prompt of ``prompt_tokens`` tokens) spoken,
-    from the thinker states ``tap`` recorded while it was written."""
-    name, speaker = speech_voice(model, voice)
-    sampling = TalkerSampling.from_temperature(talker_temperature, max_frames)
-    start = time.perf_counter()
-    if any(ids is None for ids in tap.ids):
-        raise MlxvlmError("speech output needs the prompt's token ids")
-    ids = np.concatenate([np.asarray(i).reshape(-1) for i in tap.ids])
-    generated = np.asarray(list(generated_ids), dtype=np.int64)
-    if len(generated) == 0:
+class AnswerSpeaker:
+    """One answer's speech: ``wrote`` after each token the thinker writes, ``finish``
+    after the last; each yields the waveform chunks decoded meanwhile. ``close`` frees the
+    talker's and codec's state (a stopped answer's too)."""
+
+    def __init__(self, model, tap: HiddenTap, prompt_tokens: int, eos_ids, *,
+                 voice: str | None = None, talker_temperature: float | None = None,
+                 max_frames: int = 4096, seed: int | None = None,
+                 started: float | None = None):
+        """``started``: the perf_counter time ``first_audio_seconds`` counts from (by
+        default now)."""
+        name, speaker = speech_voice(model, voice)
+        stages = stages_of(model)
+        self.text = stages.text(model, tap, prompt_tokens, speaker, eos_ids)
+        self.talker = stages.talker(
+            model, TalkerSampling.from_temperature(talker_temperature, max_frames, seed))
+        self.codec = stages.codec(model)
+        self.generated: list[int] = []
+        self.frames: list[np.ndarray] = []
+        self.speech = Speech(np.zeros(0, np.float32), self.codec.sample_rate,
+                             np.zeros((0, 0), np.int64), name)
+        self._start = time.perf_counter() if started is None else started
+
+    def wrote(self, token: int, finished: bool = False) -> Iterator[np.ndarray]:
+        """The thinker wrote ``token`` (its last when ``finished``)."""
+        self.generated.append(token)
+        yield from self._run(finished)
+
+    def finish(self) -> Iterator[np.ndarray]:
+        """The rest of the speech, once the thinker has written its last token."""
+        yield from self._run(True)
+        started = time.perf_counter()
+        chunk = self.codec.flush()
+        self.speech.seconds += time.perf_counter() - started
+        if chunk is not None and len(chunk):
+            yield self._emit(chunk)
+        if self.frames:
+            self.speech.codes = np.stack(self.frames)
+        if self.speech.chunks:
+            self.speech.audio = np.concatenate(self.speech.chunks).astype(np.float32)
+        self.close()
+
+    def close(self) -> None:
+        self.talker.close()
+        self.codec = None
+        mx.clear_cache()
+
+    def _run(self, finished: bool) -> Iterator[np.ndarray]:
+        """The talker steps while it has its text; a chunk whenever the codec decodes one."""
+        started = time.perf_counter()
+        self.text.follow(self.talker, self.generated, finished)
+        while self.talker.ready():
+            frame = self.talker.step()
+            if frame is None:
+                break
+            self.frames.append(frame)
+            chunk = self.codec.push(frame)
+            if chunk is not None:
+                self.speech.seconds += time.perf_counter() - started
+                yield self._emit(chunk)
+                started = time.perf_counter()
+        self.speech.seconds += time.perf_counter() - started
+
+    def _emit(self, chunk: np.ndarray) -> np.ndarray:
+        if self.speech.first_audio_seconds is None:
+            self.speech.first_audio_seconds = time.perf_counter() - self._start
+        self.speech.chunks.append(chunk)
+        return chunk
+
+
+def speak(model, tap: HiddenTap, prompt_tokens: int, generated_ids: Sequence[int], eos_ids,
+          **options) -> Speech:
+    """The whole answer ``generated_ids`` (to the prompt of ``prompt_tokens`` tokens)
+    spoken after it was written, from the thinker states ``tap`` recorded meanwhile
+    (``options``: ``AnswerSpeaker``'s)."""
+    generated = list(generated_ids)
+    if not generated:
         raise MlxvlmError("there is no answer to speak (no tokens were generated)")
-    fed = prompt_tokens + len(generated) - 1
-    if len(ids) < fed:
-        raise MlxvlmError("speech output needs the thinker's states of the whole prompt "
-                          "(a reused prompt cache skips them)")
-    embeddings, hidden = tap.states(fed)
-    positions = None if tap.state is None else tap.state.positions(0, prompt_tokens)
-    prompt = build_talker_prompt(model, ids[:prompt_tokens], generated, embeddings, hidden,
-                                 speaker, eos_ids, positions)
-    talker = TalkerStream(model.talker, sampling)
-    talker.add_text(prompt.trailing)
-    talker.end_text(prompt.pad)
-    codec = CodecStream(model.code2wav)
-    speech = Speech(np.zeros(0, np.float32), codec.sample_rate,
-                    np.zeros((0, model.speech_config.talker.num_code_groups), np.int64), name)
-
-    def emit(chunk):
-        if chunk is None or not len(chunk):
-            return
-        if speech.first_audio_seconds is None:
-            speech.first_audio_seconds = time.perf_counter() - start
-        speech.chunks.append(chunk)
-        if on_chunk is not None:
-            on_chunk(chunk)
-
-    frames = []
-    talker.prefill(prompt.embeddings, prompt.positions)
-    while (frame := talker.step()) is not None:
-        frames.append(frame)
-        emit(codec.push(frame))
-    emit(codec.flush())
-    mx.clear_cache()
-    if frames:
-        speech.codes = np.stack(frames)
-    if speech.chunks:
-        speech.audio = np.concatenate(speech.chunks).astype(np.float32)
-    speech.seconds = time.perf_counter() - start
-    return speech
+    speaker = AnswerSpeaker(model, tap, prompt_tokens, eos_ids, **options)
+    try:
+        speaker.generated = generated
+        for _ in speaker.finish():
+            pass
+    finally:
+        speaker.close()
+    return speaker.speech

@@ -11,6 +11,9 @@ code predictor (after the talker's token suppression, with no repetition penalty
 otherwise the talker samples as transformers' ``generate`` does by default (top-k 50,
 top-p 1.0, repetition penalty 1.05 over the codes so far, at the temperature given or
 0.9) and the code predictor at its own settings (top-k 50, top-p 0.8, temperature 1.0).
+A ``seed`` draws every sampled code from its own seed (``step_seed`` of the frame, or of
+the frame and group), so a seeded talker speaks the same codes whatever ran between its
+steps (the thinker's, interleaved).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from mlxvlm.sampling import build_sampler
+from mlxvlm.sampling import build_sampler, step_seed
 
 # transformers' Qwen3OmniMoeForConditionalGeneration.generate defaults
 DEFAULT_TEMPERATURE = 0.9
@@ -38,13 +41,16 @@ SUPPRESSED_TAIL = 1024
 class TalkerSampling:
     temperature: float = DEFAULT_TEMPERATURE
     max_frames: int = 4096
+    seed: int | None = None  # None: MLX's global random state
 
     @classmethod
-    def from_temperature(cls, temperature: float | None, max_frames: int = 4096) -> "TalkerSampling":
+    def from_temperature(cls, temperature: float | None, max_frames: int = 4096,
+                         seed: int | None = None) -> "TalkerSampling":
         """``None``: the checkpoint's own sampling (transformers' defaults)."""
         if temperature is not None and temperature < 0:
             raise ValueError(f"talker_temperature must be at least 0, got {temperature}")
-        return cls(DEFAULT_TEMPERATURE if temperature is None else float(temperature), max_frames)
+        return cls(DEFAULT_TEMPERATURE if temperature is None else float(temperature),
+                   max_frames, seed)
 
     @property
     def greedy(self) -> bool:
@@ -93,7 +99,18 @@ class TalkerStream:
         self.text_ended = True
 
     def ready(self) -> bool:
-        return self.finished or self.text_ended or self.steps < len(self.text)
+        """Whether ``step`` can run: prefilled, and the text its step hears is given."""
+        return self.started and (self.finished or self.text_ended
+                                 or self.steps < len(self.text))
+
+    @property
+    def started(self) -> bool:
+        return self._hidden is not None or self.finished
+
+    def close(self) -> None:
+        """Frees the caches and text (a stopped or finished stream steps no more)."""
+        self.cache, self.text, self._hidden = [], [], None
+        self.finished = True
 
     # -- running --------------------------------------------------------------------------
 
@@ -130,6 +147,7 @@ class TalkerStream:
         if not self.sampling.greedy and self.seen.any():
             logits = _repetition_penalty(logits, self.seen, REPETITION_PENALTY)
         logits = logits + self._suppress
+        self._seed("talker", self.sampled)
         code = int(self._sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item())
         self.seen[code] = True
         self.sampled += 1
@@ -147,6 +165,7 @@ class TalkerStream:
         for group in range(self.config.num_code_groups - 1):
             out = predictor.model(inputs, cache)
             logits = predictor.lm_head[group](out[:, -1]).astype(mx.float32)
+            self._seed("code predictor", self.steps * (self.config.num_code_groups - 1) + group)
             next_code = int(self._predictor_sample(
                 logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item())
             codes.append(next_code)
@@ -154,6 +173,11 @@ class TalkerStream:
             total = total + embedded[0]
             inputs = embedded[None]
         return np.array(codes, dtype=np.int64), total
+
+
+    def _seed(self, stage: str, draw: int) -> None:
+        if self.sampling.seed is not None and not self.sampling.greedy:
+            mx.random.seed(step_seed(self.sampling.seed, draw, stage))
 
 
 def _repetition_penalty(logits: mx.array, seen: np.ndarray, penalty: float) -> mx.array:

@@ -48,3 +48,17 @@ class HiddenTap:
         embeddings = mx.concatenate(self.embeddings, axis=1)[0, :length]
         hidden = mx.concatenate(self.hidden, axis=1)[0, :length]
         return embeddings, hidden
+
+    def embeddings_between(self, start: int, stop: int) -> mx.array:
+        """The input embeddings of positions ``start`` to ``stop`` (stop - start, width),
+        read from the passes that hold them only (a follower reading a few rows per step
+        does not concatenate the whole record each time)."""
+        if self.positions() < stop:
+            raise ValueError(f"the tap holds {self.positions()} positions, {stop} asked for")
+        parts, offset = [], 0
+        for record in self.embeddings:
+            length = record.shape[1]
+            if offset < stop and offset + length > start:
+                parts.append(record[0, max(start - offset, 0):min(stop - offset, length)])
+            offset += length
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)

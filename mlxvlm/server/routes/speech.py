@@ -1,5 +1,5 @@
 """``POST /v1/audio/speech``: the model says the input (``server.speech.say``), answered
-with the audio's bytes."""
+with the audio's bytes (raw PCM streamed as it is decoded)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from mlxvlm.server.deps import body_dependencies
 from mlxvlm.server.service import GenerationService
-from mlxvlm.server.speech import MEDIA_TYPES, say
+from mlxvlm.server.speech import say
 from mlxvlm.server.speech_schemas import SpeechBody
 
 router = APIRouter()
@@ -22,5 +22,4 @@ Service = Annotated[GenerationService, Depends(speech_service)]
 
 @router.post("/v1/audio/speech")
 async def audio_speech(request: Request, body: Body, service: Service) -> Response:
-    data = await say(request, body, service)
-    return Response(content=data, media_type=MEDIA_TYPES[body.response_format])
+    return await say(request, body, service)
