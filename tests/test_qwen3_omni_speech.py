@@ -15,6 +15,13 @@ checkpoint in the Hub's layout (tests/tiny/qwen3_omni_speech.py), float32.
   thinker-only checkpoint (and a full config over tensors without the speech parts)
   loads the thinker alone and refuses audio output.
 - The generate command writes the same speech as a 16-bit WAV file.
+- The talker follows the thinker (``stream_generate(..., audio_output=True)``): it starts
+  once the answer's first token is fed (its prefill needs it) and takes one row per token
+  after, so the first audio chunk comes while the text is still being written; its codes
+  and waveform equal a talker started after the whole answer (``speech.pipeline.speak``
+  over the same recorded states), and the streamed chunks concatenate exactly to that
+  waveform. A seed makes the sampled talker's codes reproducible, interleaved or not;
+  closing the stream mid-answer frees the talker and the tap.
 """
 
 from __future__ import annotations
@@ -35,6 +42,10 @@ from tiny import qwen3_omni, qwen3_omni_speech
 
 import mlxvlm
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.generate.speech import thinker_states
+from mlxvlm.generate.text import eos_token_ids
+from mlxvlm.speech import pipeline
+from mlxvlm.speech.codec import FIRST_CHUNK_FRAMES
 from mlxvlm.models.layers.qwen3_omni_code2wav import Code2WavStream
 from mlxvlm.speech.codec import CodecStream
 from mlxvlm.speech.wav import pcm16
@@ -167,6 +178,98 @@ def test_sampled_speech_draws_only_codes(loaded):
     assert len(out.audio) == len(codes) * 24 - 8
 
 
+# ---------------------------------------------------------------- following the thinker
+
+
+def spoken_after_the_answer(loaded, messages, **options):
+    """The answer written with the tap set (no talker running), then spoken whole: the
+    text's tokens and the one-shot speech."""
+    model, processor = loaded
+    talker_temperature = options.pop("talker_temperature", None)
+    with thinker_states(model) as tap:
+        text = mlxvlm.generate(model, processor, messages, max_tokens=THINKER_TOKENS, **options)
+    speech = pipeline.speak(model, tap, text.prompt_tokens, text.tokens,
+                            eos_token_ids(processor), max_frames=FRAMES,
+                            seed=options.get("seed"), talker_temperature=talker_temperature)
+    return text, speech
+
+
+def streamed(loaded, messages, **options):
+    model, processor = loaded
+    return list(mlxvlm.stream_generate(model, processor, messages, max_tokens=THINKER_TOKENS,
+                                       audio_output=True, talker_max_frames=FRAMES, **options))
+
+
+def test_the_talker_follows_the_thinker_and_speaks_as_if_started_after_it(loaded):
+    model, _ = loaded
+    messages = CASES["system_text"][0]
+    results = streamed(loaded, messages, talker_temperature=0)
+    text, one_shot = spoken_after_the_answer(loaded, messages, talker_temperature=0)
+    texts = [r for r in results if r.token is not None]
+    chunks = [r.audio for r in results if r.token is None]
+    assert [r.token for r in texts] == text.tokens and len(texts) == THINKER_TOKENS
+    assert texts[-1].finish_reason is not None
+    speech = results[-1].speech
+    np.testing.assert_array_equal(speech.codes, one_shot.codes)
+    assert speech.codes.shape == (FRAMES, qwen3_omni_speech.CODE_GROUPS)
+    np.testing.assert_array_equal(np.concatenate(chunks), one_shot.audio)
+    np.testing.assert_array_equal(speech.audio, one_shot.audio)
+    whole = np.asarray(model.code2wav(mx.array(speech.codes[None]))[0])
+    np.testing.assert_allclose(np.concatenate(chunks), whole, rtol=0, atol=CHUNK_ATOL)
+    assert all(r.sample_rate == 24000 and r.audio.dtype == np.float32
+               for r in results if r.token is None)
+    # The prefill takes the answer's first token; each token fed after it is one more row,
+    # one more frame: the first chunk is spoken after at most FIRST_CHUNK_FRAMES + 1
+    # tokens, while the rest of the answer is still to come.
+    first_audio = next(i for i, r in enumerate(results) if r.token is None)
+    last_text = max(i for i, r in enumerate(results) if r.token is not None)
+    assert first_audio <= FIRST_CHUNK_FRAMES + 1 and first_audio < last_text
+    assert len(chunks[0]) == FIRST_CHUNK_FRAMES * 24 - 8
+
+
+def test_a_seed_makes_the_sampled_talker_reproducible_interleaved_or_not(loaded):
+    messages = CASES["conversation"][0]
+    sampled = dict(temperature=0.8, seed=7)  # the thinker samples between the talker's steps
+    mx.random.seed(1)
+    first = streamed(loaded, messages, **sampled)[-1].speech
+    mx.random.seed(2)
+    again = streamed(loaded, messages, **sampled)[-1].speech
+    np.testing.assert_array_equal(first.codes, again.codes)
+    np.testing.assert_array_equal(first.audio, again.audio)
+    _, one_shot = spoken_after_the_answer(loaded, messages, **sampled)
+    np.testing.assert_array_equal(first.codes, one_shot.codes)
+    other = streamed(loaded, messages, temperature=0.8, seed=8)[-1].speech
+    assert not np.array_equal(first.codes, other.codes)
+
+
+def test_closing_the_stream_mid_answer_frees_the_talker_and_the_tap(loaded, monkeypatch):
+    model, processor = loaded
+    closed = []
+    close = pipeline.AnswerSpeaker.close
+
+    def spy(self):
+        closed.append(self.talker)
+        close(self)
+
+    monkeypatch.setattr(pipeline.AnswerSpeaker, "close", spy)
+    messages = CASES["system_text"][0]
+    stream = mlxvlm.stream_generate(model, processor, messages, max_tokens=THINKER_TOKENS,
+                                    audio_output=True, talker_temperature=0,
+                                    talker_max_frames=4096)
+    seen = []
+    for result in stream:
+        seen.append(result.token)
+        if result.token is None:
+            break  # the first chunk, mid-answer
+    stream.close()
+    assert None in seen and len(seen) < THINKER_TOKENS + 1
+    assert closed and closed[0].finished and closed[0].cache == []
+    assert model.language_model.model.hidden_tap is None
+    again = streamed(loaded, messages, talker_temperature=0)[-1].speech
+    _, one_shot = spoken_after_the_answer(loaded, messages, talker_temperature=0)
+    np.testing.assert_array_equal(again.codes, one_shot.codes)
+
+
 # ------------------------------------------------------------------------------ code2wav
 
 
@@ -273,13 +376,16 @@ def test_the_generate_command_writes_the_speech_as_a_wav(loaded, checkpoint, tmp
     out = tmp_path / "answer.wav"
     command = [sys.executable, "-m", "mlxvlm.generate", "--model", str(checkpoint),
                "--prompt", "Describe a red circle.", "--max-tokens", str(THINKER_TOKENS),
-               "--audio-output", str(out), "--voice", "CHELSIE", "--talker-temperature", "0",
-               "--talker-max-frames", str(FRAMES), "--verbose"]
+               "--audio-output", str(out), "--voice", "CHELSIE", "--talker-temperature", "0.7",
+               "--seed", "7", "--talker-max-frames", str(FRAMES), "--verbose"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "time to first audio:" in run.stderr and "real-time factor:" in run.stderr
-    expected = our_speech(loaded, [{"role": "user", "content": "Describe a red circle."}], {},
-                          voice="Chelsie")
+    # the sampled talker's codes from the seed, in another process as here
+    model, processor = loaded
+    expected = mlxvlm.generate(model, processor, "Describe a red circle.",
+                               max_tokens=THINKER_TOKENS, audio_output=True, voice="Chelsie",
+                               talker_temperature=0.7, seed=7, talker_max_frames=FRAMES)
     with wave.open(str(out)) as wav:
         assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, 24000)
         assert wav.readframes(wav.getnframes()) == pcm16(expected.audio)
