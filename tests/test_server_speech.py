@@ -9,9 +9,13 @@ on the tiny full Qwen3-Omni (tests/tiny/qwen3_omni_speech.py):
   other than wav/pcm16 (pcm16 alone when streamed), audio fields without the audio
   modality;
 - streamed: the transcript and content deltas are the answer, the audio chunks' pcm16
-  concatenate to generate's speech;
+  concatenate to generate's speech, and audio arrives while the text is still being
+  written (the talker follows the thinker);
+- a seed reproduces the sampled talker as the Python API draws it; a spoken answer that
+  fails mid-speech (in process, a stage made to fail) leaves the model to the next one;
 - a spoken answer while the engine decodes another request speaks its own states;
-- ``/v1/audio/speech`` says its input as the Python API speaks the same forced answer.
+- ``/v1/audio/speech`` says its input as the Python API speaks the same forced answer
+  (raw PCM streamed, chunked).
 One server serves both the speaking checkpoint and a thinker-only one.
 """
 
@@ -116,7 +120,7 @@ def test_a_spoken_answer_is_the_speech_generate_makes(client, speaking_checkpoin
     assert answer.usage.completion_tokens == expected.generation_tokens
 
 
-def test_a_streamed_spoken_answer_sends_the_transcript_then_the_audio(
+def test_a_streamed_spoken_answer_sends_audio_while_the_text_is_written(
         client, speaking_checkpoint, loaded):
     expected = reference(loaded, "Chelsie")
     stream = chat(client, speaking_checkpoint, modalities=["text", "audio"],
@@ -124,6 +128,7 @@ def test_a_streamed_spoken_answer_sends_the_transcript_then_the_audio(
                   stream_options={"include_usage": True},
                   extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})
     content, transcript, data, finish, usage, ids = [], [], [], [], None, set()
+    order = []  # "text" / "audio" per delta, as they arrive
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -136,6 +141,9 @@ def test_a_streamed_spoken_answer_sends_the_transcript_then_the_audio(
         transcript.append(audio.get("transcript", ""))
         if "data" in audio:
             data.append(base64.b64decode(audio["data"]))
+            order.append("audio")
+        if delta.content:
+            order.append("text")
         finish.append(chunk.choices[0].finish_reason)
     assert "".join(content) == "".join(transcript) == expected.text
     assert len(ids) == 1 and len(data) > 1  # the codec's chunks as they are decoded
@@ -143,6 +151,8 @@ def test_a_streamed_spoken_answer_sends_the_transcript_then_the_audio(
                                   np.frombuffer(pcm16(expected.audio), "<i2"))
     assert finish[-1] == expected.finish_reason
     assert usage.completion_tokens == expected.generation_tokens
+    # the talker follows the thinker: audio arrives before the text's last delta
+    assert order.index("audio") < len(order) - 1 - order[::-1].index("text")
 
 
 def cancelled(server) -> float:
@@ -194,6 +204,57 @@ def test_a_spoken_answer_beside_a_text_answer_being_decoded(client, speaking_che
     assert finished[-1] in ("stop", "length")
     np.testing.assert_array_equal(np.frombuffer(base64.b64decode(answer.choices[0].message.audio.data), "<i2"),
                                   np.frombuffer(pcm16(expected.audio), "<i2"))
+
+
+def test_a_seed_reproduces_the_sampled_talker(client, speaking_checkpoint, loaded):
+    """talker_temperature left out: the checkpoint's talker sampling, drawn from the
+    request's seed as the Python API draws it."""
+    model, processor = loaded
+    expected = mlxvlm.generate(model, processor, MESSAGES, max_tokens=THINKER_TOKENS,
+                               temperature=0.0, seed=5, audio_output=True,
+                               talker_max_frames=FRAMES)
+    answer = chat(client, speaking_checkpoint, modalities=["text", "audio"],
+                  audio={"format": "pcm16"}, seed=5,
+                  extra_body={"talker_max_frames": FRAMES})
+    np.testing.assert_array_equal(
+        np.frombuffer(base64.b64decode(answer.choices[0].message.audio.data), "<i2"),
+        np.frombuffer(pcm16(expected.audio), "<i2"))
+
+
+def test_a_spoken_answer_failing_mid_speech_does_not_hold_the_model(loaded, monkeypatch):
+    """In process (a stage made to fail): the talker raises after a few frames, while the
+    text is still being written; the stream ends with an error event, and the model is
+    free for the next text and spoken answers."""
+    from server_harness import LiveServer
+
+    from mlxvlm.speech.talker import TalkerStream
+
+    step = TalkerStream.step
+
+    def failing_step(self):
+        if self.steps == 3:
+            raise RuntimeError("the talker broke")
+        return step(self)
+
+    model, processor = loaded
+    expected = reference(loaded, None)
+    with LiveServer(model, processor) as live:
+        client = live.client()
+        with monkeypatch.context() as patch:
+            patch.setattr(TalkerStream, "step", failing_step)
+            stream = chat(client, live.config.model_id, modalities=["text", "audio"],
+                          audio={"format": "pcm16"}, stream=True,
+                          extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})
+            with pytest.raises(openai.APIError):
+                for _ in stream:
+                    pass
+        assert chat(client, live.config.model_id).choices[0].message.content
+        answer = chat(client, live.config.model_id, modalities=["text", "audio"],
+                      audio={"format": "pcm16"},
+                      extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})
+    np.testing.assert_array_equal(
+        np.frombuffer(base64.b64decode(answer.choices[0].message.audio.data), "<i2"),
+        np.frombuffer(pcm16(expected.audio), "<i2"))
 
 
 def test_the_voice_changes_the_speech(client, speaking_checkpoint):
@@ -282,8 +343,10 @@ def test_the_speech_endpoint_says_the_input(client, speaking_checkpoint, loaded,
     if fmt == "wav":
         samples, rate = wav_samples(data)
         assert rate == 24000
-    else:
+        assert int(response.headers["content-length"]) == len(data)
+    else:  # streamed as the codec decodes it
         samples = np.frombuffer(data, "<i2")
+        assert response.headers["transfer-encoding"] == "chunked"
     np.testing.assert_array_equal(samples, np.frombuffer(pcm16(expected.audio), "<i2"))
 
 
