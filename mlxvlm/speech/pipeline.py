@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.media.decode_work import check_cancelled
 from mlxvlm.models.layers.hidden_tap import HiddenTap
 from mlxvlm.speech.stages import stages_of
 from mlxvlm.speech.talker import TalkerSampling
@@ -108,6 +109,9 @@ class AnswerSpeaker:
         started = time.perf_counter()
         self.text.follow(self.talker, self.generated, finished)
         while self.talker.ready():
+            # the server's request whose client went away stops here, frame by frame
+            # (its cancel flag; nothing outside a request)
+            check_cancelled("speaking the answer")
             frame = self.talker.step()
             if frame is None:
                 break
