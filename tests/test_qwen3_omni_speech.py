@@ -227,6 +227,19 @@ def test_the_talker_follows_the_thinker_and_speaks_as_if_started_after_it(loaded
     assert len(chunks[0]) == FIRST_CHUNK_FRAMES * 24 - 8
 
 
+def test_a_talker_ending_before_the_text_leaves_the_text_whole(loaded):
+    model, processor = loaded
+    messages = CASES["system_text"][0]
+    results = list(mlxvlm.stream_generate(model, processor, messages, max_tokens=THINKER_TOKENS,
+                                          audio_output=True, talker_temperature=0,
+                                          talker_max_frames=2))
+    text = mlxvlm.generate(model, processor, messages, max_tokens=THINKER_TOKENS)
+    assert [r.token for r in results if r.token is not None] == text.tokens
+    speech = results[-1].speech
+    assert speech.codes.shape == (2, qwen3_omni_speech.CODE_GROUPS)
+    assert len(speech.audio) == 2 * 24 - 8
+
+
 def test_a_seed_makes_the_sampled_talker_reproducible_interleaved_or_not(loaded):
     messages = CASES["conversation"][0]
     sampled = dict(temperature=0.8, seed=7)  # the thinker samples between the talker's steps

@@ -2,12 +2,14 @@
 pipeline drives step by step (so that a streaming orchestrator can drive them chunk by
 chunk, across requests):
 
-- ``qwen3_omni_prompt``: the talker's prompt from the thinker's ids and hidden states
-  (Qwen3-Omni's, as transformers builds it);
+- ``qwen3_omni_prompt``: the talker's text (its prefill, then one row per answer token)
+  from the thinker's ids and hidden states as the answer is written (Qwen3-Omni's, as
+  transformers builds it);
 - ``talker``: the talker's stream of codec frames (its first code, then the code
-  predictor's other groups), with its sampling;
+  predictor's other groups), with its sampling (seeded per draw);
 - ``codec``: code2wav as a stream of waveform chunks that concatenate exactly;
+- ``stages``: each speaking family's text follower, talker and codec, by name;
 - ``voices``: a checkpoint's voices by name; ``wav``: 16-bit PCM WAV files;
-- ``pipeline``: a whole answer spoken, the stages run one after another (what
-  ``generate(..., audio_output=True)`` uses).
+- ``pipeline``: an answer spoken as it is written (``AnswerSpeaker``: the talker follows
+  the thinker token by token), or after (``speak``), with identical codes.
 """

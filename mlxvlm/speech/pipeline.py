@@ -106,6 +106,8 @@ class AnswerSpeaker:
 
     def _run(self, finished: bool) -> Iterator[np.ndarray]:
         """The talker steps while it has its text; a chunk whenever the codec decodes one."""
+        if self.talker.finished:  # at its end of speech or max_frames: nothing to hear
+            return
         started = time.perf_counter()
         self.text.follow(self.talker, self.generated, finished)
         while self.talker.ready():

@@ -43,6 +43,7 @@ class TalkerText:
         self.ended = False
         self._start: int | None = None  # the assistant turn's <|im_start|>
         self._eos: int | None = None  # the index of the first end of sequence generated
+        self._checked = 0  # generated tokens looked at for it
 
     def follow(self, talker, generated, finished: bool) -> None:
         """The thinker has written ``generated`` (all of it when ``finished``): hand
@@ -51,9 +52,10 @@ class TalkerText:
         if self.ended:
             return
         written = len(generated)
-        if self._eos is None:
-            found = [i for i in range(written) if generated[i] in self.eos_ids]
-            self._eos = found[0] if found else None
+        while self._eos is None and self._checked < written:
+            if generated[self._checked] in self.eos_ids:
+                self._eos = self._checked
+            self._checked += 1
         # positions whose embeddings are final: the answer's last token is never fed
         fed = self.prompt_tokens + written - (1 if finished else 0)
         usable = min(self.tap.positions(), fed)
