@@ -350,8 +350,24 @@ def test_the_speech_endpoint_says_the_input(client, speaking_checkpoint, loaded,
     np.testing.assert_array_equal(samples, np.frombuffer(pcm16(expected.audio), "<i2"))
 
 
+def test_the_speech_endpoint_draws_the_sampled_talker_from_the_seed(client, speaking_checkpoint,
+                                                                    loaded):
+    model, processor = loaded
+    forced = ForcedAnswer.of_text(processor, SAID, eos_token_ids(processor))
+    expected = mlxvlm.generate(
+        model, processor, [{"role": "user", "content": SAY_REQUEST.format(text=SAID)}],
+        max_tokens=len(forced.ids), logits_processors=[forced.processor(len(forced.ids))],
+        audio_output=True, seed=11, talker_max_frames=FRAMES)
+    response = client.audio.speech.with_raw_response.create(
+        model=speaking_checkpoint, input=SAID, response_format="pcm", voice="Ethan",
+        extra_body={"seed": 11, "talker_max_frames": FRAMES})
+    np.testing.assert_array_equal(np.frombuffer(response.content, "<i2"),
+                                  np.frombuffer(pcm16(expected.audio), "<i2"))
+
+
 @pytest.mark.parametrize("fields,param", [
     ({"voice": "alloy"}, "voice"),
+    ({"extra_body": {"seed": "x"}}, "seed"),
     ({"response_format": "mp3"}, "response_format"),
     ({"input": ""}, "input"),
 ])

@@ -198,7 +198,8 @@ async def say(request: Request, body: SpeechBody, service: GenerationService) ->
                             body.talker_max_frames, voice_param="voice", modality_param="model")
     forced = ForcedAnswer.of_text(service.processor, body.input,
                                   eos_token_ids(service.processor))
-    options = SamplingOptions(max_tokens=len(forced.ids), extra_processors=(forced,))
+    options = SamplingOptions(max_tokens=len(forced.ids), extra_processors=(forced,),
+                              seed=body.seed)
     messages = [{"role": "user", "content": SAY_REQUEST.format(text=body.input)}]
     with RequestLifetime(service, request) as life:
         if body.response_format == "pcm":

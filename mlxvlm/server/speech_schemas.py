@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from mlxvlm.sampling.ranges import SAMPLING
 from mlxvlm.server.schemas import StrictModel
 
 # OpenAI's limit on the text of one request
@@ -20,3 +21,5 @@ class SpeechBody(StrictModel):
     response_format: Literal["wav", "pcm"] = "wav"
     talker_temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     talker_max_frames: int | None = Field(default=None, ge=1)
+    # mlxvlm's own, as chat completions' seed: the sampled talker's codes drawn from it
+    seed: int | None = Field(default=None, **SAMPLING["seed"].pydantic())
