@@ -105,9 +105,11 @@ def main() -> None:
     print(f"identical codes in every run: {same}")
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
+        codes = runs[0]["codes"]
+        runs = [{k: v for k, v in run.items() if k != "codes"} for run in runs]
         args.output.write_text(json.dumps(dict(model=args.model, max_tokens=args.max_tokens,
                                                frames=args.frames, identical_codes=same,
-                                               runs=runs), indent=1))
+                                               runs=runs, codes=codes)))
 
 
 if __name__ == "__main__":
