@@ -56,7 +56,7 @@ def _float64_product(x: mx.array, w: mx.array) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 151])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 151])
 def test_half_linear_matches_the_float64_product(dtype, rows):
     k1, k2 = mx.random.split(mx.random.key(rows), 2)
     x = mx.random.normal((rows, 203), key=k1)  # 203: not a multiple of the 8-float lanes
@@ -68,7 +68,29 @@ def test_half_linear_matches_the_float64_product(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("rows,K,N", [(5, 16, 1), (145, 161, 33), (300, 700, 1000),
+def test_half_linear_gives_each_row_of_a_batch_what_it_gives_the_row_alone(dtype):
+    """Up to 8 rows (a batched decode step's sequences) share one pass over the weights,
+    each row's sums taken in the order of a row alone: bit for bit the same products, so
+    a sequence decodes the same in a batch as alone. Every register tile's tail: 67
+    outputs (odd: the one-weight-row tile after the multi-row ones), 203 columns (past the
+    last 16- and 8-float vector); a bias and a residual as the decoders add them."""
+    keys = mx.random.split(mx.random.key(7), 4)
+    x = mx.random.normal((8, 203), key=keys[0])
+    w = (mx.random.normal((67, 203), key=keys[1]) * 0.2).astype(dtype)
+    bias = mx.random.normal((67,), key=keys[2])
+    residual = mx.random.normal((8, 67), key=keys[3])
+    mx.eval(x, w, bias, residual)
+    alone = np.concatenate([np.array(kernels.half_linear(x[i : i + 1], w, bias, residual[i : i + 1]))
+                            for i in range(8)])
+    want = _float64_product(x, w) + np.array(bias, np.float64) + np.array(residual, np.float64)
+    np.testing.assert_allclose(alone, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for rows in range(2, 9):
+        together = np.array(kernels.half_linear(x[:rows], w, bias, residual[:rows]))
+        np.testing.assert_array_equal(together, alone[:rows])
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("rows,K,N", [(9, 16, 1), (145, 161, 33), (300, 700, 1000),
                                      (13, 48, 1700)],
                          ids=["one_column", "block_edges", "many_blocks", "column_blocks"])
 def test_half_linear_prefill_blocks_and_edges(dtype, rows, K, N):
@@ -107,10 +129,11 @@ def test_half_linear_adds_the_bias(rows):
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
-@pytest.mark.parametrize("rows", [1, 4, 5, 151])
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 151])
 def test_half_linear_adds_a_residual_in_its_product(rows, with_bias):
-    """residual + x W^T (+ b): rows <= 4 on the gemv, more through sgemm, where the output
-    may take over the residual's buffer (a residual nothing else holds: ``fresh``)."""
+    """residual + x W^T (+ b): rows <= 8 on the gemv, more through the prefill GEMM, where
+    the output may take over the residual's buffer (a residual nothing else holds:
+    ``fresh``)."""
     keys = mx.random.split(mx.random.key(rows + 100 * with_bias), 4)
     x = mx.random.normal((2, rows, 40), key=keys[0])
     w = mx.random.normal((33, 40), key=keys[1]).astype(mx.bfloat16)
