@@ -529,6 +529,9 @@ ATTENTION_CASES = {
     "causal_over_key_blocks": (1, 4, 2, 90, 2200, 64, None, True),  # blocks 1024 + 1024 + 152
     # Odd rows see no key of the first 1024-key block, rows 3 and 7 none at all.
     "first_key_block_masked": (1, 2, 2, 20, 2100, 80, "late_keys", False),
+    # The server's batched decoding: 8 sequences, one query each, 3 heads per kv head
+    # (SmolVLM), the left padding of mlx-lm's batched caches as a boolean mask.
+    "batched_decode": (8, 9, 3, 1, 93, 64, "boolean", False),
 }
 
 
@@ -572,11 +575,14 @@ def test_attention_matches_float64(case):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("B, L, H, KV, D", [(1, 1000, 4, 2, 64), (2, 517, 16, 16, 80)])
+@pytest.mark.parametrize("B, L, H, KV, D", [(1, 1000, 4, 2, 64), (2, 517, 16, 16, 80),
+                                           (3, 40, 4, 2, 64)])
 def test_attention_over_many_blocks_from_strided_inputs(B, L, H, KV, D):
     """Queries in blocks of 256 (the last one ragged), q/k/v as the (B, L, H, D) ->
     (B, H, L, D) transposes models pass (the values are copied to consecutive rows per
-    kv head), grouped-query heads, Qwen2-VL's tower's 16 x 80 heads, a broadcast mask."""
+    kv head), grouped-query heads, Qwen2-VL's tower's 16 x 80 heads, a broadcast mask;
+    and few queries in several sequences (one task per sequence and kv head, each
+    copying its values)."""
     keys = mx.random.split(mx.random.key(9), 4)
     q = mx.random.normal((B, L, H, D), key=keys[0]).transpose(0, 2, 1, 3)
     k = mx.random.normal((B, L, KV, D), key=keys[1]).transpose(0, 2, 1, 3)

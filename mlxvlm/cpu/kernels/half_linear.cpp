@@ -49,6 +49,21 @@ void gemv_portable(const float* x, int64_t rows, int64_t K, const uint16_t* w,
 }
 
 #ifdef MLXVLM_X86
+// How far ahead of the weight rows being read the gemv asks for the next ones. With
+// several rows of x the FMAs on each cache line take long enough that the hardware's own
+// prefetching no longer overlapped the reads with them (the time of 8 rows was a 1-row
+// read plus an in-cache 8-row product); 4 KB ahead measured best of 1-8 KB
+// (benchmarks/decoding-and-serving.md, "Batched decoding on a CPU").
+constexpr int64_t kPrefetchBytes = 4096;
+
+// The cache lines of the next `bytes` weight bytes from `at`, into L1 (a tile's k-step
+// reads R rows x one vector of 16-bit weights; consecutive tiles' rows are contiguous, so
+// the requests of a tile cover the bytes kPrefetchBytes beyond it).
+template <int bytes>
+inline void prefetch_ahead(const char* at) {
+  for (int line = 0; line < (bytes + 63) / 64; line++) _mm_prefetch(at + 64 * line, _MM_HINT_T0);
+}
+
 // R weight rows at a time against M rows of x: R x M independent accumulators.
 template <Half kind, int M, int R>
 MLXVLM_AVX2 int64_t gemv_tile_avx2(const float* x, int64_t K, const uint16_t* w, int64_t n0,
@@ -58,6 +73,7 @@ MLXVLM_AVX2 int64_t gemv_tile_avx2(const float* x, int64_t K, const uint16_t* w,
     __m256 acc[R][M];
     for (int r = 0; r < R; r++)
       for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
+    const char* ahead = reinterpret_cast<const char*>(w + n * K) + kPrefetchBytes;
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
       __m256 xs[M];
@@ -66,6 +82,7 @@ MLXVLM_AVX2 int64_t gemv_tile_avx2(const float* x, int64_t K, const uint16_t* w,
         __m256 wv = load_half8<kind>(w + (n + r) * K + k);
         for (int m = 0; m < M; m++) acc[r][m] = _mm256_fmadd_ps(wv, xs[m], acc[r][m]);
       }
+      prefetch_ahead<16 * R>(ahead + 2 * R * k);
     }
     for (int r = 0; r < R; r++) {
       for (int m = 0; m < M; m++) {
@@ -100,6 +117,7 @@ MLXVLM_AVX512 int64_t gemv_tile_avx512(const float* x, int64_t K, const uint16_t
     __m512 acc[R][M];
     for (int r = 0; r < R; r++)
       for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+    const char* ahead = reinterpret_cast<const char*>(w + n * K) + kPrefetchBytes;
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
       __m512 xs[M];
@@ -108,6 +126,7 @@ MLXVLM_AVX512 int64_t gemv_tile_avx512(const float* x, int64_t K, const uint16_t
         __m512 wv = load_half16<kind>(w + (n + r) * K + k);
         for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(wv, xs[m], acc[r][m]);
       }
+      prefetch_ahead<32 * R>(ahead + 2 * R * k);
     }
     for (int r = 0; r < R; r++) {
       for (int m = 0; m < M; m++) {
