@@ -56,7 +56,7 @@ def _float64_product(x: mx.array, w: mx.array) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 151])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 151])
 def test_half_linear_matches_the_float64_product(dtype, rows):
     k1, k2 = mx.random.split(mx.random.key(rows), 2)
     x = mx.random.normal((rows, 203), key=k1)  # 203: not a multiple of the 8-float lanes
@@ -68,7 +68,29 @@ def test_half_linear_matches_the_float64_product(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("rows,K,N", [(5, 16, 1), (145, 161, 33), (300, 700, 1000),
+def test_half_linear_gives_each_row_of_a_batch_what_it_gives_the_row_alone(dtype):
+    """Up to 8 rows (a batched decode step's sequences) share one pass over the weights,
+    each row's sums taken in the order of a row alone: bit for bit the same products, so
+    a sequence decodes the same in a batch as alone. Every register tile's tail: 67
+    outputs (odd: the one-weight-row tile after the multi-row ones), 203 columns (past the
+    last 16- and 8-float vector); a bias and a residual as the decoders add them."""
+    keys = mx.random.split(mx.random.key(7), 4)
+    x = mx.random.normal((8, 203), key=keys[0])
+    w = (mx.random.normal((67, 203), key=keys[1]) * 0.2).astype(dtype)
+    bias = mx.random.normal((67,), key=keys[2])
+    residual = mx.random.normal((8, 67), key=keys[3])
+    mx.eval(x, w, bias, residual)
+    alone = np.concatenate([np.array(kernels.half_linear(x[i : i + 1], w, bias, residual[i : i + 1]))
+                            for i in range(8)])
+    want = _float64_product(x, w) + np.array(bias, np.float64) + np.array(residual, np.float64)
+    np.testing.assert_allclose(alone, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for rows in range(2, 9):
+        together = np.array(kernels.half_linear(x[:rows], w, bias, residual[:rows]))
+        np.testing.assert_array_equal(together, alone[:rows])
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("rows,K,N", [(9, 16, 1), (145, 161, 33), (300, 700, 1000),
                                      (13, 48, 1700)],
                          ids=["one_column", "block_edges", "many_blocks", "column_blocks"])
 def test_half_linear_prefill_blocks_and_edges(dtype, rows, K, N):
@@ -107,10 +129,11 @@ def test_half_linear_adds_the_bias(rows):
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
-@pytest.mark.parametrize("rows", [1, 4, 5, 151])
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 151])
 def test_half_linear_adds_a_residual_in_its_product(rows, with_bias):
-    """residual + x W^T (+ b): rows <= 4 on the gemv, more through sgemm, where the output
-    may take over the residual's buffer (a residual nothing else holds: ``fresh``)."""
+    """residual + x W^T (+ b): rows <= 8 on the gemv, more through the prefill GEMM, where
+    the output may take over the residual's buffer (a residual nothing else holds:
+    ``fresh``)."""
     keys = mx.random.split(mx.random.key(rows + 100 * with_bias), 4)
     x = mx.random.normal((2, rows, 40), key=keys[0])
     w = mx.random.normal((33, 40), key=keys[1]).astype(mx.bfloat16)
@@ -506,6 +529,9 @@ ATTENTION_CASES = {
     "causal_over_key_blocks": (1, 4, 2, 90, 2200, 64, None, True),  # blocks 1024 + 1024 + 152
     # Odd rows see no key of the first 1024-key block, rows 3 and 7 none at all.
     "first_key_block_masked": (1, 2, 2, 20, 2100, 80, "late_keys", False),
+    # The server's batched decoding: 8 sequences, one query each, 3 heads per kv head
+    # (SmolVLM), the left padding of mlx-lm's batched caches as a boolean mask.
+    "batched_decode": (8, 9, 3, 1, 93, 64, "boolean", False),
 }
 
 
@@ -549,11 +575,14 @@ def test_attention_matches_float64(case):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("B, L, H, KV, D", [(1, 1000, 4, 2, 64), (2, 517, 16, 16, 80)])
+@pytest.mark.parametrize("B, L, H, KV, D", [(1, 1000, 4, 2, 64), (2, 517, 16, 16, 80),
+                                           (3, 40, 4, 2, 64)])
 def test_attention_over_many_blocks_from_strided_inputs(B, L, H, KV, D):
     """Queries in blocks of 256 (the last one ragged), q/k/v as the (B, L, H, D) ->
     (B, H, L, D) transposes models pass (the values are copied to consecutive rows per
-    kv head), grouped-query heads, Qwen2-VL's tower's 16 x 80 heads, a broadcast mask."""
+    kv head), grouped-query heads, Qwen2-VL's tower's 16 x 80 heads, a broadcast mask;
+    and few queries in several sequences (one task per sequence and kv head, each
+    copying its values)."""
     keys = mx.random.split(mx.random.key(9), 4)
     q = mx.random.normal((B, L, H, D), key=keys[0]).transpose(0, 2, 1, 3)
     k = mx.random.normal((B, L, KV, D), key=keys[1]).transpose(0, 2, 1, 3)

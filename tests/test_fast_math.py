@@ -79,6 +79,45 @@ def test_activations_match_mlx_in_value_and_gradient(fast, reference, monkeypatc
 _SILU_GATED = fast_math.gated(fast_math.silu)
 
 
+def test_logsumexp_matches_float64_and_mlx_at_the_edges():
+    """A sampling step's normalization over a vocabulary-wide row: float64's value, and
+    MLX's logsumexp where a row is all -inf (a grammar that allows nothing), holds +inf
+    or NaN; MLX's gradient."""
+    x = mx.random.normal((3, 49280), key=mx.random.key(3)) * 8
+    mx.eval(x)
+    values = np.array(x, np.float64)
+    top = values.max(axis=-1, keepdims=True)
+    want = np.log(np.exp(values - top).sum(axis=-1, keepdims=True)) + top
+    got = fast_math.logsumexp_last(x)
+    assert got.shape == (3, 1) and got.dtype == mx.float32
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-6)
+    inf, nan = float("inf"), float("nan")
+    edges = mx.array([[-inf, -inf, -inf], [0.0, inf, 1.0], [0.0, nan, 1.0], [-inf, 0.0, -inf],
+                      [-1e30, 1e30, 0.0]])
+    np.testing.assert_array_equal(np.array(fast_math.logsumexp_last(edges)),
+                                  np.array(mx.logsumexp(edges, axis=-1, keepdims=True)))
+    small = x[:, :300]
+    grad = mx.grad(lambda v: (fast_math.logsumexp_last(v) ** 2).sum())(small)
+    want_grad = mx.grad(lambda v: (mx.logsumexp(v, axis=-1, keepdims=True) ** 2).sum())(small)
+    np.testing.assert_allclose(np.array(grad), np.array(want_grad), rtol=1e-5, atol=1e-7)
+
+
+def test_gated_activation_takes_the_kernel_at_decode_sizes(monkeypatch):
+    """A decode step's gated MLP (8 rows of 1536: under MIN_ELEMENTS) through mlxvlm's
+    vectorised kernel, not MLX's compiled one (scalar exponentials), with MLX's values."""
+    gate, up = (mx.random.normal((8, 1536), key=mx.random.key(i)) * 4 for i in (1, 2))
+    assert gate.size < fast_math.MIN_ELEMENTS
+    calls = []
+    original = kernels.activation
+    monkeypatch.setattr(kernels, "activation",
+                        lambda *a, **k: calls.append(a[1]) or original(*a, **k))
+    got = _SILU_GATED(gate, up)
+    assert calls == ["silu"]
+    np.testing.assert_allclose(np.array(got), np.array(nn.silu(gate) * up), rtol=2e-6, atol=2e-6)
+
+
+
+
 @pytest.mark.parametrize(
     "fast,reference,arity",
     [

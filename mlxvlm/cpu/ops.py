@@ -8,7 +8,7 @@ and CUDA it is plain MLX, exactly as if this package did not exist.
 - attention: ``scaled_dot_product_attention`` (``mx.fast``'s signature) and
   ``cached_attention`` (mlx-lm's, for text decoders with a KV cache);
 - activations: ``gelu_tanh``, ``quick_gelu``, ``silu``, ``exp``, and ``gated(act)``
-  for ``act(gate) * up``;
+  for ``act(gate) * up``; ``logsumexp_last`` (a sampling step's normalization);
 - rotations from cos/sin tables: ``rotary_takes_kernel`` / ``rotary`` (the composition
   itself is the model code's);
 - residuals: ``residual_plus(residual, layer, x)``;
@@ -37,6 +37,7 @@ gelu_tanh = _fast_math.gelu_tanh
 quick_gelu = _fast_math.quick_gelu
 silu = _fast_math.silu
 exp = _fast_math.exp
+logsumexp_last = _fast_math.logsumexp_last
 gated = _fast_math.gated
 
 rotary_takes_kernel = _rotary.takes_kernel
@@ -47,7 +48,7 @@ if TYPE_CHECKING:  # the report's type, without importing the rewrites
 
 __all__ = [
     "scaled_dot_product_attention", "cached_attention", "gelu_tanh", "quick_gelu", "silu",
-    "exp", "gated", "rotary_takes_kernel", "rotary", "residual_plus", "keeps_half_weights",
+    "exp", "logsumexp_last", "gated", "rotary_takes_kernel", "rotary", "residual_plus", "keeps_half_weights",
     "cast_to_float32_keeping_half_weights", "apply_cpu_fast_paths",
     "stream_quantized_layers", "process_status", "kernels_status",
 ]

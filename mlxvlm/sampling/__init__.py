@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from mlxvlm.cpu.ops import logsumexp_last
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.sampling.ranges import SAMPLING, at_least, check
 from mlxvlm.sampling.defaults import invalid_sampling_value
@@ -192,7 +193,7 @@ def sampling_step(
                         row.failure, row_logits = error, bare
             parts.append(row_logits)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logprobs = logits - logsumexp_last(logits)
     tokens = _sample_rows(rows, logprobs)
     for row in rows:
         row.sampled += 1

@@ -354,9 +354,29 @@ void attention_avx512(const Problem& p) {
   // Values already in consecutive rows (a (batch, heads, keys, dims) layout) are read in
   // place; a single query row reads each value once, so copying would not pay either.
   const bool copy_values = p.v.row != p.dims && p.queries > 1;
+  Scratch scores(static_cast<size_t>(workers * kQueryTile * kKeyBlock));
+  if (tiles == 1 && p.batch * p.kv_heads > 1) {
+    // Decoding (a query or a few per sequence): each (sequence, kv head) is one task --
+    // its keys packed by the worker that takes it, then its heads' query tiles -- so a
+    // batched step's attention is one job for the threads, not one per sequence and kv
+    // head (each far shorter than waking the threads for it).
+    const int64_t key_floats = panels * 16 * p.dims, value_floats = p.keys * p.dims;
+    Scratch packed(static_cast<size_t>(workers * key_floats));
+    Scratch packed_values(copy_values ? static_cast<size_t>(workers * value_floats) : 0);
+    parallel_tasks(p.batch * p.kv_heads, [&](int64_t task, int worker) {
+      const int64_t b = task / p.kv_heads, kv = task % p.kv_heads;
+      float* keys = packed.data() + worker * key_floats;
+      float* values = copy_values ? packed_values.data() + worker * value_floats : nullptr;
+      pack_keys(p.k.at(b, kv, 0), p.k.row, p.keys, p.dims, 0, panels, keys);
+      if (copy_values) pack_values(p.v.at(b, kv, 0), p.v.row, p.dims, 0, p.keys, values);
+      for (int64_t h = kv * repeats; h < (kv + 1) * repeats; h++)
+        query_tile(p, b, h, 0, p.queries, keys, copy_values ? values : p.v.at(b, kv, 0),
+                   copy_values ? p.dims : p.v.row, scores.data() + worker * kQueryTile * kKeyBlock);
+    });
+    return;
+  }
   Scratch packed(static_cast<size_t>(panels * 16 * p.dims));
   Scratch packed_values(copy_values ? static_cast<size_t>(p.keys * p.dims) : 0);
-  Scratch scores(static_cast<size_t>(workers * kQueryTile * kKeyBlock));
   for (int64_t b = 0; b < p.batch; b++) {
     for (int64_t kv = 0; kv < p.kv_heads; kv++) {
       const float* k = p.k.at(b, kv, 0);

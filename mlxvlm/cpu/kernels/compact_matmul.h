@@ -2,9 +2,10 @@
 // (+ addend, a (rows x N) row-major matrix: a residual that the layer's output is added
 // to, which may be y's own buffer in prefill) for a weight stored compactly, known
 // through
-//   gemv(n0, n1):                for up to kMaxGemvRows rows of x, y[:, n0:n1) from the
-//                                compact weight directly (decoding: reads the fewest
-//                                bytes);
+//   gemv(n0, n1):                for up to `max_gemv_rows` rows of x (kMaxGemvRows unless
+//                                the kernel says more), y[:, n0:n1) from the compact
+//                                weight directly (decoding, one row per sequence of a
+//                                batch: reads the fewest bytes);
 //   weights.row(n, k0, kc, out): W[n][k0 : k0 + kc) as float32 (k0 a multiple of 16), for
 //                                more rows (prefill), either packed by mlxvlm's AVX-512
 //                                GEMM as it goes (packed_gemm.h) or a chunk of whole rows
@@ -67,8 +68,8 @@ inline std::string& half_gemm_setting() {
 template <class Gemv, class Weights>
 void compact_matmul(const float* x, int64_t rows, int64_t K, int64_t N, const float* bias,
                     const float* addend, float* y, Gemv&& gemv, const Weights& weights,
-                    Prefill prefill = Prefill::chosen) {
-  if (rows <= kMaxGemvRows) {  // the gemv writes y first: addend must not be y here
+                    Prefill prefill = Prefill::chosen, int64_t max_gemv_rows = kMaxGemvRows) {
+  if (rows <= max_gemv_rows) {  // the gemv writes y first: addend must not be y here
     parallel_for(N, std::max<int64_t>(1, kMinGemvPerWorker / K), [&](int64_t n0, int64_t n1) {
       gemv(n0, n1);
       for (int64_t m = 0; m < rows; m++) {

@@ -4,9 +4,14 @@
 // mlxvlm used to convert a bf16 checkpoint's weights to float32, doubling their memory.
 // This primitive keeps the 16-bit weights and computes in float32 (plus an optional
 // float32 bias):
-// - up to four rows of x (decoding): a gemv that converts each weight row as it streams
-//   it (AVX-512, AVX2 or portable loops), split over the CPU threads; it reads half the
-//   bytes a float32 gemv reads;
+// - up to eight rows of x (decoding, one row per sequence of a batch): a gemv that
+//   converts each weight row as it streams it (AVX-512, AVX2 or portable loops), split
+//   over the CPU threads, every row of x against each weight row in registers, so that a
+//   batched step reads and converts the weights once for all its sequences (the GEMM
+//   below padded 8 rows to its 12-row tiles and packed the weights first); it reads half
+//   the bytes a float32 gemv reads. Each row of x takes the same accumulations in the
+//   same order whatever rows are beside it: a sequence's products in a batch are bit
+//   for bit its products alone;
 // - more rows (prefill): on CPUs with AVX-512, a blocked GEMM of our own that converts the
 //   weights as it packs them (packed_gemm.h), where it measures faster; otherwise the
 //   weight is converted in chunks of rows (at most 16 MB of float32 at a time) and each
@@ -44,6 +49,21 @@ void gemv_portable(const float* x, int64_t rows, int64_t K, const uint16_t* w,
 }
 
 #ifdef MLXVLM_X86
+// How far ahead of the weight rows being read the gemv asks for the next ones. With
+// several rows of x the FMAs on each cache line take long enough that the hardware's own
+// prefetching no longer overlapped the reads with them (the time of 8 rows was a 1-row
+// read plus an in-cache 8-row product); 4 KB ahead measured best of 1-8 KB
+// (benchmarks/decoding-and-serving.md, "Batched decoding on a CPU").
+constexpr int64_t kPrefetchBytes = 4096;
+
+// The cache lines of the next `bytes` weight bytes from `at`, into L1 (a tile's k-step
+// reads R rows x one vector of 16-bit weights; consecutive tiles' rows are contiguous, so
+// the requests of a tile cover the bytes kPrefetchBytes beyond it).
+template <int bytes>
+inline void prefetch_ahead(const char* at) {
+  for (int line = 0; line < (bytes + 63) / 64; line++) _mm_prefetch(at + 64 * line, _MM_HINT_T0);
+}
+
 // R weight rows at a time against M rows of x: R x M independent accumulators.
 template <Half kind, int M, int R>
 MLXVLM_AVX2 int64_t gemv_tile_avx2(const float* x, int64_t K, const uint16_t* w, int64_t n0,
@@ -53,6 +73,7 @@ MLXVLM_AVX2 int64_t gemv_tile_avx2(const float* x, int64_t K, const uint16_t* w,
     __m256 acc[R][M];
     for (int r = 0; r < R; r++)
       for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
+    const char* ahead = reinterpret_cast<const char*>(w + n * K) + kPrefetchBytes;
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
       __m256 xs[M];
@@ -61,6 +82,7 @@ MLXVLM_AVX2 int64_t gemv_tile_avx2(const float* x, int64_t K, const uint16_t* w,
         __m256 wv = load_half8<kind>(w + (n + r) * K + k);
         for (int m = 0; m < M; m++) acc[r][m] = _mm256_fmadd_ps(wv, xs[m], acc[r][m]);
       }
+      prefetch_ahead<16 * R>(ahead + 2 * R * k);
     }
     for (int r = 0; r < R; r++) {
       for (int m = 0; m < M; m++) {
@@ -74,10 +96,11 @@ MLXVLM_AVX2 int64_t gemv_tile_avx2(const float* x, int64_t K, const uint16_t* w,
   return n;
 }
 
+// Weight rows per tile: R x M accumulators and M rows of x within the 16 registers.
 template <Half kind, int M>
 MLXVLM_AVX2 void gemv_avx2(const float* x, int64_t K, const uint16_t* w, int64_t n0,
                            int64_t n1, float* y, int64_t N) {
-  constexpr int R = M <= 2 ? 4 : 2;
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
   int64_t n = gemv_tile_avx2<kind, M, R>(x, K, w, n0, n1, y, N);
   gemv_tile_avx2<kind, M, 1>(x, K, w, n, n1, y, N);
 }
@@ -94,6 +117,7 @@ MLXVLM_AVX512 int64_t gemv_tile_avx512(const float* x, int64_t K, const uint16_t
     __m512 acc[R][M];
     for (int r = 0; r < R; r++)
       for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+    const char* ahead = reinterpret_cast<const char*>(w + n * K) + kPrefetchBytes;
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
       __m512 xs[M];
@@ -102,6 +126,7 @@ MLXVLM_AVX512 int64_t gemv_tile_avx512(const float* x, int64_t K, const uint16_t
         __m512 wv = load_half16<kind>(w + (n + r) * K + k);
         for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(wv, xs[m], acc[r][m]);
       }
+      prefetch_ahead<32 * R>(ahead + 2 * R * k);
     }
     for (int r = 0; r < R; r++) {
       for (int m = 0; m < M; m++) {
@@ -115,6 +140,7 @@ MLXVLM_AVX512 int64_t gemv_tile_avx512(const float* x, int64_t K, const uint16_t
   return n;
 }
 
+// Weight rows per tile: R x M accumulators and M rows of x within the 32 registers.
 template <Half kind, int M>
 MLXVLM_AVX512 void gemv_avx512(const float* x, int64_t K, const uint16_t* w, int64_t n0,
                                int64_t n1, float* y, int64_t N) {
@@ -124,26 +150,30 @@ MLXVLM_AVX512 void gemv_avx512(const float* x, int64_t K, const uint16_t* w, int
 }
 #endif
 
+// Rows of x up to which the gemv runs (above it, prefill's GEMM): one pass over the
+// weight rows with every row of x in registers. At 16 rows the GEMM measured faster.
+constexpr int64_t kMaxHalfGemvRows = 8;
+
+#ifdef MLXVLM_X86
+#define MLXVLM_GEMV_CASES(ISA)                                  \
+  switch (rows) {                                               \
+    case 1: return gemv_##ISA<kind, 1>(x, K, w, n0, n1, y, N);  \
+    case 2: return gemv_##ISA<kind, 2>(x, K, w, n0, n1, y, N);  \
+    case 3: return gemv_##ISA<kind, 3>(x, K, w, n0, n1, y, N);  \
+    case 4: return gemv_##ISA<kind, 4>(x, K, w, n0, n1, y, N);  \
+    case 5: return gemv_##ISA<kind, 5>(x, K, w, n0, n1, y, N);  \
+    case 6: return gemv_##ISA<kind, 6>(x, K, w, n0, n1, y, N);  \
+    case 7: return gemv_##ISA<kind, 7>(x, K, w, n0, n1, y, N);  \
+    case 8: return gemv_##ISA<kind, 8>(x, K, w, n0, n1, y, N);  \
+  }
+#endif
+
 template <Half kind>
 void gemv_rows(const float* x, int64_t rows, int64_t K, const uint16_t* w, int64_t n0,
                int64_t n1, float* y, int64_t N) {
 #ifdef MLXVLM_X86
-  if (has_avx512()) {
-    switch (rows) {
-      case 1: return gemv_avx512<kind, 1>(x, K, w, n0, n1, y, N);
-      case 2: return gemv_avx512<kind, 2>(x, K, w, n0, n1, y, N);
-      case 3: return gemv_avx512<kind, 3>(x, K, w, n0, n1, y, N);
-      case 4: return gemv_avx512<kind, 4>(x, K, w, n0, n1, y, N);
-    }
-  }
-  if (has_avx2()) {
-    switch (rows) {
-      case 1: return gemv_avx2<kind, 1>(x, K, w, n0, n1, y, N);
-      case 2: return gemv_avx2<kind, 2>(x, K, w, n0, n1, y, N);
-      case 3: return gemv_avx2<kind, 3>(x, K, w, n0, n1, y, N);
-      case 4: return gemv_avx2<kind, 4>(x, K, w, n0, n1, y, N);
-    }
-  }
+  if (has_avx512()) MLXVLM_GEMV_CASES(avx512)
+  if (has_avx2()) MLXVLM_GEMV_CASES(avx2)
 #endif
   gemv_portable<kind>(x, rows, K, w, n0, n1, y, N);
 }
@@ -171,7 +201,7 @@ void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Hal
         else
           gemv_rows<Half::float16>(x, rows, K, w, n0, n1, y, N);
       },
-      HalfRows{w, K, kind}, prefill);
+      HalfRows{w, K, kind}, prefill, kMaxHalfGemvRows);
 }
 
 // How prefill's products run (compact_matmul.h), decided once per process:
@@ -343,7 +373,7 @@ array half_linear(const array& x, const array& weight, const std::optional<array
       throw std::invalid_argument("[half_linear] residual must have the output's shape");
     inputs.push_back(astype(*residual, float32, stream));
   }
-  const bool prefill = x.size() / weight.shape(1) > kMaxGemvRows;
+  const bool prefill = x.size() / weight.shape(1) > kMaxHalfGemvRows;
   return array(shape, float32,
                std::make_shared<HalfLinear>(stream, bias.has_value(), residual.has_value(),
                                             residual.has_value() && prefill),
