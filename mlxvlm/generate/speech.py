@@ -56,13 +56,15 @@ def thinker_states(model) -> Iterator:
 
 
 def speak_answer(model, processor, tap, prompt_tokens: int, tokens, request: SpeechRequest,
-                 started: float, on_chunk=None) -> tuple[Speech, float | None]:
+                 started: float, on_chunk=None, on_frame=None) -> tuple[Speech, float | None]:
     """The answer spoken, and the seconds from ``started`` (perf_counter) to its first
-    decoded audio; ``on_chunk(samples)`` as each chunk is decoded."""
+    decoded audio; ``on_chunk(samples)`` as each chunk is decoded, ``on_frame(codes)`` as
+    each frame is spoken."""
     text_done = time.perf_counter()
     speech = speak(model, tap, prompt_tokens, tokens, eos_token_ids(processor),
                    voice=request.voice, talker_temperature=request.talker_temperature,
-                   max_frames=request.talker_max_frames, on_chunk=on_chunk)
+                   max_frames=request.talker_max_frames, on_chunk=on_chunk,
+                   on_frame=on_frame)
     first = None
     if speech.first_audio_seconds is not None:
         first = text_done - started + speech.first_audio_seconds

@@ -8,6 +8,7 @@ chunk, across requests):
   predictor's other groups), with its sampling;
 - ``codec``: code2wav as a stream of waveform chunks that concatenate exactly;
 - ``voices``: a checkpoint's voices by name; ``wav``: 16-bit PCM WAV files;
+- ``duration``: codec frames per second of audio, the frames a bound in seconds allows;
 - ``pipeline``: a whole answer spoken, the stages run one after another (what
   ``generate(..., audio_output=True)`` uses).
 """

@@ -57,9 +57,12 @@ def hidden_tap(model) -> HiddenTap:
 
 def speak(model, tap: HiddenTap, prompt_tokens: int, generated_ids, eos_ids, *,
           voice: str | None = None, talker_temperature: float | None = None,
-          max_frames: int = 4096, on_chunk: Callable[[np.ndarray], None] | None = None) -> Speech:
+          max_frames: int = 4096, on_chunk: Callable[[np.ndarray], None] | None = None,
+          on_frame: Callable[[np.ndarray], None] | None = None) -> Speech:
     """The answer ``generated_ids`` (to the prompt of ``prompt_tokens`` tokens) spoken,
-    from the thinker states ``tap`` recorded while it was written."""
+    from the thinker states ``tap`` recorded while it was written. ``on_frame(codes)``
+    after each frame, ``on_chunk(samples)`` after each decoded chunk (either may raise
+    to stop the speech there: a client that went away)."""
     name, speaker = speech_voice(model, voice)
     sampling = TalkerSampling.from_temperature(talker_temperature, max_frames)
     start = time.perf_counter()
@@ -97,6 +100,8 @@ def speak(model, tap: HiddenTap, prompt_tokens: int, generated_ids, eos_ids, *,
     talker.prefill(prompt.embeddings, prompt.positions)
     while (frame := talker.step()) is not None:
         frames.append(frame)
+        if on_frame is not None:
+            on_frame(frame)
         emit(codec.push(frame))
     emit(codec.flush())
     mx.clear_cache()
