@@ -9,6 +9,8 @@ closed); answers are serialized by a lock (the engine owns the one model; the pa
 other users wait their turn), and ``respond`` is the
 generator Gradio's ``ChatInterface`` streams from: when Gradio closes it (the stop
 button), the request is cancelled and the engine stops computing it at its next step.
+A model that speaks answers aloud outside the engine, with the model held alone
+(``spoken_answers``), and reuses no prefix there.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from mlxvlm.media import MediaPolicy
 from mlxvlm.batching.prefix_cache import PrefixCache
 from mlxvlm.preparation import PreparationPools
 from mlxvlm.prompt import prepare_inputs
-from mlxvlm.ui.conversation import NOTICE_TITLE, attachment_paths, build_conversation
 from mlxvlm.speech.duration import DEFAULT_MAX_SPEECH_SECONDS
+from mlxvlm.ui.conversation import NOTICE_TITLE, attachment_paths, build_conversation
 from mlxvlm.ui.media_kinds import supported_kinds
 from mlxvlm.ui.spoken_answers import (SpeechSettings, messages_of, speaks, speech_request,
                                       spoken_turn, voices)
