@@ -174,10 +174,12 @@ def run_mlxvlm(directory: Path, prompt: int, frames: int, precision: str = "floa
         if precision == "float32" or name.startswith("code2wav."):
             weights[name] = weights[name].astype(mx.float32)
         mx.eval(weights[name])
+    # popped: each tensor is held once, by the talker, once it is loaded
     talker_weights = qwen3_vl_moe.split_experts(
-        {k[len("talker."):]: v for k, v in weights.items() if k.startswith("talker.")},
+        {k[len("talker."):]: weights.pop(k) for k in list(weights) if k.startswith("talker.")},
         talker_config.text, out_in=True)
     talker.load_weights(list(talker_weights.items()), strict=True)
+    del talker_weights
     codec_weights = {}
     for name, value in weights.items():
         if name.startswith("code2wav.") and not name.endswith("code_offset"):
