@@ -153,7 +153,7 @@ def prepare_talker(talker, precision: str, fast_paths: bool):
 
 
 def run_mlxvlm(directory: Path, prompt: int, frames: int, precision: str = "float32",
-               fast_paths: bool = True) -> dict:
+               fast_paths: bool = True, codec_too: bool = True) -> dict:
     import mlxvlm  # noqa: F401  (first: its CPU set-up runs before MLX loads)
     import mlx.core as mx
     import numpy as np
@@ -221,7 +221,10 @@ def run_mlxvlm(directory: Path, prompt: int, frames: int, precision: str = "floa
         frame = stream.step()
         talker_seconds += time.perf_counter() - t
         t = time.perf_counter()
-        chunk = codec.push(frame) if frame is not None else codec.flush()
+        if not codec_too:
+            chunk = None
+        else:
+            chunk = codec.push(frame) if frame is not None else codec.flush()
         if chunk is not None:
             chunks.append(chunk)
             if first_audio is None:
@@ -295,7 +298,8 @@ def run_child(engine: str, args, precision: str) -> dict:
     child = subprocess.run([sys.executable, __file__, "--engine", engine, "--experts",
                             str(args.experts), "--frames", str(args.frames), "--prompt",
                             str(args.prompt), "--weights", precision,
-                            *(["--no-cpu-fast-paths"] if args.no_cpu_fast_paths else [])],
+                            *(["--no-cpu-fast-paths"] if args.no_cpu_fast_paths else []),
+                            *(["--talker-only"] if args.talker_only else [])],
                            capture_output=True, text=True, check=True)
     result = json.loads(child.stdout.strip().splitlines()[-1])
     result["load_average"] = os.getloadavg()[0]
@@ -312,6 +316,8 @@ def main() -> int:
                         help="mlxvlm's talker weights; several are run in turn")
     parser.add_argument("--no-cpu-fast-paths", action="store_true",
                         help="mlxvlm's talker on MLX's own layers (no loader CPU rewrite)")
+    parser.add_argument("--talker-only", action="store_true",
+                        help="mlxvlm: the talker's frames without code2wav (no audio)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of each engine and weights, alternating round by round")
     parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)  # a child's
@@ -321,7 +327,7 @@ def main() -> int:
     if args.engine is not None:
         if args.engine == "mlxvlm":
             result = run_mlxvlm(directory, args.prompt, args.frames, args.weights[0],
-                                not args.no_cpu_fast_paths)
+                                not args.no_cpu_fast_paths, not args.talker_only)
         else:
             result = run_transformers(directory, args.prompt, args.frames)
         print(json.dumps(result))
@@ -346,8 +352,10 @@ def main() -> int:
             n = min(len(reference), len(r["codes"]))
             equal = sum(a == b for a, b in zip(reference[:n], r["codes"][:n]))
             same = f"; {equal}/{n} frames as float32's"
+        first = r["first_audio_seconds"]  # None: the codec was left out
+        first = "-" if first is None else f"{first:.2f}"
         print(f"{r['engine']:>12} {r.get('weights', 'float32'):>8}: {r['frames']} frames, "
-              f"{r['audio_seconds']:.2f} s audio; first audio {r['first_audio_seconds']:.2f} s; "
+              f"{r['audio_seconds']:.2f} s audio; first audio {first} s; "
               f"talker {1000 * r['talker_seconds'] / frames:.0f} ms/frame{split}; codec "
               f"{r['codec_seconds']:.2f} s; real-time factor {factor:.2f}; peak RSS "
               f"{r['peak_rss_gb']:.2f} GB; load {r['load_seconds']:.1f} s; load average "
