@@ -4,6 +4,7 @@ talker (with its code predictor) and code2wav, mlxvlm against transformers.
     python benchmarks/omni_speech.py                        # 6 experts, 48 frames
     python benchmarks/omni_speech.py --experts 128 --frames 125 --output r.json
     python benchmarks/omni_speech.py --engines mlxvlm --weights float32 bfloat16 q8 q4 --rounds 2
+    python benchmarks/omni_speech.py --engines mlxvlm --weights float32 q4 --talker-only
 
 The talker and codec have Qwen/Qwen3-Omni-30B-A3B-Instruct's shapes (its config.json:
 a 20-layer 1024-wide MoE talker, 6 of its experts per token with a shared expert, 16
