@@ -3,6 +3,8 @@ talker (with its code predictor) and code2wav, mlxvlm against transformers.
 
     python benchmarks/omni_speech.py                        # 6 experts, 48 frames
     python benchmarks/omni_speech.py --experts 128 --frames 125 --output r.json
+    python benchmarks/omni_speech.py --engines mlxvlm --weights float32 bfloat16 q8 q4 --rounds 2
+    python benchmarks/omni_speech.py --engines mlxvlm --weights float32 q4 --talker-only
 
 The talker and codec have Qwen/Qwen3-Omni-30B-A3B-Instruct's shapes (its config.json:
 a 20-layer 1024-wide MoE talker, 6 of its experts per token with a shared expert, 16
@@ -14,6 +16,17 @@ a token uses): a token's work is the same (6 experts of 384), only memory shrink
 experts in float32 are 12 GB; with 6, both engines hold about 2.5 GB).
 The thinker (30B) is left out: the talker is given random conditioning of the thinker's
 width (a ``--prompt``-position prefill, one text row per frame), as both engines take it.
+
+``--weights`` sets mlxvlm's talker weights (its code predictor with it), made as
+``load`` makes them from a converted checkpoint: float32; bfloat16 (``python -m
+mlxvlm.convert --dtype bfloat16``: on the CPU the linear and embedding weights stay 16-bit
+and compute in float32, the rest is cast to float32); q8 or q4 (affine, group size 64,
+quantized from the bfloat16 weights as ``python -m mlxvlm.convert -q`` does, through its
+module choice, ``checkpoint.quantization.conversion_predicate``). Then the loader's CPU
+rewrite (``cpu.ops.apply_cpu_fast_paths``: 16-bit and quantized layers, norms and
+rotary embeddings on mlxvlm's kernels) unless ``--no-cpu-fast-paths`` (MLX's own layers,
+as this benchmark ran before). code2wav stays float32 in every case (convert never
+quantizes it). transformers always runs float32.
 
 Each engine runs in a fresh process, greedy (no repetition penalty) for ``--frames``
 frames (12.5 a second of audio). mlxvlm streams: the talker's frames go to code2wav
@@ -29,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -114,7 +128,33 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
-def run_mlxvlm(directory: Path, prompt: int, frames: int) -> dict:
+WEIGHTS = ("float32", "bfloat16", "q8", "q4")
+
+
+def prepare_talker(talker, precision: str, fast_paths: bool):
+    """The talker as ``load`` leaves it for ``--weights`` (its weights read as float32 for
+    float32, else as the checkpoint's bfloat16); what the CPU rewrite did."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlxvlm.checkpoint.quantization import conversion_predicate
+    from mlxvlm.cpu import ops
+
+    if precision in ("q8", "q4"):
+        # the module paths convert sees (``talker.*``), so that its choice applies as is
+        holder = nn.Module()
+        holder.talker = talker
+        chosen = conversion_predicate(TALKER_TEXT["num_hidden_layers"])
+        nn.quantize(holder, group_size=64, bits=int(precision[1:]),
+                    class_predicate=lambda path, module: chosen(path, module))
+    if precision != "float32":
+        ops.cast_to_float32_keeping_half_weights(talker)
+    mx.eval(talker.parameters())
+    return ops.apply_cpu_fast_paths(talker).describe() if fast_paths else "off"
+
+
+def run_mlxvlm(directory: Path, prompt: int, frames: int, precision: str = "float32",
+               fast_paths: bool = True, codec_too: bool = True) -> dict:
     import mlxvlm  # noqa: F401  (first: its CPU set-up runs before MLX loads)
     import mlx.core as mx
     import numpy as np
@@ -132,12 +172,15 @@ def run_mlxvlm(directory: Path, prompt: int, frames: int) -> dict:
     talker, code2wav = Talker(talker_config), Code2Wav(Code2WavConfig.from_hf(config["code2wav_config"]))
     weights = load_weights_files(directory)
     for name in list(weights):  # one tensor at a time: the bf16 copy goes as it is read
-        weights[name] = weights[name].astype(mx.float32)
+        if precision == "float32" or name.startswith("code2wav."):
+            weights[name] = weights[name].astype(mx.float32)
         mx.eval(weights[name])
+    # popped: each tensor is held once, by the talker, once it is loaded
     talker_weights = qwen3_vl_moe.split_experts(
-        {k[len("talker."):]: v for k, v in weights.items() if k.startswith("talker.")},
+        {k[len("talker."):]: weights.pop(k) for k in list(weights) if k.startswith("talker.")},
         talker_config.text, out_in=True)
     talker.load_weights(list(talker_weights.items()), strict=True)
+    del talker_weights
     codec_weights = {}
     for name, value in weights.items():
         if name.startswith("code2wav.") and not name.endswith("code_offset"):
@@ -146,12 +189,24 @@ def run_mlxvlm(directory: Path, prompt: int, frames: int) -> dict:
     code2wav.load_weights(list(codec_weights.items()), strict=True)
     mx.eval(talker.parameters(), code2wav.parameters())
     del weights
+    cpu_paths = prepare_talker(talker, precision, fast_paths)
     load_seconds = time.perf_counter() - start
 
     prefill, trailing, pad = conditioning(prompt, frames)
     stream = TalkerStream(talker, TalkerSampling(temperature=0.0, max_frames=frames))
     stream.add_text(mx.array(trailing))
     stream.end_text(mx.array(pad))
+    # the code predictor's share of a frame (its 15 passes end in .item(): timed whole)
+    predictor = {"seconds": 0.0}
+    residual_codes = stream._residual_codes
+
+    def timed_residual_codes(*args):
+        t = time.perf_counter()
+        result = residual_codes(*args)
+        predictor["seconds"] += time.perf_counter() - t
+        return result
+
+    stream._residual_codes = timed_residual_codes
     codec = CodecStream(code2wav)
     mx.reset_peak_memory()
     started = time.perf_counter()
@@ -160,13 +215,17 @@ def run_mlxvlm(directory: Path, prompt: int, frames: int) -> dict:
     talker_seconds = codec_seconds = 0.0
     positions = mx.broadcast_to(mx.arange(prompt, dtype=mx.int32), (3, prompt))
     stream.prefill(mx.array(prefill), positions)
-    talker_seconds += time.perf_counter() - started
+    prefill_seconds = time.perf_counter() - started
+    talker_seconds += prefill_seconds
     while True:
         t = time.perf_counter()
         frame = stream.step()
         talker_seconds += time.perf_counter() - t
         t = time.perf_counter()
-        chunk = codec.push(frame) if frame is not None else codec.flush()
+        if not codec_too:
+            chunk = None
+        else:
+            chunk = codec.push(frame) if frame is not None else codec.flush()
         if chunk is not None:
             chunks.append(chunk)
             if first_audio is None:
@@ -177,7 +236,10 @@ def run_mlxvlm(directory: Path, prompt: int, frames: int) -> dict:
         codes.append(frame)
     total = time.perf_counter() - started
     audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-    return dict(engine="mlxvlm", load_seconds=load_seconds, frames=len(codes),
+    return dict(engine="mlxvlm", weights=precision, cpu_paths=cpu_paths,
+                load_seconds=load_seconds,
+                frames=len(codes), predictor_seconds=predictor["seconds"],
+                prefill_seconds=prefill_seconds,
                 audio_seconds=len(audio) / SAMPLE_RATE, first_audio_seconds=first_audio,
                 talker_seconds=talker_seconds, codec_seconds=codec_seconds, total_seconds=total,
                 peak_rss_gb=peak_rss_gb(), mlx_peak_gb=mx.get_peak_memory() / 1e9,
@@ -233,39 +295,72 @@ def run_transformers(directory: Path, prompt: int, frames: int) -> dict:
                 peak_rss_gb=peak_rss_gb(), codes=codes[0].T.numpy().tolist())
 
 
+def run_child(engine: str, args, precision: str) -> dict:
+    child = subprocess.run([sys.executable, __file__, "--engine", engine, "--experts",
+                            str(args.experts), "--frames", str(args.frames), "--prompt",
+                            str(args.prompt), "--weights", precision,
+                            *(["--no-cpu-fast-paths"] if args.no_cpu_fast_paths else []),
+                            *(["--talker-only"] if args.talker_only else [])],
+                           capture_output=True, text=True, check=True)
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    result["load_average"] = os.getloadavg()[0]
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, default=6)
     parser.add_argument("--frames", type=int, default=48)
     parser.add_argument("--prompt", type=int, default=64, help="talker prefill positions")
     parser.add_argument("--engines", nargs="+", default=["mlxvlm", "transformers"])
+    parser.add_argument("--weights", nargs="+", choices=WEIGHTS, default=["float32"],
+                        help="mlxvlm's talker weights; several are run in turn")
+    parser.add_argument("--no-cpu-fast-paths", action="store_true",
+                        help="mlxvlm's talker on MLX's own layers (no loader CPU rewrite)")
+    parser.add_argument("--talker-only", action="store_true",
+                        help="mlxvlm: the talker's frames without code2wav (no audio)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each engine and weights, alternating round by round")
     parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)  # a child's
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     directory = checkpoint_dir(args.experts)
     if args.engine is not None:
-        run = run_mlxvlm if args.engine == "mlxvlm" else run_transformers
-        print(json.dumps(run(directory, args.prompt, args.frames)))
+        if args.engine == "mlxvlm":
+            result = run_mlxvlm(directory, args.prompt, args.frames, args.weights[0],
+                                not args.no_cpu_fast_paths, not args.talker_only)
+        else:
+            result = run_transformers(directory, args.prompt, args.frames)
+        print(json.dumps(result))
         return 0
     subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); "
                     f"import omni_speech; omni_speech.build({args.experts})"], check=True)
-    results = []
-    for engine in args.engines:
-        child = subprocess.run([sys.executable, __file__, "--engine", engine, "--experts",
-                                str(args.experts), "--frames", str(args.frames), "--prompt",
-                                str(args.prompt)], capture_output=True, text=True, check=True)
-        results.append(json.loads(child.stdout.strip().splitlines()[-1]))
-    if len(results) == 2:
-        a, b = (r["codes"] for r in results)
-        n = min(len(a), len(b))
-        print(f"codes equal over the {n} frames both made: {a[:n] == b[:n]}")
+    runs = [(engine, precision) for engine in args.engines
+            for precision in (args.weights if engine == "mlxvlm" else ["float32"])]
+    results = [run_child(engine, args, precision)
+               for _ in range(args.rounds) for engine, precision in runs]
+    reference = next((r["codes"] for r in results if r.get("weights") == "float32"), None)
     for r in results:
         factor = (r["talker_seconds"] + r["codec_seconds"]) / r["audio_seconds"] if r["audio_seconds"] else float("nan")
-        print(f"{r['engine']:>12}: {r['frames']} frames, {r['audio_seconds']:.2f} s audio; first "
-              f"audio {r['first_audio_seconds']:.2f} s; talker {r['talker_seconds']:.2f} s "
-              f"({1000 * r['talker_seconds'] / max(r['frames'], 1):.0f} ms/frame), codec "
+        frames = max(r["frames"], 1)
+        predictor = r.get("predictor_seconds")
+        split = "" if predictor is None else (
+            f" (prefill {r['prefill_seconds']:.2f} s; a frame after it "
+            f"{1000 * (r['talker_seconds'] - r['prefill_seconds']) / frames:.0f} ms, of which "
+            f"the code predictor {1000 * predictor / frames:.0f})")
+        same = ""
+        if reference is not None:
+            n = min(len(reference), len(r["codes"]))
+            equal = sum(a == b for a, b in zip(reference[:n], r["codes"][:n]))
+            same = f"; {equal}/{n} frames as float32's"
+        first = r["first_audio_seconds"]  # None: the codec was left out
+        first = "-" if first is None else f"{first:.2f}"
+        print(f"{r['engine']:>12} {r.get('weights', 'float32'):>8}: {r['frames']} frames, "
+              f"{r['audio_seconds']:.2f} s audio; first audio {first} s; "
+              f"talker {1000 * r['talker_seconds'] / frames:.0f} ms/frame{split}; codec "
               f"{r['codec_seconds']:.2f} s; real-time factor {factor:.2f}; peak RSS "
-              f"{r['peak_rss_gb']:.2f} GB; load {r['load_seconds']:.1f} s")
+              f"{r['peak_rss_gb']:.2f} GB; load {r['load_seconds']:.1f} s; load average "
+              f"{r['load_average']:.1f}{same}")
     if args.output:
         for r in results:
             r.pop("codes")

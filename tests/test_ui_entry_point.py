@@ -23,7 +23,8 @@ WAIT_S = 120
 # the picker shows them.
 OTHER_MODEL = "mlx-community/not-loaded-here"
 CHAT_PARAMETERS = ["message", "system_prompt", "temperature", "top_p", "max_tokens",
-                   "repetition_penalty", "seed", "model_name"]
+                   "repetition_penalty", "seed", "model_name", "speak_answers", "voice",
+                   "talker_temperature"]
 
 
 @pytest.fixture(scope="module")

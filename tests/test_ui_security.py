@@ -32,7 +32,7 @@ WAIT_S = 120  # upper bound of every wait (a turn for the other model loads it f
 FILE_META = {"_type": "gradio.FileData"}
 # The chat's settings by their API names; the model is left to the page's default.
 SETTINGS = {"system_prompt": "", "temperature": 0.0, "top_p": 1.0, "max_tokens": 8,
-            "repetition_penalty": 1.0, "seed": -1}
+            "repetition_penalty": 1.0, "seed": -1, "talker_temperature": 0.9}
 BARE_ERROR = {"error": None}  # what Gradio tells a client about a hidden exception
 
 

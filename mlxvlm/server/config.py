@@ -13,8 +13,12 @@ from mlxvlm.errors import MlxvlmError
 from mlxvlm.media import (SERVED_MAX_DECODE_SECONDS, SERVED_MAX_VIDEO_DECODE_PIXELS,
                           SERVED_MAX_VIDEO_FRAMES, OptionNames)
 from mlxvlm.sampling.ranges import NON_NEGATIVE, PORT, POSITIVE, SAMPLING, at_least
+from mlxvlm.speech.duration import DEFAULT_MAX_SPEECH_SECONDS
 
 MiB = 2**20
+# What /v1/audio/speech says in one request unless --max-speech-input-chars says
+# otherwise: OpenAI's limit on the text of one request.
+MAX_SPEECH_INPUT_CHARS = 4096
 # Byte and pixel limits: any bound a machine could hold.
 _HUGE = 2**62
 
@@ -91,6 +95,11 @@ class ServerConfig:
     # requests unload it: the bound on how often a busy server switches (an idle model
     # gives way at once; see models_registry).
     min_loaded_seconds: float = 10.0
+    # A spoken answer holds the model alone while it is spoken: the most seconds of audio
+    # one request may ask for (talker_max_frames above it: 400; left out: clamped to it),
+    # and the most characters /v1/audio/speech says at once.
+    max_speech_seconds: float = DEFAULT_MAX_SPEECH_SECONDS
+    max_speech_input_chars: int = MAX_SPEECH_INPUT_CHARS
     # The models served: id -> local path or Hub repo (model_sources); None: model_id alone.
     model_sources: dict[str, str] | None = None
 
@@ -126,12 +135,12 @@ class ServerConfig:
                 f"max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at least "
                 f"max_body_bytes ({self.max_body_bytes})")
         for name in ("header_timeout", "body_timeout", "max_media_decode_seconds",
-                     "prompt_cache_disk_gb"):
+                     "prompt_cache_disk_gb", "max_speech_seconds"):
             if not getattr(self, name) > 0:
                 raise MlxvlmError(f"{name} must be above 0 seconds, got {getattr(self, name)}")
         for name in ("max_concurrency", "max_body_bytes", "max_image_bytes",
                      "max_image_pixels", "max_pdf_pages", "max_tokens", "prefill_step_size",
-                     "prepare_workers",
+                     "prepare_workers", "max_speech_input_chars",
                      "max_loaded_models", "max_video_frames", "max_video_decode_pixels"):
             if getattr(self, name) < 1:
                 raise MlxvlmError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -248,6 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="New tokens for requests that do not say")
     parser.add_argument("--prefill-step-size", type=ranged(at_least(1)), default=2048,
                         help="Prompt tokens per prefill chunk")
+    parser.add_argument("--max-speech-seconds", type=ranged(POSITIVE),
+                        default=DEFAULT_MAX_SPEECH_SECONDS,
+                        help="Seconds of audio one spoken answer may last (a speaking "
+                        "model holds the model alone while it speaks): a request asking "
+                        "for more frames gets 400, one that does not say is cut there "
+                        f"(default {DEFAULT_MAX_SPEECH_SECONDS:g})")
+    parser.add_argument("--max-speech-input-chars", type=ranged(at_least(1)),
+                        default=MAX_SPEECH_INPUT_CHARS,
+                        help="Characters of text /v1/audio/speech says in one request "
+                        f"(400 above; default {MAX_SPEECH_INPUT_CHARS}, OpenAI's)")
     add_speculation_arguments(parser, " (needs --max-concurrency 1)")
     parser.add_argument("--prompt-cache-size", type=ranged(at_least(0)), default=8,
                         help="Finished conversations kept for prefix reuse (0: off)")
@@ -362,4 +381,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_loaded_models=args.max_loaded_models,
         idle_unload_seconds=args.idle_unload_seconds,
         min_loaded_seconds=args.min_loaded_seconds,
+        max_speech_seconds=args.max_speech_seconds,
+        max_speech_input_chars=args.max_speech_input_chars,
     )

@@ -18,7 +18,6 @@ import base64
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import numpy as np
@@ -27,12 +26,11 @@ from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.generate.cache import CacheOptions
-from mlxvlm.generate.loop import fit_to_context
-from mlxvlm.generate.speech import SpeechRequest, check_speech_request
-from mlxvlm.generate.stream import GenerationResult, generate_prepared
+from mlxvlm.generate.speech import DEFAULT_MAX_FRAMES, SpeechRequest, check_speech_request
+from mlxvlm.generate.spoken_answer import SpokenAnswer
+from mlxvlm.generate.spoken_answer import write_and_speak as write_and_speak_alone
+from mlxvlm.generate.stream import GenerationResult
 from mlxvlm.generate.text import eos_token_ids
-from mlxvlm.media.decode_work import check_cancelled
 from mlxvlm.sampling import SamplingOptions
 from mlxvlm.server.answering import as_api_error, stream_failure
 from mlxvlm.server.chat_completions import SSE_DONE, CompletionWriter, sse, to_messages
@@ -42,6 +40,7 @@ from mlxvlm.server.schemas import AudioOutput, ChatCompletionRequest
 from mlxvlm.server.service import GenerationService, PreparedRequest
 from mlxvlm.server.speech_schemas import SpeechBody
 from mlxvlm.server.tools import AnswerPlan
+from mlxvlm.speech.duration import frames_within
 from mlxvlm.speech.forced_answer import ForcedAnswer
 from mlxvlm.speech.pipeline import Speech, check_speaks, speech_voice
 from mlxvlm.speech.wav import pcm16, wav_bytes
@@ -60,28 +59,14 @@ SAY_REQUEST = "Say the following text exactly as it is written, and nothing else
 AUDIO_LIFETIME_SECONDS = 3600
 
 
-@dataclass
-class SpokenAnswer:
-    """A written and spoken answer; its counts are named as a batch step's (``usage``)."""
-
-    text: str
-    tokens: list[int]
-    prompt_tokens: int
-    finish_reason: str | None
-    speech: Speech
-    cached_tokens: int = 0  # no prefix reuse: the talker needs the whole prompt's states
-
-    @property
-    def generation_tokens(self) -> int:
-        return len(self.tokens)
-
-
 def speech_request(service: GenerationService, voice: str | None,
                    talker_temperature: float | None, talker_max_frames: int | None, *,
                    voice_param: str,
                    modality_param: str = "modalities") -> SpeechRequest:
     """The request's speech, or a 400: a model that does not speak (``modality_param``),
-    an unknown voice (``voice_param``, the message naming the voices)."""
+    an unknown voice (``voice_param``, the message naming the voices), more frames than
+    ``--max-speech-seconds`` allows. Frames left out: the model's default, clamped to
+    that bound."""
     model = service.model
     try:
         check_speaks(model)
@@ -93,8 +78,16 @@ def speech_request(service: GenerationService, voice: str | None,
         speech_voice(model, voice)
     except MlxvlmError as error:
         raise APIError(400, str(error), param=voice_param) from None
+    seconds = service.config.max_speech_seconds
+    limit = frames_within(model, seconds)
+    if talker_max_frames is not None and talker_max_frames > limit:
+        service.counters.refuse("max_speech_seconds")
+        raise APIError(400, f"talker_max_frames {talker_max_frames} asks for more speech "
+                       f"than this server gives: at most {limit} frames ({seconds:g} s of "
+                       "audio, the server's --max-speech-seconds)",
+                       param="talker_max_frames")
     request = SpeechRequest(voice, talker_temperature,
-                            talker_max_frames or SpeechRequest.talker_max_frames)
+                            talker_max_frames or min(DEFAULT_MAX_FRAMES, limit))
     check_speech_request(model, request, {})
     return request
 
@@ -103,30 +96,19 @@ def write_and_speak(service: GenerationService, options: SamplingOptions,
                     request: SpeechRequest, prepared: PreparedRequest,
                     on_step: Callable[[GenerationResult], None] | None = None,
                     on_audio: Callable[[np.ndarray], None] | None = None) -> SpokenAnswer:
-    """With the model held alone: the answer written (``generate``'s loop, under the
-    thinker tap) and spoken as it is written; each text step to ``on_step``, each decoded
-    chunk of samples to ``on_audio``, in the order they come. Stops at the next token or
-    frame's chunk if the client went away (every stage's caches freed)."""
-    model, processor = service.model, service.processor
-    inputs = prepared.inputs
-    options.max_tokens = fit_to_context(model, inputs.num_tokens, options.max_tokens)
-    texts, tokens, finish_reason, speech = [], [], None, None
-    for result in generate_prepared(model, processor, inputs, options, CacheOptions(),
-                                    prefill_step_size=service.config.prefill_step_size,
-                                    speech=request):
-        if result.token is None:  # a chunk of the speech
-            check_cancelled("speaking the answer")
-            speech = result.speech or speech
-            if on_audio is not None and len(result.audio):
-                on_audio(result.audio)
-            continue
-        check_cancelled("writing the answer to speak")
-        texts.append(result.text)
-        tokens.append(result.token)
-        finish_reason = result.finish_reason
+    """With the model held alone (``service.run_alone``'s work): the answer written,
+    then spoken (``generate.spoken_answer``); stops at the next token or frame if the
+    client went away."""
+    def step(result: GenerationResult) -> None:
+        if result.finish_reason is not None:
+            logger.info("speaking a %d-token answer (at most %d frames)",
+                        result.generation_tokens, request.talker_max_frames)
         if on_step is not None:
             on_step(result)
-    return SpokenAnswer("".join(texts), tokens, inputs.num_tokens, finish_reason, speech)
+
+    return write_and_speak_alone(service.model, service.processor, prepared.inputs, options,
+                                 request, prefill_step_size=service.config.prefill_step_size,
+                                 on_step=step, on_audio=on_audio)
 
 
 def audio_bytes(speech: Speech, fmt: str) -> bytes:
@@ -194,6 +176,11 @@ async def say(request: Request, body: SpeechBody, service: GenerationService) ->
     holds the length). The conversation is a user turn asking for the text to be said and
     the text as the assistant's answer, forced token by token (greedy, whatever the model
     would write), which the talker speaks as it is forced."""
+    limit = service.config.max_speech_input_chars
+    if len(body.input) > limit:
+        service.counters.refuse("max_speech_input_chars")
+        raise APIError(400, f"input holds {len(body.input)} characters; this server says at "
+                       f"most {limit} at once (its --max-speech-input-chars)", param="input")
     speech = speech_request(service, body.voice, body.talker_temperature,
                             body.talker_max_frames, voice_param="voice", modality_param="model")
     forced = ForcedAnswer.of_text(service.processor, body.input,

@@ -9,13 +9,10 @@ from pydantic import Field
 from mlxvlm.sampling.ranges import SAMPLING
 from mlxvlm.server.schemas import StrictModel
 
-# OpenAI's limit on the text of one request
-MAX_INPUT_CHARS = 4096
-
 
 class SpeechBody(StrictModel):
     model: str
-    input: str = Field(min_length=1, max_length=MAX_INPUT_CHARS)
+    input: str = Field(min_length=1)  # at most --max-speech-input-chars (speech.say)
     voice: str | None = None  # None: the checkpoint's default voice
     # wav: a 16-bit mono WAV file; pcm: its raw little-endian samples (24 kHz)
     response_format: Literal["wav", "pcm"] = "wav"

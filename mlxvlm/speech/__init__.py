@@ -10,6 +10,7 @@ chunk, across requests):
 - ``codec``: code2wav as a stream of waveform chunks that concatenate exactly;
 - ``stages``: each speaking family's text follower, talker and codec, by name;
 - ``voices``: a checkpoint's voices by name; ``wav``: 16-bit PCM WAV files;
+- ``duration``: codec frames per second of audio, the frames a bound in seconds allows;
 - ``pipeline``: an answer spoken as it is written (``AnswerSpeaker``: the talker follows
   the thinker token by token), or after (``speak``), with identical codes.
 """

@@ -4,6 +4,8 @@
 ``conversation`` Gradio's chat history -> mlxvlm chat messages
 ``session``      the model behind the chat: one answer at a time, streaming, stop, stats
 ``thoughts``     a thinking model's thoughts in a folded box, apart from its answer
+``spoken_answers`` a speaking model's answers: written, then spoken with the model held
+                 alone; the audio as a WAV message the chat plays; the speech controls
 ``models``       the models the chat offers, loaded when chosen (at most N at a time),
                  switched fairly between conversations (``model_pool``, as the server)
 ``uploads``      which files the chat may read: uploads only, each by its conversation

@@ -11,7 +11,8 @@ from mlxvlm.cli import (OneLineParser, add_model_arguments, checkpoint_folders, 
                         port_in_use, ranged, require_extra, run_cli)
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.model_pool import MIN_LOADED_SECONDS
-from mlxvlm.sampling.ranges import NON_NEGATIVE, PORT, at_least
+from mlxvlm.sampling.ranges import NON_NEGATIVE, PORT, POSITIVE, at_least
+from mlxvlm.speech.duration import DEFAULT_MAX_SPEECH_SECONDS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Seconds a loaded model in use keeps answering its conversations before those "
         f"waiting for another model unload it (default {MIN_LOADED_SECONDS:g}); one idle "
         "for a second gives way at once",
+    )
+    parser.add_argument(
+        "--max-speech-seconds", type=ranged(POSITIVE), default=DEFAULT_MAX_SPEECH_SECONDS,
+        help="Seconds of audio one spoken answer may last, for a model that speaks (it "
+        f"holds the model alone while it speaks; default {DEFAULT_MAX_SPEECH_SECONDS:g})",
     )
     parser.add_argument(
         "--host", default="127.0.0.1",
@@ -116,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from mlxvlm.ui.session import ChatSession
 
             return ChatSession(
-                model, processor, name, media_options=upload_media_options()
+                model, processor, name, media_options=upload_media_options(),
+                max_speech_seconds=args.max_speech_seconds,
             ).start()
 
         from mlxvlm.ui.models import ModelRegistry

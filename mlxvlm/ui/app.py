@@ -16,6 +16,7 @@ from mlxvlm.ui.api_inputs import accept_text_messages
 from mlxvlm.ui.fields import guard_file_handling
 from mlxvlm.ui.models import ModelRegistry
 from mlxvlm.ui.session import YIELD_EVERY_S, ChatSession, notice
+from mlxvlm.ui.spoken_answers import TALKER_TEMPERATURE
 from mlxvlm.ui.stats import stale_markdown
 from mlxvlm.ui.uploads import process_uploads, watch_upload_route
 
@@ -79,6 +80,17 @@ def attachment_box(session: ChatSession) -> dict[str, Any]:
                 placeholder=f"Ask a question ({attach})")
 
 
+def speech_controls(session: ChatSession) -> dict[str, dict[str, Any]]:
+    """The speech controls' settings for the model: shown only where it speaks, the
+    voice picker with its voices and the API's default voice first."""
+    shown = session.speaks
+    return {
+        "voice": dict(choices=session.voices, value=session.default_voice, visible=shown),
+        "speak": dict(visible=shown),
+        "talker_temperature": dict(visible=shown),
+    }
+
+
 def control_values(session: ChatSession) -> dict[str, Any]:
     """Where the sampling controls start: the checkpoint's generation_config.json (greedy
     where it sets nothing), as the CLI and the server do for values left out."""
@@ -107,10 +119,12 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
             model_markdown(session)
         hint = chat_hint(session)
         title, stats_text = f"mlxvlm · {session.model_name}", session.stats_markdown()
+        speech = speech_controls(session)
 
     # The parameters' names are the /chat API's (gradio_client's keyword arguments).
     def respond(message, history, system_prompt, temperature, top_p, max_tokens,
-                repetition_penalty, seed, model_name=None,
+                repetition_penalty, seed, model_name=None, speak_answers=True, voice=None,
+                talker_temperature=TALKER_TEMPERATURE,
                 request: gr.Request = None) -> Iterator[tuple[Any, str]]:
         # Before waiting for the model: a file named but not uploaded here loads nothing.
         uploads.admit(getattr(request, "session_hash", None), message, history)
@@ -127,7 +141,10 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
                 return
             chosen.uploads = uploads  # every session reads only this page's uploads
             yield from chosen.respond(message, history, system_prompt, temperature, top_p,
-                                      max_tokens, repetition_penalty, seed, request=request)
+                                      max_tokens, repetition_penalty, seed,
+                                      speak=speak_answers, voice=voice,
+                                      talker_temperature=talker_temperature,
+                                      request=request)
         finally:
             wait.release()
 
@@ -157,6 +174,17 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
                 repetition_penalty = gr.Slider(1.0, 2.0, value=initial["repetition_penalty"],
                                                step=0.05, label="Repetition penalty (1: off)")
                 seed = gr.Number(value=-1, precision=0, label="Seed (-1: random)")
+                # A model that speaks: its answers' audio plays in the chat.
+                speak = gr.Checkbox(value=True, label="Speak answers", elem_id="speak",
+                                    **speech["speak"])
+                # Any value reaches the chat function, which names the voices if it is
+                # not one (the list is the model's, and an API client may switch models).
+                voice = gr.Dropdown(label="Voice", elem_id="voice", allow_custom_value=True,
+                                    **speech["voice"])
+                talker_temperature = gr.Slider(
+                    0.0, 2.0, value=TALKER_TEMPERATURE, step=0.05,
+                    label="Speech temperature (0: greedy)", elem_id="talker-temperature",
+                    **speech["talker_temperature"])
 
         with chat_column:
             textbox = gr.MultimodalTextbox(
@@ -173,7 +201,8 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
                 chatbot=gr.Chatbot(label="Chat", height=560, elem_id="chat", placeholder=hint),
                 textbox=textbox,
                 additional_inputs=[
-                    system, temperature, top_p, max_tokens, repetition_penalty, seed, picker
+                    system, temperature, top_p, max_tokens, repetition_penalty, seed, picker,
+                    speak, voice, talker_temperature,
                 ],
                 additional_outputs=[stats],
                 api_name="chat",
@@ -184,8 +213,8 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
             )
 
         chosen_outputs = [model_panel, stats, textbox, temperature, top_p, max_tokens,
-                          repetition_penalty, chat.chatbot, chat.chatbot_state,
-                          chat.chatbot_value]
+                          repetition_penalty, speak, voice, talker_temperature, chat.chatbot,
+                          chat.chatbot_state, chat.chatbot_value]
 
         def choose(name: str):
             wait = registry.wait_for(name)
@@ -193,7 +222,7 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
                 while (chosen := wait.wait(YIELD_EVERY_S)) is None:  # as ``respond`` waits
                     yield (waiting_markdown(name),
                            *[gr.skip()] * (len(chosen_outputs) - 1))
-                values = control_values(chosen)
+                values, speech_of = control_values(chosen), speech_controls(chosen)
                 yield (model_markdown(chosen), chosen.stats_markdown(),
                        gr.MultimodalTextbox(**attachment_box(chosen)),
                        gr.Slider(value=values["temperature"]),
@@ -201,6 +230,9 @@ def build_app(models: ModelRegistry | ChatSession) -> gr.Blocks:
                        gr.Slider(maximum=values["max_tokens_cap"],
                                  value=min(256, values["max_tokens_cap"])),
                        gr.Slider(value=values["repetition_penalty"]),
+                       gr.Checkbox(**speech_of["speak"]),
+                       gr.Dropdown(**speech_of["voice"]),
+                       gr.Slider(**speech_of["talker_temperature"]),
                        gr.Chatbot(value=[], placeholder=chat_hint(chosen)), [], [])
             except PoolError as error:
                 raise gr.Error(str(error)) from None

@@ -9,6 +9,8 @@ closed); answers are serialized by a lock (the engine owns the one model; the pa
 other users wait their turn), and ``respond`` is the
 generator Gradio's ``ChatInterface`` streams from: when Gradio closes it (the stop
 button), the request is cancelled and the engine stops computing it at its next step.
+A model that speaks answers aloud outside the engine, with the model held alone
+(``spoken_answers``), and reuses no prefix there.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ from mlxvlm.media import MediaPolicy
 from mlxvlm.batching.prefix_cache import PrefixCache
 from mlxvlm.preparation import PreparationPools
 from mlxvlm.prompt import prepare_inputs
+from mlxvlm.speech.duration import DEFAULT_MAX_SPEECH_SECONDS
 from mlxvlm.ui.conversation import NOTICE_TITLE, attachment_paths, build_conversation
 from mlxvlm.ui.media_kinds import supported_kinds
+from mlxvlm.ui.spoken_answers import (SpeechSettings, messages_of, speaks, speech_request,
+                                      spoken_turn, voices)
 from mlxvlm.ui.stats import NO_ANSWER_YET, AnswerStats, earlier_markdown, stale_markdown
 from mlxvlm.ui.thoughts import ThoughtsAndAnswer, kept_token_ids, template_thinks
 from mlxvlm.ui.uploads import Uploads
@@ -115,6 +120,7 @@ class ChatSession:
         prefix_cache: PrefixCache | None = None,
         media_options: MediaPolicy | None = None,
         uploads: Uploads | None = None,
+        max_speech_seconds: float = DEFAULT_MAX_SPEECH_SECONDS,
     ):
         self.model = model
         self.processor = processor
@@ -124,6 +130,11 @@ class ChatSession:
         self.thinks = template_thinks(processor)
         self.kept_token_ids = kept_token_ids(processor, self.thinks)
         self.media_options = media_options
+        # A model that speaks (Qwen3-Omni with its talker) answers aloud too, each spoken
+        # answer at most this long (it holds the model alone while it is spoken).
+        self.speaks = speaks(model)
+        self.voices, self.default_voice = voices(model)
+        self.max_speech_seconds = max_speech_seconds
         # Set by the page (``app.build_app``): then only files uploaded in the conversation
         # are read.
         self.uploads = uploads
@@ -179,11 +190,19 @@ class ChatSession:
         max_tokens: int = 256,
         repetition_penalty: float = 1.0,
         seed: int | None = None,
+        speak: bool = True,
+        voice: str | None = None,
+        talker_temperature: float | None = None,
         request: gr.Request = None,
     ) -> Iterator[tuple[Any, str]]:
         """Yield ``(reply, stats_markdown)``: the answer so far (``[]`` while there is
         none yet), then the final answer with the new statistics; a problem becomes a
         notice in the chat instead, with the earlier statistics marked as such.
+
+        A model that speaks answers aloud too unless ``speak`` is false (in ``voice``,
+        None: its default; ``talker_temperature`` None: its own sampling): the final
+        reply ends with the audio's message (``spoken_answers``). The speech settings
+        are ignored for a model that does not speak.
 
         ``request``: given by Gradio (by the annotation); its session is the conversation
         whose uploads it may read. A file it did not upload raises ``AttachmentRefused``,
@@ -192,12 +211,14 @@ class ChatSession:
         new, earlier = attachment_paths(history, message)
         job = PREPARATION.submit(
             functools.partial(self._prepare, message, history, system, temperature, top_p,
-                              max_tokens, repetition_penalty, seed),
+                              max_tokens, repetition_penalty, seed,
+                              SpeechSettings.from_controls(speak, voice, talker_temperature)),
             media=bool(new or earlier))
         try:
             while True:
                 try:
-                    settings, conversation, inputs = job.future.result(timeout=YIELD_EVERY_S)
+                    settings, conversation, inputs, spoken = job.future.result(
+                        timeout=YIELD_EVERY_S)
                     break
                 except TimeoutError:
                     yield [], self.earlier_stats_markdown()
@@ -212,17 +233,24 @@ class ChatSession:
             yield [], self.earlier_stats_markdown()
         try:
             reply = ThoughtsAndAnswer(self.thinks, inputs.prompt_text)
-            yield from self._answer(inputs, settings, conversation.image_hashes, reply)
+            if spoken is not None:
+                yield from self._answer_aloud(inputs, settings, spoken, reply)
+            else:
+                yield from self._answer(inputs, settings, conversation.image_hashes, reply)
         finally:
             self._turn.release()
 
     def _prepare(self, message, history, system, temperature, top_p, max_tokens,
-                 repetition_penalty, seed):
-        """The turn's settings, conversation and model inputs (in a preparation worker:
-        media decoding stops there when the turn is closed)."""
+                 repetition_penalty, seed, speech: SpeechSettings):
+        """The turn's settings, conversation, model inputs and what the talker is asked
+        for (None: a written answer only), in a preparation worker: media decoding stops
+        there when the turn is closed."""
         settings = Settings.from_controls(
             system, temperature, top_p, max_tokens, repetition_penalty, seed
         )
+        spoken = None
+        if self.speaks and speech.speak:  # an unknown voice refused before any work
+            spoken = speech_request(self.model, speech, self.max_speech_seconds)
         conversation = build_conversation(
             history, message, self.kinds, self.media_options, self.placeholders
         )
@@ -237,7 +265,19 @@ class ChatSession:
         # MLX evaluates a graph only on the thread that built it: the engine's thread
         # must get concrete arrays.
         mx.eval(inputs.input_ids, list(inputs.features.values()))
-        return settings, conversation, inputs
+        return settings, conversation, inputs, spoken
+
+    def _answer_aloud(self, inputs, settings: Settings, spoken,
+                      reply: ThoughtsAndAnswer) -> Iterator[tuple[Any, str]]:
+        """A spoken answer (``spoken_answers``), a failure shown after what was said."""
+        options = settings.sampling_options()
+        options.kept_token_ids = self.kept_token_ids
+        try:
+            yield from spoken_turn(self, inputs, options, spoken, reply, YIELD_EVERY_S)
+        except Exception as e:  # noqa: BLE001 -- the chat shows it; the app goes on
+            reply.finish()
+            yield [*messages_of(reply.reply()), notice(_readable(e))], \
+                self.failed_stats_markdown()
 
     def _answer(
         self, inputs, settings: Settings, image_hashes, reply: ThoughtsAndAnswer

@@ -14,6 +14,10 @@ class AnswerStats:
     generation_seconds: float  # from the first token to the last
     peak_memory_gb: float
     finish_reason: str  # "stop", "length" or "stopped" (by the user)
+    # A spoken answer's: the seconds of audio, the talker and codec's seconds, the voice
+    audio_seconds: float | None = None
+    speech_seconds: float = 0.0
+    voice: str | None = None
 
     @property
     def prompt_tps(self) -> float:
@@ -27,6 +31,9 @@ class AnswerStats:
         return steps / self.generation_seconds if self.generation_seconds > 0 else 0.0
 
     def markdown(self) -> str:
+        spoken = [] if self.audio_seconds is None else [
+            f"| spoken | {self.audio_seconds:.1f} s of audio in {self.speech_seconds:.2f} s "
+            f"({self.voice}) |"]
         return "\n".join(
             [
                 "| figure | last answer |",
@@ -36,6 +43,7 @@ class AnswerStats:
                 f"| time to first token | {self.time_to_first_token:.2f} s |",
                 f"| generated | {self.generation_tokens} tokens ({self.finish_reason}) |",
                 f"| generation speed | {self.generation_tps:.1f} tokens/s |",
+                *spoken,
                 f"| peak memory | {self.peak_memory_gb:.3f} GB |",
             ]
         )

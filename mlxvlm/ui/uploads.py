@@ -18,6 +18,11 @@ it is given. So the app:
 Every refusal is the same ``AttachmentRefused``, raised before the file is opened, and
 Gradio answers it like its own refusals: an error with no message, whatever the path,
 so that it tells nothing about what exists on the host.
+
+The app's own files (a spoken answer's audio: ``keep_answer_audio``) are written in the
+same folder under names no one can guess; Gradio's file handling takes them (the chat
+shows them, and its history brings them back), but no conversation can claim one as an
+attachment, so the model never reads them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import shutil
 import tempfile
 import threading
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -59,6 +65,7 @@ class Uploads:
         self._lock = threading.Lock()
         self._unclaimed: Counter[str] = Counter()  # uploads not yet sent by any conversation
         self._owners: dict[str, set[str]] = {}  # session hash -> paths it sent
+        self._answers: set[str] = set()  # files the app wrote (spoken answers' audio)
 
     def record(self, paths: Iterable[str | os.PathLike]) -> None:
         """Files Gradio's upload route has just written (one call per upload request)."""
@@ -103,9 +110,24 @@ class Uploads:
 
     def require_upload(self, path: str | os.PathLike | None) -> None:
         """For Gradio's file handling: refuse, before any copy or download, a file or URL
-        that did not come through the upload route."""
-        if path is not None and not self.is_upload(path):
+        that did not come through the upload route (nor was written by the app)."""
+        if path is None:
+            return
+        with self._lock:
+            ours = _key(path) in self._answers
+        if not ours and not self.is_upload(path):
             raise AttachmentRefused()
+
+    def keep_answer_audio(self, data: bytes, suffix: str = ".wav") -> str:
+        """A spoken answer's audio written to the folder (``answers/``, a random name);
+        its path, which Gradio's file handling then takes."""
+        folder = self.directory / "answers"
+        folder.mkdir(exist_ok=True)
+        path = folder / f"{uuid.uuid4().hex}{suffix}"
+        path.write_bytes(data)
+        with self._lock:
+            self._answers.add(_key(path))
+        return str(path)
 
 
 class _RecordingSet(set):
