@@ -809,10 +809,17 @@ KERNEL_TESTS = ("attention or half_linear or activation or quantized_linear or n
 def run_kernel_tests(selection: str, env: dict, shown: str) -> tuple[str, str]:
     """pytest on this file's tests ``selection`` names, in a fresh process under ``env``:
     its output, and what ``shown`` (an expression on ``kernels``) says there afterwards
-    (the process's choices, made once, are those the tests ran under)."""
+    (the process's choices, made once, are those the tests ran under). The tests run
+    torch-free, as a user's process: they need no torch, and transformers, imported by
+    the norm tests through mlx-lm, would import it under tests/conftest.py's
+    MLXVLM_ALLOW_TORCH=1 (seconds), so the session takes that setting back."""
     script = (
-        "import sys, pytest\n"
-        f"code = pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', {selection!r}])\n"
+        "import os, sys, pytest\n"
+        "class TorchFree:\n"
+        "    def pytest_sessionstart(self, session):\n"
+        "        os.environ.pop('MLXVLM_ALLOW_TORCH', None)\n"
+        f"code = pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', {selection!r}],\n"
+        "                   plugins=[TorchFree()])\n"
         "from mlxvlm.cpu import kernels\n"
         f"print('shown:', {shown})\n"
         "sys.exit(code)\n"
