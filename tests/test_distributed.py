@@ -49,18 +49,26 @@ CHAT = [{"role": "user", "content": "Hello"}]
 BUDGET = 12  # max_tokens of every run here
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A port the ring backend can listen on (it takes this one and the next)."""
+    """A port the ring backend can listen on (it takes this one and the next), never
+    within a few of one handed out before: launches started together have not bound
+    theirs yet."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        if any(abs(port - taken) < 4 for taken in _handed_out):
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port + 1))
-                return port
             except OSError:
                 continue
+        _handed_out.add(port)
+        return port
 
 
 class Launched:
@@ -368,10 +376,12 @@ def test_the_advice_of_a_refused_split_works(tiny_checkpoints, capsys):
 
     args = ["--model", str(tiny_checkpoints.path("gemma3", "hub")), "--prompt", "Hello",
             "--max-tokens", "6"]
-    with Launched("-m", "mlxvlm.generate", *args, ranks=3) as launched:
-        assert run_generate_cli(args) == 0  # one process, as the ranks start
+    # Both launches and the one process at once (each launch's ranks mostly start up).
+    with (Launched("-m", "mlxvlm.generate", *args, ranks=3) as refused_launch,
+          Launched("-m", "mlxvlm.generate", "--pipeline", *args, ranks=3) as advised_launch):
+        assert run_generate_cli(args) == 0
         alone = capsys.readouterr().out
-        refused = launched.finish()
+        refused, advised = refused_launch.finish(), advised_launch.finish()
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert errors and errors == [errors[0]] * len(errors) and len(errors) <= 3, refused.stderr
     assert errors[0] == (
@@ -379,7 +389,6 @@ def test_the_advice_of_a_refused_split_works(tiny_checkpoints, capsys):
         "2 attention heads do not split over 3 ranks); run with --pipeline (each rank a run "
         "of layers)")
     assert "Traceback" not in refused.stderr
-    advised = launch("-m", "mlxvlm.generate", "--pipeline", *args, ranks=3)
     assert_every_rank_ended_well(advised.stderr)
     assert advised.stdout == alone
 
