@@ -62,7 +62,7 @@ class EntryPointProcess:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         self.__exit__(None, None, None)
         raise RuntimeError(f"{' '.join(self.command)} did not start in {START_TIMEOUT:g} s:\n"
                            f"{self.log()}")

@@ -33,14 +33,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from parity import first_logits_and_greedy_tokens
 from tiny import make_image
-from mlxvlm import load
+from user_environment import user_environment
 from mlxvlm.cpu import kernels, policy
 from mlxvlm.cpu.half_weights import CPUHalfEmbedding, CPUHalfLinear, residual_plus
 from mlxvlm.cpu.quantized import CPUKernelQuantizedEmbedding, CPUKernelQuantizedLinear
-from mlxvlm.cpu.rope import CPURoPE
-from mlxvlm.checkpoint.loading import CONVERTED_MARKER
 
 
 def test_the_kernels_build_and_load_here():
@@ -657,6 +654,9 @@ def test_attention_copies_inputs_whose_columns_are_strided():
 
 # ------------------------------------------------------------------------------ models
 
+# The model tests import mlxvlm.load, the rope module and tests/parity.py where they run:
+# these import transformers (and torch, which tests/conftest.py allows), which the kernel
+# tests' subprocesses below need not pay for at start-up.
 IMAGE = make_image(112, 84, seed=5)
 PROMPT = "Describe this image."
 FAMILIES = ["idefics3", "qwen2_vl", "gemma3", "llava", "paligemma"]
@@ -680,6 +680,8 @@ def bf16_checkpoints(tiny_checkpoints, tmp_path_factory):
 
 
 def _logits_and_tokens(model, processor):
+    from parity import first_logits_and_greedy_tokens
+
     return first_logits_and_greedy_tokens(model, processor, PROMPT, IMAGE, max_tokens=12)
 
 
@@ -690,6 +692,9 @@ def _linear_like(model):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_checkpoint_keeps_bf16_weights_and_float32_results(bf16_checkpoints, family,
                                                                 monkeypatch):
+    from mlxvlm import load
+    from mlxvlm.cpu.rope import CPURoPE
+
     path = bf16_checkpoints[family]
     model, processor = load(path)
     report = model.cpu_fast_paths
@@ -718,6 +723,9 @@ def test_bf16_checkpoint_keeps_bf16_weights_and_float32_results(bf16_checkpoints
 def test_4bit_decoder_with_bf16_tower(bf16_checkpoints, tmp_path):
     """The quantized decoder stays packed on the quantized kernel, with its bf16 scales;
     the tower left in bf16 keeps bf16 weights; the results are MLX's quantized kernels'."""
+    from mlxvlm import load
+    from mlxvlm.checkpoint.loading import CONVERTED_MARKER
+
     source = bf16_checkpoints["qwen2_vl"]
     model, _ = load(source, cpu_fast_paths=False, dtype=mx.bfloat16)
     nn.quantize(model.language_model, group_size=32, bits=4)
@@ -771,6 +779,8 @@ def test_lora_wraps_half_weight_layers():
 
 
 def test_opt_out_keeps_float32_weights(bf16_checkpoints, monkeypatch):
+    from mlxvlm import load
+
     monkeypatch.setenv(policy.NO_KERNELS_ENV, "1")
     assert not kernels.enabled() and kernels.describe() == f"disabled by {policy.NO_KERNELS_ENV}"
     model, _ = load(bf16_checkpoints["idefics3"])
@@ -793,9 +803,9 @@ def test_without_a_compiler_the_model_runs_on_float32_weights(bf16_checkpoints, 
         " max_tokens=4)\n"
         "print('tokens', len(out.tokens))\n"
     )
-    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"),
-               XDG_CACHE_HOME=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    env = user_environment(  # a user's process: torch-free
+        CXX=str(tmp_path / "no-such-compiler"), XDG_CACHE_HOME=str(tmp_path / "cache"),
+        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -825,22 +835,39 @@ KERNEL_TESTS = ("attention or half_linear or activation or quantized_linear or n
                 "strided")
 
 
+def run_kernel_tests(selection: str, env: dict, shown: str) -> tuple[str, str]:
+    """pytest on this file's tests ``selection`` names, in a fresh process under ``env``:
+    its output, and what ``shown`` (an expression on ``kernels``) says there afterwards
+    (the process's choices, made once, are those the tests ran under). The tests run
+    torch-free, as a user's process: they need no torch, and transformers, imported by
+    the norm tests through mlx-lm, would import it under tests/conftest.py's
+    MLXVLM_ALLOW_TORCH=1 (seconds), so the session takes that setting back."""
+    script = (
+        "import os, sys, pytest\n"
+        "class TorchFree:\n"
+        "    def pytest_sessionstart(self, session):\n"
+        "        os.environ.pop('MLXVLM_ALLOW_TORCH', None)\n"
+        f"code = pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', {selection!r}],\n"
+        "                   plugins=[TorchFree()])\n"
+        "from mlxvlm.cpu import kernels\n"
+        f"print('shown:', {shown})\n"
+        "sys.exit(code)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=600, env=env, cwd=os.path.dirname(__file__))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    output, _, said = result.stdout.rpartition("\nshown: ")
+    assert " passed" in output and " failed" not in output
+    return output, said.strip()
+
+
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_narrower_instruction_sets_give_the_same_results(isa):
     if isa not in NARROWER[kernels.simd()]:
         pytest.skip(f"this CPU's widest instruction set is {kernels.simd()}")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", f"({KERNEL_TESTS}) and not narrower and not models"],
-        capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, MLXVLM_CPU_ISA=isa), cwd=os.path.dirname(__file__),
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
-    script = "import mlxvlm; from mlxvlm.cpu import kernels; print(kernels.simd())"
-    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                           env=dict(os.environ, MLXVLM_CPU_ISA=isa), timeout=300)
-    assert shown.stdout.strip() == isa
+    _, shown = run_kernel_tests(f"({KERNEL_TESTS}) and not narrower and not models",
+                                dict(os.environ, MLXVLM_CPU_ISA=isa), "kernels.simd()")
+    assert shown == isa
 
 
 @pytest.mark.parametrize("path", ["own", "blas"])
@@ -850,18 +877,10 @@ def test_both_prefill_paths_give_the_same_results(path):
     passes the half_linear and quantized_linear tests above, and says it was chosen so."""
     if path == "own" and kernels.simd() != "avx512":
         pytest.skip("mlxvlm's GEMM needs AVX-512")
-    env = dict(os.environ, MLXVLM_HALF_GEMM=path)
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "(half_linear or quantized_linear) and not narrower and not models"],
-        capture_output=True, text=True, timeout=600, env=env, cwd=os.path.dirname(__file__),
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
-    script = "import mlxvlm; from mlxvlm.cpu import kernels; print(kernels.prefill_products())"
-    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                           env=env, timeout=300)
-    assert shown.stdout.strip().endswith(f"(MLXVLM_HALF_GEMM={path})"), shown.stdout
+    _, shown = run_kernel_tests("(half_linear or quantized_linear) and not narrower and not models",
+                                dict(os.environ, MLXVLM_HALF_GEMM=path),
+                                "kernels.prefill_products()")
+    assert shown.endswith(f"(MLXVLM_HALF_GEMM={path})"), shown
 
 
 def test_the_prefill_path_is_measured_and_described():

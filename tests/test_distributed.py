@@ -27,6 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from raw_http import CHAT_HEAD, assert_raw_error, raw_socket, read_response
+from user_environment import user_environment
 
 import mlxvlm
 from mlxvlm.convert import convert
@@ -48,28 +49,71 @@ CHAT = [{"role": "user", "content": "Hello"}]
 BUDGET = 12  # max_tokens of every run here
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A port the ring backend can listen on (it takes this one and the next)."""
+    """A port the ring backend can listen on (it takes this one and the next), never
+    within a few of one handed out before: launches started together have not bound
+    theirs yet."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        if any(abs(port - taken) < 4 for taken in _handed_out):
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port + 1))
-                return port
             except OSError:
                 continue
+        _handed_out.add(port)
+        return port
+
+
+class Launched:
+    """``command`` (after the interpreter) on ``ranks`` ranks over loopback, started: the
+    caller works on while the ranks start up (each imports for seconds), then
+    ``finish`` waits for them. The output goes to files: a pipe nobody reads meanwhile
+    could fill and stall the ranks."""
+
+    def __init__(self, *command: str, ranks: int = 2, timeout: int = 240):
+        import tempfile
+
+        self.timeout = timeout
+        self.command = [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n",
+                        str(ranks), "--starting-port", str(free_port()), "--env",
+                        f"PYTHONPATH={REPO}", "--python", sys.executable, "--", *command]
+        self.stdout, self.stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(self.command, stdout=self.stdout, stderr=self.stderr,
+                                        text=True, cwd=REPO, env=user_environment(),
+                                        start_new_session=True)
+
+    def finish(self) -> subprocess.CompletedProcess:
+        try:
+            self.process.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            stop_session(self.process)
+            raise
+        outputs = []
+        for stream in (self.stdout, self.stderr):
+            stream.seek(0)
+            outputs.append(stream.read())
+            stream.close()
+        return subprocess.CompletedProcess(self.command, self.process.returncode, *outputs)
+
+    def __enter__(self) -> "Launched":
+        return self
+
+    def __exit__(self, *failure) -> None:
+        if self.process.poll() is None:  # the caller failed before ``finish``
+            stop_session(self.process)
 
 
 def launch(*command: str, timeout: int = 240, ranks: int = 2) -> subprocess.CompletedProcess:
     """``command`` (after the interpreter) on ``ranks`` ranks over loopback."""
-    return subprocess.run(
-        [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks),
-         "--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}",
-         "--python", sys.executable, "--", *command],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO,
-    )
+    with Launched(*command, ranks=ranks, timeout=timeout) as launched:
+        return launched.finish()
 
 
 def assert_every_rank_ended_well(output: str) -> None:
@@ -145,27 +189,6 @@ def checkpoints(tmp_path_factory):
     return paths, image
 
 
-def run_sharded(paths: list[Path], image: Path, modes: str, out: Path) -> list[dict]:
-    """tests/sharded_run.py over ``paths`` in ``modes`` on two ranks: rank 0's answers
-    and what each rank held, as dicts; every rank must end well."""
-    out.mkdir()
-    listed = ",".join(str(path) for path in paths)
-    run = launch(str(RUNNER), listed, str(image), modes, str(out), timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert_every_rank_ended_well(run.stderr)
-    held = [json.loads(path.read_text()) for path in sorted(out.glob("*.json"))]
-    return json_lines(run.stdout) + held
-
-
-@pytest.fixture(scope="module")
-def sharded_runs(checkpoints, tmp_path_factory) -> list[dict]:
-    """One launch: both families, each in both modes, and the answers that end on end
-    of sequence (a launch costs two start-ups)."""
-    paths, image = checkpoints
-    return run_sharded([paths[name] for name in (*FAMILIES, QUANTIZED, EOS)], image,
-                       "tensor,pipeline", tmp_path_factory.mktemp("held") / "runs")
-
-
 @pytest.mark.parametrize("family", (*FAMILIES, QUANTIZED, EOS))
 def test_two_ranks_give_one_process_tokens(checkpoints, sharded_runs, family):
     paths, image = checkpoints
@@ -202,34 +225,67 @@ SPLIT_ROWS = (("glm4v", "language_model.model.layers.0.mlp.gate_up_proj.weight")
 
 
 @pytest.fixture(scope="module")
-def family_checkpoints(tiny_checkpoints, checkpoints, tmp_path_factory):
+def family_paths(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
     """Every registered family's tiny checkpoint (one key/value head: the ranks repeat
-    it), a bfloat16 one (what a rank holds is 16-bit, as one process) and a 4-bit one,
-    with each one-process greedy answer (temperature 0: some checkpoints' generation
-    configs sample) and parameter shapes."""
-    _, image = checkpoints
+    it), a bfloat16 one (what a rank holds is 16-bit, as one process) and a 4-bit one."""
     root = tmp_path_factory.mktemp("families")
     paths = {family: tiny_checkpoints.path(family, "hub") for family in EVERY_FAMILY}
     paths[BF16] = convert(str(paths["qwen3_5"]), root / BF16, dtype="bfloat16").path
     paths[Q4] = convert(str(paths["qwen2_vl"]), root / Q4, quantize=True, q_bits=4,
                         q_group_size=32).path
+    return paths
+
+
+@pytest.fixture(scope="module")
+def launched_runs(checkpoints, family_paths, tmp_path_factory):
+    """tests/sharded_run.py on two ranks over every checkpoint here, each in both modes:
+    one launch (a launch costs two start-ups), started before the one-process references
+    are computed, which run meanwhile."""
+    paths, image = checkpoints
+    out = tmp_path_factory.mktemp("held") / "runs"
+    out.mkdir()
+    listed = [paths[name] for name in (*FAMILIES, QUANTIZED, EOS)] + list(family_paths.values())
+    with Launched(str(RUNNER), ",".join(str(path) for path in listed), str(image),
+                  "tensor,pipeline", str(out), timeout=1800) as launched:
+        yield launched, out
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(family_paths, checkpoints, launched_runs):
+    """Each family checkpoint's one-process greedy answer (temperature 0: some
+    checkpoints' generation configs sample) and parameter shapes."""
+    _, image = checkpoints
     answers, shapes = {}, {}
-    for name, path in paths.items():
+    for name, path in family_paths.items():
         model, processor = load(path)
         answers[name] = [r.token for r in stream_generate(
             model, processor, PROMPT, str(image), max_tokens=BUDGET, temperature=0.0)]
         shapes[name] = dict(_flat_shapes(model))
-    return paths, answers, shapes, image
+    return family_paths, answers, shapes, image
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(launched_runs, family_checkpoints) -> list[dict]:
+    """The launch's lines: rank 0's answers and what each rank held, as dicts; every
+    rank must have ended well."""
+    launched, out = launched_runs
+    run = launched.finish()
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert_every_rank_ended_well(run.stderr)
+    held = [json.loads(path.read_text()) for path in sorted(out.glob("*.json"))]
+    return json_lines(run.stdout) + held
 
 
 @pytest.mark.parametrize("mode", ("tensor", "pipeline"))
-def test_every_family_on_two_ranks_gives_one_process_tokens(family_checkpoints, mode,
-                                                            tmp_path):
-    """One launch per mode loops over every family's checkpoint on both ranks: each
-    answer is the one process's; a tensor-parallel rank holds 16-bit weights as 16-bit
-    and 4-bit ones as 4-bit."""
-    paths, answers, shapes, image = family_checkpoints
-    lines = run_sharded(list(paths.values()), image, mode, tmp_path / "runs")
+def test_every_family_on_two_ranks_gives_one_process_tokens(family_checkpoints,
+                                                            sharded_runs, mode):
+    """The launch loops over every family's checkpoint on both ranks: each answer is the
+    one process's; a tensor-parallel rank holds 16-bit weights as 16-bit and 4-bit ones
+    as 4-bit."""
+    paths, answers, shapes, _ = family_checkpoints
+    listed = {str(path) for path in paths.values()}
+    lines = [line for line in sharded_runs
+             if line["mode"] == mode and line["checkpoint"] in listed]
     assert not [line for line in lines if "error" in line]
     got = {name: [line["tokens"] for line in lines
                   if line.get("checkpoint") == str(path) and "tokens" in line]
@@ -295,10 +351,11 @@ def test_cli_under_mlx_launch_prints_once_what_one_process_prints(checkpoints, c
         args = ["--verbose", "--model", str(paths[EOS]), "--image", str(image),
                 "--max-tokens", str(BUDGET)]
     monkeypatch.chdir(REPO)  # the documented command's relative paths
-    assert run_generate_cli(args) == 0  # one process: the reference
-    alone = capsys.readouterr()
+    with Launched("-m", "mlxvlm.generate", *args) as launched:
+        assert run_generate_cli(args) == 0  # one process, the reference, as the ranks start
+        alone = capsys.readouterr()
+        run = launched.finish()
     assert "tokens/s (stop)" in alone.err  # it ends on end of sequence
-    run = launch("-m", "mlxvlm.generate", *args)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout == alone.out  # rank 0 alone prints the answer
     assert_every_rank_ended_well(run.stderr)
@@ -319,9 +376,12 @@ def test_the_advice_of_a_refused_split_works(tiny_checkpoints, capsys):
 
     args = ["--model", str(tiny_checkpoints.path("gemma3", "hub")), "--prompt", "Hello",
             "--max-tokens", "6"]
-    assert run_generate_cli(args) == 0
-    alone = capsys.readouterr().out
-    refused = launch("-m", "mlxvlm.generate", *args, ranks=3)
+    # Both launches and the one process at once (each launch's ranks mostly start up).
+    with (Launched("-m", "mlxvlm.generate", *args, ranks=3) as refused_launch,
+          Launched("-m", "mlxvlm.generate", "--pipeline", *args, ranks=3) as advised_launch):
+        assert run_generate_cli(args) == 0
+        alone = capsys.readouterr().out
+        refused, advised = refused_launch.finish(), advised_launch.finish()
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert errors and errors == [errors[0]] * len(errors) and len(errors) <= 3, refused.stderr
     assert errors[0] == (
@@ -329,7 +389,6 @@ def test_the_advice_of_a_refused_split_works(tiny_checkpoints, capsys):
         "2 attention heads do not split over 3 ranks); run with --pipeline (each rank a run "
         "of layers)")
     assert "Traceback" not in refused.stderr
-    advised = launch("-m", "mlxvlm.generate", "--pipeline", *args, ranks=3)
     assert_every_rank_ended_well(advised.stderr)
     assert advised.stdout == alone
 
@@ -340,10 +399,6 @@ def test_server_under_mlx_launch_answers_as_one_process(checkpoints, tmp_path):
     step after each; rank 0 serves under the same connection guards as one process (a
     request whose headers stop gets 408 at --header-timeout)."""
     paths, _ = checkpoints
-    model, processor = load(paths[EOS])
-    expected = "".join(r.text for r in ends_on_eos(
-        list(stream_generate(model, processor, CHAT, max_tokens=BUDGET))))
-    stop, expected_stopped = stopped_early(model, processor)
     port = free_port()
     log = (tmp_path / "server.log").open("w")  # a pipe nobody reads could fill and block
     server = subprocess.Popen(
@@ -351,10 +406,16 @@ def test_server_under_mlx_launch_answers_as_one_process(checkpoints, tmp_path):
          "--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}",
          "--python", sys.executable, "--", "-m", "mlxvlm.server", "--model",
          str(paths[EOS]), "--port", str(port), "--header-timeout", "1"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=user_environment(),
+        start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}/v1"
     try:
+        # One process, the reference, while the ranks start.
+        model, processor = load(paths[EOS])
+        expected = "".join(r.text for r in ends_on_eos(
+            list(stream_generate(model, processor, CHAT, max_tokens=BUDGET))))
+        stop, expected_stopped = stopped_early(model, processor)
         served = _get_when_up(f"{base}/models", server, tmp_path / "server.log")["data"][0]["id"]
         request = {"model": served, "messages": CHAT, "temperature": 0, "max_tokens": BUDGET}
         # Rank 1 follows more than one request, each ending before the budget.
@@ -395,7 +456,7 @@ def stop_session(server: subprocess.Popen) -> None:
         server.kill()
     deadline = time.monotonic() + 30
     while session_pids(server.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.05)
     for pid in session_pids(server.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -430,7 +491,7 @@ def _get_when_up(url: str, server: subprocess.Popen, log: Path) -> dict:
         except (urllib.error.URLError, ConnectionError):
             assert server.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.5)
+            time.sleep(0.1)
 
 
 def _post(url: str, body: bytes) -> dict:

@@ -7,12 +7,14 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from finetune_helpers import image_file, one_image_record, small_dataset, write_jsonl
 from tiny import make_image
+from user_environment import user_environment
 from mlxvlm import load
 from mlxvlm.finetune import FinetuneConfig, finetune
 from mlxvlm.errors import MlxvlmError
@@ -116,20 +118,27 @@ def test_bad_records_are_listed_by_line(tmp_path, processor):
 
 def test_cli_stops_on_bad_records_with_one_line(tmp_path, checkpoint):
     data = bad_records_file(tmp_path)
-    command = [sys.executable, "-m", "mlxvlm.finetune", "--model", str(checkpoint),
-               "--data", str(data), "--output", str(tmp_path / "out"), "--iters", "1",
-               "--max-seq-length", "200"]
-    stopped = subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+    def run(output: str, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "mlxvlm.finetune", "--model", str(checkpoint), "--data",
+             str(data), "--output", str(tmp_path / output), "--iters", "1",
+             "--max-seq-length", "200", *flags],
+            capture_output=True, text=True, timeout=300, env=user_environment())
+
+    # Two independent runs (each its own output folder), side by side.
+    with ThreadPoolExecutor(1) as alongside:
+        skipped_run = alongside.submit(run, "skipped", "--skip-bad-records")
+        stopped = run("stopped")
+        skipped = skipped_run.result()
     assert stopped.returncode == 2
     error_lines = [l for l in stopped.stderr.splitlines() if l.startswith("error:")]
     assert len(error_lines) == 1 and "train.jsonl:3" in error_lines[0]
-    assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
+    assert not (tmp_path / "stopped" / "adapter_model.safetensors").exists()
 
-    skipped = subprocess.run(command + ["--skip-bad-records"], capture_output=True, text=True,
-                             timeout=300)
     assert skipped.returncode == 0, skipped.stderr
     assert "skipped" in skipped.stderr and "train.jsonl:4" in skipped.stderr
-    assert (tmp_path / "out" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "skipped" / "adapter_model.safetensors").exists()
     # Written to a pipe, the progress is plain lines, not a bar's redraws.
     assert "\r" not in skipped.stderr
     progress = [l for l in skipped.stderr.splitlines() if l.startswith("Training: ")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.nn as nn
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 from finetune_helpers import small_dataset
 from tiny import make_image
+from user_environment import user_environment
 from mlxvlm import load
 from mlxvlm.convert import convert
 from mlxvlm.finetune import FinetuneConfig, finetune
@@ -112,16 +114,22 @@ def test_cli(tiny_checkpoints, tmp_path):
     base = tiny_checkpoints.path(FAMILY, "hub")
     adapter = train(base, tmp_path)
     command = [sys.executable, "-m", "mlxvlm.fuse", "--model", str(base)]
-    done = subprocess.run(command + ["--adapter-path", str(adapter), "--mlx-path", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(command + list(args), capture_output=True, text=True,
+                              timeout=300, env=user_environment())
+
+    # The missing adapter's run, independent of the others, alongside the first.
+    with ThreadPoolExecutor(1) as alongside:
+        missing_run = alongside.submit(run, "--adapter-path", str(tmp_path / "nope"),
+                                       "--mlx-path", str(tmp_path / "x"))
+        done = run("--adapter-path", str(adapter), "--mlx-path", str(tmp_path / "out"))
+        missing = missing_run.result()
     assert done.returncode == 0, done.stderr
     assert "Fused 14 adapted layers" in done.stdout
     assert (tmp_path / "out" / "config.json").exists()
 
-    again = subprocess.run(command + ["--adapter-path", str(adapter), "--mlx-path", str(tmp_path / "out")],
-                           capture_output=True, text=True, timeout=300)
-    missing = subprocess.run(command + ["--adapter-path", str(tmp_path / "nope"), "--mlx-path", str(tmp_path / "x")],
-                             capture_output=True, text=True, timeout=300)
+    again = run("--adapter-path", str(adapter), "--mlx-path", str(tmp_path / "out"))
     for failed, words in ((again, "already exists"), (missing, "does not exist")):
         assert failed.returncode == 2
         lines = failed.stderr.strip().splitlines()

@@ -21,6 +21,7 @@ import pytest
 from server_harness import png_data_url, user, wait_until
 from server_process import ServerProcess
 from tiny import make_image
+from user_environment import user_environment
 
 from mlxvlm.batching.disk_prefix_cache import namespace_digest
 from mlxvlm.server.security import key_id
@@ -266,7 +267,8 @@ def test_a_folder_that_is_a_file_is_a_one_line_error(tmp_path):
     not_a_folder.write_text("")
     done = subprocess.run([sys.executable, "-m", "mlxvlm.server", "--model", "unused",
                            "--prompt-cache-dir", str(not_a_folder)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          env=user_environment())  # a user's process: torch-free
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: --prompt-cache-dir '{not_a_folder}' is not a folder")

@@ -25,6 +25,7 @@ from raw_http import CHAT_HEAD, assert_raw_error, raw_socket, read_response
 from server_harness import bomb_png, png_data_url, user, wait_until
 from server_process import ServerProcess
 from tiny import make_image
+from user_environment import user_environment
 
 MODEL_ID = "tiny"
 GUARDS = dict(header_timeout=1.0, body_timeout=1.0, max_connections=8, max_body_bytes=150_000,
@@ -332,7 +333,8 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
         port = taken.getsockname()[1]
         result = subprocess.run(
             [sys.executable, "-m", "mlxvlm.server", "--model", str(tmp_path / "no-such-model"),
-             "--port", str(port)], capture_output=True, text=True, timeout=120)
+             "--port", str(port)], capture_output=True, text=True, timeout=120,
+            env=user_environment())  # a user's process: torch-free
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr

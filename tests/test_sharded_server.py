@@ -29,6 +29,7 @@ import pytest
 from server_harness import png_data_url
 from test_distributed import (LAUNCH, REPO, assert_every_rank_ended_well,
                               build_two_kv_heads, free_port, stop_session)
+from user_environment import user_environment
 
 import mlxvlm
 from mlxvlm.batching import BatchStep, SamplingOptions
@@ -299,18 +300,20 @@ def test_the_sharded_server_answers_concurrent_clients_as_one_process(checkpoint
     picture.save(tmp_path / "picture.png")
     bodies = [chat(QUESTIONS[0], picture)] + [chat(q) for q in QUESTIONS[1:]]
     long_body = chat("Tell me a long story.", max_tokens=400)
-    model, processor = mlxvlm.load(checkpoint)  # one process: the reference
-    expected = [mlxvlm.generate(model, processor, [{"role": "user", "content": [
-        {"type": "image"}, {"type": "text", "text": QUESTIONS[0]}]}],
-        str(tmp_path / "picture.png"), max_tokens=MAX_TOKENS).text]
-    expected += [mlxvlm.generate(model, processor, [{"role": "user", "content": q}],
-                                 max_tokens=MAX_TOKENS).text for q in QUESTIONS[1:]]
-    long_reference = mlxvlm.generate(model, processor, long_body["messages"], max_tokens=400)
-    assert long_reference.finish_reason == "length"  # (it outlasts the others)
-    long_expected = long_reference.text
 
     with launched_server(checkpoint, tmp_path, "--max-concurrency", "5") as (server, base,
                                                                          log_path):
+        model, processor = mlxvlm.load(checkpoint)  # one process, the reference, as it starts
+        expected = [mlxvlm.generate(model, processor, [{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": QUESTIONS[0]}]}],
+            str(tmp_path / "picture.png"), max_tokens=MAX_TOKENS).text]
+        expected += [mlxvlm.generate(model, processor, [{"role": "user", "content": q}],
+                                     max_tokens=MAX_TOKENS).text for q in QUESTIONS[1:]]
+        long_reference = mlxvlm.generate(model, processor, long_body["messages"],
+                                         max_tokens=400)
+        assert long_reference.finish_reason == "length"  # (it outlasts the others)
+        long_expected = long_reference.text
+        wait_until_up(base, server, log_path)
         streamed: list[str] = []
         decoding, others_done = threading.Event(), threading.Event()
 
@@ -361,12 +364,13 @@ def test_the_sharded_server_answers_concurrent_clients_as_one_process(checkpoint
 def test_the_pipelined_server_speculates(checkpoint, tmp_path):
     """Under mlx.launch with --pipeline and prompt lookup (--max-concurrency 1): two
     requests, each the one-process greedy answer."""
-    model, processor = mlxvlm.load(checkpoint)
     prompts = ["Repeat: one two three one two three one two three", QUESTIONS[1]]
-    expected = [mlxvlm.generate(model, processor, [{"role": "user", "content": p}],
-                                max_tokens=MAX_TOKENS).text for p in prompts]
     with launched_server(checkpoint, tmp_path, "--pipeline", "--max-concurrency", "1",
-                         "--prompt-lookup-num-tokens", "3") as (_, base, log_path):
+                         "--prompt-lookup-num-tokens", "3") as (server, base, log_path):
+        model, processor = mlxvlm.load(checkpoint)  # one process, the reference, as it starts
+        expected = [mlxvlm.generate(model, processor, [{"role": "user", "content": p}],
+                                    max_tokens=MAX_TOKENS).text for p in prompts]
+        wait_until_up(base, server, log_path)
         answers = [answer(base, chat(p)) for p in prompts]
         output = log_path.read_text()
     assert answers == expected
@@ -384,13 +388,14 @@ def test_the_pipelined_server_answers_llama_3_2_vision_as_one_process(tiny_check
     checkpoint = tiny_checkpoints.path("mllama", "hub")
     picture = make_image(64, 48)
     picture.save(tmp_path / "picture.png")
-    model, processor = mlxvlm.load(checkpoint)
-    expected = [mlxvlm.generate(model, processor, [{"role": "user", "content": [
-        {"type": "image"}, {"type": "text", "text": QUESTIONS[0]}]}],
-        str(tmp_path / "picture.png"), max_tokens=MAX_TOKENS, temperature=0.0).text,
-        mlxvlm.generate(model, processor, [{"role": "user", "content": QUESTIONS[1]}],
-                        max_tokens=MAX_TOKENS, temperature=0.0).text]
-    with launched_server(checkpoint, tmp_path, "--pipeline") as (_, base, log_path):
+    with launched_server(checkpoint, tmp_path, "--pipeline") as (server, base, log_path):
+        model, processor = mlxvlm.load(checkpoint)  # one process, the reference, as it starts
+        expected = [mlxvlm.generate(model, processor, [{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": QUESTIONS[0]}]}],
+            str(tmp_path / "picture.png"), max_tokens=MAX_TOKENS, temperature=0.0).text,
+            mlxvlm.generate(model, processor, [{"role": "user", "content": QUESTIONS[1]}],
+                            max_tokens=MAX_TOKENS, temperature=0.0).text]
+        wait_until_up(base, server, log_path)
         answers = [answer(base, chat(QUESTIONS[0], picture)),
                    answer(base, chat(QUESTIONS[1]))]
         output = log_path.read_text()
@@ -400,8 +405,9 @@ def test_the_pipelined_server_answers_llama_3_2_vision_as_one_process(tiny_check
 
 @contextlib.contextmanager
 def launched_server(checkpoint: Path, tmp_path: Path, *flags: str):
-    """``python -m mlxvlm.server`` on two ranks (mlx.launch, ring over loopback):
-    (its base URL, its log's path), then stopped."""
+    """``python -m mlxvlm.server`` on two ranks (mlx.launch, ring over loopback), started:
+    (its process, base URL, log's path) while it starts up (the caller computes its
+    one-process references meanwhile, then waits with ``wait_until_up``), then stopped."""
     port = free_port()
     log_path = tmp_path / "server.log"
     with log_path.open("w") as log:
@@ -410,10 +416,10 @@ def launched_server(checkpoint: Path, tmp_path: Path, *flags: str):
              "--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}",
              "--python", sys.executable, "--", "-m", "mlxvlm.server", "--model",
              str(checkpoint), "--served-model-name", "m", "--port", str(port), *flags],
-            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=user_environment(),
+            start_new_session=True)
         base = f"http://127.0.0.1:{port}"
         try:
-            wait_until_up(base, server, log_path)
             yield server, base, log_path
         finally:
             stop_session(server)
@@ -461,4 +467,4 @@ def wait_until_up(base: str, server: subprocess.Popen, log: Path) -> None:
             pass
         assert server.poll() is None, log.read_text()
         assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.3)
+        time.sleep(0.1)
