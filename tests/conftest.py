@@ -13,6 +13,14 @@ os.environ["MLXVLM_ALLOW_TORCH"] = "1"
 # (OpenBLAS and the sgemv shim, mlxvlm/cpu/blas.py) is what the tests exercise.
 import mlxvlm  # noqa: F401
 
+# transformers imported now, with torch: the test process's decision is taken
+# (mlxvlm.torch_free leaves an imported transformers alone), and the setting leaves the
+# environment, so that every command a test starts in a subprocess (servers, the CLIs,
+# mlx.launch ranks) runs torch-free, as a user's does.
+import transformers  # noqa: E402,F401
+
+del os.environ["MLXVLM_ALLOW_TORCH"]
+
 # tests/ holds helper modules (tests/tiny/) imported by the tests.
 sys.path.insert(0, str(Path(__file__).parent))
 
