@@ -1,0 +1,165 @@
+"""Speculative decoding of many requests at once: each row drafts its own tokens (its own
+drafter: prompt lookup, a draft model's B=1 cache, the MTP head), one batched pass of the
+target judges every row's drafts, and each row keeps its own accepted count
+(``row_rewind``). Every row is judged exactly as ``generate.speculative`` judges one
+sequence (``judge``, the greedy or speculative-sampling rule with its own generator), so
+a greedy request answers as it would alone and a sampled one keeps the target's
+distribution.
+
+Not overlapped: the drafts of a pass need the tokens of the one before. A step with
+``speculate`` off drafts nothing and is a plain batched step (each row's pending tokens
+only), which is how the engine turns speculation off where it stops paying.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlxvlm.batching.decode import add_row, keep_rows
+from mlxvlm.batching.row_rewind import BatchCheckpoint
+from mlxvlm.generate.acceptance import accept_greedy, accept_sampled, is_greedy, sampling_distribution
+from mlxvlm.generate.loop import generation_stream
+from mlxvlm.generate.mtp_drafter import MtpDrafter
+from mlxvlm.generate.speculative import Drafter, SpeculationStats, fit_draft, judge
+from mlxvlm.sampling import step_seed
+
+
+@dataclass
+class SpeculativeRow:
+    seq: Any  # the engine's sequence
+    drafter: Drafter
+    prompt: list[int]
+    emitted: list[int]  # every token delivered, the prefill's first included
+    pending: list[int]  # emitted tokens the row's cache does not hold yet
+    position: int  # tokens the row's cache holds
+    rng: np.random.Generator
+    stats: SpeculationStats
+    held: list[int] = field(default_factory=list)  # the tokens fed after the prompt
+
+
+@dataclass
+class Verdict:
+    """What one pass gave one row: its new tokens with their log-probabilities, or the
+    row's own failure (its processors raised, or its scores were not numbers)."""
+
+    tokens: list[int]
+    logprobs: mx.array | None
+    failure: Exception | None = None
+
+
+class SpeculativeBatch:
+    def __init__(self, model: nn.Module, num_draft_tokens: int):
+        self.model = model
+        self.num_draft_tokens = num_draft_tokens
+        self.rows: list[SpeculativeRow] = []
+        self.cache: list[Any] | None = None
+        self.state: Any = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def join(self, seq: Any, cache: list[Any], drafter: Drafter, first: int,
+             stats: SpeculationStats) -> None:
+        """A prefilled request whose first token (already delivered) is ``first``."""
+        self.cache = add_row(self.cache, cache)
+        seed = seq.options.seed
+        row = SpeculativeRow(seq, drafter, seq.inputs.input_ids[0].tolist(), [first], [first],
+                             seq.inputs.num_tokens,
+                             np.random.default_rng(None if seed is None else step_seed(seed, 0)),
+                             stats)
+        drafter.update(0, first)
+        self.rows.append(row)
+        self._batch_states()
+
+    def keep(self, indices: list[int]) -> None:
+        if len(indices) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in indices]
+        if not indices:
+            self.cache = self.state = None
+            return
+        keep_rows(self.cache, indices)
+        self._batch_states()
+
+    def extract(self, index: int) -> list[Any]:
+        return [layer.extract(index) for layer in self.cache]
+
+    def _batch_states(self) -> None:
+        self.state = self.model.batch_states([row.seq.state for row in self.rows])
+
+    def step(self, speculate: bool = True) -> list[Verdict]:
+        """One target pass over every row's pending tokens and (``speculate``) drafts."""
+        drafts, dists = [], []
+        for row in self.rows:
+            budget = row.seq.text.max_tokens - len(row.emitted) - 1
+            room = min(self.num_draft_tokens + 1 - len(row.pending), budget) if speculate else 0
+            proposed, q = row.drafter.propose(row.prompt + row.emitted, room) if room > 0 else ([], None)
+            drafts.append(proposed)
+            dists.append(q)
+        feeds = [row.pending + d for row, d in zip(self.rows, drafts)]
+        lengths = [len(f) for f in feeds]
+        width = max(lengths)
+        ids = mx.array([f + [0] * (width - len(f)) for f in feeds])
+        checkpoint = BatchCheckpoint(self.cache, lengths)
+        with mx.stream(generation_stream):
+            logits = self._pass(ids, lengths)
+        verdicts, keep = [], []
+        for i, (row, proposed, q) in enumerate(zip(self.rows, drafts, dists)):
+            verdict, kept = self._judge_row(row, logits[i, len(row.pending) - 1 : lengths[i]],
+                                            proposed, q)
+            verdicts.append(verdict)
+            keep.append(kept)
+        held = checkpoint.rewind(self.cache, keep)
+        for row, verdict, feed, kept, now in zip(self.rows, verdicts, feeds, keep, held):
+            row.held.extend(feed[:now])
+            row.position += now
+            if verdict.failure is None:
+                row.pending = feed[now:kept] + verdict.tokens[-1:]
+                row.emitted.extend(verdict.tokens)
+        return verdicts
+
+    def _pass(self, ids: mx.array, lengths: list[int]) -> mx.array:
+        watching = [row for row in self.rows if isinstance(row.drafter, MtpDrafter)]
+        if not watching:
+            return self.model(ids, self.cache, state=self.state)
+        # The MTP heads read the pass's hidden states, each row its own.
+        target = watching[0].drafter.target
+        hidden = target.hidden_states(ids, self.cache, None, self.state)
+        embeddings = target.embed_tokens(ids)
+        for i, row in enumerate(self.rows):
+            if isinstance(row.drafter, MtpDrafter):
+                row.drafter.state = row.seq.state
+                row.drafter.record(row.position, embeddings[i : i + 1, : lengths[i]],
+                                   hidden[i : i + 1, : lengths[i]])
+        return target.logits(hidden)
+
+    def _judge_row(self, row: SpeculativeRow, logits: mx.array, drafts: list[int],
+                   q: np.ndarray | None) -> tuple[Verdict, int]:
+        """The row's verdict, and how many of its fed tokens its cache should keep."""
+        options = row.seq.options
+        greedy = is_greedy(options)
+        context = row.prompt + row.emitted
+        try:
+            logprobs, choice = judge(logits, row.seq.row, context, drafts, options, greedy)
+        except Exception as e:  # its own processors: it fails alone
+            return Verdict([], None, e), 0
+        if greedy:
+            accepted, next_token = accept_greedy(choice, drafts)
+        else:
+            p = sampling_distribution(logprobs, options)
+            accepted, next_token = accept_sampled(p, drafts, fit_draft(q, p.shape[-1]), row.rng)
+        tokens = [*drafts[:accepted], next_token]
+        chosen = logprobs[mx.arange(len(tokens)), mx.array(tokens)]
+        if not mx.all(mx.isfinite(chosen)).item():
+            return Verdict([], None, FloatingPointError("scores were not numbers")), 0
+        row.drafter.update(accepted, next_token)
+        row.stats.drafted += len(drafts)
+        row.stats.accepted += accepted
+        row.stats.target_passes += 1
+        row.stats.decoded += accepted + 1
+        return Verdict(tokens, logprobs), len(row.pending) + accepted
