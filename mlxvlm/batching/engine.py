@@ -233,8 +233,10 @@ class BatchEngine(EngineThread):
                 f"(got max_batch_size {max_batch_size})"
             )
         if speculation is not None and max_batch_size > 1 and self.carries_passes_to_ranks:
-            raise MlxvlmError("a sharded model speculates one sequence at a time: "
-                              f"--max-concurrency 1 (got {max_batch_size})")
+            raise MlxvlmError(
+                "a sharded model's server speculates one sequence at a time: serve it with "
+                f"--max-concurrency 1 (got {max_batch_size}), or leave out --draft-model, "
+                "--prompt-lookup-num-tokens and --mtp")
         if speculation is not None and max_batch_size > 1 and max_kv_size is not None:
             raise MlxvlmError(
                 "speculative decoding with max_batch_size above 1 needs whole KV caches (a "
