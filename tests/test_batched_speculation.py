@@ -275,3 +275,39 @@ def test_what_cannot_speculate_batched_is_refused(family_models):
                     speculation=speculation)
     with pytest.raises(MlxvlmError, match="--max-concurrency 1"):
         ShardedEngine(model, processor, max_batch_size=2, speculation=speculation)
+
+
+@pytest.mark.parametrize("family, flags", [
+    ("qwen2_vl", ("--draft-model", "SELF", "--num-draft-tokens", "3")),
+    ("qwen3_5", ("--mtp", "--num-draft-tokens", "2")),
+])
+def test_the_server_speculates_under_concurrency(tiny_checkpoints, family, flags):
+    """``python -m mlxvlm.server --max-concurrency 4`` with a drafting flag: requests sent
+    together answer as each sent alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from server_process import ServerProcess
+
+    path = str(tiny_checkpoints.path(family, "hub"))
+    flags = [path if flag == "SELF" else flag for flag in flags]
+    texts = TEXTS
+
+    def ask(server, text):
+        body = {"model": "m", "messages": [{"role": "user", "content": text}],
+                "max_tokens": 32, "temperature": 0.0}
+        reply = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=300)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["message"]
+
+    with ServerProcess("--model", path, "--served-model-name", "m", "--max-concurrency", "4",
+                       *flags) as server:
+        alone = [ask(server, text) for text in texts]
+        with ThreadPoolExecutor(len(texts)) as pool:
+            together = list(pool.map(lambda text: ask(server, text), texts))
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    assert together == alone
+    values = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("mlxvlm_")}
+    assert values["mlxvlm_draft_tokens_total"] > 0
+    assert values["mlxvlm_peak_batch_size"] >= 2
