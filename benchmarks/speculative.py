@@ -2,6 +2,7 @@
 
     python benchmarks/checkpoints.py --only smolvlm-256m
     python benchmarks/speculative.py --target smolvlm-256m-bf16 --draft smolvlm-256m-4bit
+    python benchmarks/speculative.py --streams 1 4 8   # the batching engine (see below)
 
 For each prompt (the benchmark image with a description prompt, and a copy-heavy text
 prompt that asks for a document back) it runs, alternating run by run so that a slow
@@ -9,6 +10,17 @@ stretch of a shared host falls on all of them: the plain loop, each draft model,
 prompt lookup. It prints median decode tokens/s (min-max), the speed-up over the plain
 loop, the draft acceptance rate and tokens per target pass, and checks that every greedy
 run produced the plain loop's tokens.
+
+``--streams N ...``: the batching engine (``max_batch_size`` N) with N text requests
+submitted at once (different prompts, greedy, ``--max-tokens`` each), plain and with
+batched speculation by: the target as its own draft model (every draft accepted: the
+upper bound of acceptance), the target with its draft scores rolled by one token (the
+same drafting cost, every draft rejected: the cost), and prompt lookup; alternating run
+by run. Tokens/s counts every delivered token over the whole run (prefills included;
+the prompts are short); "verify-bound" leaves out the seconds spent drafting (what a
+free drafter of the same acceptance would give). It also times one target pass of B
+rows x L tokens, what the engine's on/off rule (``batching/speculation_rule.py``) rests
+on.
 """
 
 from __future__ import annotations
@@ -79,6 +91,154 @@ def pass_cost(model, processor, image, lengths=(1, 2, 3, 4, 5, 8), repeats=9) ->
     return costs
 
 
+def batch_pass_cost(model, rows=(1, 4, 8), lengths=(1, 2, 4, 5), context=96,
+                    repeats=7) -> dict[tuple[int, int], float]:
+    """Median seconds of one target pass of ``rows`` x ``lengths`` tokens over a
+    ``context``-token batched cache, trimmed back after each."""
+    import time
+
+    import mlx.core as mx
+
+    from mlxvlm.batching.decode import add_row
+
+    costs = {}
+    for b in rows:
+        cache = None
+        for _ in range(b):
+            row = model.make_cache()
+            model(mx.array([[5] * context]), row)
+            cache = add_row(cache, row)
+        mx.eval([c.state for c in cache])
+        for length in lengths:
+            ids = mx.array([[17] * length] * b)
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                mx.eval(model(ids, cache))
+                times.append(time.perf_counter() - started)
+                for c in cache:
+                    c.trim(length)
+            costs[(b, length)] = statistics.median(times)
+    return costs
+
+
+def streams_main(args) -> int:
+    import os
+    import time
+
+    import mlx.core as mx
+
+    from mlxvlm import load
+    from mlxvlm.batching import BatchEngine, SamplingOptions
+    from mlxvlm.generate.drafters import DraftModelDrafter
+    from mlxvlm.generate.speculative import Speculation
+    from mlxvlm.prompt import prepare_inputs
+
+    model, processor = load(HERE / "checkpoints" / args.target)
+    drafting = {"seconds": 0.0}
+
+    class Timed:
+        """A drafter whose proposals are timed."""
+
+        def __init__(self, drafter):
+            self.drafter = drafter
+
+        def propose(self, context, k):
+            started = time.perf_counter()
+            try:
+                return self.drafter.propose(context, k)
+            finally:
+                drafting["seconds"] += time.perf_counter() - started
+
+        def update(self, accepted, next_token):
+            started = time.perf_counter()
+            self.drafter.update(accepted, next_token)
+            drafting["seconds"] += time.perf_counter() - started
+
+    class Rolled(DraftModelDrafter):
+        def _last_logits(self, ids):
+            return mx.roll(super()._last_logits(ids), 1, axis=-1)
+
+    class TimedSpeculation(Speculation):
+        rolled: bool = False
+
+        def drafter(self, target, inputs, options, prefill_step_size):
+            if self.rolled:
+                return Timed(Rolled(target, inputs, options, prefill_step_size=prefill_step_size))
+            return Timed(super().drafter(target, inputs, options, prefill_step_size))
+
+    k = args.num_draft_tokens
+    configs = {"plain": None,
+               f"self-draft, K={k}": TimedSpeculation(draft_model=model, num_draft_tokens=k),
+               f"rejected draft, K={k}": TimedSpeculation(draft_model=model, num_draft_tokens=k),
+               f"prompt lookup, K={args.prompt_lookup_num_tokens}": TimedSpeculation(
+                   prompt_lookup_num_tokens=args.prompt_lookup_num_tokens)}
+    object.__setattr__(configs[f"rejected draft, K={k}"], "rolled", True)
+    words = [f"w{i}" for i in range(80)]
+
+    def run(streams, speculation):
+        engine = BatchEngine(model, processor, max_batch_size=streams, speculation=speculation)
+        delivered = []
+        for s in range(streams):
+            text = " ".join(words[s * 7 :] + words[: s * 7][:10])
+            inputs = prepare_inputs(processor, text, None, feature_names=model.feature_names)
+            engine.submit(inputs, SamplingOptions(max_tokens=args.max_tokens), delivered.append)
+        drafting["seconds"] = 0.0
+        started = time.perf_counter()
+        while engine.has_work:
+            engine.step()
+        seconds = time.perf_counter() - started
+        return len(delivered), seconds, drafting["seconds"], engine.stats
+
+    costs = batch_pass_cost(model)
+    print(f"one target pass, {args.target}, ms (÷ the same rows' one-token pass)")
+    lengths = sorted({length for _, length in costs})
+    print("| rows | " + " | ".join(f"L={length}" for length in lengths) + " |")
+    print("| --- |" + " --- |" * len(lengths))
+    for b in sorted({b for b, _ in costs}):
+        print(f"| {b} | " + " | ".join(
+            f"{1000 * costs[(b, n)]:.1f} ({costs[(b, n)] / costs[(b, 1)]:.2f}×)"
+            for n in lengths) + " |")
+    raw = {"target": args.target, "max_tokens": args.max_tokens,
+           "pass_seconds": {f"{b}x{n}": t for (b, n), t in costs.items()},
+           "load_average_before": os.getloadavg(), "streams": {}}
+    run(1, None)  # warm-up
+    print()
+    print(f"{args.max_tokens} new tokens a stream, {args.runs} alternating runs; load "
+          f"average {os.getloadavg()[0]:.1f}")
+    print("| streams | decoding | tokens/s | speed-up | verify-bound tokens/s | accepted |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for streams in args.streams:
+        rates = {label: [] for label in configs}
+        bound = {label: [] for label in configs}
+        accepted = {}
+        for i in range(args.runs):
+            order = list(configs) if i % 2 == 0 else list(reversed(configs))
+            for label in order:
+                tokens, seconds, drafted_seconds, stats = run(streams, configs[label])
+                rates[label].append(tokens / seconds)
+                bound[label].append(tokens / max(seconds - drafted_seconds, 1e-9))
+                accepted[label] = (stats.accepted_draft_tokens, stats.drafted_tokens)
+        base = statistics.median(rates["plain"])
+        raw["streams"][streams] = {label: {"tokens_per_second": rates[label],
+                                           "verify_bound": bound[label],
+                                           "accepted_drafted": accepted[label]}
+                                   for label in configs}
+        for label in configs:
+            median = statistics.median(rates[label])
+            a, d = accepted[label]
+            share = f"{100 * a / d:.0f}%" if d else "-"
+            print(f"| {streams} | {label} | {median:.1f} ({min(rates[label]):.1f}–"
+                  f"{max(rates[label]):.1f}) | {median / base:.2f}× | "
+                  f"{statistics.median(bound[label]):.1f} | {share} |", flush=True)
+    raw["load_average_after"] = os.getloadavg()
+    if args.output:
+        import json
+
+        Path(args.output).write_text(json.dumps(raw, indent=1))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="smolvlm-256m-bf16")
@@ -88,7 +248,11 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--output", default=None, help="also write the raw runs as JSON here")
+    parser.add_argument("--streams", nargs="*", type=int, default=None,
+                        help="the batching engine with these numbers of streams (see above)")
     args = parser.parse_args()
+    if args.streams:
+        return streams_main(args)
 
     from mlxvlm import load
 

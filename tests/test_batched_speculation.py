@@ -20,6 +20,7 @@ import pytest
 import mlxvlm
 from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions, SequenceFault
 from mlxvlm.batching.prefix_cache import PrefixCache, image_hash
+from mlxvlm.batching.speculation_rule import SpeculationRule
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.speculative import Speculation
 from mlxvlm.generate.text import eos_token_ids
@@ -88,6 +89,14 @@ class OracleSpeculation(Speculation):
         return OracleDrafter(list(self.answers[index][1]), len(prompt), salt=index)
 
 
+def engine_of(loaded, speculation, rule=None, **options):
+    """A batch of four that speculates at every step (``rule``: the steps that do)."""
+    engine = BatchEngine(*loaded, max_batch_size=4, prefill_step_size=PREFILL,
+                         speculation=speculation, **options)
+    engine.speculation_rule = rule or SpeculationRule(adaptive=False)
+    return engine
+
+
 def inputs_of(loaded, text, image):
     model, processor = loaded
     return prepare_inputs(processor, user(None, text), [image], feature_names=model.feature_names)
@@ -125,8 +134,7 @@ def test_concurrent_greedy_requests_answer_as_each_alone(family_models, family, 
                                     answers=tuple(zip(prompts, map(tuple, alone)))),
         "mtp": Speculation(mtp=True, num_draft_tokens=3),
     }[kind]
-    engine = BatchEngine(model, loaded[1], max_batch_size=4, prefill_step_size=PREFILL,
-                         speculation=speculation)
+    engine = engine_of(loaded, speculation)
     received = submit_all(engine, loaded, [SamplingOptions(max_tokens=NEW)] * 4)
     assert tokens_of(received) == alone
     stats = engine.stats
@@ -155,8 +163,7 @@ def test_sampled_rows_draw_what_their_seed_draws_alone(family_models, family, ki
         seed=10 + i, **({"draft_model": (other, processor)} if "draft_model" in chosen else {}),
         **{k: v for k, v in chosen.items() if k != "draft_model"})]
         for i, (text, image) in enumerate(zip(TEXTS, IMAGES))]
-    engine = BatchEngine(model, processor, max_batch_size=4, prefill_step_size=PREFILL,
-                         speculation=Speculation(**chosen))
+    engine = engine_of(loaded, Speculation(**chosen))
     assert tokens_of(submit_all(engine, loaded, options)) == alone
     assert engine.stats.accepted_draft_tokens > 0
 
@@ -174,8 +181,7 @@ def test_grammar_logprobs_stop_strings_and_cancellation_beside_speculating_rows(
                SamplingOptions(max_tokens=NEW)]
 
     def run(speculation):
-        engine = BatchEngine(model, processor, max_batch_size=4, prefill_step_size=PREFILL,
-                             speculation=speculation)
+        engine = engine_of(loaded, speculation)
         received = [[] for _ in TEXTS]
         handles = []
         for i, (text, image) in enumerate(zip(TEXTS, IMAGES)):
@@ -223,8 +229,7 @@ def test_a_failing_row_ends_alone_and_the_others_answer_as_alone(family_models):
     model, processor = loaded
     options = [SamplingOptions(max_tokens=NEW) for _ in TEXTS]
     options[1] = SamplingOptions(max_tokens=NEW, extra_processors=(FailsAt(6),))
-    engine = BatchEngine(model, processor, max_batch_size=4, prefill_step_size=PREFILL,
-                         speculation=Speculation(draft_model=other, num_draft_tokens=3))
+    engine = engine_of(loaded, Speculation(draft_model=other, num_draft_tokens=3))
     received = submit_all(engine, loaded, options)
     failed = received.pop(1)
     assert isinstance(failed[-1], SequenceFault) and 0 < len(failed) - 1 < NEW
@@ -235,9 +240,8 @@ def test_a_failing_row_ends_alone_and_the_others_answer_as_alone(family_models):
 def test_a_next_turn_reuses_a_batched_speculative_answer(family_models):
     loaded, other, alone = family_models("qwen3_5")
     model, processor = loaded
-    engine = BatchEngine(model, processor, max_batch_size=4, prefill_step_size=PREFILL,
-                         prefix_cache=PrefixCache(),
-                         speculation=Speculation(prompt_lookup_num_tokens=3))
+    engine = engine_of(loaded, Speculation(prompt_lookup_num_tokens=3),
+                       prefix_cache=PrefixCache())
     received = submit_all(engine, loaded, [SamplingOptions(max_tokens=8)] * 4,
                           image_hashes=None)
     # (image_hashes None keeps those out of the cache: this one goes in)
@@ -263,6 +267,38 @@ def test_a_next_turn_reuses_a_batched_speculative_answer(family_models):
     assert tokens_of([second])[0] == mlxvlm.generate(model, processor, messages,
                                                      image=[IMAGES[0]], max_tokens=NEW).tokens
     assert tokens_of(received) == [a[:8] for a in alone]
+
+
+class EveryOtherStep(SpeculationRule):
+    def speculates(self, rows):
+        self.steps += 1
+        return self.steps % 2 == 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5"])
+def test_steps_the_rule_turns_off_keep_the_answers(family_models, family):
+    loaded, other, alone = family_models(family)
+    prompts = [tuple(inputs_of(loaded, t, i).input_ids[0].tolist()) for t, i in zip(TEXTS, IMAGES)]
+    speculation = OracleSpeculation(num_draft_tokens=4, answers=tuple(zip(prompts, map(tuple, alone))))
+    engine = engine_of(loaded, speculation, rule=EveryOtherStep())
+    assert tokens_of(submit_all(engine, loaded, [SamplingOptions(max_tokens=NEW)] * 4)) == alone
+    assert 0 < engine.stats.accepted_draft_tokens < engine.stats.drafted_tokens
+
+
+def test_the_rule_speculates_where_it_measured_more_tokens_per_second():
+    rule = SpeculationRule()
+    assert rule.speculates(4)  # nothing measured: try it
+    rule.observe(4, True, tokens=12, seconds=1.0)
+    assert not rule.speculates(4)  # then one plain step
+    rule.observe(4, False, tokens=4, seconds=0.5)
+    decisions = [rule.speculates(4) for _ in range(2 * rule.probe_every)]
+    assert decisions.count(True) == 2 * rule.probe_every - 2  # 12/s beats 8/s; two probes
+    for _ in range(6):  # speculation stops paying (e.g. the drafts start being rejected)
+        rule.observe(4, True, tokens=4, seconds=1.0)
+    decisions = [rule.speculates(4) for _ in range(2 * rule.probe_every)]
+    assert decisions.count(True) == 2  # only the probes
+    assert rule.speculates(8)  # another batch size is measured on its own
+    assert all(SpeculationRule(adaptive=False).speculates(4) for _ in range(40))
 
 
 def test_what_cannot_speculate_batched_is_refused(family_models):

@@ -247,6 +247,8 @@ class BatchEngine(EngineThread):
         # Above a batch of one, the speculating requests decode in a batch of their own.
         self._drafting = (SpeculativeBatch(model, speculation.num_tokens)
                           if speculation is not None and max_batch_size > 1 else None)
+        # Which batched speculative steps draft (measured; SpeculationRule(adaptive=False):
+        # all of them).
         self.speculation_rule = SpeculationRule()
         self.model = model
         self.processor = processor
