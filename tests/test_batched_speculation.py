@@ -148,7 +148,8 @@ def test_concurrent_greedy_requests_answer_as_each_alone(family_models, family, 
         assert 0 < stats.accepted_draft_tokens < stats.drafted_tokens
 
 
-@pytest.mark.parametrize("family, kind", [("qwen2_vl", "other model"), ("qwen3_5", "mtp")])
+@pytest.mark.parametrize("family, kind", [("qwen2_vl", "other model"), ("qwen3_5", "other model"),
+                                          ("qwen3_5", "mtp")])
 def test_sampled_rows_draw_what_their_seed_draws_alone(family_models, family, kind):
     """The acceptance rule per row, with the row's own generator: the draws of
     single-sequence speculation with the same seed (which keeps the target's
@@ -267,6 +268,43 @@ def test_a_next_turn_reuses_a_batched_speculative_answer(family_models):
     assert tokens_of([second])[0] == mlxvlm.generate(model, processor, messages,
                                                      image=[IMAGES[0]], max_tokens=NEW).tokens
     assert tokens_of(received) == [a[:8] for a in alone]
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_draft_model_drafts_every_row_as_it_drafts_one(family_models, family, sampled):
+    """``DraftBatch`` against one ``DraftModelDrafter`` per row, through random budgets
+    (none, fewer than the most) and random verdicts: the same drafts and distributions."""
+    import numpy as np
+
+    from mlxvlm.batching.draft_batch import DraftBatch
+    from mlxvlm.generate.drafters import DraftModelDrafter
+
+    loaded, other, _ = family_models(family)
+    options = SamplingOptions(max_tokens=NEW, **({"temperature": 1.0} if sampled else {}))
+    inputs = [inputs_of(loaded, t, i) for t, i in zip(TEXTS[:3], IMAGES)]
+    alone = [DraftModelDrafter(other, x, options, seed=7 + i) for i, x in enumerate(inputs)]
+    batch = DraftBatch(other)
+    rng = np.random.default_rng(0)
+    for i, x in enumerate(inputs):
+        drafter = DraftModelDrafter(other, x, options, seed=7 + i)
+        first = int(rng.integers(0, 100))
+        drafter.update(0, first)
+        alone[i].update(0, first)
+        batch.join(drafter)
+    for _ in range(8):
+        rooms = [int(rng.integers(0, 4)) for _ in alone]
+        together = batch.propose(rooms)
+        for drafter, room, (drafts, q) in zip(alone, rooms, together):
+            expected, expected_q = drafter.propose(None, room) if room else ([], None)
+            assert drafts == expected
+            assert (q is None) == (expected_q is None)
+            if q is not None:
+                np.testing.assert_allclose(q, expected_q, atol=1e-5)
+        verdicts = [(int(rng.integers(0, room + 1)), int(rng.integers(0, 100))) for room in rooms]
+        for drafter, verdict in zip(alone, verdicts):
+            drafter.update(*verdict)
+        batch.update(verdicts)
 
 
 class EveryOtherStep(SpeculationRule):

@@ -1,6 +1,6 @@
-"""Speculative decoding of many requests at once: each row drafts its own tokens (its own
-drafter: prompt lookup, a draft model's B=1 cache, the MTP head), one batched pass of the
-target judges every row's drafts, and each row keeps its own accepted count
+"""Speculative decoding of many requests at once: each row drafts its own tokens (prompt
+lookup, the MTP head; a draft model drafts for all its rows at once, ``draft_batch``),
+one batched pass of the target judges every row's drafts, and each row keeps its own accepted count
 (``row_rewind``). Every row is judged exactly as ``generate.speculative`` judges one
 sequence (``judge``, the greedy or speculative-sampling rule with its own generator), so
 a greedy request answers as it would alone and a sampled one keeps the target's
@@ -21,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.batching.decode import add_row, keep_rows
+from mlxvlm.batching.draft_batch import DraftBatch, batchable
 from mlxvlm.batching.row_rewind import BatchCheckpoint
 from mlxvlm.generate.acceptance import accept_greedy, accept_sampled, is_greedy, sampling_distribution
 from mlxvlm.generate.loop import generation_stream
@@ -40,6 +41,7 @@ class SpeculativeRow:
     rng: np.random.Generator
     stats: SpeculationStats
     held: list[int] = field(default_factory=list)  # the tokens fed after the prompt
+    in_draft_batch: bool = False  # its drafter's rows live in the DraftBatch
 
 
 @dataclass
@@ -59,6 +61,7 @@ class SpeculativeBatch:
         self.rows: list[SpeculativeRow] = []
         self.cache: list[Any] | None = None
         self.state: Any = None
+        self.draft_batch: DraftBatch | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -73,12 +76,20 @@ class SpeculativeBatch:
                              np.random.default_rng(None if seed is None else step_seed(seed, 0)),
                              stats)
         drafter.update(0, first)
+        if batchable(drafter):
+            if self.draft_batch is None:
+                self.draft_batch = DraftBatch(drafter.model)
+            self.draft_batch.join(drafter)
+            row.in_draft_batch = True
         self.rows.append(row)
         self._batch_states()
 
     def keep(self, indices: list[int]) -> None:
         if len(indices) == len(self.rows):
             return
+        if self.draft_batch is not None:
+            drafting = [i for i, row in enumerate(self.rows) if row.in_draft_batch]
+            self.draft_batch.keep([drafting.index(i) for i in indices if i in drafting])
         self.rows = [self.rows[i] for i in indices]
         if not indices:
             self.cache = self.state = None
@@ -94,11 +105,22 @@ class SpeculativeBatch:
 
     def step(self, speculate: bool = True) -> list[Verdict]:
         """One target pass over every row's pending tokens and (``speculate``) drafts."""
-        drafts, dists = [], []
+        rooms = []
         for row in self.rows:
             budget = row.seq.text.max_tokens - len(row.emitted) - 1
-            room = min(self.num_draft_tokens + 1 - len(row.pending), budget) if speculate else 0
-            proposed, q = row.drafter.propose(row.prompt + row.emitted, room) if room > 0 else ([], None)
+            rooms.append(max(min(self.num_draft_tokens + 1 - len(row.pending), budget), 0)
+                         if speculate else 0)
+        batched = iter(self.draft_batch.propose(
+            [room for row, room in zip(self.rows, rooms) if row.in_draft_batch])
+            if self.draft_batch else [])
+        drafts, dists = [], []
+        for row, room in zip(self.rows, rooms):
+            if row.in_draft_batch:
+                proposed, q = next(batched)
+            elif room > 0:
+                proposed, q = row.drafter.propose(row.prompt + row.emitted, room)
+            else:
+                proposed, q = [], None
             drafts.append(proposed)
             dists.append(q)
         feeds = [row.pending + d for row, d in zip(self.rows, drafts)]
@@ -108,12 +130,19 @@ class SpeculativeBatch:
         checkpoint = BatchCheckpoint(self.cache, lengths)
         with mx.stream(generation_stream):
             logits = self._pass(ids, lengths)
-        verdicts, keep = [], []
+        verdicts, keep, judged = [], [], []
         for i, (row, proposed, q) in enumerate(zip(self.rows, drafts, dists)):
-            verdict, kept = self._judge_row(row, logits[i, len(row.pending) - 1 : lengths[i]],
-                                            proposed, q)
+            verdict, accepted = self._judge_row(row, logits[i, len(row.pending) - 1 : lengths[i]],
+                                                proposed, q)
             verdicts.append(verdict)
-            keep.append(kept)
+            keep.append(0 if verdict.failure else len(row.pending) + accepted)
+            outcome = None if verdict.failure else (accepted, verdict.tokens[-1])
+            if outcome is not None and not row.in_draft_batch:
+                row.drafter.update(*outcome)
+            if row.in_draft_batch:
+                judged.append(outcome)
+        if self.draft_batch:
+            self.draft_batch.update(judged)
         held = checkpoint.rewind(self.cache, keep)
         for row, verdict, feed, kept, now in zip(self.rows, verdicts, feeds, keep, held):
             row.held.extend(feed[:now])
@@ -140,7 +169,7 @@ class SpeculativeBatch:
 
     def _judge_row(self, row: SpeculativeRow, logits: mx.array, drafts: list[int],
                    q: np.ndarray | None) -> tuple[Verdict, int]:
-        """The row's verdict, and how many of its fed tokens its cache should keep."""
+        """The row's verdict, and how many of its drafts it accepted."""
         options = row.seq.options
         greedy = is_greedy(options)
         context = row.prompt + row.emitted
@@ -157,9 +186,8 @@ class SpeculativeBatch:
         chosen = logprobs[mx.arange(len(tokens)), mx.array(tokens)]
         if not mx.all(mx.isfinite(chosen)).item():
             return Verdict([], None, FloatingPointError("scores were not numbers")), 0
-        row.drafter.update(accepted, next_token)
         row.stats.drafted += len(drafts)
         row.stats.accepted += accepted
         row.stats.target_passes += 1
         row.stats.decoded += accepted + 1
-        return Verdict(tokens, logprobs), len(row.pending) + accepted
+        return Verdict(tokens, logprobs), accepted
