@@ -14,11 +14,12 @@ run produced the plain loop's tokens.
 ``--streams N ...``: the batching engine (``max_batch_size`` N) with N text requests
 submitted at once (different prompts, greedy, ``--max-tokens`` each), plain and with
 batched speculation by: the target as its own draft model (every draft accepted: the
-upper bound of acceptance), the target with its draft scores rolled by one token (the
-same drafting cost, every draft rejected: the cost), and prompt lookup; alternating run
-by run. Tokens/s counts every delivered token over the whole run (prefills included;
-the prompts are short); "verify-bound" leaves out the seconds spent drafting (what a
-free drafter of the same acceptance would give). It also times one target pass of B
+upper bound of acceptance), the target with its output head's rows rolled by one (the
+same drafting cost, every draft rejected: the cost), and prompt lookup; each drafting on
+every step, or as the engine's rule decides; alternating run by run. Tokens/s counts the
+tokens delivered once every stream is decoding (the prefills behind), over the time to
+the last; "verify-bound" leaves out the seconds spent drafting (what a free drafter of
+the same acceptance would give). It also times one target pass of B
 rows x L tokens, what the engine's on/off rule (``batching/speculation_rule.py``) rests
 on.
 """
@@ -91,8 +92,8 @@ def pass_cost(model, processor, image, lengths=(1, 2, 3, 4, 5, 8), repeats=9) ->
     return costs
 
 
-def batch_pass_cost(model, rows=(1, 4, 8), lengths=(1, 2, 4, 5), context=96,
-                    repeats=7) -> dict[tuple[int, int], float]:
+def batch_pass_cost(model, rows=(1, 4, 8), lengths=(1, 4), context=96,
+                    repeats=5) -> dict[tuple[int, int], float]:
     """Median seconds of one target pass of ``rows`` x ``lengths`` tokens over a
     ``context``-token batched cache, trimmed back after each."""
     import time
@@ -130,65 +131,71 @@ def streams_main(args) -> int:
 
     from mlxvlm import load
     from mlxvlm.batching import BatchEngine, SamplingOptions
-    from mlxvlm.generate.drafters import DraftModelDrafter
+    from mlxvlm.batching.draft_batch import DraftBatch
+    from mlxvlm.batching.speculation_rule import SpeculationRule
+    from mlxvlm.generate.drafters import PromptLookupDrafter
     from mlxvlm.generate.speculative import Speculation
     from mlxvlm.prompt import prepare_inputs
 
     model, processor = load(HERE / "checkpoints" / args.target)
+    # The rejected draft: the target with its output head's rows rolled by one, so that
+    # each draft is the token after the target's choice (the self-draft's cost, rejected).
+    rolled, _ = load(HERE / "checkpoints" / args.target)
+    head = rolled.language_model.lm_head
+    head.weight = mx.roll(head.weight, 1, axis=0)
+    mx.eval(head.weight)
     drafting = {"seconds": 0.0}
 
-    class Timed:
-        """A drafter whose proposals are timed."""
+    def timed(cls, name):
+        """Time the drafting a step does (a draft model's batch, prompt lookup)."""
+        method = getattr(cls, name)
 
-        def __init__(self, drafter):
-            self.drafter = drafter
-
-        def propose(self, context, k):
+        def run(*a, **kw):
             started = time.perf_counter()
             try:
-                return self.drafter.propose(context, k)
+                return method(*a, **kw)
             finally:
                 drafting["seconds"] += time.perf_counter() - started
+        setattr(cls, name, run)
 
-        def update(self, accepted, next_token):
-            started = time.perf_counter()
-            self.drafter.update(accepted, next_token)
-            drafting["seconds"] += time.perf_counter() - started
-
-    class Rolled(DraftModelDrafter):
-        def _last_logits(self, ids):
-            return mx.roll(super()._last_logits(ids), 1, axis=-1)
-
-    class TimedSpeculation(Speculation):
-        rolled: bool = False
-
-        def drafter(self, target, inputs, options, prefill_step_size):
-            if self.rolled:
-                return Timed(Rolled(target, inputs, options, prefill_step_size=prefill_step_size))
-            return Timed(super().drafter(target, inputs, options, prefill_step_size))
-
+    timed(DraftBatch, "propose")
+    timed(DraftBatch, "update")
+    timed(PromptLookupDrafter, "propose")
     k = args.num_draft_tokens
-    configs = {"plain": None,
-               f"self-draft, K={k}": TimedSpeculation(draft_model=model, num_draft_tokens=k),
-               f"rejected draft, K={k}": TimedSpeculation(draft_model=model, num_draft_tokens=k),
-               f"prompt lookup, K={args.prompt_lookup_num_tokens}": TimedSpeculation(
-                   prompt_lookup_num_tokens=args.prompt_lookup_num_tokens)}
-    object.__setattr__(configs[f"rejected draft, K={k}"], "rolled", True)
+    # (speculation, whether the engine's rule may turn it off): every step drafts, or
+    # the rule decides.
+    self_draft = Speculation(draft_model=model, num_draft_tokens=k)
+    rejected = Speculation(draft_model=rolled, num_draft_tokens=k)
+    configs = {"plain": (None, False),
+               f"self-draft, K={k}, every step": (self_draft, False),
+               f"self-draft, K={k}, rule": (self_draft, True),
+               f"rejected draft, K={k}, every step": (rejected, False),
+               f"rejected draft, K={k}, rule": (rejected, True)}
+    if args.prompt_lookup_num_tokens:
+        configs[f"prompt lookup, K={args.prompt_lookup_num_tokens}, rule"] = (
+            Speculation(prompt_lookup_num_tokens=args.prompt_lookup_num_tokens), True)
     words = [f"w{i}" for i in range(80)]
 
-    def run(streams, speculation):
-        engine = BatchEngine(model, processor, max_batch_size=streams, speculation=speculation)
+    def run(streams, config):
+        speculation, ruled = config
+        engine = BatchEngine(model, processor, max_batch_size=max(streams, 2),
+                             speculation=speculation)
+        engine.speculation_rule = SpeculationRule(adaptive=ruled)
         delivered = []
         for s in range(streams):
             text = " ".join(words[s * 7 :] + words[: s * 7][:10])
             inputs = prepare_inputs(processor, text, None, feature_names=model.feature_names)
             engine.submit(inputs, SamplingOptions(max_tokens=args.max_tokens), delivered.append)
+        # The window opens once every stream is decoding (the prefills behind it).
+        while engine.stats.waiting or engine._prefilling is not None or engine.stats.active < streams:
+            engine.step()
+        before = len(delivered)
         drafting["seconds"] = 0.0
         started = time.perf_counter()
         while engine.has_work:
             engine.step()
         seconds = time.perf_counter() - started
-        return len(delivered), seconds, drafting["seconds"], engine.stats
+        return len(delivered) - before, seconds, drafting["seconds"], engine.stats
 
     costs = batch_pass_cost(model)
     print(f"one target pass, {args.target}, ms (÷ the same rows' one-token pass)")
@@ -202,7 +209,7 @@ def streams_main(args) -> int:
     raw = {"target": args.target, "max_tokens": args.max_tokens,
            "pass_seconds": {f"{b}x{n}": t for (b, n), t in costs.items()},
            "load_average_before": os.getloadavg(), "streams": {}}
-    run(1, None)  # warm-up
+    run(1, (None, False))  # warm-up
     print()
     print(f"{args.max_tokens} new tokens a stream, {args.runs} alternating runs; load "
           f"average {os.getloadavg()[0]:.1f}")
