@@ -60,14 +60,18 @@ class BatchCheckpoint:
                 layer.lengths = None
         most = max(held)
         shift = [most - h for h in held]
-        for layer in cache:
-            if not isinstance(layer, BatchKVCache):
-                continue
+        attention = [layer for layer in cache if isinstance(layer, BatchKVCache)]
+        common = 0
+        if attention and any(shift):
+            # Every attention layer holds the same padding: read once, not per layer.
+            padding = attention[0].left_padding.tolist()
+            common = min(p + s for p, s in zip(padding, shift))
+        for layer in attention:
             layer.trim(self.width - most)
             if any(shift):
                 layer.prepare(right_padding=shift)
                 layer.finalize()
-                _drop_common_padding(layer)
+                _drop_padding(layer, common)
         return held
 
 
@@ -77,10 +81,10 @@ def _rows_where(rows: mx.array, now: mx.array | None, before: mx.array | None) -
     return mx.where(rows.reshape(-1, *([1] * (now.ndim - 1))), now, before)
 
 
-def _drop_common_padding(layer: BatchKVCache) -> None:
-    """Left padding every row has is sliced off (a view, no copy), so that a batch whose
-    rows keep taking turns at accepting most does not grow its width without bound."""
-    common = min(layer.left_padding.tolist())
+def _drop_padding(layer: BatchKVCache, common: int) -> None:
+    """Left padding every row has (``common``) is sliced off (a view, no copy), so that a
+    batch whose rows keep taking turns at accepting most does not grow its width without
+    bound."""
     if common > 0:
         layer.keys = layer.keys[..., common:, :]
         layer.values = layer.values[..., common:, :]
