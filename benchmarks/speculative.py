@@ -174,6 +174,9 @@ def streams_main(args) -> int:
     if args.prompt_lookup_num_tokens:
         configs[f"prompt lookup, K={args.prompt_lookup_num_tokens}, rule"] = (
             Speculation(prompt_lookup_num_tokens=args.prompt_lookup_num_tokens), True)
+    if args.only:
+        configs = {label: c for label, c in configs.items()
+                   if label == "plain" or any(part in label for part in args.only)}
     words = [f"w{i}" for i in range(80)]
 
     def run(streams, config):
@@ -186,8 +189,11 @@ def streams_main(args) -> int:
             text = " ".join(words[s * 7 :] + words[: s * 7][:10])
             inputs = prepare_inputs(processor, text, None, feature_names=model.feature_names)
             engine.submit(inputs, SamplingOptions(max_tokens=args.max_tokens), delivered.append)
-        # The window opens once every stream is decoding (the prefills behind it).
-        while engine.stats.waiting or engine._prefilling is not None or engine.stats.active < streams:
+        # The window opens once every stream is admitted and prefilled (a stream may
+        # already have finished).
+        while engine.has_work and (engine.stats.waiting or engine._prefilling is not None
+                                   or engine.stats.requests_finished + engine.stats.active
+                                   < streams):
             engine.step()
         before = len(delivered)
         drafting["seconds"] = 0.0
@@ -257,6 +263,9 @@ def main() -> int:
     parser.add_argument("--output", default=None, help="also write the raw runs as JSON here")
     parser.add_argument("--streams", nargs="*", type=int, default=None,
                         help="the batching engine with these numbers of streams (see above)")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="with --streams: only the decodings whose label holds one of "
+                        "these (and plain), e.g. 'every step'")
     args = parser.parse_args()
     if args.streams:
         return streams_main(args)
