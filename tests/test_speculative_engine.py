@@ -1,5 +1,6 @@
 """Speculative decoding in the batching engine (the server with ``--draft-model`` or
-``--prompt-lookup-num-tokens`` or ``--mtp`` and ``--max-concurrency 1``): the same greedy tokens as the
+``--prompt-lookup-num-tokens`` or ``--mtp``) with ``max_batch_size`` 1 -- one sequence on
+its own cache (above, ``test_batched_speculation.py``): the same greedy tokens as the
 engine without it and as ``generate``, a next turn that reuses the speculative answer's
 cache from the prefix cache, cancellation, and the server's rule for its flags."""
 
@@ -87,13 +88,8 @@ def test_a_cancelled_speculating_request_frees_the_engine(tiny_checkpoints):
                         max_tokens=NEW).tokens)
 
 
-def test_speculation_needs_one_sequence_at_a_time(tiny_checkpoints):
-    model, processor = mlxvlm.load(tiny_checkpoints.path("qwen2_vl", "hub"))
-    with pytest.raises(MlxvlmError, match="max_batch_size 1"):
-        BatchEngine(model, processor, max_batch_size=2,
-                    speculation=Speculation(prompt_lookup_num_tokens=2))
-    with pytest.raises(MlxvlmError, match="--max-concurrency 1"):
-        ServerConfig(model_id="m", prompt_lookup_num_tokens=2)
+def test_the_server_takes_one_drafter_with_any_concurrency():
     with pytest.raises(MlxvlmError, match="not both"):
         ServerConfig(model_id="m", max_concurrency=1, draft_model="d", prompt_lookup_num_tokens=2)
     ServerConfig(model_id="m", max_concurrency=1, prompt_lookup_num_tokens=2)
+    ServerConfig(model_id="m", max_concurrency=8, prompt_lookup_num_tokens=2)

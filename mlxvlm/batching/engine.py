@@ -39,6 +39,9 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxvlm.batching.decode import DecodeBatch
+from mlxvlm.batching.row_rewind import rewindable
+from mlxvlm.batching.speculation_rule import SpeculationRule
+from mlxvlm.batching.speculative_batch import SpeculativeBatch
 from mlxvlm.batching.model_turns import ModelTurns
 from mlxvlm.batching.engine_thread import EngineThread
 from mlxvlm.models.base import materialize
@@ -209,9 +212,10 @@ class BatchEngine(EngineThread):
         batched rotating cache keeps no tokens at its start (the prompt's media, the
         attention sinks ``generate`` keeps), so with ``max_batch_size`` above 1 a request
         that would outgrow ``max_kv_size`` is refused at ``submit``. ``speculation``
-        (speculative decoding, ``generate.speculative``) needs ``max_batch_size`` 1: a
-        batched step already shares each weight read among its rows, which is what
-        speculation buys one sequence."""
+        (speculative decoding, ``generate.speculative``): with ``max_batch_size`` 1 one
+        sequence speculates on its own cache; above, the speculating requests share one
+        batched verify pass (``SpeculativeBatch``), which needs whole KV caches (no
+        ``max_kv_size``), and a sharded model's engine speculates one sequence only."""
         if max_batch_size < 1:
             raise MlxvlmError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if model.sharding is not None and not self.carries_passes_to_ranks:
@@ -228,11 +232,24 @@ class BatchEngine(EngineThread):
                 "kv_bits needs max_batch_size 1: mlx-lm has no batched quantized KV cache "
                 f"(got max_batch_size {max_batch_size})"
             )
-        if speculation is not None and max_batch_size > 1:
-            raise MlxvlmError("speculative decoding needs max_batch_size 1 (the server's "
-                              f"--max-concurrency 1), got {max_batch_size}")
+        if speculation is not None and max_batch_size > 1 and self.carries_passes_to_ranks:
+            raise MlxvlmError(
+                "a sharded model's server speculates one sequence at a time: serve it with "
+                f"--max-concurrency 1 (got {max_batch_size}), or leave out --draft-model, "
+                "--prompt-lookup-num-tokens and --mtp")
+        if speculation is not None and max_batch_size > 1 and max_kv_size is not None:
+            raise MlxvlmError(
+                "speculative decoding with max_batch_size above 1 needs whole KV caches (a "
+                "batched rotating cache cannot give rejected drafts back): leave out "
+                "max_kv_size or use max_batch_size 1")
         self.speculation = speculation
         self._speculating: _Sequence | None = None
+        # Above a batch of one, the speculating requests decode in a batch of their own.
+        self._drafting = (SpeculativeBatch(model, speculation.num_tokens)
+                          if speculation is not None and max_batch_size > 1 else None)
+        # Which batched speculative steps draft (measured; SpeculationRule(adaptive=False):
+        # all of them).
+        self.speculation_rule = SpeculationRule()
         self.model = model
         self.processor = processor
         self.tokenizer = generation_tokenizer(processor)
@@ -322,7 +339,8 @@ class BatchEngine(EngineThread):
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._prefilling or self._batch.rows or self._speculating)
+        return bool(self._waiting or self._prefilling or self._batch.rows or self._speculating
+                    or self._drafting)
 
     def _run(self) -> None:
         while True:
@@ -350,6 +368,9 @@ class BatchEngine(EngineThread):
         if self._speculating is not None:
             pending.append(self._speculating)
             self._speculating = None
+        if self._drafting:
+            pending.extend(row.seq for row in self._drafting.rows)
+            self._drafting.keep([])
         self._update_gauges()
         return pending
 
@@ -362,7 +383,7 @@ class BatchEngine(EngineThread):
         if (
             self._prefilling is None
             and self._waiting
-            and len(self._batch) + (self._speculating is not None) < self.max_batch_size
+            and self._active_rows() < self.max_batch_size
         ):
             with self._cond:
                 seq = self._waiting.popleft()
@@ -371,6 +392,15 @@ class BatchEngine(EngineThread):
             self._guard(self._prefilling, self._advance_prefill)
         if self._speculating is not None:
             self._guard(self._speculating, self._speculative_step)
+        if self._drafting:
+            try:
+                self._speculative_batch_step()
+            except Exception as e:  # as a decode step's fault: its requests fail
+                _log_failure(e, "a speculative step failed; failing its requests")
+                failure = _fault_of(e, "the speculative step failed")
+                for row in self._drafting.rows:
+                    self._fail(row.seq, failure, logged=True)
+                self._drafting.keep([])
         if self._batch.rows:
             try:
                 self._decode_step()
@@ -383,6 +413,10 @@ class BatchEngine(EngineThread):
                     self._fail(seq, failure, logged=True)
                 self._batch.clear()
         self._update_gauges()
+
+    def _active_rows(self) -> int:
+        drafting = len(self._drafting) if self._drafting is not None else 0
+        return len(self._batch) + (self._speculating is not None) + drafting
 
     def _guard(self, seq: _Sequence, action: Callable[[_Sequence], None]) -> None:
         try:
@@ -427,11 +461,19 @@ class BatchEngine(EngineThread):
         if len(keep) < len(rows):
             self.stats.requests_cancelled += len(rows) - len(keep)
             self._batch.keep(keep)
+        if self._drafting:
+            rows = self._drafting.rows
+            keep = [i for i, row in enumerate(rows) if not row.seq.cancelled]
+            if len(keep) < len(rows):
+                self.stats.requests_cancelled += len(rows) - len(keep)
+                for i, row in enumerate(rows):
+                    if row.seq.cancelled:
+                        self._count_speculation(row.stats)
+                self._drafting.keep(keep)
 
     def _update_gauges(self) -> None:
         self.stats.waiting = len(self._waiting)
-        self.stats.active = (len(self._batch) + (self._prefilling is not None)
-                             + (self._speculating is not None))
+        self.stats.active = self._active_rows() + (self._prefilling is not None)
 
     # -- prefill --------------------------------------------------------------------
 
@@ -518,7 +560,10 @@ class BatchEngine(EngineThread):
         wants = seq.options.top_logprobs is not None
         values = np.asarray(logprobs[0].astype(mx.float32)) if wants else None
         outcome = self._emit(seq, tokens.item(), values)
-        if outcome is _RUNNING and self.speculation and self.speculation.usable(seq.options):
+        if outcome is _RUNNING and self._drafting is not None and self._drafts_batched(seq):
+            self._join_drafting(seq, tokens.item())
+        elif outcome is _RUNNING and self.speculation and self.speculation.usable(seq.options) \
+                and self._drafting is None:
             self._start_speculating(seq, tokens.item())
         elif outcome is _RUNNING:
             cache, seq.cache = seq.cache, None
@@ -568,6 +613,64 @@ class BatchEngine(EngineThread):
             self._finished(seq, seq.cache if self._keeps_cache(seq) else None, fed=seq.held)
         else:
             self.stats.requests_cancelled += 1
+
+    # -- speculative decoding of a batch (max_batch_size above 1) ----------------------
+
+    def _drafts_batched(self, seq: _Sequence) -> bool:
+        """Whether a request speculates: not a grammar's, and only where its caches can
+        be taken back row by row (else it decodes plainly, e.g. a sliding window's)."""
+        return self.speculation.usable(seq.options) and rewindable(seq.cache)
+
+    def _join_drafting(self, seq: _Sequence, first: int) -> None:
+        seq.speculation_stats = SpeculationStats()
+        drafter = seq.drafter or self.speculation.drafter(self.model, seq.inputs, seq.options,
+                                                          self.prefill_step_size)
+        seq.drafter = None
+        cache, seq.cache = seq.cache, None
+        self._drafting.join(seq, cache, drafter, first, seq.speculation_stats)
+
+    def _count_speculation(self, stats: SpeculationStats) -> None:
+        self.stats.drafted_tokens += stats.drafted
+        self.stats.accepted_draft_tokens += stats.accepted
+
+    def _speculative_batch_step(self) -> None:
+        """One batched verify pass; each row's tokens delivered, rows that end leave."""
+        drafting = self._drafting
+        started = time.perf_counter()
+        self.stats.peak_batch_size = max(self.stats.peak_batch_size, self._active_rows())
+        speculate = self.speculation_rule.speculates(len(drafting))
+        verdicts = drafting.step(speculate)
+        keep, delivered = [], 0
+        for i, (row, verdict) in enumerate(zip(drafting.rows, verdicts)):
+            seq = row.seq
+            if verdict.failure is not None:
+                failure = verdict.failure
+                if isinstance(failure, FloatingPointError):
+                    failure = self._unsound(seq)
+                self._count_speculation(row.stats)
+                self._fail(seq, failure)
+                continue
+            wants = seq.options.top_logprobs is not None
+            values = np.asarray(verdict.logprobs) if wants else None
+            outcome = _RUNNING
+            for j, token in enumerate(verdict.tokens):
+                outcome = self._emit(seq, token, values[j] if wants else None)
+                delivered += 1
+                if outcome is not _RUNNING:
+                    break
+            if outcome is _RUNNING:
+                keep.append(i)
+                continue
+            self._count_speculation(row.stats)
+            if outcome is _FINISHED:
+                cache = drafting.extract(i) if self._keeps_cache(seq) else None
+                self._finished(seq, cache, fed=row.held)
+            else:
+                self.stats.requests_cancelled += 1
+        self.speculation_rule.observe(len(drafting), speculate, delivered,
+                                      time.perf_counter() - started)
+        self._update_throughput(delivered, time.perf_counter() - started)
+        drafting.keep(keep)
 
     # -- decode ---------------------------------------------------------------------
 

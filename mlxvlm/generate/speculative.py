@@ -214,12 +214,12 @@ def speculative_decode(
             logits = model(mx.array([feed]), cache, state=state)
             quantize(cache)
             judged = logits[0, len(pending) - 1 :, :]
-        target_logprobs, choice = _judge(judged, row, prompt + emitted, drafts, options, greedy)
+        target_logprobs, choice = judge(judged, row, prompt + emitted, drafts, options, greedy)
         if greedy:
             accepted, next_token = accept_greedy(choice, drafts)
         else:
             p = sampling_distribution(target_logprobs, options)
-            accepted, next_token = accept_sampled(p, drafts, _fit(q, p.shape[-1]), rng)
+            accepted, next_token = accept_sampled(p, drafts, fit_draft(q, p.shape[-1]), rng)
         stats.drafted += len(drafts)
         stats.accepted += accepted
         stats.target_passes += 1
@@ -241,7 +241,7 @@ def speculative_decode(
             mx.clear_cache()
 
 
-def _judge(logits: mx.array, row: RowSampler, context: list[int], drafts: list[int],
+def judge(logits: mx.array, row: RowSampler, context: list[int], drafts: list[int],
            options: SamplingOptions, greedy: bool) -> tuple[mx.array, list[int] | None]:
     """The target's processed log-probabilities at each judged position (the one after
     the last accepted token, then one after each draft), with the row's logits
@@ -263,7 +263,7 @@ def _judge(logits: mx.array, row: RowSampler, context: list[int], drafts: list[i
     return logprobs, choice
 
 
-def _fit(q: np.ndarray | None, vocab: int) -> np.ndarray | None:
+def fit_draft(q: np.ndarray | None, vocab: int) -> np.ndarray | None:
     """A draft's distributions over the target's vocabulary (a draft's extra ids, which
     the target has none of, cannot be drawn from it anyway)."""
     if q is None or q.shape[-1] == vocab:

@@ -81,7 +81,7 @@ class ServerConfig:
     max_total_stored_response_bytes: int = 512 * MiB
     prepare_workers: int = 2
     retry_after_seconds: int = 1
-    # Speculative decoding (needs max_concurrency 1; see BatchEngine's speculation).
+    # Speculative decoding (any max_concurrency; see BatchEngine's speculation).
     draft_model: str | None = None
     num_draft_tokens: int = 3
     prompt_lookup_num_tokens: int | None = None
@@ -156,12 +156,6 @@ class ServerConfig:
         if sum(drafters) > 1:
             raise MlxvlmError("choose one of --draft-model, --prompt-lookup-num-tokens and "
                               "--mtp, not both")
-        speculates = any(drafters)
-        if speculates and self.max_concurrency > 1:
-            raise MlxvlmError(
-                "speculative decoding needs --max-concurrency 1: a batched decode step already "
-                "shares each weight read among the requests, which is what speculation buys "
-                f"one sequence (got --max-concurrency {self.max_concurrency})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                         default=MAX_SPEECH_INPUT_CHARS,
                         help="Characters of text /v1/audio/speech says in one request "
                         f"(400 above; default {MAX_SPEECH_INPUT_CHARS}, OpenAI's)")
-    add_speculation_arguments(parser, " (needs --max-concurrency 1)")
+    add_speculation_arguments(parser, " (with any --max-concurrency: the speculating requests "
+                              "share one verify pass; a sharded model's server needs "
+                              "--max-concurrency 1)")
     parser.add_argument("--prompt-cache-size", type=ranged(at_least(0)), default=8,
                         help="Finished conversations kept for prefix reuse (0: off)")
     parser.add_argument("--prompt-cache-dir", default=None,
