@@ -16,17 +16,15 @@ import numpy as np
 
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.models.layers.hidden_tap import HiddenTap
-from mlxvlm.speech.codec import CodecStream
-from mlxvlm.speech.qwen3_omni_prompt import build_talker_prompt
-from mlxvlm.speech.talker import TalkerSampling, TalkerStream
-from mlxvlm.speech.voices import resolve_voice
+from mlxvlm.speech.stages import speech_stages
+from mlxvlm.speech.talker import TalkerSampling
 
 
 @dataclass
 class Speech:
     audio: np.ndarray  # float32 mono in [-1, 1]
     sample_rate: int
-    codes: np.ndarray  # (frames, code_groups)
+    codes: np.ndarray  # (frames, code_groups), or (frames,) for one code per frame
     voice: str
     first_audio_seconds: float | None = None  # from the talker's start to its first chunk
     seconds: float = 0.0  # the talker and codec's time
@@ -43,16 +41,17 @@ def check_speaks(model) -> None:
                           "talker (e.g. Qwen3-Omni's full model, not its thinker alone)")
 
 
-def speech_voice(model, voice: str | None) -> tuple[str, int]:
+def speech_voice(model, voice: str | None) -> tuple[str, object]:
+    """(the voice's name, what the family's stages speak it with)."""
     check_speaks(model)
-    return resolve_voice(model.speech_config.talker.speaker_id, voice)
+    return speech_stages(model).resolve_voice(voice)
 
 
 def hidden_tap(model) -> HiddenTap:
     """A tap for the thinker's states the talker reads (set it as the thinker decoder's
     ``hidden_tap`` while the answer is written)."""
     check_speaks(model)
-    return HiddenTap(model.speech_config.talker.accept_hidden_layer)
+    return HiddenTap(speech_stages(model).hidden_layer)
 
 
 def speak(model, tap: HiddenTap, prompt_tokens: int, generated_ids, eos_ids, *,
@@ -61,6 +60,7 @@ def speak(model, tap: HiddenTap, prompt_tokens: int, generated_ids, eos_ids, *,
     """The answer ``generated_ids`` (to the prompt of ``prompt_tokens`` tokens) spoken,
     from the thinker states ``tap`` recorded while it was written."""
     name, speaker = speech_voice(model, voice)
+    stages = speech_stages(model)
     sampling = TalkerSampling.from_temperature(talker_temperature, max_frames)
     start = time.perf_counter()
     if any(ids is None for ids in tap.ids):
@@ -75,14 +75,13 @@ def speak(model, tap: HiddenTap, prompt_tokens: int, generated_ids, eos_ids, *,
                           "(a reused prompt cache skips them)")
     embeddings, hidden = tap.states(fed)
     positions = None if tap.state is None else tap.state.positions(0, prompt_tokens)
-    prompt = build_talker_prompt(model, ids[:prompt_tokens], generated, embeddings, hidden,
-                                 speaker, eos_ids, positions)
-    talker = TalkerStream(model.talker, sampling)
+    prompt = stages.talker_prompt(ids[:prompt_tokens], generated, embeddings, hidden,
+                                  speaker, eos_ids, positions)
+    talker = stages.talker(sampling)
     talker.add_text(prompt.trailing)
     talker.end_text(prompt.pad)
-    codec = CodecStream(model.code2wav)
-    speech = Speech(np.zeros(0, np.float32), codec.sample_rate,
-                    np.zeros((0, model.speech_config.talker.num_code_groups), np.int64), name)
+    codec = stages.codec(speaker)
+    speech = Speech(np.zeros(0, np.float32), codec.sample_rate, stages.no_codes(), name)
 
     def emit(chunk):
         if chunk is None or not len(chunk):
