@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from mlxvlm.errors import MlxvlmError
 from mlxvlm.speech.codec import SAMPLE_RATE
 from mlxvlm.speech.spk_dict import Voice
 
@@ -30,6 +31,11 @@ class Token2WavStream:
         return self.decode(codes)
 
     def decode(self, codes: np.ndarray) -> np.ndarray:
+        codebook = self.token2wav.config.dit.num_embeds + 1
+        outside = np.asarray(codes)[(np.asarray(codes) < 0) | (np.asarray(codes) >= codebook)]
+        if outside.size:
+            raise MlxvlmError(f"the talker spoke code {int(outside[0])}, outside token2wav's "
+                              f"codebook of {codebook}")
         samples = self.token2wav(mx.array(np.asarray(codes).reshape(1, -1)),
                                  mx.array(self.voice.conditioning),
                                  mx.array(self.voice.reference_mel), self.noise)
