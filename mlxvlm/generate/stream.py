@@ -256,12 +256,15 @@ def generate(model: nn.Module, processor: Any, prompt, image: Any = None, *,
              **kwargs) -> GenerationOutput:
     """Generate the whole answer; same arguments as ``stream_generate``.
 
-    ``audio_output=True`` (a model that speaks: Qwen3-Omni's full checkpoint) also speaks
-    the answer once it is written: ``.audio`` (float32 mono), ``.sample_rate``,
-    ``.audio_codes`` (frames, code groups), in ``voice`` (the checkpoint's speaker names,
-    any case; None: its default). ``talker_temperature`` 0: argmax for the talker and
-    its code predictor, no repetition penalty; None: the checkpoint's own sampling.
-    ``talker_max_frames``: the most codec frames spoken (12.5 a second for Qwen3-Omni)."""
+    ``audio_output=True`` (a model that speaks: Qwen3-Omni's or Qwen2.5-Omni's full
+    checkpoint) also speaks the answer once it is written: ``.audio`` (float32 mono),
+    ``.sample_rate``, ``.audio_codes`` ((frames, code groups) for Qwen3-Omni, (frames,)
+    for Qwen2.5-Omni), in ``voice`` (the checkpoint's speaker names: any case for
+    Qwen3-Omni, exactly for Qwen2.5-Omni, as transformers matches them; None: its
+    default). ``talker_temperature`` 0: argmax for the talker (and Qwen3-Omni's code
+    predictor), no repetition penalty; None: the checkpoint's own sampling.
+    ``talker_max_frames``: the most codec frames spoken (12.5 a second for Qwen3-Omni, 50
+    for Qwen2.5-Omni)."""
     request = SpeechRequest(voice, talker_temperature, talker_max_frames)
     if not audio_output:
         if request != SpeechRequest():
