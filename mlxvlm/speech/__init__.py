@@ -8,6 +8,10 @@ chunk, across requests):
   predictor's other groups), with its sampling;
 - ``codec``: code2wav as a stream of waveform chunks that concatenate exactly;
 - ``voices``: a checkpoint's voices by name; ``wav``: 16-bit PCM WAV files;
+- Qwen2.5-Omni's: ``qwen2_5_omni_prompt`` (its talker prompt), ``qwen2_5_omni_talker``
+  (one code per frame), ``qwen2_5_omni_codec`` (token2wav over all the codes),
+  ``spk_dict`` (its voices file, read without torch);
+- ``stages``: each speaking family's stages, by the name its model gives;
 - ``pipeline``: a whole answer spoken, the stages run one after another (what
   ``generate(..., audio_output=True)`` uses).
 """
