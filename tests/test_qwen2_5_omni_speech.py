@@ -391,3 +391,26 @@ def test_the_server_answers_with_the_speech_generate_makes(server, checkpoint, l
         client.audio.speech.create(model=str(checkpoint), input=said, voice="alloy")
     assert caught.value.body["param"] == "voice"
     assert caught.value.body["message"].endswith("this model's voices are Chelsie, Ethan")
+
+
+def test_the_server_streams_the_transcript_then_the_audio(server, checkpoint, loaded):
+    import base64
+
+    messages = [{"role": "user", "content": "Describe a red circle."}]
+    stream = server.openai_client().chat.completions.create(
+        model=str(checkpoint), messages=messages, max_tokens=THINKER_TOKENS, temperature=0,
+        modalities=["text", "audio"], audio={"format": "pcm16", "voice": "Chelsie"},
+        stream=True, extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})
+    content, transcript, data = [], [], []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content.append(delta.content or "")
+        audio = delta.audio.model_dump(exclude_none=True) if delta.audio else {}
+        transcript.append(audio.get("transcript", ""))
+        if "data" in audio:
+            data.append(base64.b64decode(audio["data"]))
+    expected = our_speech(loaded, messages, {})
+    assert "".join(content) == "".join(transcript) == expected.text
+    assert b"".join(data) == pcm16(expected.audio)  # token2wav's one chunk, at the end
