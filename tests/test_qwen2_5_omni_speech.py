@@ -13,8 +13,8 @@ checkpoint in the Hub's layout (tests/tiny/qwen2_5_omni_speech.py), float32.
 - The generate command (its ``main``) writes the same speech as a WAV file, and refuses
   an unknown voice in one line; ``convert -q`` quantizes the talker and keeps token2wav
   float; a thinker-only checkpoint loads as before and does not speak.
-- ``python -m mlxvlm.server`` answers a chat completion's audio and /v1/audio/speech with
-  the Python API's speech.
+- ``python -m mlxvlm.server`` answers a chat completion's audio (whole and streamed) and
+  /v1/audio/speech with the Python API's speech.
 
 transformers' side runs on one torch thread: its DiT's many small passes are ~100x
 slower on two threads of a busy machine.
