@@ -38,7 +38,8 @@ class Speech:
 def check_speaks(model) -> None:
     if not getattr(model, "speaks", False):
         raise MlxvlmError("this model does not speak: audio output needs a checkpoint with a "
-                          "talker (e.g. Qwen3-Omni's full model, not its thinker alone)")
+                          "talker (e.g. Qwen3-Omni's or Qwen2.5-Omni's full model, not its thinker "
+                          "alone)")
 
 
 def speech_voice(model, voice: str | None) -> tuple[str, object]:
