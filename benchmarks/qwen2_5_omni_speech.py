@@ -46,6 +46,7 @@ TALKER = dict(
     tts_codec_start_token_id=8293, tts_codec_end_token_id=8294, tts_codec_pad_token_id=8292,
     tts_codec_mask_token_id=8296,
 )
+TOKEN2WAV: dict = {}  # transformers' defaults: the 7B's DiT and BigVGAN
 
 
 def checkpoint_dir(layers: int) -> Path:
@@ -65,7 +66,7 @@ def build(layers: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
     config = Qwen2_5OmniConfig(talker_config={**TALKER, "num_hidden_layers": layers},
-                               token2wav_config={}, enable_audio_output=True)
+                               token2wav_config=TOKEN2WAV, enable_audio_output=True)
     state = {}
     with torch.device("cpu"):
         talker = tm.Qwen2_5OmniTalkerForConditionalGeneration._from_config(
