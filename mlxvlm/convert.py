@@ -31,7 +31,9 @@ CONVERTED_FORMAT_VERSION = 1
 
 # Top-level files of the source that are not weights or the config: tokenizer,
 # processor, chat template, generation config (and remote code, when downloaded).
-SIDE_FILE_PATTERNS = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken", "tokenizer*", "*.py")
+# spk_dict.pt: Qwen2.5-Omni's voices (mlxvlm/speech/spk_dict.py reads it without torch)
+SIDE_FILE_PATTERNS = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken", "tokenizer*", "*.py",
+                      "spk_dict.pt")
 NOT_SIDE_FILES = {"config.json", "model.safetensors.index.json", "adapter_config.json"}
 
 

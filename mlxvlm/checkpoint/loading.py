@@ -31,6 +31,7 @@ _ALLOW_PATTERNS = [
     "*.model",
     "*.tiktoken",
     "tokenizer*",
+    "spk_dict.pt",  # Qwen2.5-Omni's voices
 ]
 
 # Written into config.json by `mlxvlm.convert`: the weights are already in MLX layout.

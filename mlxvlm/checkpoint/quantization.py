@@ -41,11 +41,12 @@ RECIPES = {
 # do), at the top or inside an omni model's `thinker`; everything else — vision/audio
 # towers and projectors — is multimodal.
 TEXT_MODEL = "language_model"
-# An omni model's talker (codec codes out of a decoder, Qwen3-Omni's) is quantized as the
-# text decoder is; its codec (code2wav: convolutions and a small transformer whose
-# errors reach the waveform directly) always stays float.
+# An omni model's talker (codec codes out of a decoder, Qwen3-Omni's and Qwen2.5-Omni's)
+# is quantized as the text decoder is; its codec (Qwen3-Omni's code2wav: convolutions and
+# a small transformer; Qwen2.5-Omni's token2wav: a DiT integrated over ten ODE steps and
+# BigVGAN; errors reach the waveform directly) always stays float.
 TEXT_MODEL_PATHS = (TEXT_MODEL, f"thinker.{TEXT_MODEL}", "talker")
-NEVER_QUANTIZED_PATHS = ("code2wav",)
+NEVER_QUANTIZED_PATHS = ("code2wav", "token2wav")
 
 Predicate = Callable[[str, nn.Module], "bool | dict"]
 

@@ -358,8 +358,12 @@ def generate(model: nn.Module, processor: Any, prompt, image: Any = None,
 
     With ``audio_output=True`` the answer is also spoken (as it is written, see
     ``stream_generate``): ``.audio`` (float32 mono, the chunks joined), ``.sample_rate``,
-    ``.audio_codes`` (frames, code groups), ``.voice``, ``.time_to_first_audio`` (seconds
-    from the call's start) and ``.speech_seconds`` (the talker and codec's own)."""
+    ``.audio_codes`` ((frames, code groups) for Qwen3-Omni, (frames,) for Qwen2.5-Omni),
+    ``.voice``, ``.time_to_first_audio`` (seconds from the call's start) and
+    ``.speech_seconds`` (the talker and codec's own). Voices are the checkpoint's speaker
+    names: any case for Qwen3-Omni, exactly for Qwen2.5-Omni, as transformers matches
+    them. ``talker_max_frames``: the most codec frames spoken (12.5 a second for
+    Qwen3-Omni, 50 for Qwen2.5-Omni)."""
     folder = OutputFolder()
     speech = None
     for result in stream_generate(model, processor, prompt, image, **kwargs):

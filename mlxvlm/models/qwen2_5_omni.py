@@ -8,7 +8,13 @@
   and a video's sound track is interleaved with its frames in ``seconds_per_chunk``
   chunks (``AudioVideoSpan`` in ``layers/mrope_decoder.py``).
 
-The talker (speech out) and token2wav are not ported: this is text output only.
+Speech out: a full checkpoint (``enable_audio_output`` with ``talker_config`` and
+``token2wav_config``, tensors ``talker.*`` and ``token2wav.*``) also loads the talker
+(``layers/qwen2_5_omni_talker.py``) and token2wav (``layers/qwen2_5_omni_token2wav.py``)
+as ``talker`` and ``token2wav``, and ``speaks`` is True; ``mlxvlm.speech`` runs them
+(its stages ``"qwen2_5_omni"``), the voices read from the checkpoint's ``spk_dict.pt``.
+A thinker-only checkpoint, or one whose config turns audio output off or whose tensors
+leave the speech parts out, loads the thinker alone as before.
 
 Checkpoints: the Hub's full model (``model_type: qwen2_5_omni``; ``thinker_config``;
 tensors ``thinker.*``, ``talker.*``, ``token2wav.*``) and transformers' thinker alone
@@ -39,6 +45,8 @@ from mlxvlm.models.layers.mrope_decoder import (
     VisionSpan,
     mrope_position_ids,
 )
+from mlxvlm.models.layers.qwen2_5_omni_talker import Talker, TalkerConfig
+from mlxvlm.models.layers.qwen2_5_omni_token2wav import Token2Wav, Token2WavConfig
 from mlxvlm.models.layers.qwen_vision import (
     QwenVisionTransformer,
     VisionConfig,
@@ -91,6 +99,21 @@ def convert_audio_weight(name: str, value: mx.array) -> mx.array | None:
     return sanitize_conv_weights(name, value)
 
 
+@dataclass(frozen=True)
+class SpeechConfig:
+    talker: TalkerConfig
+    token2wav: Token2WavConfig
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "SpeechConfig | None":
+        """None for a config without the speech parts (or with audio output off)."""
+        if (not config.get("enable_audio_output", True) or not config.get("talker_config")
+                or not config.get("token2wav_config")):
+            return None
+        return cls(TalkerConfig.from_hf(config["talker_config"]),
+                   Token2WavConfig.from_hf(config["token2wav_config"]))
+
+
 @dataclass
 class OmniArgs(ModelArgs):
     audio: AudioConfig | None = None
@@ -116,12 +139,40 @@ class Model(QwenVLModel):
     # The tokenizer attributes the processor reads, for tokenizer configs without them.
     omni_tokens = OMNI_TOKENS
     audio_config_class = AudioConfig
+    # Speech out: the config's speech parts, the modules (and tensor prefixes) they
+    # load as, the stages mlxvlm.speech runs them with.
+    speech_config_class = SpeechConfig
+    speech_parts = ("talker", "token2wav")
+    speech_stages = "qwen2_5_omni"
+    speech_config = None
 
     def __init__(self, args: OmniArgs):
         super().__init__(args)
         self.vision_tower = QwenVisionTransformer(args.vision)
         self.language_model = LanguageModel(args.text)
         self.audio_tower = AudioEncoder(args.audio)
+
+    def attach_speech(self, speech: SpeechConfig) -> None:
+        self.speech_config = speech
+        self.talker = Talker(speech.talker)
+        self.token2wav = Token2Wav(speech.token2wav)
+
+    @property
+    def speaks(self) -> bool:
+        """Whether the speech parts are loaded (``mlxvlm.speech`` runs them)."""
+        return self.speech_config is not None
+
+    @property
+    def unused_weight_prefixes(self) -> tuple[str, ...]:
+        return () if self.speaks else tuple(f"{part}." for part in self.speech_parts)
+
+    def drop_absent_parts(self, weight_names) -> None:
+        """A config with the speech parts over tensors without them (a thinker-only
+        conversion): the thinker alone, as such a checkpoint always loaded."""
+        if self.speaks and not any(name.startswith("talker.") for name in weight_names):
+            for part in self.speech_parts:
+                delattr(self, part)
+            self.speech_config = None
 
     @classmethod
     def vision_config_from_hf(cls, config: dict) -> VisionConfig:
@@ -133,6 +184,14 @@ class Model(QwenVLModel):
 
     @classmethod
     def from_config(cls, config: dict) -> "Model":
+        model = cls._thinker_from_config(config)
+        speech = cls.speech_config_class.from_hf(config)
+        if speech is not None:
+            model.attach_speech(speech)
+        return model
+
+    @classmethod
+    def _thinker_from_config(cls, config: dict) -> "Model":
         thinker = thinker_config(config)
         return cls(
             OmniArgs(
@@ -187,7 +246,22 @@ class Model(QwenVLModel):
             skip_prefixes=UNUSED, skip_suffixes=BUFFERS,
             drop={LM_HEAD} if self.args.text.tie_word_embeddings else (),
         )
+        if self.speaks:
+            sanitized.update(self._sanitize_speech(weights))
         return fuse_vision_qkv(sanitized)
+
+    def _sanitize_speech(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """``talker.*`` as the Hub names it (our modules' names), ``token2wav.*`` in MLX's
+        convolution layouts; recomputed buffers dropped."""
+        speech = {}
+        for name, value in weights.items():
+            if name.startswith("talker.") and not name.endswith(BUFFERS):
+                speech[name] = value
+            elif name.startswith("token2wav."):
+                value = Token2Wav.sanitize(name[len("token2wav."):], value)
+                if value is not None:  # float32 whatever the checkpoint's, as transformers
+                    speech[name] = value.astype(mx.float32)
+        return speech
 
     def hf_split_modules(self, name: str) -> tuple[tuple[str, int], ...] | None:
         """A vision block's fused ``attn.qkv``: transformers' ``attn.q``, ``attn.k`` and

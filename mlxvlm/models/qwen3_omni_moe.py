@@ -204,8 +204,9 @@ class Model(qwen2_5_omni.Model):
     # ("qwen2_vl") and preprocessing.
     video_processor_class = QwenVideoProcessor
 
-    speech_config: SpeechConfig | None = None
-    # mlxvlm.speech.stages' name for this family's talker text, talker and codec
+    speech_config_class = SpeechConfig
+    speech_parts = ("talker", "code2wav")
+    # mlxvlm.speech.stages' name for this family's voices, talker text, talker and codec
     speech_stages = "qwen3_omni"
 
     def __init__(self, args: qwen2_5_omni.OmniArgs):
@@ -216,22 +217,6 @@ class Model(qwen2_5_omni.Model):
         self.speech_config = speech
         self.talker = Talker(speech.talker)
         self.code2wav = Code2Wav(speech.code2wav)
-
-    @property
-    def speaks(self) -> bool:
-        """Whether the talker and code2wav are loaded (``mlxvlm.speech`` runs them)."""
-        return self.speech_config is not None
-
-    @property
-    def unused_weight_prefixes(self) -> tuple[str, ...]:
-        return () if self.speaks else SPEECH_OUTPUT
-
-    def drop_absent_parts(self, weight_names) -> None:
-        """A config with the speech parts over tensors without them (a thinker-only
-        conversion): the thinker alone, as such a checkpoint always loaded."""
-        if self.speaks and not any(name.startswith("talker.") for name in weight_names):
-            del self.talker, self.code2wav
-            self.speech_config = None
 
     # The towers and the text model, where the Qwen-VL code looks for them.
     audio_tower = property(lambda self: self.thinker.audio_tower)
@@ -249,9 +234,6 @@ class Model(qwen2_5_omni.Model):
     @classmethod
     def from_config(cls, config: dict) -> "Model":
         model = super().from_config(config)
-        speech = SpeechConfig.from_hf(config)
-        if speech is not None:
-            model.attach_speech(speech)
         model._experts_out_in = qwen3_vl_moe.experts_stored_out_in(config)
         return model
 

@@ -19,16 +19,15 @@ import numpy as np
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.media.decode_work import check_cancelled
 from mlxvlm.models.layers.hidden_tap import HiddenTap
-from mlxvlm.speech.stages import stages_of
+from mlxvlm.speech.stages import speech_stages
 from mlxvlm.speech.talker import TalkerSampling
-from mlxvlm.speech.voices import resolve_voice
 
 
 @dataclass
 class Speech:
     audio: np.ndarray  # float32 mono in [-1, 1]
     sample_rate: int
-    codes: np.ndarray  # (frames, code_groups)
+    codes: np.ndarray  # (frames, code_groups), or (frames,) for one code per frame
     voice: str
     first_audio_seconds: float | None = None  # from the start (the speaker's) to the first chunk
     seconds: float = 0.0  # the talker and codec's own time
@@ -42,19 +41,21 @@ class Speech:
 def check_speaks(model) -> None:
     if not getattr(model, "speaks", False):
         raise MlxvlmError("this model does not speak: audio output needs a checkpoint with a "
-                          "talker (e.g. Qwen3-Omni's full model, not its thinker alone)")
+                          "talker (e.g. Qwen3-Omni's or Qwen2.5-Omni's full model, not its "
+                          "thinker alone)")
 
 
-def speech_voice(model, voice: str | None) -> tuple[str, int]:
+def speech_voice(model, voice: str | None) -> tuple[str, object]:
+    """(the voice's name, what the family's stages speak it with)."""
     check_speaks(model)
-    return resolve_voice(model.speech_config.talker.speaker_id, voice)
+    return speech_stages(model).resolve_voice(voice)
 
 
 def hidden_tap(model) -> HiddenTap:
     """A tap for the thinker's states the talker reads (set it as the thinker decoder's
     ``hidden_tap`` while the answer is written)."""
     check_speaks(model)
-    return HiddenTap(model.speech_config.talker.accept_hidden_layer)
+    return HiddenTap(speech_stages(model).hidden_layer)
 
 
 class AnswerSpeaker:
@@ -69,15 +70,15 @@ class AnswerSpeaker:
         """``started``: the perf_counter time ``first_audio_seconds`` counts from (by
         default now)."""
         name, speaker = speech_voice(model, voice)
-        stages = stages_of(model)
-        self.text = stages.text(model, tap, prompt_tokens, speaker, eos_ids)
+        stages = speech_stages(model)
+        self.text = stages.text_follower(tap, prompt_tokens, speaker, eos_ids)
         self.talker = stages.talker(
-            model, TalkerSampling.from_temperature(talker_temperature, max_frames, seed))
-        self.codec = stages.codec(model)
+            TalkerSampling.from_temperature(talker_temperature, max_frames, seed))
+        self.codec = stages.codec(speaker)
         self.generated: list[int] = []
         self.frames: list[np.ndarray] = []
         self.speech = Speech(np.zeros(0, np.float32), self.codec.sample_rate,
-                             np.zeros((0, 0), np.int64), name)
+                             stages.no_codes(), name)
         self._start = time.perf_counter() if started is None else started
 
     def wrote(self, token: int, finished: bool = False) -> Iterator[np.ndarray]:

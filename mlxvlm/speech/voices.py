@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from mlxvlm.errors import MlxvlmError
 
-# transformers' default speaker for Qwen2.5-Omni and Qwen3-Omni
+# transformers' default speaker for Qwen3-Omni (Qwen2.5-Omni's, Chelsie, is in
+# speech/stages.py)
 DEFAULT_VOICE = "Ethan"
 
 

@@ -28,6 +28,7 @@ import mlx.nn as nn
 
 from mlxvlm.cpu.ops import gated, silu
 from mlxvlm.models.config_utils import rope_parameters
+from mlxvlm.models.layers.conv1d_products import SnakeBeta, shifted_products
 
 swiglu = gated(silu)
 
@@ -106,25 +107,7 @@ class CausalConv(nn.Module):
                 before = mx.zeros((x.shape[0], self.left, x.shape[2]), x.dtype)
             x = mx.concatenate([before, x], axis=1)
             stream.keep(self, x[:, -self.left:])
-        return _shifted_products(x, self.weight, self.dilation, self.groups) + self.bias
-
-
-def _shifted_products(x: mx.array, weight: mx.array, dilation: int, groups: int) -> mx.array:
-    """A valid (unpadded) stride-1 convolution as the kernel's taps over shifted views:
-    one matrix product over the taps side by side, or, depthwise, a weighted sum of the
-    views. MLX's CPU ``conv1d`` is ~100x slower on these shapes (dilated ones most)."""
-    out_channels, kernel, per_group = weight.shape
-    length = x.shape[1] - (kernel - 1) * dilation
-    views = [x[:, j * dilation: j * dilation + length] for j in range(kernel)]
-    if groups == 1:
-        taps = mx.concatenate(views, axis=-1) if kernel > 1 else views[0]
-        return taps @ weight.reshape(out_channels, kernel * per_group).T
-    if groups != x.shape[-1] or per_group != 1 or out_channels != groups:
-        raise NotImplementedError("grouped convolutions other than depthwise")
-    y = views[0] * weight[:, 0, 0]
-    for j in range(1, kernel):
-        y = y + views[j] * weight[:, j, 0]
-    return y
+        return shifted_products(x, self.weight, self.dilation, self.groups) + self.bias
 
 
 class CausalTransposedConv(nn.Module):
@@ -162,19 +145,6 @@ class CausalTransposedConv(nn.Module):
         else:  # block t: frame t through the first r taps, frame t - 1 through the rest
             blocks = taps[:, 1:, :r] + taps[:, :-1, r:]
         return blocks.reshape(batch, -1, out) + self.bias
-
-
-class SnakeBeta(nn.Module):
-    """x + sin²(x e^α) / e^β, per channel."""
-
-    def __init__(self, channels: int):
-        super().__init__()
-        self.alpha = mx.zeros((channels,))
-        self.beta = mx.zeros((channels,))
-
-    def __call__(self, x: mx.array) -> mx.array:
-        alpha, beta = mx.exp(self.alpha), mx.exp(self.beta)
-        return x + (1.0 / (beta + 1e-9)) * mx.square(mx.sin(x * alpha))
 
 
 class ConvNeXtBlock(nn.Module):

@@ -1,0 +1,102 @@
+"""Qwen2.5-Omni's talker as a stream of codec codes, one per step (a frame is one code):
+the interface of ``speech.talker.TalkerStream`` (``add_text``/``end_text``, ``ready``,
+``prefill``, ``step``) over ``layers/qwen2_5_omni_talker.py``.
+
+Sampling (``TalkerSampling``): ``temperature`` 0 is argmax after the model's own
+suppression (``codec_bos`` never spoken), with no repetition penalty; otherwise as
+transformers' ``generate`` samples by default: top-k 40, top-p 0.8, at the temperature
+given (else 0.9), repetition penalty 1.05 over every code the talker has been fed or
+spoke (its prompt's mask, pad and bos codes among them, as transformers counts its
+input ids). It stops at ``codec_pad`` or ``codec_end`` (transformers'
+``talker_eos_token_id``, which it spells as the Hub's ids 8292 and 8294), not spoken.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from mlxvlm.sampling import build_sampler
+from mlxvlm.speech.talker import TalkerSampling, _repetition_penalty
+
+TOP_K = 40
+TOP_P = 0.8
+REPETITION_PENALTY = 1.05
+
+
+class TalkerStream:
+    def __init__(self, talker, sampling: TalkerSampling):
+        self.talker = talker
+        self.config = config = talker.config
+        self.sampling = sampling
+        vocab = config.text.vocab_size
+        suppress = np.zeros(vocab, np.float32)
+        suppress[config.codec_bos_id] = -np.inf
+        self._suppress = mx.array(suppress)
+        self.eos = {config.codec_pad_id, config.codec_eos_id}
+        self.cache = [KVCache() for _ in talker.model.layers]
+        self.text: list[mx.array] = []
+        self.text_ended = False
+        self.pad: mx.array | None = None
+        self.steps = 0
+        self.sampled = 0
+        self.seen = np.zeros(vocab, bool)
+        self.seen[[config.codec_mask_id, config.codec_pad_id, config.codec_bos_id]] = True
+        self.next_position = 0
+        self.finished = False
+        self._code: int | None = None
+        self._sample = (build_sampler(0.0) if sampling.greedy
+                        else build_sampler(sampling.temperature, TOP_P, TOP_K))
+
+    def add_text(self, rows: mx.array) -> None:
+        self.text.extend(rows[i] for i in range(rows.shape[0]))
+
+    def end_text(self, pad: mx.array) -> None:
+        self.pad = pad.reshape(-1)
+        self.text_ended = True
+
+    def ready(self) -> bool:
+        return self.finished or self.text_ended or self.steps < len(self.text)
+
+    def close(self) -> None:
+        """Frees the caches and text (a stopped or finished stream steps no more)."""
+        self.cache, self.text = [], []
+        self.finished = True
+
+    def prefill(self, rows: mx.array, positions: mx.array) -> None:
+        logits = self.talker(rows, positions, self.cache)
+        self.next_position = int(np.asarray(positions.astype(mx.float32)).max()) + 1
+        self._take(logits)
+
+    def step(self) -> np.ndarray | None:
+        """The next code (a 0-d array), or None once the talker has ended (an end code,
+        or ``max_frames`` codes given)."""
+        if self.finished:
+            return None
+        if self._code in self.eos:
+            self.finished = True
+            return None
+        frame = np.array(self._code, dtype=np.int64)
+        if self.sampled >= self.sampling.max_frames:
+            self.finished = True  # transformers' max_new_tokens: this code is the last
+            return frame
+        if not self.ready():
+            raise RuntimeError("the talker's next step needs text it has not been given")
+        text = self.text[self.steps] if self.steps < len(self.text) else self.pad
+        row = (self.talker.model.embed_tokens(mx.array([self._code]))[0] + text)[None, None]
+        position = mx.full((3, 1), self.next_position, dtype=mx.int32)
+        logits = self.talker(row, position, self.cache)
+        self.next_position += 1
+        self.steps += 1
+        self._take(logits)
+        return frame
+
+    def _take(self, logits: mx.array) -> None:
+        if not self.sampling.greedy:
+            logits = _repetition_penalty(logits, self.seen, REPETITION_PENALTY)
+        logits = logits + self._suppress
+        code = int(self._sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item())
+        self.seen[code] = True
+        self.sampled += 1
+        self._code = code
