@@ -12,12 +12,14 @@ DEFAULT_MAX_SPEECH_SECONDS = 120.0
 
 
 def frames_per_second(model) -> float:
-    """Codec frames per second of audio (12.5 for Qwen3-Omni: 1920 samples at 24 kHz)."""
+    """Codec frames per second of audio (12.5 for Qwen3-Omni: 1920 samples at 24 kHz;
+    50 for Qwen2.5-Omni)."""
     # here, not at the top: the server's config reads this module's default, and needs
     # no codec for that
     from mlxvlm.speech.codec import SAMPLE_RATE
+    from mlxvlm.speech.stages import speech_stages
 
-    return SAMPLE_RATE / model.speech_config.code2wav.samples_per_frame
+    return SAMPLE_RATE / speech_stages(model).samples_per_frame
 
 
 def frames_within(model, seconds: float) -> int:

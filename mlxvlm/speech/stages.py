@@ -1,6 +1,6 @@
 """A speaking family's stages, picked by the name its model gives (``speech_stages``,
 a class attribute: models/ cannot import these): how it names and resolves voices, which
-thinker layer the talker reads, the follower that hands the talker its text as the
+thinker layer the talker reads, its samples of audio per frame, the follower that hands the talker its text as the
 thinker writes (``follow(talker, generated, finished)``), its talker stream
 (``prefill``, ``add_text``/``end_text``, ``ready``, ``step`` -> one frame or None at its
 end, ``close``) and its codec (``push``/``flush``, ``sample_rate``). The pipeline
@@ -32,6 +32,7 @@ class Qwen3OmniStages:
         self.model = model
         self.config = model.speech_config.talker
         self.hidden_layer = self.config.accept_hidden_layer
+        self.samples_per_frame = model.speech_config.code2wav.samples_per_frame
 
     def resolve_voice(self, voice: str | None) -> tuple[str, int]:
         return resolve_voice(self.config.speaker_id, voice)
@@ -60,6 +61,7 @@ class Qwen25OmniStages:
     def __init__(self, model):
         self.model = model
         self.hidden_layer = model.args.text.num_hidden_layers  # after the final norm
+        self.samples_per_frame = model.speech_config.token2wav.samples_per_code
 
     def voices(self) -> dict:
         voices = getattr(self.model, "_voices", None)
