@@ -128,5 +128,16 @@ def test_fewer_layers_keeps_the_widths_and_each_per_layer_list_in_step():
                                               mlp_layer_types=["dense"] + ["sparse"] * 11))
     fewer_layers(ocr, 3, None)
     assert ocr.text_config.mlp_layer_types == ["dense", "sparse", "sparse"]
-    with pytest.raises(SystemExit, match="cross-attention"):
-        fewer_layers(MllamaConfig(), 8, None)
+    llama = MllamaConfig(text_config=dict(num_hidden_layers=40,
+                                          cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38]),
+                         vision_config=dict(num_hidden_layers=32,
+                                            intermediate_layers_indices=[3, 7, 15, 23, 30]))
+    fewer_layers(llama, 10, None)
+    assert llama.text_config.num_hidden_layers == 10
+    assert llama.text_config.cross_attention_layers == [3, 8]  # at their stride, as in the 40
+    with pytest.raises(SystemExit, match="keeps none of the cross-attention layers"):
+        fewer_layers(MllamaConfig(text_config=dict(cross_attention_layers=[3, 8])), 3, None)
+    with pytest.raises(SystemExit, match="tapped layers"):
+        fewer_layers(llama, None, 16)
+    fewer_layers(llama, None, 31)
+    assert llama.vision_config.num_hidden_layers == 31
