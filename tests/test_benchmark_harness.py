@@ -141,3 +141,18 @@ def test_fewer_layers_keeps_the_widths_and_each_per_layer_list_in_step():
         fewer_layers(llama, None, 16)
     fewer_layers(llama, None, 31)
     assert llama.vision_config.num_hidden_layers == 31
+
+
+def test_each_run_records_the_load_average_it_started_under():
+    import json
+    import os
+    import sys
+
+    harness = _harness()
+    reported = {"load_s": 1.0, "ttft_s": 2.0, "prompt_tps": 50.0, "decode_tps": 4.0,
+                "decode_tokens": 9, "max_rss_gb": 0.5}
+    run = harness.run_once([sys.executable, "-c", f"print({json.dumps(json.dumps(reported))})"],
+                           timeout=60)
+    assert {key: run[key] for key in reported} == reported
+    assert len(run["load_average"]) == 3 and all(value >= 0 for value in run["load_average"])
+    assert run["pages_per_min"] == 60 / (2.0 + 8 / 4.0)
