@@ -145,7 +145,6 @@ def test_fewer_layers_keeps_the_widths_and_each_per_layer_list_in_step():
 
 def test_each_run_records_the_load_average_it_started_under():
     import json
-    import os
     import sys
 
     harness = _harness()
