@@ -698,8 +698,16 @@ def fewer_layers(config, text_layers: int | None, vision_layers: int | None) -> 
     (a host without room for the whole model still times a layer of its real shape)."""
     if text_layers:
         text = config.text_config
-        if getattr(text, "cross_attention_layers", None):
-            raise SystemExit("error: --text-layers does not place cross-attention layers")
+        cross = getattr(text, "cross_attention_layers", None)
+        if cross:
+            # Llama 3.2 Vision: the cross-attention layers that fall among the first
+            # text_layers keep their places (3, 8, ...: every fifth), so the reduced
+            # model alternates self- and cross-attention as the whole one does
+            kept = [index for index in cross if index < text_layers]
+            if not kept:
+                raise SystemExit(f"error: --text-layers {text_layers} keeps none of the "
+                                 f"cross-attention layers {cross} (the first is {min(cross)})")
+            text.cross_attention_layers = kept
         text.num_hidden_layers = text_layers
         for key in ("layer_types", "mlp_layer_types"):
             if getattr(text, key, None):
@@ -707,6 +715,12 @@ def fewer_layers(config, text_layers: int | None, vision_layers: int | None) -> 
     if vision_layers:
         vision = config.vision_config
         key = "depth" if hasattr(vision, "depth") else "num_hidden_layers"
+        taps = getattr(vision, "intermediate_layers_indices", None) or []
+        if any(index >= vision_layers for index in taps):
+            # Llama 3.2 Vision concatenates these layers' outputs: dropping one would
+            # change the projector's width, which is no longer the real shape
+            raise SystemExit(f"error: --vision-layers {vision_layers} drops the vision "
+                             f"tower's tapped layers {taps}")
         setattr(vision, key, vision_layers)
 
 

@@ -63,12 +63,13 @@ def run_once(command: list[str], timeout: float) -> dict:
     # The caller's PYTHONPATH stays behind the drivers' folder (a worktree's mlxvlm is measured)
     path = os.pathsep.join(p for p in (str(ENGINES), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
+    load_average = os.getloadavg()  # each run's, since other work on a shared host comes and goes
     out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(command[:2])} failed:\n{out.stderr[-3000:]}")
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     run = json.loads(lines[-1])
-    return {**run, "pages_per_min": pages_per_min(run)}
+    return {**run, "pages_per_min": pages_per_min(run), "load_average": load_average}
 
 
 def run_order(engines: list[str], index: int) -> list[str]:
@@ -195,7 +196,7 @@ def main() -> int:
             results[engine].append(run)
             print(f"run {index + 1}/{args.runs} {engine}: ttft {run['ttft_s']:.2f} s, "
                   f"decode {run['decode_tps']:.2f} tok/s, {run['pages_per_min']:.2f} pages/min, "
-                  f"rss {run['max_rss_gb']:.2f} GB",
+                  f"rss {run['max_rss_gb']:.2f} GB, load average {run['load_average'][0]:.1f}",
                   file=sys.stderr, flush=True)
             if args.output:  # after every run, so that an interrupted series keeps its runs
                 save(args.output, results, failures, setup)

@@ -128,5 +128,96 @@ def test_fewer_layers_keeps_the_widths_and_each_per_layer_list_in_step():
                                               mlp_layer_types=["dense"] + ["sparse"] * 11))
     fewer_layers(ocr, 3, None)
     assert ocr.text_config.mlp_layer_types == ["dense", "sparse", "sparse"]
-    with pytest.raises(SystemExit, match="cross-attention"):
-        fewer_layers(MllamaConfig(), 8, None)
+    llama = MllamaConfig(text_config=dict(num_hidden_layers=40,
+                                          cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38]),
+                         vision_config=dict(num_hidden_layers=32,
+                                            intermediate_layers_indices=[3, 7, 15, 23, 30]))
+    fewer_layers(llama, 10, None)
+    assert llama.text_config.num_hidden_layers == 10
+    assert llama.text_config.cross_attention_layers == [3, 8]  # at their stride, as in the 40
+    with pytest.raises(SystemExit, match="keeps none of the cross-attention layers"):
+        fewer_layers(MllamaConfig(text_config=dict(cross_attention_layers=[3, 8])), 3, None)
+    with pytest.raises(SystemExit, match="tapped layers"):
+        fewer_layers(llama, None, 16)
+    fewer_layers(llama, None, 31)
+    assert llama.vision_config.num_hidden_layers == 31
+
+
+def test_each_run_records_the_load_average_it_started_under():
+    import json
+    import sys
+
+    harness = _harness()
+    reported = {"load_s": 1.0, "ttft_s": 2.0, "prompt_tps": 50.0, "decode_tps": 4.0,
+                "decode_tokens": 9, "max_rss_gb": 0.5}
+    run = harness.run_once([sys.executable, "-c", f"print({json.dumps(json.dumps(reported))})"],
+                           timeout=60)
+    assert {key: run[key] for key in reported} == reported
+    assert len(run["load_average"]) == 3 and all(value >= 0 for value in run["load_average"])
+    assert run["pages_per_min"] == 60 / (2.0 + 8 / 4.0)
+
+
+def test_full_depth_copies_each_missing_layer_from_a_kept_one_of_its_kind(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(RUN_PY.parent))
+    import full_depth
+
+    # Llama 3.2 Vision's placement: 10 kept layers (cross-attention at 3 and 8) grown to 40
+    chosen = full_depth.templates(10, 40, [3, 8], [3, 8, 13, 18, 23, 28, 33, 38])
+    assert chosen[:10] == list(range(10))
+    assert [chosen[i] for i in (13, 18, 23, 28, 33, 38)] == [8, 3, 8, 3, 8, 3]
+    assert all(chosen[i] not in (3, 8) for i in range(10, 40) if i % 5 != 3)
+
+    # A reduced checkpoint of 2 text layers and 1 vision block, grown to 4 and 3
+    source = tmp_path / "tiny-t2-v1-bf16"
+    source.mkdir()
+    weights = {"model.language_model.embed_tokens.weight": torch.arange(12.0).reshape(4, 3),
+               "model.visual.blocks.0.mlp.weight": torch.arange(6.0).reshape(3, 2)}
+    for index in range(2):
+        weights[f"model.language_model.layers.{index}.mlp.weight"] = (
+            torch.arange(8.0).reshape(4, 2) + 100 * index)
+        weights[f"model.language_model.layers.{index}.norm.weight"] = torch.ones(2)
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()},
+              str(source / "model.safetensors"))
+    config = {"text_config": {"num_hidden_layers": 2, "hidden_size": 2},
+              "vision_config": {"depth": 1}}
+    (source / "config.json").write_text(json.dumps(config))
+    (source / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(full_depth, "full_config", lambda name: {
+        "text_layers": 4, "cross": [], "vision_key": "depth", "vision_layers": 3})
+    monkeypatch.setattr(full_depth, "SHARD_BYTES", 40)  # several shards
+    target = tmp_path / "tiny-bf16"
+    full_depth.grow(source, "tiny", target)
+
+    grown_config = json.loads((target / "config.json").read_text())
+    assert grown_config["text_config"] == {"num_hidden_layers": 4, "hidden_size": 2}
+    assert grown_config["vision_config"] == {"depth": 3}
+    assert (target / "tokenizer.json").read_text() == "{}"
+    index = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(index.values()))
+    assert len(shards) > 1 and all(s.endswith(f"-of-{len(shards):05d}.safetensors") for s in shards)
+    grown = {}
+    for shard in shards:
+        with safe_open(target / shard, "pt") as handle:
+            grown.update({name: handle.get_tensor(name).float() for name in handle.keys()})
+    assert set(grown) == set(index) == (
+        {f"model.language_model.layers.{i}.{p}.weight" for i in range(4) for p in ("mlp", "norm")}
+        | {f"model.visual.blocks.{i}.mlp.weight" for i in range(3)}
+        | {"model.language_model.embed_tokens.weight"})
+    layer = "model.language_model.layers.{}.mlp.weight"
+    for kept in range(2):
+        assert torch.equal(grown[layer.format(kept)], weights[layer.format(kept)])
+    # Layers 2 and 3 are layers 0 and 1's rows rolled by their index: the same values,
+    # not the same matrix
+    assert torch.equal(grown[layer.format(2)], torch.roll(weights[layer.format(0)], 2, 0))
+    assert torch.equal(grown[layer.format(3)], torch.roll(weights[layer.format(1)], 3, 0))
+    assert torch.equal(grown["model.visual.blocks.2.mlp.weight"],
+                       torch.roll(weights["model.visual.blocks.0.mlp.weight"], 2, 0))
+    assert torch.equal(grown["model.language_model.embed_tokens.weight"],
+                       weights["model.language_model.embed_tokens.weight"])
