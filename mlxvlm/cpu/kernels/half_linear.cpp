@@ -21,6 +21,7 @@
 
 #include "compact_matmul.h"
 #include "cpu_primitive.h"
+#include "half_matmul.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -159,10 +160,11 @@ struct HalfRows {
   }
 };
 
-// y (rows x N) = x (rows x K) . w^T (+ bias) (+ residual), w 16-bit (N x K).
+}  // namespace
+
 void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
                  int64_t N, const float* bias, const float* residual, float* y,
-                 Prefill prefill = Prefill::chosen) {
+                 Prefill prefill) {
   compact_matmul(
       x, rows, K, N, bias, residual, y,
       [&](int64_t n0, int64_t n1) {
@@ -173,6 +175,8 @@ void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Hal
       },
       HalfRows{w, K, kind}, prefill);
 }
+
+namespace {
 
 // How prefill's products run (compact_matmul.h), decided once per process:
 // MLXVLM_HALF_GEMM ("own" or "blas") if set, else the faster of the two on a 192 x 768 x
