@@ -5,8 +5,9 @@
   prefill-sized inputs, grouped or scattered rows, an out-of-range expert; its
   derivatives against MLX's gather_mm over the float32 bank;
 - the layer against mlx-lm's ``SwitchGLU`` on the float32 bank, on all three of its
-  paths (one token, a few unsorted, many sorted), with biases; LoRA wraps it; quantized
-  banks are left as they are;
+  paths (one token, a few unsorted, many sorted), with biases; a tensor-split rank's
+  slices stay 16-bit and add up to the whole; LoRA wraps it; quantized banks are left as
+  they are;
 - every MoE family's bf16 checkpoint loads with its banks in bf16 (half the bytes of the
   float32 banks), and gives the logits and greedy tokens of the float32-bank path (the
   same load with the banks cast to float32, as before).
@@ -139,6 +140,31 @@ def test_the_layer_computes_switch_glu_of_the_float32_bank(bias, tokens):
     indices = mx.random.randint(0, 8, (1, tokens, 2), key=mx.random.key(12))
     np.testing.assert_allclose(np.array(block.switch_mlp(x, indices)),
                                np.array(twin(x, indices)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tensor_split_rank_keeps_its_16_bit_slice_of_every_expert():
+    """Each rank's bank (tensor_split's in-place split: its slice of every expert) is kept
+    16-bit too, and the two ranks' partial outputs add up to the whole float32 bank's."""
+    from test_shard_plans import StandInGroup
+
+    from mlxvlm.distributed import tensor_split
+
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(15))
+    indices = mx.random.randint(0, 8, (1, 5, 2), key=mx.random.key(16))
+    whole, twin = _bf16_glu_and_float32_twin(bias=False)
+    partials = []
+    for rank in (0, 1):
+        block = _Block(SwitchGLU(64, 32, 8))
+        block.update(whole.parameters())
+        tensor_split._split_switch_glu(block.switch_mlp, StandInGroup(rank, 2))
+        count, nbytes = use_half_weight_layers(block)
+        assert count == 3 and nbytes == 3 * 8 * 64 * 16 * 2  # half of each expert's width
+        assert all(type(block.switch_mlp[p]) is CPUHalfSwitchLinear
+                   and block.switch_mlp[p].weight.dtype == mx.bfloat16
+                   for p in ("gate_proj", "up_proj", "down_proj"))
+        partials.append(block.switch_mlp(x, indices))
+    np.testing.assert_allclose(np.array(partials[0] + partials[1]), np.array(twin(x, indices)),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_lora_wraps_a_16_bit_bank_and_quantized_banks_stay_as_they_are():
