@@ -37,13 +37,15 @@ def _float64_rows(x: mx.array, bank: mx.array, experts: np.ndarray) -> np.ndarra
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("case", ["decode", "scattered", "grouped"])
+@pytest.mark.parametrize("case", ["decode", "few", "scattered", "grouped"])
 def test_gathered_half_linear_matches_the_float64_product(dtype, case):
     E, N, K = 6, 37, 72
     bank = mx.random.normal((E, N, K), key=mx.random.key(0)).astype(dtype)
     rng = np.random.default_rng(1)
     if case == "decode":  # one token's experts: one row each
         experts = np.array([4, 1, 3])
+    elif case == "few":  # a few tokens: at most 3 rows an expert, scattered
+        experts = np.array([[2, 0, 2, 1, 0], [5, 5, 3, 1, 2]])
     elif case == "scattered":  # rows of an expert spread through the input, 1-9 per expert
         experts = rng.integers(0, E, size=(5, 7))
     else:  # sorted, as mlx-lm's SwitchGLU hands long inputs over

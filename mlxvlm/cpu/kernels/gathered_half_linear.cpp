@@ -5,13 +5,15 @@
 //
 // The rows are grouped by expert and each expert's rows go through half_linear's product
 // (half_matmul.h): a decoding token's k experts are k gemvs that read only those experts'
-// matrices, converting them as they stream; a prefill chunk's rows of one expert are one
-// GEMM over that expert's matrix, where gather_mm runs one product per row. Rows already
-// grouped (mlx-lm's SwitchGLU sorts long inputs by expert) are read and written in place.
+// matrices, converting them as they stream, spread over the threads together; a prefill
+// chunk's rows of one expert are one GEMM over that expert's matrix, where gather_mm runs
+// one product per row. Rows already grouped (mlx-lm's SwitchGLU sorts long inputs by
+// expert) are read and written in place.
 #include <algorithm>
 #include <optional>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "cpu_primitive.h"
 #include "half_matmul.h"
 #include "kernels.h"
@@ -21,6 +23,16 @@ namespace mlxvlm {
 using namespace mlx::core;
 
 namespace {
+
+// One expert's rows of a call: read from x and written to y in place when they are
+// consecutive there, else packed into scratch rows and scattered back after.
+struct Group {
+  int64_t expert, count;
+  const int64_t* rows;  // ascending
+  const float* x;
+  float* y;
+  bool packed;
+};
 
 // A row naming no expert of the bank (an index out of range) gets zeros: the kernel runs
 // inside MLX's evaluation, where it cannot raise.
@@ -34,25 +46,48 @@ void gathered_matmul(const float* x, const uint32_t* experts, int64_t rows, int6
   for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
   std::vector<int64_t> order(start[E]), next(start.begin(), start.end() - 1);
   for (int64_t r = 0; r < rows; r++)
-    if (experts[r] < E) order[next[experts[r]]++] = r;  // ascending within each expert
-  std::vector<float> xs, ys;
+    if (experts[r] < E) order[next[experts[r]]++] = r;
+  std::vector<Group> groups;
+  int64_t packed_rows = 0, most = 0;
   for (int64_t e = 0; e < E; e++) {
     const int64_t count = start[e + 1] - start[e];
     if (count == 0) continue;
     const int64_t* group = order.data() + start[e];
-    const uint16_t* w = bank + e * N * K;
-    if (group[count - 1] - group[0] == count - 1) {  // consecutive rows
-      half_matmul(x + group[0] * K, count, K, w, kind, N, nullptr, nullptr, y + group[0] * N);
-      continue;
-    }
-    xs.resize(count * K);
-    ys.resize(count * N);
-    for (int64_t i = 0; i < count; i++)
-      std::copy(x + group[i] * K, x + (group[i] + 1) * K, xs.data() + i * K);
-    half_matmul(xs.data(), count, K, w, kind, N, nullptr, nullptr, ys.data());
-    for (int64_t i = 0; i < count; i++)
-      std::copy(ys.data() + i * N, ys.data() + (i + 1) * N, y + group[i] * N);
+    const bool packed = group[count - 1] - group[0] != count - 1;
+    groups.push_back({e, count, group, x + group[0] * K, y + group[0] * N, packed});
+    packed_rows += packed ? count : 0;
+    most = std::max(most, count);
   }
+  std::vector<float> xs(packed_rows * K), ys(packed_rows * N);
+  for (int64_t i = 0, offset = 0; i < int64_t(groups.size()); i++) {
+    Group& g = groups[i];
+    if (!g.packed) continue;
+    for (int64_t j = 0; j < g.count; j++)
+      std::copy(x + g.rows[j] * K, x + (g.rows[j] + 1) * K, xs.data() + (offset + j) * K);
+    g.x = xs.data() + offset * K;
+    g.y = ys.data() + offset * N;
+    offset += g.count;
+  }
+  if (most <= kMaxGemvRows) {
+    // Decoding: every expert's product is a gemv, all of them spread over the threads in
+    // one pass over their output columns (a pool dispatch each costs more than a gemv).
+    const int64_t G = groups.size();
+    parallel_for(G * N, std::max<int64_t>(1, kMinGemvPerWorker / K), [&](int64_t a, int64_t b) {
+      while (a < b) {
+        const Group& g = groups[a / N];
+        const int64_t n0 = a % N, n1 = std::min(N, n0 + (b - a));
+        half_gemv(g.x, g.count, K, bank + g.expert * N * K, kind, n0, n1, g.y, N);
+        a += n1 - n0;
+      }
+    });
+  } else {
+    for (const Group& g : groups)
+      half_matmul(g.x, g.count, K, bank + g.expert * N * K, kind, N, nullptr, nullptr, g.y);
+  }
+  for (const Group& g : groups)
+    if (g.packed)
+      for (int64_t j = 0; j < g.count; j++)
+        std::copy(g.y + j * N, g.y + (j + 1) * N, y + g.rows[j] * N);
 }
 
 // MLX's own computation of the same function: gather_mm over the bank in float32. Its

@@ -162,6 +162,14 @@ struct HalfRows {
 
 }  // namespace
 
+void half_gemv(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
+               int64_t n0, int64_t n1, float* y, int64_t N) {
+  if (kind == Half::bfloat16)
+    gemv_rows<Half::bfloat16>(x, rows, K, w, n0, n1, y, N);
+  else
+    gemv_rows<Half::float16>(x, rows, K, w, n0, n1, y, N);
+}
+
 void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
                  int64_t N, const float* bias, const float* residual, float* y,
                  Prefill prefill) {

@@ -15,4 +15,10 @@ void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Hal
                  int64_t N, const float* bias, const float* residual, float* y,
                  Prefill prefill = Prefill::chosen);
 
+// y[:, n0:n1) (y: rows x N) = x (rows x K, rows <= kMaxGemvRows) . w[n0:n1)^T on this
+// thread: the gemv half_matmul spreads over the threads, for a caller that spreads
+// several products' columns over them at once.
+void half_gemv(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
+               int64_t n0, int64_t n1, float* y, int64_t N);
+
 }  // namespace mlxvlm
