@@ -389,5 +389,7 @@ def first_logits_and_greedy_tokens(model, processor, prompt: str, image, max_tok
     inputs = prepare_inputs(processor, prompt, image, feature_names=model.feature_names)
     embeddings, state = model.embed(inputs.input_ids, **inputs.features)
     logits = model(inputs.input_ids, model.make_cache(), embeddings=embeddings, state=state)
-    tokens = generate(model, processor, prompt, image, max_tokens=max_tokens).tokens
+    # temperature 0: greedy even where generation_config.json samples (GLM-4.6V's, InternVL's)
+    tokens = generate(model, processor, prompt, image, max_tokens=max_tokens,
+                      temperature=0.0).tokens
     return np.array(logits[0]), tokens

@@ -7,8 +7,14 @@ checkpoint's memory; with ``kernels.half_linear`` the weights of every linear an
 embedding layer stay 16-bit (decode reads half the bytes, prefill converts them a chunk
 at a time) and only the small rest of the model (norms, biases, convolutions) is float32.
 
-The layers are ``nn.Linear`` / ``nn.Embedding`` subclasses with the same parameters, so
-LoRA wrapping, adapters and saving treat them as the layers they replace. A tensor-parallel
+Mixture-of-experts banks (mlx-lm's ``SwitchLinear``: Qwen3-MoE, Qwen3.5-MoE, GLM-4.5's,
+DeepSeek-MoE's experts, Qwen3-Omni's talker) are most of an MoE checkpoint's bytes; they
+stay 16-bit too, and each call reads only the experts its rows chose
+(``kernels.gathered_half_linear``).
+
+The layers are ``nn.Linear`` / ``nn.Embedding`` / ``SwitchLinear`` subclasses with the
+same parameters, so LoRA wrapping, adapters and saving treat them as the layers they
+replace. A tensor-parallel
 rank's sharded linear layers (mlx.nn's ``AllToShardedLinear`` / ``ShardedToAllLinear``)
 keep their 16-bit slices the same way, and its quantized sharded layers their 16-bit
 scales: a rank holds its share of the checkpoint's bytes, as one process holds all of
@@ -26,6 +32,7 @@ from mlx.nn.layers.distributed import (
     ShardedToAllLinear,
 )
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.switch_layers import SwitchLinear
 
 from mlxvlm.cpu import kernels
 
@@ -111,12 +118,42 @@ class CPUHalfEmbedding(nn.Embedding):
         return kernels.half_linear(x, self.weight)
 
 
+class CPUHalfSwitchLinear(SwitchLinear):
+    """mlx-lm's ``SwitchLinear`` (a bank of expert matrices, (experts, out, in)) with a
+    bfloat16/float16 bank, computed in float32: each row is multiplied by its own expert's
+    16-bit matrix, read as it is (no float32 copy of the bank, nor of the chosen experts).
+    A tensor-parallel rank's bank (its slice of every expert, split in place) is one too."""
+
+    def __init__(self, layer: SwitchLinear):
+        nn.Module.__init__(self)
+        self.weight = layer.weight
+        if "bias" in layer:
+            self.bias = layer.bias.astype(mx.float32)
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        if self.weight.dtype not in HALF_DTYPES:  # rewritten by its model
+            return super().__call__(x, indices, sorted_indices)
+        # gather_mm's broadcasting: x (..., M, K) against indices (...), each of an expert's
+        # products over M rows; the kernel takes one expert per row. (The order of the rows
+        # does not matter to it: it groups them by expert itself.)
+        batch = mx.broadcast_shapes(x.shape[:-2], indices.shape)
+        rows, K = x.shape[-2:]
+        x = mx.broadcast_to(x, (*batch, rows, K))
+        experts = mx.broadcast_to(mx.expand_dims(mx.broadcast_to(indices, batch), -1),
+                                  (*batch, rows))
+        y = kernels.gathered_half_linear(x, self.weight, experts)
+        if "bias" in self:
+            y = y + mx.expand_dims(self["bias"][indices], -2)
+        return y
+
+
 # layer type -> its 16-bit-weight, float32-computing replacement
 _HALF_LAYERS = {
     nn.Linear: CPUHalfLinear,
     nn.Embedding: CPUHalfEmbedding,
     AllToShardedLinear: CPUHalfAllToShardedLinear,
     ShardedToAllLinear: CPUHalfShardedToAllLinear,
+    SwitchLinear: CPUHalfSwitchLinear,
 }
 _QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedAllToShardedLinear,
               QuantizedShardedToAllLinear)
@@ -132,7 +169,8 @@ def _half_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def cast_to_float32_keeping_half_weights(model: nn.Module) -> None:
     """Float32 for every floating parameter except the 16-bit weights of linear and
-    embedding layers (which ``use_half_weight_layers`` then computes with)."""
+    embedding layers and of expert banks (which ``use_half_weight_layers`` then computes
+    with)."""
     prefix = lambda name: f"{name}." if name else ""  # noqa: E731
     kept = {f"{prefix(name)}weight" for name, _ in _half_layers(model)}
     # Quantized layers' 16-bit scales and biases too: the quantized kernel reads them as
@@ -154,8 +192,8 @@ def cast_to_float32_keeping_half_weights(model: nn.Module) -> None:
 
 
 def use_half_weight_layers(model: nn.Module) -> tuple[int, int]:
-    """Swap the linear/embedding layers with 16-bit weights for the float32-computing
-    ones above, in place. Returns (layers swapped, bytes of their weights)."""
+    """Swap the linear/embedding layers and expert banks with 16-bit weights for the
+    float32-computing ones above, in place. Returns (layers swapped, bytes of their weights)."""
     layers = _half_layers(model)
     replacements = [(name, _HALF_LAYERS[type(m)](m)) for name, m in layers]
     if replacements:

@@ -15,6 +15,10 @@ MLX primitives (C++ in this folder, compiled on first use by ``build.py``):
   rows) run on a blocked AVX-512 GEMM of mlxvlm's own where it measures faster than the
   weights converted into the BLAS (``prefill_products()`` says which);
   ``MLXVLM_HALF_GEMM=own`` or ``blas`` chooses.
+- ``gathered_half_linear(x, bank, experts)``: a mixture-of-experts bank of 16-bit
+  matrices (experts, N, K) applied to each row of x with its own expert (mlx-lm's
+  ``SwitchLinear``), in float32 without a float32 copy of the bank: the rows grouped by
+  expert, each group one ``half_linear`` product over its expert's matrix.
 - ``quantized_linear(x, weight, scales, biases, group_size=, bits=)``: MLX's affine
   4/8-bit layers computed on the packed weights (decode) or dequantized a chunk at a
   time into BLAS (prefill), so quantized checkpoints stay quantized in memory.
@@ -101,7 +105,8 @@ def _build_and_import() -> ModuleType | None:
         print(f"mlxvlm: CPU kernels {status}", file=sys.stderr)
         return None
     threads = module.threads()
-    status = (f"attention, activation, norm, rotary, 16-bit and quantized linear kernels "
+    status = (f"attention, activation, norm, rotary, 16-bit (dense and expert bank) and "
+              f"quantized linear kernels "
               f"({module.simd()}, {threads} thread{'s' if threads != 1 else ''}"
               f"{', shared with the float32 products' if module.shares_blas_pool() else ''})")
     cap = policy.isa_cap_ignored()
@@ -222,3 +227,11 @@ def half_linear(x: mx.array, weight: mx.array, bias: mx.array | None = None,
     (N, K); ``residual`` (the output's shape) is summed in the product's own output pass,
     in place of a separate addition."""
     return _require().half_linear(x, weight, bias, residual)
+
+
+def gathered_half_linear(x: mx.array, bank: mx.array, experts: mx.array) -> mx.array:
+    """``x[..., None, :] @ bank[experts].swapaxes(-1, -2)`` squeezed, in float32: row i of
+    ``x`` (..., K) times the transpose of expert ``experts[i]``'s matrix of a
+    bfloat16/float16 ``bank`` (E, N, K); ``experts`` has x's shape without its last axis.
+    A row whose expert is out of range gets zeros."""
+    return _require().gathered_half_linear(x, bank, experts)

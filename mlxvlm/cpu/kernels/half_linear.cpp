@@ -26,6 +26,7 @@
 
 #include "compact_matmul.h"
 #include "cpu_primitive.h"
+#include "half_matmul.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -189,10 +190,19 @@ struct HalfRows {
   }
 };
 
-// y (rows x N) = x (rows x K) . w^T (+ bias) (+ residual), w 16-bit (N x K).
+}  // namespace
+
+void half_gemv(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
+               int64_t n0, int64_t n1, float* y, int64_t N) {
+  if (kind == Half::bfloat16)
+    gemv_rows<Half::bfloat16>(x, rows, K, w, n0, n1, y, N);
+  else
+    gemv_rows<Half::float16>(x, rows, K, w, n0, n1, y, N);
+}
+
 void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Half kind,
                  int64_t N, const float* bias, const float* residual, float* y,
-                 Prefill prefill = Prefill::chosen) {
+                 Prefill prefill) {
   compact_matmul(
       x, rows, K, N, bias, residual, y,
       [&](int64_t n0, int64_t n1) {
@@ -203,6 +213,8 @@ void half_matmul(const float* x, int64_t rows, int64_t K, const uint16_t* w, Hal
       },
       HalfRows{w, K, kind}, prefill, kMaxHalfGemvRows);
 }
+
+namespace {
 
 // How prefill's products run (compact_matmul.h), decided once per process:
 // MLXVLM_HALF_GEMM ("own" or "blas") if set, else the faster of the two on a 192 x 768 x

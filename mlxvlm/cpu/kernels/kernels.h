@@ -22,6 +22,13 @@ mlx::core::array half_linear(const mlx::core::array& x, const mlx::core::array& 
                              const std::optional<mlx::core::array>& residual = std::nullopt,
                              mlx::core::StreamOrDevice s = {});
 
+// x (..., K) float32 . bank[experts]^T -> (..., N) float32: one expert (an integer in
+// experts, shaped as x without its last axis) per row of x, the bank bfloat16/float16
+// (experts, N, K); mlx-lm's SwitchLinear without a float32 copy (gathered_half_linear.cpp).
+mlx::core::array gathered_half_linear(const mlx::core::array& x, const mlx::core::array& bank,
+                                      const mlx::core::array& experts,
+                                      mlx::core::StreamOrDevice s = {});
+
 // x (..., K) . dequantize(packed, scales, biases)^T (+ bias) -> (..., N) float32, for
 // MLX's affine 4/8-bit weights (see quantized_linear.cpp).
 mlx::core::array quantized_linear(const mlx::core::array& x, const mlx::core::array& packed,

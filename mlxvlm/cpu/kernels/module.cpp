@@ -41,6 +41,8 @@ NB_MODULE(_mlxvlm_cpu_kernels, m) {
         nb::kw_only(), "stream"_a = nb::none());
   m.def("half_linear", &mlxvlm::half_linear, "x"_a, "weight"_a, "bias"_a = nb::none(),
         "residual"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none());
+  m.def("gathered_half_linear", &mlxvlm::gathered_half_linear, "x"_a, "bank"_a, "experts"_a,
+        nb::kw_only(), "stream"_a = nb::none());
   m.def("quantized_linear", &mlxvlm::quantized_linear, "x"_a, "packed"_a, "scales"_a,
         "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a, "bias"_a = nb::none(),
         "stream"_a = nb::none());
