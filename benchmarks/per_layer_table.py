@@ -7,7 +7,9 @@ and gathered from the checkpoint's file (after, mlxvlm/checkpoint/disk_tables.py
 Builds (once) ``benchmarks/checkpoints/{family}-e2b-text{L}-bf16``, an E2B model's text
 shapes at ``L`` text layers instead of 35 (Gemma 4) or 30 (Gemma 3n): sliding, sliding,
 global (4 layers: sliding, global), more sliding ones, then a KV-sharing sliding and
-global layer. ``gemma4``:
+global layer. ``--family gemma4 --layers 35`` keeps the real model's pattern (a global
+layer every fifth, the last 20 sharing KV): the full-depth E2B, written a slab at a time
+like the others, so no 10 GB model is ever in memory. ``gemma4``:
 google/gemma-4-E2B-it's (``checkpoints.py``'s config, tokenizer, processor and chat
 template: 1536-wide, 8 heads of 256, global layers of 512, double-wide MLPs in the
 KV-sharing layers) with one-layer towers; ``gemma3n``: google/gemma-3n-E2B-it's (2048-wide,
@@ -58,8 +60,9 @@ def gemma4_e2b(target: Path, layers: int) -> list[int]:
 
     _, config, parts, eos_ids = checkpoints.gemma4_e2b()
     text = config.text_config
-    text.num_hidden_layers, text.layer_types = layers, layer_types(layers)
-    text.num_kv_shared_layers = 2
+    if layers != text.num_hidden_layers:  # at full depth the real pattern and KV sharing
+        text.num_hidden_layers, text.layer_types = layers, layer_types(layers)
+        text.num_kv_shared_layers = 2
     config.vision_config.num_hidden_layers = 1
     config.audio_config.num_hidden_layers = 1
     (target / "config.json").write_text(json.dumps({**config.to_dict(), CONVERTED_MARKER: True}))

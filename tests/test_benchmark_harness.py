@@ -221,3 +221,29 @@ def test_full_depth_copies_each_missing_layer_from_a_kept_one_of_its_kind(tmp_pa
                        torch.roll(weights["model.visual.blocks.0.mlp.weight"], 2, 0))
     assert torch.equal(grown["model.language_model.embed_tokens.weight"],
                        weights["model.language_model.embed_tokens.weight"])
+
+
+def test_gemma4_table_checkpoint_at_full_depth_keeps_the_real_layer_pattern(tmp_path):
+    import json
+    import sys
+
+    sys.path.insert(0, str(RUN_PY.parent))
+    import checkpoints
+    import per_layer_table
+
+    real = checkpoints.gemma4_e2b()[1].text_config
+    (tmp_path / "full").mkdir()
+    per_layer_table.gemma4_e2b(tmp_path / "full", 35)
+    full = json.loads((tmp_path / "full" / "config.json").read_text())["text_config"]
+    assert full["num_hidden_layers"] == 35
+    assert full["layer_types"] == real.layer_types
+    # google/gemma-4-E2B-it: a global layer every fifth, the last 20 layers sharing KV
+    assert [i for i, kind in enumerate(full["layer_types"]) if kind == "full_attention"] == \
+        list(range(4, 35, 5))
+    assert full["num_kv_shared_layers"] == 20
+    (tmp_path / "reduced").mkdir()
+    per_layer_table.gemma4_e2b(tmp_path / "reduced", 5)
+    reduced = json.loads((tmp_path / "reduced" / "config.json").read_text())["text_config"]
+    assert reduced["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention",
+                                      "sliding_attention", "full_attention"]
+    assert reduced["num_kv_shared_layers"] == 2
