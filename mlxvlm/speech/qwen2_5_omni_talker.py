@@ -18,6 +18,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from mlxvlm.sampling import build_sampler
+from mlxvlm.speech.heard_text import HeardText
 from mlxvlm.speech.talker import TalkerSampling, _repetition_penalty
 
 TOP_K = 40
@@ -36,9 +37,7 @@ class TalkerStream:
         self._suppress = mx.array(suppress)
         self.eos = {config.codec_pad_id, config.codec_eos_id}
         self.cache = [KVCache() for _ in talker.model.layers]
-        self.text: list[mx.array] = []
-        self.text_ended = False
-        self.pad: mx.array | None = None
+        self.heard = HeardText()  # the text rows, then the pad
         self.steps = 0
         self.sampled = 0
         self.seen = np.zeros(vocab, bool)
@@ -50,18 +49,18 @@ class TalkerStream:
                         else build_sampler(sampling.temperature, TOP_P, TOP_K))
 
     def add_text(self, rows: mx.array) -> None:
-        self.text.extend(rows[i] for i in range(rows.shape[0]))
+        self.heard.add(rows)
 
     def end_text(self, pad: mx.array) -> None:
-        self.pad = pad.reshape(-1)
-        self.text_ended = True
+        self.heard.end(pad)
 
     def ready(self) -> bool:
-        return self.finished or self.text_ended or self.steps < len(self.text)
+        return self.finished or self.heard.has(self.steps)
 
     def close(self) -> None:
         """Frees the caches and text (a stopped or finished stream steps no more)."""
-        self.cache, self.text = [], []
+        self.cache = []
+        self.heard = HeardText()
         self.finished = True
 
     def prefill(self, rows: mx.array, positions: mx.array) -> None:
@@ -83,7 +82,7 @@ class TalkerStream:
             return frame
         if not self.ready():
             raise RuntimeError("the talker's next step needs text it has not been given")
-        text = self.text[self.steps] if self.steps < len(self.text) else self.pad
+        text = self.heard.row(self.steps)
         row = (self.talker.model.embed_tokens(mx.array([self._code]))[0] + text)[None, None]
         position = mx.full((3, 1), self.next_position, dtype=mx.int32)
         logits = self.talker(row, position, self.cache)

@@ -25,6 +25,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from mlxvlm.sampling import build_sampler, step_seed
+from mlxvlm.speech.heard_text import HeardText
 
 # transformers' Qwen3OmniMoeForConditionalGeneration.generate defaults
 DEFAULT_TEMPERATURE = 0.9
@@ -71,9 +72,7 @@ class TalkerStream:
         allowed[eos] = True
         self._suppress = mx.array(np.where(allowed, 0.0, -np.inf).astype(np.float32))
         self.cache = [KVCache() for _ in talker.model.layers]
-        self.text: list[mx.array] = []
-        self.text_ended = False
-        self.pad: mx.array | None = None
+        self.heard = HeardText()  # the text rows, then the pad
         self.steps = 0  # frames fed back so far
         self.sampled = 0  # first codes sampled so far (transformers' max_new_tokens count)
         self.seen = np.zeros(vocab, bool)  # codes sampled (the repetition penalty's)
@@ -91,17 +90,15 @@ class TalkerStream:
 
     def add_text(self, rows: mx.array) -> None:
         """The next rows of text (rows, hidden), one per step."""
-        self.text.extend(rows[i] for i in range(rows.shape[0]))
+        self.heard.add(rows)
 
     def end_text(self, pad: mx.array) -> None:
         """No more text: the steps after the last row hear ``pad``."""
-        self.pad = pad.reshape(-1)
-        self.text_ended = True
+        self.heard.end(pad)
 
     def ready(self) -> bool:
         """Whether ``step`` can run: prefilled, and the text its step hears is given."""
-        return self.started and (self.finished or self.text_ended
-                                 or self.steps < len(self.text))
+        return self.started and (self.finished or self.heard.has(self.steps))
 
     @property
     def started(self) -> bool:
@@ -109,7 +106,8 @@ class TalkerStream:
 
     def close(self) -> None:
         """Frees the caches and text (a stopped or finished stream steps no more)."""
-        self.cache, self.text, self._hidden = [], [], None
+        self.cache, self._hidden = [], None
+        self.heard = HeardText()
         self.finished = True
 
     # -- running --------------------------------------------------------------------------
@@ -131,7 +129,7 @@ class TalkerStream:
         if not self.ready():
             raise RuntimeError("the talker's next step needs text it has not been given")
         frame, frame_embedding = self._residual_codes(self._code, self._hidden)
-        text = self.text[self.steps] if self.steps < len(self.text) else self.pad
+        text = self.heard.row(self.steps)
         embedding = (frame_embedding + text)[None, None]
         position = mx.full((3, 1), self.next_position, dtype=mx.int32)
         hidden = self.talker.model(embedding, position, self.cache)

@@ -1,0 +1,30 @@
+"""The text a talker hears, one row per step: rows handed over as the thinker writes them,
+then, once the text has ended, a pad row for every step after the last. Both families'
+talker streams keep theirs in one of these."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class HeardText:
+    def __init__(self):
+        self.rows: list[mx.array] = []
+        self.ended = False
+        self.pad: mx.array | None = None
+
+    def add(self, rows: mx.array) -> None:
+        """The next rows of text (rows, hidden), one per step."""
+        self.rows.extend(rows[i] for i in range(rows.shape[0]))
+
+    def end(self, pad: mx.array) -> None:
+        """No more text: the steps after the last row hear ``pad``."""
+        self.pad = pad.reshape(-1)
+        self.ended = True
+
+    def has(self, step: int) -> bool:
+        """Whether the row step ``step`` hears is given."""
+        return self.ended or step < len(self.rows)
+
+    def row(self, step: int) -> mx.array:
+        return self.rows[step] if step < len(self.rows) else self.pad
