@@ -44,3 +44,14 @@ def empty_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(build_cache.REBUILD_ENV, raising=False)
     return tmp_path / "mlxvlm"
+
+
+@pytest.fixture(scope="session")
+def speaking_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-Omni that speaks (thinker, talker, code2wav), built once for the
+    server's and the chat UI's speech tests."""
+    from tiny import qwen3_omni_speech
+
+    tiny = qwen3_omni_speech.build_tiny_model("qwen3_omni_moe_speech", seed=2)
+    return str(qwen3_omni_speech.save_checkpoint(
+        tiny, tmp_path_factory.mktemp("qwen3-omni-speech"), "hub"))

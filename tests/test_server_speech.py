@@ -32,7 +32,6 @@ import numpy as np
 import pytest
 
 from server_process import ServerProcess
-from tiny import qwen3_omni_speech
 
 import mlxvlm
 from mlxvlm.generate.text import eos_token_ids
@@ -48,13 +47,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 THINKER_TOKENS = 6
 FRAMES = 12  # the random talker never ends: a few frames
 MESSAGES = [{"role": "user", "content": "Describe a red circle."}]
-
-
-@pytest.fixture(scope="module")
-def speaking_checkpoint(tmp_path_factory):
-    tiny = qwen3_omni_speech.build_tiny_model("qwen3_omni_moe_speech", seed=2)
-    return str(qwen3_omni_speech.save_checkpoint(
-        tiny, tmp_path_factory.mktemp("qwen3-omni-speech"), "hub"))
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,8 @@ The tiny code2wav makes 24 samples a frame: 1000 frames a second of 24 kHz audio
 from __future__ import annotations
 
 import base64
-import io
 import json
 import time
-import wave
 
 import httpx
 import numpy as np
@@ -27,7 +25,6 @@ import pytest
 
 from raw_http import raw_socket
 from server_process import ServerProcess
-from tiny import qwen3_omni_speech
 
 import mlxvlm
 from mlxvlm.generate.text import eos_token_ids
@@ -47,13 +44,6 @@ THINKER_TOKENS = 6
 MESSAGES = [{"role": "user", "content": "Describe a red circle."}]
 SAID = "A red circle sits above a blue square."  # 38 characters
 WAIT_S = 120
-
-
-@pytest.fixture(scope="module")
-def speaking_checkpoint(tmp_path_factory):
-    tiny = qwen3_omni_speech.build_tiny_model("qwen3_omni_moe_speech", seed=2)
-    return str(qwen3_omni_speech.save_checkpoint(
-        tiny, tmp_path_factory.mktemp("qwen3-omni-speech"), "hub"))
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,6 @@ from gradio_client import Client
 from playwright.sync_api import expect, sync_playwright
 
 from server_process import UIProcess
-from tiny import qwen3_omni_speech
 
 import mlxvlm
 from mlxvlm.speech.wav import pcm16
@@ -55,13 +54,6 @@ WAIT_S = 120
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
-
-
-@pytest.fixture(scope="module")
-def speaking_checkpoint(tmp_path_factory):
-    tiny = qwen3_omni_speech.build_tiny_model("qwen3_omni_moe_speech", seed=2)
-    return str(qwen3_omni_speech.save_checkpoint(
-        tiny, tmp_path_factory.mktemp("qwen3-omni-speech"), "hub"))
 
 
 @pytest.fixture(scope="module")
