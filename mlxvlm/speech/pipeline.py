@@ -89,42 +89,78 @@ class AnswerSpeaker:
     def finish(self) -> Iterator[np.ndarray]:
         """The rest of the speech, once the thinker has written its last token."""
         yield from self._run(True)
-        started = time.perf_counter()
-        chunk = self.codec.flush()
-        self.speech.seconds += time.perf_counter() - started
-        if chunk is not None and len(chunk):
-            yield self._emit(chunk)
-        if self.frames:
-            self.speech.codes = np.stack(self.frames)
-        if self.speech.chunks:
-            self.speech.audio = np.concatenate(self.speech.chunks).astype(np.float32)
-        self.close()
+        chunks = len(self.speech.chunks)
+        self.end()
+        yield from self.speech.chunks[chunks:]
 
     def close(self) -> None:
         self.talker.close()
         self.codec = None
         mx.clear_cache()
 
+    def hear(self, token: int, finished: bool = False) -> None:
+        """The thinker wrote ``token`` (its last when ``finished``): the talker is handed
+        the text it can hear now, and steps no further (``SpeechBatch`` steps it)."""
+        self.generated.append(token)
+        self._follow(finished)
+
+    def ready(self) -> bool:
+        """Whether the talker has the text its next frame needs (or has ended)."""
+        return self.talker.ready()
+
+    def frame(self) -> np.ndarray | None:
+        """One frame of the talker: the chunk the codec decoded with it, if any (an empty
+        array when none was decoded); None once the talker has ended."""
+        started = time.perf_counter()
+        frame = self.talker.step()
+        if frame is None:
+            self.speech.seconds += time.perf_counter() - started
+            return None
+        chunk = self.took(frame)
+        self.speech.seconds += time.perf_counter() - started
+        return chunk
+
+    def took(self, frame: np.ndarray) -> np.ndarray:
+        """The talker spoke ``frame``: the codec's chunk decoded with it (empty if none)."""
+        self.frames.append(frame)
+        chunk = self.codec.push(frame)
+        return np.zeros(0, np.float32) if chunk is None else self._emit(chunk)
+
+    def end(self) -> Speech:
+        """The whole speech once the talker has ended (the codec's last chunk included,
+        in ``speech.chunks[-1]`` when it decoded one); the stages' state freed."""
+        started = time.perf_counter()
+        chunk = self.codec.flush()
+        self.speech.seconds += time.perf_counter() - started
+        if chunk is not None and len(chunk):
+            self._emit(chunk)
+        if self.frames:
+            self.speech.codes = np.stack(self.frames)
+        if self.speech.chunks:
+            self.speech.audio = np.concatenate(self.speech.chunks).astype(np.float32)
+        self.close()
+        return self.speech
+
+    def _follow(self, finished: bool) -> None:
+        if not self.talker.finished:  # at its end of speech or max_frames: nothing to hear
+            started = time.perf_counter()
+            self.text.follow(self.talker, self.generated, finished)
+            self.speech.seconds += time.perf_counter() - started
+
     def _run(self, finished: bool) -> Iterator[np.ndarray]:
         """The talker steps while it has its text; a chunk whenever the codec decodes one."""
-        if self.talker.finished:  # at its end of speech or max_frames: nothing to hear
+        if self.talker.finished:
             return
-        started = time.perf_counter()
-        self.text.follow(self.talker, self.generated, finished)
+        self._follow(finished)
         while self.talker.ready():
             # the server's request whose client went away stops here, frame by frame
             # (its cancel flag; nothing outside a request)
             check_cancelled("speaking the answer")
-            frame = self.talker.step()
-            if frame is None:
+            chunk = self.frame()
+            if chunk is None:
                 break
-            self.frames.append(frame)
-            chunk = self.codec.push(frame)
-            if chunk is not None:
-                self.speech.seconds += time.perf_counter() - started
-                yield self._emit(chunk)
-                started = time.perf_counter()
-        self.speech.seconds += time.perf_counter() - started
+            if len(chunk):
+                yield chunk
 
     def _emit(self, chunk: np.ndarray) -> np.ndarray:
         if self.speech.first_audio_seconds is None:
