@@ -44,11 +44,13 @@ from mlxvlm.batching.speculation_rule import SpeculationRule
 from mlxvlm.batching.speculative_batch import SpeculativeBatch
 from mlxvlm.batching.model_turns import ModelTurns
 from mlxvlm.batching.engine_thread import EngineThread
+from mlxvlm.batching.spoken_rows import BatchAudio, SpokenRows
 from mlxvlm.models.base import materialize
 from mlxvlm.errors import MlxvlmError, bounded
 from mlxvlm.generate.cache import DEFAULT_QUANTIZED_KV_START, CacheOptions
 from mlxvlm.generate.loop import embed_prompt, fit_to_context, generation_stream, prefill_chunks
 from mlxvlm.generate.speculative import Speculation, SpeculationStats, speculative_decode
+from mlxvlm.generate.speech import SpeechRequest, check_speech_request
 from mlxvlm.generate.state_cache import StateSnapshots, is_state_cache, turn_boundaries
 from mlxvlm.generate.text import SequenceText, eos_token_ids
 from mlxvlm.batching.prefix_cache import PrefixCache, prompt_key
@@ -75,7 +77,8 @@ class BatchStep:
     stop_string: str | None = None  # on the last step: the stop string that ended it
 
 
-Deliver = Callable[["BatchStep | BaseException"], None]
+# A request's items: its steps (and a spoken request's audio between them), or one exception.
+Deliver = Callable[["BatchStep | BatchAudio | BaseException"], None]
 
 
 class EngineFault(RuntimeError):
@@ -148,6 +151,11 @@ class _Sequence:
     # A drafter that watches the prefill (the MTP head's), made with it; else None.
     drafter: Any = None
     speculation_stats: SpeculationStats | None = None
+    # A spoken request's: what to say, and the tap recording its thinker states.
+    speech: SpeechRequest | None = None
+    tap: Any = None
+    written: bool = False  # its text is complete
+    failed: bool = False  # its failure is delivered (a speaker's may come between steps)
 
     @property
     def cancelled(self) -> bool:
@@ -175,8 +183,8 @@ class EngineStats:
     accepted_draft_tokens: int = 0
 
 
-# What ``_emit`` reports about a request.
-_RUNNING, _FINISHED, _CANCELLED = "running", "finished", "cancelled"
+# What ``_emit`` reports about a request (_FAILED: its failure is delivered).
+_RUNNING, _FINISHED, _CANCELLED, _FAILED = "running", "finished", "cancelled", "failed"
 
 
 class BatchEngine(EngineThread):
@@ -268,6 +276,7 @@ class BatchEngine(EngineThread):
         self._next_id = 0
         # Work that holds the model alone between steps (``ModelTurns.alone``).
         self.turns = ModelTurns()
+        self._spoken = SpokenRows(model)
         self._init_thread()
 
     # -- the caller's side -----------------------------------------------------------
@@ -280,13 +289,21 @@ class BatchEngine(EngineThread):
         *,
         image_hashes: Sequence[str] | None = (),
         cache_namespace: str | None = None,
+        speech: SpeechRequest | None = None,
     ) -> SequenceHandle:
         """Queue a prepared prompt. Raises ``MlxvlmError`` (e.g. ``PromptTooLongError``)
         at once for options or prompts that cannot run. ``image_hashes`` (see
         ``prefix_cache.image_hash``), in prompt order, let the prompt reuse a cache; None
         keeps it out of the prefix cache (e.g. media the keys cannot describe). Prompts
-        share cached prefixes only within one ``cache_namespace`` (the server's API key)."""
+        share cached prefixes only within one ``cache_namespace`` (the server's API key).
+        ``speech``: the answer is also spoken (``spoken_rows``; the talker's sampling
+        seeded by ``options.seed``): ``BatchAudio`` items come between its steps, the last
+        one after its last step."""
         options.validate()
+        if speech is not None:
+            # a model that does not speak, a voice it lacks, a sharded model
+            check_speech_request(self.model, speech, {})
+            image_hashes = None  # the talker reads the whole prompt's thinker states
         max_tokens = options.max_tokens
         max_kv_size = self.cache_options.max_kv_size
         if max_kv_size is None:
@@ -325,6 +342,7 @@ class BatchEngine(EngineThread):
                     row=RowSampler(options, inputs.input_ids[0]),
                     submitted_at=time.perf_counter(),
                     namespace=cache_namespace,
+                    speech=speech,
                 )
             )
             self.stats.waiting = len(self._waiting)
@@ -340,7 +358,7 @@ class BatchEngine(EngineThread):
     @property
     def has_work(self) -> bool:
         return bool(self._waiting or self._prefilling or self._batch.rows or self._speculating
-                    or self._drafting)
+                    or self._drafting or self._spoken)
 
     def _run(self) -> None:
         while True:
@@ -371,13 +389,16 @@ class BatchEngine(EngineThread):
         if self._drafting:
             pending.extend(row.seq for row in self._drafting.rows)
             self._drafting.keep([])
+        # spoken requests whose text is written (the others are in the lists above)
+        pending.extend(seq for seq in self._spoken.clear() if seq.written)
         self._update_gauges()
         return pending
 
     # -- one iteration -------------------------------------------------------------
 
     def step(self) -> None:
-        """Admit the next waiting request, run one prefill chunk, run one decode step."""
+        """Admit the next waiting request, run one prefill chunk, run one decode step,
+        give every ready talker a frame."""
         self._drop_cancelled_waiting()
         self._drop_cancelled_active()
         if (
@@ -412,6 +433,8 @@ class BatchEngine(EngineThread):
                 for seq in self._batch.rows:
                     self._fail(seq, failure, logged=True)
                 self._batch.clear()
+        if self._spoken:
+            self._speech_step()
         self._update_gauges()
 
     def _active_rows(self) -> int:
@@ -429,6 +452,8 @@ class BatchEngine(EngineThread):
             self._fail(seq, e)
 
     def _fail(self, seq: _Sequence, error: BaseException, logged: bool = False) -> None:
+        seq.failed = True
+        self._spoken.forget(seq)
         self.stats.requests_failed += 1
         if not logged:
             _log_failure(error, f"request {seq.handle.id} failed")
@@ -457,10 +482,16 @@ class BatchEngine(EngineThread):
         """Free the batch rows of cancelled requests before anything else this step, so
         that a waiting request can take a slot at once."""
         rows = self._batch.rows
-        keep = [i for i, seq in enumerate(rows) if not seq.cancelled]
+        # (a spoken row whose speaker failed between steps leaves too, already counted)
+        keep = [i for i, seq in enumerate(rows) if not (seq.cancelled or seq.failed)]
         if len(keep) < len(rows):
-            self.stats.requests_cancelled += len(rows) - len(keep)
+            self.stats.requests_cancelled += sum(seq.cancelled for seq in rows)
             self._batch.keep(keep)
+        for seq in list(self._spoken.requests.values()):
+            if seq.cancelled:
+                self._spoken.forget(seq)
+                # one whose text was written left its row before: counted here
+                self.stats.requests_cancelled += seq.written
         if self._drafting:
             rows = self._drafting.rows
             keep = [i for i, row in enumerate(rows) if not row.seq.cancelled]
@@ -505,9 +536,10 @@ class BatchEngine(EngineThread):
             # State layers cannot be trimmed: snapshot where the next turn will resume.
             ends = turn_boundaries(np.asarray(ids[0]).tolist(), self.eos_token_ids)
             boundaries = [end - start for end in ends]
-        if self.speculation is not None:
+        if self.speculation is not None and seq.speech is None:  # a spoken row never drafts
             seq.drafter = self.speculation.watching_drafter(model, seq.options, start,
                                                             self.prefill_step_size)
+        seq.tap = SpokenRows.tap_for(seq.speech, model)
         seq.prefill = prefill_chunks(
             self._target_of(seq),
             ids[:, start:],
@@ -528,7 +560,8 @@ class BatchEngine(EngineThread):
             self._prefilling = None
             self.stats.requests_cancelled += 1
             return
-        done = next(seq.prefill, None)
+        with self._spoken.recording(seq.tap):
+            done = next(seq.prefill, None)
         if done is not None:
             seq.prefilled = done
             return
@@ -537,7 +570,7 @@ class BatchEngine(EngineThread):
         # to first token.
         self._prefilling = None
         rest = seq.cached_tokens + seq.prefilled
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream), self._spoken.recording(seq.tap):
             logits = self._target_of(seq)(
                 seq.inputs.input_ids[:, rest:],
                 seq.cache,
@@ -559,10 +592,14 @@ class BatchEngine(EngineThread):
         self.stats.time_to_first_token_count += 1
         wants = seq.options.top_logprobs is not None
         values = np.asarray(logprobs[0].astype(mx.float32)) if wants else None
+        if seq.speech is not None:
+            self._spoken.join(seq, self.eos_token_ids)
         outcome = self._emit(seq, tokens.item(), values)
-        if outcome is _RUNNING and self._drafting is not None and self._drafts_batched(seq):
+        speculates = seq.speech is None and self.speculation is not None
+        if outcome is _RUNNING and speculates and self._drafting is not None \
+                and self._drafts_batched(seq):
             self._join_drafting(seq, tokens.item())
-        elif outcome is _RUNNING and self.speculation and self.speculation.usable(seq.options) \
+        elif outcome is _RUNNING and speculates and self.speculation.usable(seq.options) \
                 and self._drafting is None:
             self._start_speculating(seq, tokens.item())
         elif outcome is _RUNNING:
@@ -570,7 +607,7 @@ class BatchEngine(EngineThread):
             self._batch.join(seq, cache, seq.state, tokens, logprobs)
         elif outcome is _FINISHED:
             self._finished(seq, cache=seq.cache)
-        else:
+        elif outcome is _CANCELLED:
             self.stats.requests_cancelled += 1
 
     # -- speculative decoding (max_batch_size 1) --------------------------------------
@@ -687,7 +724,8 @@ class BatchEngine(EngineThread):
         going_on = [i for i in range(len(rows)) if i not in ending]
         batch.keep(going_on)
         if going_on:
-            batch.step()
+            with self._spoken.recording(self._spoken.rows_tap(batch.rows)):
+                batch.step()
 
         values = tokens.tolist()
         sane = batch_sane.tolist()
@@ -712,6 +750,8 @@ class BatchEngine(EngineThread):
                 keep.append(position[i])
             elif outcome is _CANCELLED:
                 self.stats.requests_cancelled += 1
+            elif outcome is _FAILED:
+                pass
             elif i in ending:
                 self._finished(seq, cache=last_caches.get(i))
             else:
@@ -719,6 +759,51 @@ class BatchEngine(EngineThread):
                 self._finished(seq, cache=cache)
         self._update_throughput(delivered, time.perf_counter() - started)
         batch.keep(keep)
+
+    # -- spoken requests (``spoken_rows``) ------------------------------------------
+
+    def _heard(self, seq: _Sequence, token: int, finished: bool) -> bool:
+        """``seq``'s speaker hears the token just delivered; False if it failed (its
+        failure delivered: the request ends alone)."""
+        failure = self._spoken.heard(seq, token, finished)
+        if failure is not None:
+            self._fail(seq, failure)
+            return False
+        if finished:
+            seq.written = True
+            speech = self._spoken.written(seq)
+            if speech is not None:  # its talker had ended before its text
+                self._spoken_done(seq, speech)
+        return True
+
+    def _speech_step(self) -> None:
+        """A frame for every ready talker, each chunk decoded delivered to its request.
+        A speaker's own failure fails its request alone; a fault of the step itself fails
+        the spoken requests, not the text rows."""
+        try:
+            given = self._spoken.step()
+        except Exception as e:
+            _log_failure(e, "a talker step failed; failing the spoken requests")
+            failure = _fault_of(e, "the talker step failed")
+            for seq in self._spoken.clear():
+                self._fail(seq, failure, logged=True)
+            return
+        for seq, spoken in given:
+            if seq.cancelled:  # it leaves at the next step
+                continue
+            for chunk in spoken.chunks:
+                self._deliver(seq, BatchAudio(chunk))
+            if spoken.failure is not None:
+                self._fail(seq, spoken.failure)
+            elif spoken.speech is not None:
+                speech = self._spoken.ended(seq, spoken.speech)
+                if speech is not None:
+                    self._spoken_done(seq, speech)
+
+    def _spoken_done(self, seq: _Sequence, speech: Any) -> None:
+        """Both ``seq``'s text and speech are complete: its last item."""
+        self.stats.requests_finished += 1
+        self._deliver(seq, BatchAudio(np.zeros(0, np.float32), speech))
 
     def _keeps_cache(self, seq: _Sequence) -> bool:
         return self.prefix_cache is not None and seq.key is not None
@@ -743,6 +828,8 @@ class BatchEngine(EngineThread):
                 logprobs, token, seq.options.top_logprobs)
         self.stats.generated_tokens += 1
         self._deliver(seq, step)
+        if seq.speech is not None and not self._heard(seq, token, finish_reason is not None):
+            return _FAILED
         if finish_reason is not None:
             # Decided here: the caller may cancel as soon as it has the last step.
             return _FINISHED
@@ -750,6 +837,8 @@ class BatchEngine(EngineThread):
 
     def _finished(self, seq: _Sequence, cache: list[Any] | None,
                   fed: list[int] | None = None) -> None:
+        if seq.speech is not None:  # its text only: it finishes when its speech ends
+            return
         self.stats.requests_finished += 1
         if cache is not None and self.prefix_cache is not None and seq.key is not None:
             # The cache holds the prompt and every generated token fed back: all but the

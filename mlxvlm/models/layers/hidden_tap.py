@@ -62,3 +62,24 @@ class HiddenTap:
                 parts.append(record[0, max(start - offset, 0):min(stop - offset, length)])
             offset += length
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+class RowsTap:
+    """A batched pass's tap: row ``i`` of each record handed to ``taps[i]`` (None: a row
+    whose states nobody reads, e.g. a text-only request decoding beside spoken ones).
+    Set as the decoder's ``hidden_tap`` for one batched decode step; each row's own tap
+    then holds what it would have recorded decoding alone."""
+
+    def __init__(self, taps: list[HiddenTap | None]):
+        self.taps = taps
+
+    def record_input(self, ids: mx.array | None, embeddings: mx.array, state=None) -> None:
+        # the batch's position state is not a row's: each tap kept its own at its prefill
+        for i, tap in enumerate(self.taps):
+            if tap is not None:
+                tap.record_input(None if ids is None else ids[i:i + 1], embeddings[i:i + 1])
+
+    def record_layer(self, number: int, hidden: mx.array) -> None:
+        for i, tap in enumerate(self.taps):
+            if tap is not None:
+                tap.record_layer(number, hidden[i:i + 1])
