@@ -12,21 +12,19 @@ on the tiny full Qwen3-Omni (tests/tiny/qwen3_omni_speech.py):
   concatenate to generate's speech, and audio arrives while the text is still being
   written (the talker follows the thinker);
 - a seed reproduces the sampled talker as the Python API draws it; a spoken answer that
-  fails mid-speech (in process, a stage made to fail) leaves the model to the next one;
-- a spoken answer while the engine decodes another request speaks its own states;
+  fails mid-speech (in process, a stage made to fail) fails alone, the engine serving the
+  next text and spoken answers;
 - ``/v1/audio/speech`` says its input as the Python API speaks the same forced answer
   (raw PCM streamed, chunked).
-One server serves both the speaking checkpoint and a thinker-only one.
+One server serves both the speaking checkpoint and a thinker-only one. Spoken answers
+beside others in the engine's batch, and a client leaving one: test_server_spoken_batching.
 """
 
 from __future__ import annotations
 
 import base64
 import io
-import time
 import wave
-
-import httpx
 
 import numpy as np
 import pytest
@@ -147,57 +145,6 @@ def test_a_streamed_spoken_answer_sends_audio_while_the_text_is_written(
     assert order.index("audio") < len(order) - 1 - order[::-1].index("text")
 
 
-def cancelled(server) -> float:
-    for line in httpx.get(server.base_url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("mlxvlm_preparations_cancelled_total"):
-            return float(line.split()[-1])
-    raise AssertionError("no mlxvlm_preparations_cancelled_total in /metrics")
-
-
-def test_a_client_leaving_a_streamed_spoken_answer_stops_it(client, server,
-                                                          speaking_checkpoint, loaded):
-    before = cancelled(server)
-    # the random talker never ends: without the stop it would speak 4096 frames
-    stream = chat(client, speaking_checkpoint, modalities=["text", "audio"],
-                  audio={"format": "pcm16"}, stream=True,
-                  extra_body={"talker_temperature": 0, "talker_max_frames": 4096})
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.audio and chunk.choices[0].delta.audio.data:
-            break  # speaking has begun
-    stream.close()
-    deadline = time.monotonic() + 120
-    while cancelled(server) == before:
-        assert time.monotonic() < deadline, "the spoken answer was not stopped"
-        time.sleep(0.1)
-    # the model is free again: the next spoken answer is whole
-    expected = reference(loaded, None)
-    answer = chat(client, speaking_checkpoint, modalities=["text", "audio"],
-                  audio={"format": "pcm16"},
-                  extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})
-    np.testing.assert_array_equal(
-        np.frombuffer(base64.b64decode(answer.choices[0].message.audio.data), "<i2"),
-        np.frombuffer(pcm16(expected.audio), "<i2"))
-
-
-def test_a_spoken_answer_beside_a_text_answer_being_decoded(client, speaking_checkpoint,
-                                                            loaded):
-    """The engine keeps decoding another request meanwhile: the talker still reads only
-    the spoken request's thinker states (the engine steps no batch while it is written)."""
-    expected = reference(loaded, None)
-    text = client.chat.completions.create(
-        model=speaking_checkpoint, messages=[{"role": "user", "content": "Count to many."}],
-        max_tokens=300, temperature=0, stream=True)
-    chunks = iter(text)
-    next(chunks)  # the text request is admitted and decoding
-    answer = chat(client, speaking_checkpoint, modalities=["text", "audio"],
-                  audio={"format": "pcm16"},
-                  extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})
-    finished = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
-    assert finished[-1] in ("stop", "length")
-    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(answer.choices[0].message.audio.data), "<i2"),
-                                  np.frombuffer(pcm16(expected.audio), "<i2"))
-
-
 def test_a_seed_reproduces_the_sampled_talker(client, speaking_checkpoint, loaded):
     """talker_temperature left out: the checkpoint's talker sampling, drawn from the
     request's seed as the Python API draws it."""
@@ -213,10 +160,10 @@ def test_a_seed_reproduces_the_sampled_talker(client, speaking_checkpoint, loade
         np.frombuffer(pcm16(expected.audio), "<i2"))
 
 
-def test_a_spoken_answer_failing_mid_speech_does_not_hold_the_model(loaded, monkeypatch):
+def test_a_spoken_answer_failing_mid_speech_fails_alone(loaded, monkeypatch):
     """In process (a stage made to fail): the talker raises after a few frames, while the
-    text is still being written; the stream ends with an error event, and the model is
-    free for the next text and spoken answers."""
+    text is still being written; the stream ends with an error event, and the engine
+    serves the next text and spoken answers."""
     from server_harness import LiveServer
 
     from mlxvlm.speech.talker import TalkerStream

@@ -95,8 +95,8 @@ class ServerConfig:
     # requests unload it: the bound on how often a busy server switches (an idle model
     # gives way at once; see models_registry).
     min_loaded_seconds: float = 10.0
-    # A spoken answer holds the model alone while it is spoken: the most seconds of audio
-    # one request may ask for (talker_max_frames above it: 400; left out: clamped to it),
+    # A spoken answer keeps its talker and codec (and their caches) while it is spoken,
+    # its batch slot's worth of work: the most seconds of audio one request may ask for (talker_max_frames above it: 400; left out: clamped to it),
     # and the most characters /v1/audio/speech says at once.
     max_speech_seconds: float = DEFAULT_MAX_SPEECH_SECONDS
     max_speech_input_chars: int = MAX_SPEECH_INPUT_CHARS
@@ -253,8 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Prompt tokens per prefill chunk")
     parser.add_argument("--max-speech-seconds", type=ranged(POSITIVE),
                         default=DEFAULT_MAX_SPEECH_SECONDS,
-                        help="Seconds of audio one spoken answer may last (a speaking "
-                        "model holds the model alone while it speaks): a request asking "
+                        help="Seconds of audio one spoken answer may last (its talker "
+                        "steps with the engine's every iteration): a request asking "
                         "for more frames gets 400, one that does not say is cut there "
                         f"(default {DEFAULT_MAX_SPEECH_SECONDS:g})")
     parser.add_argument("--max-speech-input-chars", type=ranged(at_least(1)),

@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Awaitable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from mlxvlm.generate.speech import SpeechRequest
 from mlxvlm.sampling import SamplingOptions
 from mlxvlm.server.errors import APIError, ClientDisconnected
 from mlxvlm.server.service import GenerationService, PreparedRequest, TokenStream
@@ -55,8 +56,9 @@ class RequestLifetime:
             self.stream.cancel()
         self.service.release()
 
-    def submit(self, prepared: PreparedRequest, options: SamplingOptions) -> TokenStream:
-        self.stream = self.service.submit(prepared, options)
+    def submit(self, prepared: PreparedRequest, options: SamplingOptions,
+               speech: SpeechRequest | None = None) -> TokenStream:
+        self.stream = self.service.submit(prepared, options, speech)
         return self.stream
 
     async def until_disconnect(self, work: Awaitable) -> Any:

@@ -22,8 +22,9 @@ from typing import Any, Callable, TypeVar
 
 import mlx.core as mx
 
-from mlxvlm.batching import BatchEngine, BatchStep, SamplingOptions
+from mlxvlm.batching import BatchAudio, BatchEngine, BatchStep, SamplingOptions
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.generate.speech import SpeechRequest
 from mlxvlm.generate.speculative import Speculation
 from mlxvlm.media import MediaPolicy, PixelBudget, load_image, load_pdf
 from mlxvlm.batching.disk_prefix_cache import DiskPrefixCache, checkpoint_fingerprint
@@ -279,56 +280,49 @@ class GenerationService:
 
         return await self._pools.submit(job, media=media).result()
 
-    async def run_alone(self, messages: list[dict], template_options: dict | None,
-                        work: Callable[[PreparedRequest], T]) -> T:
-        """``messages`` prepared as ``prepare`` prepares them, then ``work(prepared)``
-        with the model held alone (the engine steps no batch meanwhile: see
-        ``batching.model_turns``), in a preparation worker. A spoken answer runs so: the
-        thinker's state tap is model-wide."""
-        def job() -> T:
-            with self.pixels.request():
-                prepared = self._prepare_within_budget(messages, template_options)
-            with self.engine.turns.alone():
-                return work(prepared)
-
-        return await self._pools.submit(job, media=has_media(messages)).result()
-
     # -- generation -----------------------------------------------------------------
 
-    def submit(self, request: PreparedRequest, options: SamplingOptions) -> "TokenStream":
+    def submit(self, request: PreparedRequest, options: SamplingOptions,
+               speech: SpeechRequest | None = None) -> "TokenStream":
         """Queue the request in the engine; raises at once if it cannot run (e.g. a
-        prompt longer than the context)."""
-        return TokenStream(self.engine, request, options)
+        prompt longer than the context). ``speech``: its answer spoken too."""
+        return TokenStream(self.engine, request, options, speech)
 
 
 class TokenStream:
     """A submitted request's steps, as an async iterator; ``cancel`` (or leaving the
-    iteration early) stops it in the engine."""
+    iteration early) stops it in the engine. A spoken request's stream holds its
+    ``BatchAudio`` items too, in the order they were made, and ends with the one that
+    carries its whole speech."""
 
-    def __init__(self, engine: BatchEngine, request: PreparedRequest, options: SamplingOptions):
+    def __init__(self, engine: BatchEngine, request: PreparedRequest, options: SamplingOptions,
+                 speech: SpeechRequest | None = None):
         loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._done = False
+        self._spoken = speech is not None
 
-        def deliver(item: BatchStep | BaseException) -> None:
+        def deliver(item: BatchStep | BatchAudio | BaseException) -> None:
             loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
         self._handle = engine.submit(
             request.inputs, options, deliver, image_hashes=request.image_hashes,
-            cache_namespace=request.cache_namespace,
+            cache_namespace=request.cache_namespace, speech=speech,
         )
 
     def __aiter__(self) -> "TokenStream":
         return self
 
-    async def __anext__(self) -> BatchStep:
+    async def __anext__(self) -> BatchStep | BatchAudio:
         if self._done:
             raise StopAsyncIteration
         item = await self._queue.get()
         if isinstance(item, BaseException):
             self._done = True
             raise item
-        if item.finish_reason is not None:
+        if isinstance(item, BatchAudio):
+            self._done = item.speech is not None
+        elif item.finish_reason is not None and not self._spoken:
             self._done = True
         return item
 

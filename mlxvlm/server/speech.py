@@ -1,35 +1,31 @@
 """Spoken answers on chat completions (``"modalities": ["text", "audio"]``) and text said
 on ``/v1/audio/speech``: the checks that answer 400 before a request is admitted, the
-answer written and spoken with the model held alone, OpenAI's ``message.audio``.
+answer written and spoken through the batching engine, OpenAI's ``message.audio``.
 
-A spoken answer does not go through the batching engine: the talker reads the thinker's
-hidden states of this one request, and the state tap (``generate.speech.thinker_states``)
-records every pass of the model, so the answer is written by ``generate``'s own loop while
-the engine steps no batch (``GenerationService.run_alone``), and spoken as it is written
-(the talker follows the thinker token by token, ``speech.pipeline.AnswerSpeaker``): a
-streamed answer's text and audio deltas alternate. Spoken answers therefore run one at a
-time, and other requests' decoding pauses while one runs.
+A spoken answer is a row of the engine like any other request (``batching.spoken_rows``):
+its thinker decodes in the batch beside the others, a tap of its own records the states
+its talker reads, and the talker follows the thinker token by token, stepping once per
+engine iteration with the other answers being spoken. Its stream holds the text's steps
+and the codec's chunks in the order they were made (a streamed answer's text and audio
+deltas interleave), and ends with its whole speech. It reuses no prompt prefix (the talker
+reads the whole prompt's states) and never speculates.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
-import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
+from mlxvlm.batching import BatchAudio, BatchStep
 from mlxvlm.errors import MlxvlmError
 from mlxvlm.generate.speech import DEFAULT_MAX_FRAMES, SpeechRequest, check_speech_request
-from mlxvlm.generate.spoken_answer import SpokenAnswer
-from mlxvlm.generate.spoken_answer import write_and_speak as write_and_speak_alone
-from mlxvlm.generate.stream import GenerationResult
 from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.sampling import SamplingOptions
 from mlxvlm.server.answering import as_api_error, stream_failure
@@ -37,7 +33,7 @@ from mlxvlm.server.chat_completions import SSE_DONE, CompletionWriter, sse, to_m
 from mlxvlm.server.errors import APIError, error_body
 from mlxvlm.server.lifetime import RequestLifetime
 from mlxvlm.server.schemas import AudioOutput, ChatCompletionRequest
-from mlxvlm.server.service import GenerationService, PreparedRequest
+from mlxvlm.server.service import GenerationService, TokenStream
 from mlxvlm.server.speech_schemas import SpeechBody
 from mlxvlm.server.tools import AnswerPlan
 from mlxvlm.speech.duration import frames_within
@@ -92,25 +88,6 @@ def speech_request(service: GenerationService, voice: str | None,
     return request
 
 
-def write_and_speak(service: GenerationService, options: SamplingOptions,
-                    request: SpeechRequest, prepared: PreparedRequest,
-                    on_step: Callable[[GenerationResult], None] | None = None,
-                    on_audio: Callable[[np.ndarray], None] | None = None) -> SpokenAnswer:
-    """With the model held alone (``service.run_alone``'s work): the answer written,
-    then spoken (``generate.spoken_answer``); stops at the next token or frame if the
-    client went away."""
-    def step(result: GenerationResult) -> None:
-        if result.finish_reason is not None:
-            logger.info("speaking a %d-token answer (at most %d frames)",
-                        result.generation_tokens, request.talker_max_frames)
-        if on_step is not None:
-            on_step(result)
-
-    return write_and_speak_alone(service.model, service.processor, prepared.inputs, options,
-                                 request, prefill_step_size=service.config.prefill_step_size,
-                                 on_step=step, on_audio=on_audio)
-
-
 def audio_bytes(speech: Speech, fmt: str) -> bytes:
     """``wav``: a 16-bit mono WAV file; ``pcm16``/``pcm``: its raw little-endian samples
     at the model's rate."""
@@ -127,6 +104,52 @@ def message_audio(speech: Speech, fmt: str, transcript: str) -> dict[str, Any]:
         "expires_at": int(time.time()) + AUDIO_LIFETIME_SECONDS,
         "transcript": transcript,
     }
+
+
+async def _submitted(life: RequestLifetime, service: GenerationService, messages: list[dict],
+                     template_options: Any, options: SamplingOptions, speech: SpeechRequest,
+                     param: str, plan: AnswerPlan | None = None
+                     ) -> tuple[BatchStep | BatchAudio, TokenStream]:
+    """``messages`` prepared and submitted to the engine to be spoken; returns once the
+    first item came (so that a request failing before it gets its error status), with the
+    stream of the rest."""
+    try:
+        prepared = await life.until_disconnect(
+            service.prepare(messages, None, template_options))
+        if plan is not None:
+            plan.prompt_text = prepared.inputs.prompt_text
+        stream = life.submit(prepared, options, speech)
+        first = await life.until_disconnect(stream.__anext__())
+    except (MlxvlmError, ValueError, TemplateError) as error:
+        limit = getattr(error, "limit", None)  # a refusal for passing a limit
+        if limit is not None:
+            service.counters.refuse(limit)
+        raise as_api_error(error, param) from error
+    return first, stream
+
+
+async def spoken_items(first: BatchStep | BatchAudio,
+                       stream: TokenStream) -> AsyncIterator[BatchStep | BatchAudio]:
+    """A spoken request's items from its first to its last (the one with its speech)."""
+    item = first
+    while True:
+        yield item
+        if isinstance(item, BatchAudio) and item.speech is not None:
+            return
+        item = await stream.__anext__()
+
+
+async def whole_spoken(first: BatchStep | BatchAudio,
+                       stream: TokenStream) -> tuple[str, BatchStep, Speech]:
+    """The answer's text, its last step and its speech."""
+    texts, last, speech = [], None, None
+    async for item in spoken_items(first, stream):
+        if isinstance(item, BatchStep):
+            texts.append(item.text)
+            last = item
+        else:
+            speech = item.speech or speech
+    return "".join(texts), last, speech
 
 
 async def answer_spoken(request: Request, chat: ChatCompletionRequest, options: SamplingOptions,
@@ -146,28 +169,26 @@ async def answer_spoken(request: Request, chat: ChatCompletionRequest, options: 
     if chat.logprobs:
         raise APIError(400, "audio output gives no logprobs", param="logprobs")
     messages = plan.conversation(to_messages(chat))
-    if chat.stream:
-        return await _stream_spoken(request, chat, options, plan, service, writer, speech,
-                                    messages)
     with RequestLifetime(service, request) as life:
-        def work(prepared: PreparedRequest) -> SpokenAnswer:
-            plan.prompt_text = prepared.inputs.prompt_text
-            return write_and_speak(service, options, speech, prepared)
-
+        first, stream = await _submitted(life, service, messages, plan.template_options,
+                                         options, speech, "messages", plan)
+        if chat.stream:
+            include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+            return life.event_stream(_spoken_events(writer, plan, first, stream,
+                                                    include_usage))
         try:
-            spoken = await life.until_disconnect(
-                service.run_alone(messages, plan.template_options, work))
-        except (MlxvlmError, ValueError, TemplateError) as error:
+            text, last, spoken = await life.until_disconnect(whole_spoken(first, stream))
+        except (MlxvlmError, ValueError) as error:
             raise as_api_error(error) from error
     splitter = plan.splitter()
-    parts = splitter.feed(spoken.text) + splitter.finish()
+    parts = splitter.feed(text) + splitter.finish()
     content = "".join(p.text for p in parts if p.kind == "content")
     message: dict[str, Any] = {"content": content,
-                               "audio": message_audio(spoken.speech, audio.format, content)}
+                               "audio": message_audio(spoken, audio.format, content)}
     reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
     if reasoning:
         message["reasoning_content"] = reasoning
-    return JSONResponse(writer.body(message, spoken.finish_reason, spoken, None))
+    return JSONResponse(writer.body(message, last.finish_reason, last, None))
 
 
 async def say(request: Request, body: SpeechBody, service: GenerationService) -> Response:
@@ -189,103 +210,45 @@ async def say(request: Request, body: SpeechBody, service: GenerationService) ->
                               seed=body.seed)
     messages = [{"role": "user", "content": SAY_REQUEST.format(text=body.input)}]
     with RequestLifetime(service, request) as life:
+        first, stream = await _submitted(life, service, messages, None, options, speech,
+                                         "input")
         if body.response_format == "pcm":
-            first, queue, task = await _first_event(
-                life, service, messages, None, "input",
-                lambda prepared, put: write_and_speak(
-                    service, options, speech, prepared,
-                    on_audio=lambda samples: put("audio", samples)))
-            return life.byte_stream(_said_bytes(first, queue, task), MEDIA_TYPES["pcm"])
+            return life.byte_stream(_said_bytes(first, stream), MEDIA_TYPES["pcm"])
         try:
-            spoken = await life.until_disconnect(service.run_alone(
-                messages, None,
-                lambda prepared: write_and_speak(service, options, speech, prepared)))
-        except (MlxvlmError, ValueError, TemplateError) as error:
+            _, _, spoken = await life.until_disconnect(whole_spoken(first, stream))
+        except (MlxvlmError, ValueError) as error:
             raise as_api_error(error, "input") from error
-    return Response(content=audio_bytes(spoken.speech, "wav"), media_type=MEDIA_TYPES["wav"])
+    return Response(content=audio_bytes(spoken, "wav"), media_type=MEDIA_TYPES["wav"])
 
 
-async def _first_event(life: RequestLifetime, service: GenerationService, messages: list[dict],
-                       template_options: Any, param: str,
-                       work: Callable[[PreparedRequest, Callable[[str, Any], None]], Any]):
-    """``work(prepared, put)`` run with the model held alone, each ``put(kind, item)`` of
-    it queued for the response; returns once the first is (so that a request failing
-    before gets its error status), with the queue and the task (its end queued as
-    ("done", None))."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-
-    def put(kind: str, item: Any) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (kind, item))
-
-    task = asyncio.ensure_future(service.run_alone(messages, template_options,
-                                                   lambda prepared: work(prepared, put)))
-    task.add_done_callback(lambda _: queue.put_nowait(("done", None)))
+async def _said_bytes(first: BatchStep | BatchAudio, stream: TokenStream) -> AsyncIterator[bytes]:
     try:
-        first = await life.until_disconnect(queue.get())
-        if first[0] == "done":
-            task.result()  # its failure, before any header is sent
-    except BaseException as error:  # a failure before the first item, or the client left
-        task.cancel()
-        if isinstance(error, (MlxvlmError, ValueError, TemplateError)):
-            raise as_api_error(error, param) from error
-        raise
-    return first, queue, task
-
-
-async def _said_bytes(first: tuple, queue: asyncio.Queue,
-                      task: asyncio.Future) -> AsyncIterator[bytes]:
-    item = first
-    try:
-        while item[0] != "done":
-            yield pcm16(item[1])
-            item = await queue.get()
-        task.result()
+        async for item in spoken_items(first, stream):
+            if isinstance(item, BatchAudio) and len(item.chunk):
+                yield pcm16(item.chunk)
     except Exception:  # the status is sent: the stream breaks off, unterminated
         logger.exception("speech failed while streaming")
         raise
-    finally:
-        task.cancel()  # the client left: the worker stops at its next token or chunk
 
 
-async def _stream_spoken(request: Request, chat: ChatCompletionRequest,
-                         options: SamplingOptions, plan: AnswerPlan,
-                         service: GenerationService, writer: CompletionWriter,
-                         speech: SpeechRequest, messages: list[dict]) -> Response:
+async def _spoken_events(writer: CompletionWriter, plan: AnswerPlan,
+                         first: BatchStep | BatchAudio, stream: TokenStream,
+                         include_usage: bool) -> AsyncIterator[str]:
     """A streamed spoken answer: the text as it is written (``content`` and
     ``audio.transcript`` deltas) and, while it is, the audio as the codec decodes it
-    (``audio.data``: base64 pcm16 chunks), as OpenAI's audio models stream; the talker
-    follows the thinker, so the two kinds of deltas alternate. The response starts once
-    the first token is written, so that a request that fails before gets its error
-    status."""
-    def work(prepared: PreparedRequest, put) -> SpokenAnswer:
-        plan.prompt_text = prepared.inputs.prompt_text
-        return write_and_speak(service, options, speech, prepared,
-                               on_step=lambda step: put("step", step),
-                               on_audio=lambda samples: put("audio", samples))
-
-    include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+    (``audio.data``: base64 pcm16 chunks), in the order they were made, as OpenAI's audio
+    models stream."""
     audio_id = f"audio_{uuid.uuid4().hex}"
-    with RequestLifetime(service, request) as life:
-        first, queue, task = await _first_event(life, service, messages, plan.template_options,
-                                                "messages", work)
-        return life.event_stream(_spoken_events(writer, plan, audio_id, first, queue, task,
-                                                include_usage))
-
-
-async def _spoken_events(writer: CompletionWriter, plan: AnswerPlan, audio_id: str,
-                         first: tuple, queue: asyncio.Queue, task: asyncio.Future,
-                         include_usage: bool) -> AsyncIterator[str]:
     splitter = plan.splitter()
-    item = first
+    last = None
     try:
         yield writer.chunk({"role": "assistant", "content": ""},
                            include_usage=include_usage)
-        while item[0] != "done":
-            kind, value = item
-            if kind == "step":
-                parts = splitter.feed(value.text)
-                if value.finish_reason is not None:
+        async for item in spoken_items(first, stream):
+            if isinstance(item, BatchStep):
+                last = item
+                parts = splitter.feed(item.text)
+                if item.finish_reason is not None:
                     parts += splitter.finish()
                 for part in parts:
                     if part.kind == "reasoning":
@@ -294,21 +257,17 @@ async def _spoken_events(writer: CompletionWriter, plan: AnswerPlan, audio_id: s
                         delta = {"content": part.text,
                                  "audio": {"id": audio_id, "transcript": part.text}}
                     yield writer.chunk(delta, include_usage=include_usage)
-            else:
-                data = base64.b64encode(pcm16(value)).decode("ascii")
+            elif len(item.chunk):
+                data = base64.b64encode(pcm16(item.chunk)).decode("ascii")
                 yield writer.chunk({"audio": {"id": audio_id, "data": data}},
                                    include_usage=include_usage)
-            item = await queue.get()
-        spoken = task.result()
     except Exception as error:  # headers are sent: the failure goes as an error event
         logger.exception("a spoken answer failed while streaming")
         yield sse(error_body(*stream_failure(error)))
         return
-    finally:
-        task.cancel()  # the client left: the worker stops at its next token or chunk
     yield writer.chunk({"audio": {"id": audio_id, "expires_at": int(time.time())
                                   + AUDIO_LIFETIME_SECONDS}},
-                       finish_reason=spoken.finish_reason, include_usage=include_usage)
+                       finish_reason=last.finish_reason, include_usage=include_usage)
     if include_usage:
-        yield writer.usage_chunk(spoken)
+        yield writer.usage_chunk(last)
     yield SSE_DONE
