@@ -13,6 +13,8 @@ checkpoint in the Hub's layout (tests/tiny/qwen2_5_omni_speech.py), float32.
 - The generate command (its ``main``) writes the same speech as a WAV file, and refuses
   an unknown voice in one line; ``convert -q`` quantizes the talker and keeps token2wav
   float; a thinker-only checkpoint loads as before and does not speak.
+- Two spoken requests decoding in one batching-engine batch beside a text one speak as
+  ``generate`` does (each talker reads its own row of the batched hidden states).
 - ``python -m mlxvlm.server`` answers a chat completion's audio (whole and streamed) and
   /v1/audio/speech with the Python API's speech.
 
@@ -287,6 +289,50 @@ def test_a_voices_file_naming_other_classes_is_refused(tmp_path):
     (tmp_path / "plain.pt").write_bytes(pickle.dumps({"Chelsie": 1}))
     with pytest.raises(SpeakerFileError, match="not a torch zip archive"):
         read_spk_dict(tmp_path / "plain.pt")
+
+
+def test_spoken_rows_of_the_batching_engine_speak_as_generate_does(loaded):
+    """Two spoken requests decoding in one engine batch beside a text one: each talker
+    reads its own row of every batched step's last hidden states (``RowsTap``; this
+    family's talker reads the whole answer's), so its codes and waveform are generate's."""
+    import threading
+
+    from mlxvlm.batching import BatchAudio, BatchEngine, BatchStep, SamplingOptions
+    from mlxvlm.generate.speech import SpeechRequest
+    from mlxvlm.prompt import prepare_inputs
+
+    model, processor = loaded
+    spoken = [CASES["system_text"][0], [{"role": "user", "content": "Describe a blue square."}]]
+    counting = [{"role": "user", "content": "Count to many."}]
+    engine = BatchEngine(model, processor, max_batch_size=3)
+    items, done = [[], [], []], [threading.Event() for _ in range(3)]
+    for i, (messages, speech, max_tokens) in enumerate([
+            (spoken[0], SpeechRequest(None, 0, FRAMES), THINKER_TOKENS),
+            (spoken[1], SpeechRequest("Ethan", 0, FRAMES), THINKER_TOKENS),
+            (counting, None, 40)]):
+        def deliver(item, i=i, spoken=speech is not None):
+            items[i].append(item)
+            if isinstance(item, BaseException) or (
+                    item.speech is not None if isinstance(item, BatchAudio)
+                    else not spoken and item.finish_reason is not None):
+                done[i].set()
+
+        inputs = prepare_inputs(processor, messages, feature_names=model.feature_names)
+        engine.submit(inputs, SamplingOptions(max_tokens=max_tokens, temperature=0.0), deliver,
+                      speech=speech)
+    engine.start()
+    try:
+        assert all(event.wait(120) for event in done)
+    finally:
+        engine.close()
+    assert engine.stats.peak_batch_size == 3
+    for got, messages, voice in ((items[0], spoken[0], None), (items[1], spoken[1], "Ethan")):
+        expected = our_speech(loaded, messages, {}, voice=voice)
+        assert "".join(item.text for item in got if isinstance(item, BatchStep)) == expected.text
+        np.testing.assert_array_equal(got[-1].speech.codes, expected.audio_codes)
+        np.testing.assert_array_equal(got[-1].speech.audio, expected.audio)
+    text = mlxvlm.generate(model, processor, counting, max_tokens=40, temperature=0.0)
+    assert "".join(item.text for item in items[2]) == text.text
 
 
 # ------------------------------------------------------------------ loading and converting
