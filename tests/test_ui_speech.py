@@ -38,7 +38,7 @@ from mlxvlm.speech.wav import pcm16
 from mlxvlm.ui.app import build_app, upload_media_options
 from mlxvlm.ui.conversation import NOTICE_TITLE
 from mlxvlm.ui.session import ChatSession
-from mlxvlm.ui.spoken_answers import SPEAKING, SPEAKING_TITLE
+from mlxvlm.ui.spoken_answers import SPEAKING_TITLE
 
 pytest.importorskip("torch")  # the tiny checkpoint is built with transformers' classes
 
@@ -137,7 +137,7 @@ def test_stop_while_speaking_stops_the_talker(loaded):
     # 4096 frames: seconds of speech the tiny talker would go on with
     session = ChatSession(*loaded, "tiny-omni", max_speech_seconds=4.096).start()
     try:
-        cancelled = SPEAKING.stats.cancelled
+        cancelled = session.engine.stats.requests_cancelled
         turn = session.respond(QUESTION, [], temperature=0.0, max_tokens=THINKER_TOKENS,
                                talker_temperature=0)
         for reply, _ in turn:
@@ -145,7 +145,7 @@ def test_stop_while_speaking_stops_the_talker(loaded):
                 break  # the answer is written and being spoken
         turn.close()  # what Gradio does on the stop button
         deadline = time.monotonic() + WAIT_S
-        while SPEAKING.stats.cancelled == cancelled:
+        while session.engine.stats.requests_cancelled == cancelled:
             assert time.monotonic() < deadline, "the talker was not stopped"
             time.sleep(0.05)
         reply = respond(session, speak=False)[-1]

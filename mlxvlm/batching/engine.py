@@ -42,7 +42,6 @@ from mlxvlm.batching.decode import DecodeBatch
 from mlxvlm.batching.row_rewind import rewindable
 from mlxvlm.batching.speculation_rule import SpeculationRule
 from mlxvlm.batching.speculative_batch import SpeculativeBatch
-from mlxvlm.batching.model_turns import ModelTurns
 from mlxvlm.batching.engine_thread import EngineThread
 from mlxvlm.batching.spoken_rows import BatchAudio, SpokenRows
 from mlxvlm.models.base import materialize
@@ -274,8 +273,6 @@ class BatchEngine(EngineThread):
         self._batch = self.decode_batch_class(model, merged=max_batch_size > 1,
                                   quantize=self.cache_options.quantize)
         self._next_id = 0
-        # Work that holds the model alone between steps (``ModelTurns.alone``).
-        self.turns = ModelTurns()
         self._spoken = SpokenRows(model)
         self._init_thread()
 
@@ -366,8 +363,7 @@ class BatchEngine(EngineThread):
                 if not self._wait_for(lambda: self.has_work):
                     return
             try:
-                with self.turns.step():
-                    self.step()
+                self.step()
             except Exception as e:  # never leave callers waiting on a dead thread
                 _log_failure(e, "the batching engine failed; failing its requests")
                 failure = _fault_of(e, "the engine failed")

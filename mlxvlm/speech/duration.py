@@ -1,6 +1,6 @@
 """How much speech a number of codec frames is: a speaking model's frames per second of
 audio, and the frames a bound in seconds allows (the server's and the chat's bound on one
-spoken answer, which holds the model alone while it is spoken)."""
+spoken answer, whose talker and codec keep working for as long as it is spoken)."""
 
 from __future__ import annotations
 

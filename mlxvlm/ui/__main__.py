@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-speech-seconds", type=ranged(POSITIVE), default=DEFAULT_MAX_SPEECH_SECONDS,
-        help="Seconds of audio one spoken answer may last, for a model that speaks (it "
-        f"holds the model alone while it speaks; default {DEFAULT_MAX_SPEECH_SECONDS:g})",
+        help="Seconds of audio one spoken answer may last, for a model that speaks "
+        f"(default {DEFAULT_MAX_SPEECH_SECONDS:g})",
     )
     parser.add_argument(
         "--host", default="127.0.0.1",

@@ -9,8 +9,8 @@ closed); answers are serialized by a lock (the engine owns the one model; the pa
 other users wait their turn), and ``respond`` is the
 generator Gradio's ``ChatInterface`` streams from: when Gradio closes it (the stop
 button), the request is cancelled and the engine stops computing it at its next step.
-A model that speaks answers aloud outside the engine, with the model held alone
-(``spoken_answers``), and reuses no prefix there.
+A model that speaks answers aloud through the same engine (``spoken_answers``), reusing
+no prefix for a spoken turn.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class ChatSession:
         self.kept_token_ids = kept_token_ids(processor, self.thinks)
         self.media_options = media_options
         # A model that speaks (Qwen3-Omni with its talker) answers aloud too, each spoken
-        # answer at most this long (it holds the model alone while it is spoken).
+        # answer at most this long (the session's answers come one at a time).
         self.speaks = speaks(model)
         self.voices, self.default_voice = voices(model)
         self.max_speech_seconds = max_speech_seconds

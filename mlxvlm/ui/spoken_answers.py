@@ -1,13 +1,12 @@
 """A speaking model's answers in the chat (a Qwen3-Omni checkpoint with its talker).
 
 The chat's speech controls (``SpeechSettings``: speak answers or not, the voice, the
-talker's temperature) are shown only for a model that speaks. A spoken turn does not go
-through the batching engine: the talker reads the thinker's hidden states of this one
-answer, which a model-wide tap records, so the answer is written and spoken with the
-model held alone (``generate.spoken_answer``, as the server's spoken answers are), in a
-worker of ``SPEAKING`` whose cancel flag the stop button sets (the worker stops at the
-next token or codec frame). The text streams into the chat as it is written; then the
-audio comes as a message of its own: a 24 kHz 16-bit WAV written in the app's private
+talker's temperature) are shown only for a model that speaks. A spoken turn goes through
+the session's batching engine as the server's spoken answers do (``submit(speech=)``:
+the talker follows the thinker token by token on the engine's thread); the stop button
+cancels it, and the engine stops its row and its talker at its next step. It reuses no
+prompt prefix (the talker reads the whole prompt's thinker states). The text streams
+into the chat as it is written; then the audio comes as a message of its own: a 24 kHz 16-bit WAV written in the app's private
 folder (``Uploads.keep_answer_audio``), which Gradio's Chatbot plays with its audio
 player and the /chat API hands out as a file.
 """
@@ -15,14 +14,14 @@ player and the /chat API hands out as a file.
 from __future__ import annotations
 
 import queue
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 import mlx.core as mx
 
+from mlxvlm.batching import BatchAudio, BatchStep
 from mlxvlm.generate.speech import SpeechRequest, check_speech_request
-from mlxvlm.generate.spoken_answer import SpokenAnswer, write_and_speak
-from mlxvlm.preparation import PreparationPools
 from mlxvlm.sampling import SamplingOptions
 from mlxvlm.speech.duration import DEFAULT_MAX_SPEECH_SECONDS, frames_within
 from mlxvlm.speech.talker import DEFAULT_TEMPERATURE
@@ -35,10 +34,6 @@ from mlxvlm.ui.uploads import process_uploads
 if TYPE_CHECKING:
     from mlxvlm.ui.session import ChatSession
 
-# Spoken answers being written and spoken, one per worker: a model's answers already
-# come one at a time (its session's turn lock), so two workers serve two models loaded
-# at once; the preparation pools' workers stay free for turns being prepared.
-SPEAKING = PreparationPools(1, 2, name="mlxvlm-ui-speak")
 # The box under the written answer while its audio is being made (display-only: the
 # conversation leaves titled messages out of the prompt).
 SPEAKING_TITLE = "🔊 Speaking…"
@@ -80,8 +75,8 @@ def voices(model: Any) -> tuple[list[str], str | None]:
 def speech_request(model: Any, speech: SpeechSettings,
                    max_seconds: float = DEFAULT_MAX_SPEECH_SECONDS) -> SpeechRequest:
     """What the talker is asked for; ``MlxvlmError`` for an unknown voice (naming the
-    voices) or a negative temperature. At most ``max_seconds`` of audio: a spoken answer
-    holds the model alone."""
+    voices) or a negative temperature. At most ``max_seconds`` of audio: the session's
+    answers come one at a time."""
     request = SpeechRequest(speech.voice, speech.talker_temperature,
                             frames_within(model, max_seconds))
     check_speech_request(model, request, {})
@@ -112,42 +107,46 @@ def spoken_turn(session: "ChatSession", inputs, options: SamplingOptions,
     """Yield ``(reply, stats_markdown)`` as ``session.respond`` does, at least every
     ``every`` seconds: the text as it is written, then the text with its audio and the
     new figures. A failure is raised, ``reply`` holding what was said before it. Closed
-    by Gradio (the stop button, the page gone), it stops the worker."""
-    steps: queue.SimpleQueue = queue.SimpleQueue()
-
-    def work() -> SpokenAnswer:
-        mx.reset_peak_memory()  # here: just before this answer runs
-        with session.engine.turns.alone():
-            return write_and_speak(session.model, session.processor, inputs, options,
-                                   request, on_step=steps.put)
-
-    job = SPEAKING.submit(work, media=False)
-    written = False
+    by Gradio (the stop button, the page gone), it cancels the request in the engine."""
+    items: queue.SimpleQueue = queue.SimpleQueue()
+    mx.reset_peak_memory()  # here: just before this answer runs
+    submitted = time.perf_counter()
+    handle = session.engine.submit(inputs, options, items.put, speech=request)
+    last = speech = first_at = written_at = None
+    over = False  # the request has ended in the engine (its speech came, or its failure)
     try:
-        while not job.future.done() or not steps.empty():
+        while not over:
             try:
-                step = steps.get(timeout=every)
-                reply.feed(step.text)
-                if step.finish_reason is not None:
-                    reply.finish()
-                    written = True
+                item = items.get(timeout=every)
             except queue.Empty:
-                pass
-            shown = messages_of(reply.reply()) + ([speaking_box()] if written else [])
+                item = None
+            if isinstance(item, BaseException):
+                over = True
+                raise item
+            if isinstance(item, BatchStep):
+                first_at = first_at or time.perf_counter()
+                last = item
+                reply.feed(item.text)
+                if item.finish_reason is not None:
+                    reply.finish()
+                    written_at = time.perf_counter()
+            elif isinstance(item, BatchAudio):  # the chat plays the whole speech at the end
+                speech = item.speech
+                over = speech is not None
+                continue
+            shown = messages_of(reply.reply()) + ([speaking_box()] if written_at else [])
             yield shown, session.earlier_stats_markdown()
-        spoken = job.future.result()
     finally:
-        if not job.future.done():  # closed by Gradio: the worker stops at its next step
-            job.stop()
-    speech = spoken.speech
+        if not over:  # closed by Gradio: the engine stops it at its next step
+            handle.cancel()
     uploads = session.uploads or process_uploads()
     path = uploads.keep_answer_audio(wav_bytes(speech.audio, speech.sample_rate))
     session.last_stats = AnswerStats(
-        prompt_tokens=spoken.prompt_tokens, reused_tokens=0,
-        time_to_first_token=spoken.time_to_first_token,
-        generation_tokens=spoken.generation_tokens,
-        generation_seconds=spoken.writing_seconds,
+        prompt_tokens=last.prompt_tokens, reused_tokens=last.cached_tokens,
+        time_to_first_token=first_at - submitted,
+        generation_tokens=last.generation_tokens,
+        generation_seconds=written_at - first_at,
         peak_memory_gb=mx.get_peak_memory() / 1e9,
-        finish_reason=spoken.finish_reason or "stop",
+        finish_reason=last.finish_reason or "stop",
         audio_seconds=speech.audio_seconds, speech_seconds=speech.seconds, voice=speech.voice)
     yield messages_of(reply.reply()) + [audio_message(path)], session.stats_markdown()
