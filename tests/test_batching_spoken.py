@@ -6,6 +6,8 @@
 - two spoken requests and a text one submitted together: each spoken one's text, codes
   and audio are ``generate(audio_output=True)``'s, its items text and audio in the order
   made, ending with its speech; the text one is unchanged;
+- where the engine speculates (prompt lookup), a spoken request decodes as a plain row
+  and still speaks as ``generate`` does;
 - a speaker's own failure fails its request alone; a fault of the talker step fails the
   spoken requests and no text row.
 """
@@ -20,6 +22,8 @@ import pytest
 
 import mlxvlm
 from mlxvlm.batching import BatchAudio, BatchEngine, BatchStep, EngineFault, SamplingOptions
+from mlxvlm.batching.speculation_rule import SpeculationRule
+from mlxvlm.generate.speculative import Speculation
 from mlxvlm.generate.speech import SpeechRequest
 from mlxvlm.models.layers.hidden_tap import HiddenTap, RowsTap
 from mlxvlm.prompt import prepare_inputs
@@ -101,11 +105,12 @@ class Collected:
         return self.items[-1] if isinstance(self.items[-1], BaseException) else None
 
 
-def run_together(loaded, requests):
+def run_together(loaded, requests, **engine_options):
     """``requests``: (messages, SpeechRequest or None, max_tokens), submitted at once to
     one engine; each one's ``Collected``."""
     model, processor = loaded
-    engine = BatchEngine(model, processor, max_batch_size=4)
+    engine = BatchEngine(model, processor, **{"max_batch_size": 4, **engine_options})
+    engine.speculation_rule = SpeculationRule(adaptive=False)  # (where it speculates) always
     collected = []
     for messages, speech, max_tokens in requests:
         inputs = prepare_inputs(processor, messages,
@@ -156,6 +161,22 @@ def test_spoken_rows_speak_as_alone_beside_a_text_row(loaded):
         first_audio = next(i for i, item in enumerate(spoken.items)
                            if isinstance(item, BatchAudio) and len(item.chunk))
         assert first_audio < spoken.items.index(steps[-1])
+
+
+@pytest.mark.parametrize("max_batch_size", [1, 2])
+def test_a_spoken_row_decodes_plainly_where_the_engine_speculates(loaded, max_batch_size):
+    """Prompt lookup on: the text request speculates, the spoken one decodes as a plain
+    row (its talker reads one thinker state per token) and speaks as ``generate`` does."""
+    model, processor = loaded
+    text_alone = mlxvlm.generate(model, processor, COUNT, max_tokens=30, temperature=0.0)
+    engine, (spoken, text) = run_together(
+        loaded, [(DESCRIBE, SpeechRequest(None, 0, FRAMES), THINKER_TOKENS), (COUNT, None, 30)],
+        max_batch_size=max_batch_size, speculation=Speculation(prompt_lookup_num_tokens=2))
+    expected = alone(loaded, DESCRIBE)
+    assert spoken.text == expected.text and text.text == text_alone.text
+    np.testing.assert_array_equal(spoken.items[-1].speech.codes, expected.audio_codes)
+    np.testing.assert_array_equal(spoken.items[-1].speech.audio, expected.audio)
+    assert engine.stats.drafted_tokens > 0  # the text request did speculate
 
 
 def test_a_speakers_failure_fails_its_request_alone(loaded, monkeypatch):
