@@ -63,7 +63,8 @@ def spoken(client, messages, voice: str | None = None) -> tuple[str, bytes]:
     """A whole spoken answer's text and pcm16 audio."""
     answer = client.chat.completions.create(
         model=client.model, messages=messages, max_tokens=SPOKEN_TOKENS, temperature=0,
-        modalities=["text", "audio"], audio={"format": "pcm16"} | ({"voice": voice} if voice else {}),
+        modalities=["text", "audio"],
+        audio={"format": "pcm16"} | ({"voice": voice} if voice else {}),
         extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})
     message = answer.choices[0].message
     return message.content, base64.b64decode(message.audio.data)

@@ -20,6 +20,12 @@ With a ``PrefixCache``, a finished request's cache is kept, and a later prompt t
 starts with the same tokens and images (the next turn of a conversation) continues from
 it: the shared prefix is neither prefilled nor are its images encoded again.
 
+A spoken request (``submit(speech=)``, a model with a talker) is a row like the others;
+its talker follows its thinker token by token, every talker that can take a frame takes
+one per iteration, and its audio is delivered between its steps (``spoken_rows``). It
+reuses and stores no prefix and never speculates; its speaker's failure ends it alone, and
+a fault of the talkers' step fails the spoken requests, not the text rows.
+
 ``BatchEngine`` is the reusable core (the server runs it on a thread);
 ``mlxvlm.batching.api.batch_generate`` is the one-call Python API.
 """
@@ -166,7 +172,7 @@ class EngineStats:
     """Counters and gauges for monitoring (read from other threads without locking)."""
 
     waiting: int = 0
-    active: int = 0  # prefilling or decoding
+    active: int = 0  # prefilling, decoding, or (its text written) still speaking
     requests_finished: int = 0
     requests_cancelled: int = 0
     requests_failed: int = 0
@@ -192,7 +198,8 @@ class BatchEngine(EngineThread):
     ``submit`` may be called from any thread; the model is only touched by whoever calls
     ``step`` (the engine's own thread after ``start``). Results reach each request's
     ``deliver`` callback on that thread: a ``BatchStep`` per token, the last one with a
-    ``finish_reason``, or one exception if the request failed.
+    ``finish_reason`` (a spoken request's ``BatchAudio`` items among them, then its last
+    one, with its whole speech), or one exception if the request failed.
     """
 
     # The sharded server's engine (``sharded_engine``) runs a sharded model: its model
@@ -500,7 +507,8 @@ class BatchEngine(EngineThread):
 
     def _update_gauges(self) -> None:
         self.stats.waiting = len(self._waiting)
-        self.stats.active = self._active_rows() + (self._prefilling is not None)
+        speaking = sum(seq.written for seq in self._spoken.requests.values())
+        self.stats.active = self._active_rows() + (self._prefilling is not None) + speaking
 
     # -- prefill --------------------------------------------------------------------
 
@@ -747,7 +755,7 @@ class BatchEngine(EngineThread):
             elif outcome is _CANCELLED:
                 self.stats.requests_cancelled += 1
             elif outcome is _FAILED:
-                pass
+                continue  # its failure is delivered: its row leaves
             elif i in ending:
                 self._finished(seq, cache=last_caches.get(i))
             else:

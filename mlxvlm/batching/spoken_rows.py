@@ -102,6 +102,7 @@ class SpokenRows:
             self.forget(seq)
             return speech
         self._ended[seq.handle.id] = speech
+        seq.tap = None  # its row records no more
         return None
 
     def written(self, seq: Any) -> Speech | None:
@@ -114,6 +115,7 @@ class SpokenRows:
     def forget(self, seq: Any) -> None:
         """``seq`` is done, failed or gone: its speaker leaves (its stages freed)."""
         key = seq.handle.id
+        seq.tap = None
         self.batch.leave(key)
         self.requests.pop(key, None)
         self._ended.pop(key, None)

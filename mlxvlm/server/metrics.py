@@ -111,7 +111,8 @@ def render_metrics(models: ModelRegistry, app_state) -> str:
       "Requests admitted and not finished (preparing, queued or generating)",
       per_model(lambda s: s.in_flight))
     engine("mlxvlm_queue_depth", "gauge", "Requests waiting for a batch slot", "waiting")
-    engine("mlxvlm_active_sequences", "gauge", "Requests being prefilled or decoded", "active")
+    engine("mlxvlm_active_sequences", "gauge", "Requests being prefilled, decoded or spoken",
+           "active")
     engine("mlxvlm_peak_batch_size", "gauge", "The most requests decoded together so far",
            "peak_batch_size")
     engine("mlxvlm_sequences_finished_total", "counter", "Requests that generated to the end",

@@ -6,9 +6,9 @@ the session's batching engine as the server's spoken answers do (``submit(speech
 the talker follows the thinker token by token on the engine's thread); the stop button
 cancels it, and the engine stops its row and its talker at its next step. It reuses no
 prompt prefix (the talker reads the whole prompt's thinker states). The text streams
-into the chat as it is written; then the audio comes as a message of its own: a 24 kHz 16-bit WAV written in the app's private
-folder (``Uploads.keep_answer_audio``), which Gradio's Chatbot plays with its audio
-player and the /chat API hands out as a file.
+into the chat as it is written; then the audio comes as a message of its own: a 24 kHz
+16-bit WAV written in the app's private folder (``Uploads.keep_answer_audio``), which
+Gradio's Chatbot plays with its audio player and the /chat API hands out as a file.
 """
 
 from __future__ import annotations
