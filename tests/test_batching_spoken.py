@@ -206,7 +206,7 @@ def test_a_talker_step_fault_fails_the_spoken_requests_not_the_text(loaded, monk
     step = SpeechBatch.step
 
     def faulty_step(self):
-        if len(self.speakers) == 2:  # both spoken requests are speaking
+        if len(self) == 2:  # both spoken requests are speaking
             raise RuntimeError("the batched talker broke")
         return step(self)
 
