@@ -180,19 +180,19 @@ def test_a_spoken_row_decodes_plainly_where_the_engine_speculates(loaded, max_ba
 
 
 def test_a_speakers_failure_fails_its_request_alone(loaded, monkeypatch):
-    frame = AnswerSpeaker.frame
+    took = AnswerSpeaker.took  # each frame the talker speaks goes to its codec here
 
-    def failing_frame(self):
+    def failing_took(self, frame):
         if self.speech.voice == "Aiden" and len(self.frames) == 3:
-            raise RuntimeError("this talker broke")
-        return frame(self)
+            raise RuntimeError("this codec broke")
+        return took(self, frame)
 
-    monkeypatch.setattr(AnswerSpeaker, "frame", failing_frame)
+    monkeypatch.setattr(AnswerSpeaker, "took", failing_took)
     engine, (failing, speaking, text) = run_together(loaded, [
         (SQUARE, SpeechRequest("Aiden", 0, FRAMES), THINKER_TOKENS),
         (DESCRIBE, SpeechRequest(None, 0, FRAMES), THINKER_TOKENS),
         (COUNT, None, 60)])
-    assert str(failing.failure) == "this talker broke"
+    assert str(failing.failure) == "this codec broke"
     assert speaking.failure is None and text.failure is None
     monkeypatch.undo()
     expected = alone(loaded, DESCRIBE)
