@@ -18,8 +18,9 @@ engines' Qwen2.5-Omni ports read them), not transformers' talker defaults (3584 
 The thinker is left out: the talker is given random rows of its width (a ``--prompt``-row
 prefill, one text row per code), as both engines take them; the voice is random too.
 
-Each engine runs in a fresh process: the talker greedy (no repetition penalty, ends only
-at ``--codes``), then token2wav over its codes from the same noise. transformers' talker
+Each engine runs in a fresh process: the talker greedy (no repetition penalty, kept to
+the codes token2wav decodes, so that it ends only at ``--codes``), then token2wav over
+its codes from the same noise. transformers' talker
 is driven through its forward step by step with the attention mask (its ``generate``
 drops an all-ones mask, and its talker then leaves out the codec embeddings it prepares). Both engines' codes and waveforms are compared.
 """
@@ -53,6 +54,10 @@ TALKER = dict(
     tts_codec_mask_token_id=8296,
 )
 TOKEN2WAV: dict = {}  # transformers' defaults: the 7B's DiT and BigVGAN
+# token2wav's codebook (the DiT's num_embeds): the random talker is kept below it on both
+# engines, as the trained one speaks no other code before its end (codec_bos, pad and
+# end are above it, so the talker runs to --codes)
+DECODABLE = 8193
 
 
 def checkpoint_dir(layers: int) -> Path:
@@ -148,8 +153,20 @@ def run_mlxvlm(directory: Path, prompt: int, codes: int) -> dict:
     mx.eval(talker.parameters(), token2wav.parameters())
     load_seconds = time.perf_counter() - start
 
+    class DecodableCodes:
+        """The talker, its logits past token2wav's codebook left out."""
+
+        def __init__(self, talker):
+            self.talker, self.config, self.model = talker, talker.config, talker.model
+            self.outside = mx.array(np.where(np.arange(TALKER["vocab_size"]) < DECODABLE,
+                                             0.0, -np.inf).astype(np.float32))
+
+        def __call__(self, rows, positions, cache):
+            return self.talker(rows, positions, cache) + self.outside
+
     data = inputs(prompt, codes)
-    stream = TalkerStream(talker, TalkerSampling(temperature=0.0, max_frames=codes))
+    stream = TalkerStream(DecodableCodes(talker),
+                          TalkerSampling(temperature=0.0, max_frames=codes))
     stream.add_text(mx.array(data["trailing"]))
     stream.end_text(mx.array(data["pad"]))
     mx.reset_peak_memory()
@@ -196,7 +213,6 @@ def run_transformers(directory: Path, prompt: int, codes: int) -> dict:
 
     data = {k: torch.from_numpy(v) for k, v in inputs(prompt, codes).items()}
     torch.set_grad_enabled(False)
-    suppress = TALKER["tts_codec_start_token_id"]
     ends = (TALKER["tts_codec_pad_token_id"], TALKER["tts_codec_end_token_id"])
     started = time.perf_counter()
     # the talker's forward on the given rows (no ids: plain text positions, no codec
@@ -207,7 +223,7 @@ def run_transformers(directory: Path, prompt: int, codes: int) -> dict:
     spoken = []
     while len(spoken) < codes:
         logits = out.logits[:, -1].clone()
-        logits[:, suppress] = -float("inf")
+        logits[:, DECODABLE:] = -float("inf")  # codec_bos among them
         code = int(logits.argmax(-1))
         if code in ends:
             break
