@@ -6,17 +6,21 @@ transformers, at Qwen/Qwen2.5-Omni-7B's widths.
     python benchmarks/qwen2_5_omni_speech.py --talker-layers 24 --codes 250 --output r.json
 
 The shapes (random weights, bfloat16 on disk, float32 compute on both engines, built once
-under ``benchmarks/checkpoints/``): the talker 896 wide (14 heads over 2 KV heads of 64,
-MLP 4864; these talker widths are as recalled, not read from the Hub's config.json, which
-this machine cannot reach) reading rows of the thinker's 3584, an 8448-entry codec
-vocabulary, of its 24 layers ``--talker-layers``; token2wav whole, at transformers' defaults (which are the
-7B's): the 22-block 1024-wide DiT with its ECAPA speaker encoder over an 80-bin mel, and
-BigVGAN (1536 channels, 240x upsampling). A code is 480 samples: 50 codes a second.
+under ``benchmarks/checkpoints/``): the talker 896 wide (12 heads of 128 over 4 KV heads,
+MLP 18944, M-RoPE sections 16/24/24) reading rows of the thinker's 3584, an 8448-entry
+codec vocabulary, of its 24 layers ``--talker-layers``; token2wav whole, at transformers'
+defaults (which are the 7B's): the 22-block 1024-wide DiT with its ECAPA speaker encoder
+over an 80-bin mel, and BigVGAN (1536 channels, 240x upsampling). A code is 480 samples:
+50 codes a second. The talker's widths are those of the 7B's published config.json
+(``talker_config``: hidden_size, head_dim, intermediate_size and embedding_size as
+copies of it on the Hub show them; heads, KV heads, layers and sections as other
+engines' Qwen2.5-Omni ports read them), not transformers' talker defaults (3584 wide).
 The thinker is left out: the talker is given random rows of its width (a ``--prompt``-row
 prefill, one text row per code), as both engines take them; the voice is random too.
 
-Each engine runs in a fresh process: the talker greedy (no repetition penalty, ends only
-at ``--codes``), then token2wav over its codes from the same noise. transformers' talker
+Each engine runs in a fresh process: the talker greedy (no repetition penalty, kept to
+the codes token2wav decodes, so that it ends only at ``--codes``), then token2wav over
+its codes from the same noise. transformers' talker
 is driven through its forward step by step with the attention mask (its ``generate``
 drops an all-ones mask, and its talker then leaves out the codec embeddings it prepares). Both engines' codes and waveforms are compared.
 """
@@ -24,7 +28,9 @@ drops an all-ones mask, and its talker then leaves out the codec embeddings it p
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -39,18 +45,26 @@ MEL_DIM = 80
 REFERENCE_FRAMES = 300
 
 TALKER = dict(
-    vocab_size=8448, embedding_size=3584, hidden_size=896, intermediate_size=4864,
-    num_attention_heads=14, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+    vocab_size=8448, embedding_size=3584, hidden_size=896, intermediate_size=18944,
+    num_attention_heads=12, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
     max_position_embeddings=32768,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 8, 8]},
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                     "mrope_section": [16, 24, 24]},
     tts_codec_start_token_id=8293, tts_codec_end_token_id=8294, tts_codec_pad_token_id=8292,
     tts_codec_mask_token_id=8296,
 )
 TOKEN2WAV: dict = {}  # transformers' defaults: the 7B's DiT and BigVGAN
+# token2wav's codebook (the DiT's num_embeds): the random talker is kept below it on both
+# engines, as the trained one speaks no other code before its end (codec_bos, pad and
+# end are above it, so the talker runs to --codes)
+DECODABLE = 8193
 
 
 def checkpoint_dir(layers: int) -> Path:
-    return CHECKPOINTS / f"qwen2.5-omni-7b-speech-l{layers}"
+    # named by the talker's shapes too, so that a checkpoint built at other widths is
+    # never reused
+    shapes = hashlib.sha256(json.dumps(TALKER, sort_keys=True).encode()).hexdigest()[:8]
+    return CHECKPOINTS / f"qwen2.5-omni-7b-speech-l{layers}-{shapes}"
 
 
 def build(layers: int) -> Path:
@@ -139,8 +153,20 @@ def run_mlxvlm(directory: Path, prompt: int, codes: int) -> dict:
     mx.eval(talker.parameters(), token2wav.parameters())
     load_seconds = time.perf_counter() - start
 
+    class DecodableCodes:
+        """The talker, its logits past token2wav's codebook left out."""
+
+        def __init__(self, talker):
+            self.talker, self.config, self.model = talker, talker.config, talker.model
+            self.outside = mx.array(np.where(np.arange(TALKER["vocab_size"]) < DECODABLE,
+                                             0.0, -np.inf).astype(np.float32))
+
+        def __call__(self, rows, positions, cache):
+            return self.talker(rows, positions, cache) + self.outside
+
     data = inputs(prompt, codes)
-    stream = TalkerStream(talker, TalkerSampling(temperature=0.0, max_frames=codes))
+    stream = TalkerStream(DecodableCodes(talker),
+                          TalkerSampling(temperature=0.0, max_frames=codes))
     stream.add_text(mx.array(data["trailing"]))
     stream.end_text(mx.array(data["pad"]))
     mx.reset_peak_memory()
@@ -187,7 +213,6 @@ def run_transformers(directory: Path, prompt: int, codes: int) -> dict:
 
     data = {k: torch.from_numpy(v) for k, v in inputs(prompt, codes).items()}
     torch.set_grad_enabled(False)
-    suppress = TALKER["tts_codec_start_token_id"]
     ends = (TALKER["tts_codec_pad_token_id"], TALKER["tts_codec_end_token_id"])
     started = time.perf_counter()
     # the talker's forward on the given rows (no ids: plain text positions, no codec
@@ -198,7 +223,7 @@ def run_transformers(directory: Path, prompt: int, codes: int) -> dict:
     spoken = []
     while len(spoken) < codes:
         logits = out.logits[:, -1].clone()
-        logits[:, suppress] = -float("inf")
+        logits[:, DECODABLE:] = -float("inf")  # codec_bos among them
         code = int(logits.argmax(-1))
         if code in ends:
             break
@@ -234,7 +259,9 @@ def main() -> int:
     directory = checkpoint_dir(args.talker_layers)
     if args.engine is not None:
         run = run_mlxvlm if args.engine == "mlxvlm" else run_transformers
-        print(json.dumps(run(directory, args.prompt, args.codes)))
+        load_average = os.getloadavg()[0]  # the shared machine's load as this engine starts
+        print(json.dumps(dict(run(directory, args.prompt, args.codes),
+                              load_average=load_average)))
         return 0
     subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); "
                     f"import qwen2_5_omni_speech; qwen2_5_omni_speech.build({args.talker_layers})"],
@@ -262,7 +289,8 @@ def main() -> int:
               f"talker {r['talker_seconds']:.2f} s "
               f"({1000 * r['talker_seconds'] / max(len(r['codes']), 1):.0f} ms/code), token2wav "
               f"{r['codec_seconds']:.2f} s; real-time factor {factor:.2f}; peak RSS "
-              f"{r['peak_rss_gb']:.2f} GB; load {r['load_seconds']:.1f} s")
+              f"{r['peak_rss_gb']:.2f} GB; load {r['load_seconds']:.1f} s; load average "
+              f"{r['load_average']:.2f}")
     if args.output:
         for r in results:
             r.pop("codes"), r.pop("wav")

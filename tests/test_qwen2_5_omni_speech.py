@@ -15,6 +15,12 @@ checkpoint in the Hub's layout (tests/tiny/qwen2_5_omni_speech.py), float32.
   float; a thinker-only checkpoint loads as before and does not speak.
 - Two spoken requests decoding in one batching-engine batch beside a text one speak as
   ``generate`` does (each talker reads its own row of the batched hidden states).
+- The talker follows the thinker (``stream_generate(..., audio_output=True)``): it starts
+  once the answer's first token is fed and hears one row per token after, so its frames
+  come while the text is written; its codes and waveform equal a talker started after
+  the whole answer (``speech.pipeline.speak`` over the same recorded states). A seed
+  makes the sampled talker's codes reproducible, interleaved with the thinker's sampling
+  or not.
 - ``python -m mlxvlm.server`` answers a chat completion's audio (whole and streamed) and
   /v1/audio/speech with the Python API's speech.
 
@@ -40,6 +46,9 @@ from tiny import make_image, qwen2_5_omni_speech
 
 import mlxvlm
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.generate.speech import thinker_states
+from mlxvlm.generate.text import eos_token_ids
+from mlxvlm.speech import pipeline
 from mlxvlm.speech.spk_dict import SpeakerFileError, read_spk_dict
 from mlxvlm.speech.wav import pcm16
 
@@ -212,6 +221,95 @@ def test_sampled_speech_draws_codes_and_never_the_codec_bos(loaded):
     assert out.audio.shape == (len(codes) * qwen2_5_omni_speech.SAMPLES_PER_CODE,)
 
 
+# ---------------------------------------------------------------- following the thinker
+
+
+def spoken_after_the_answer(loaded, messages, **options):
+    """The answer written with the tap set (no talker running), then spoken whole: the
+    text's result and the one-shot speech."""
+    model, processor = loaded
+    talker_temperature = options.pop("talker_temperature", None)
+    with thinker_states(model) as tap:
+        text = mlxvlm.generate(model, processor, messages, max_tokens=THINKER_TOKENS, **options)
+    speech = pipeline.speak(model, tap, text.prompt_tokens, text.tokens,
+                            eos_token_ids(processor), max_frames=FRAMES,
+                            seed=options.get("seed"), talker_temperature=talker_temperature)
+    return text, speech
+
+
+def streamed(loaded, messages, **options):
+    model, processor = loaded
+    return list(mlxvlm.stream_generate(model, processor, messages, max_tokens=THINKER_TOKENS,
+                                       audio_output=True, talker_max_frames=FRAMES, **options))
+
+
+def test_the_talker_follows_the_thinker_and_speaks_as_if_started_after_it(loaded, monkeypatch):
+    """The talker's prefill takes the answer's first token; each token fed after it is one
+    more row, one more frame: its codes and token2wav's waveform equal those of a talker
+    started after the whole answer (whose codes equal transformers', above), and its
+    frames come while the text is still being written."""
+    events = []
+    took = pipeline.AnswerSpeaker.took
+
+    def frame_taken(self, frame):
+        events.append("frame")
+        return took(self, frame)
+
+    monkeypatch.setattr(pipeline.AnswerSpeaker, "took", frame_taken)
+    messages = CASES["system_text"][0]
+    results = []
+    for result in mlxvlm.stream_generate(loaded[0], loaded[1], messages,
+                                         max_tokens=THINKER_TOKENS, audio_output=True,
+                                         talker_temperature=0, talker_max_frames=FRAMES):
+        results.append(result)
+        if result.token is not None:
+            events.append("text")
+    monkeypatch.undo()
+    text, one_shot = spoken_after_the_answer(loaded, messages, talker_temperature=0)
+    texts = [r for r in results if r.token is not None]
+    assert [r.token for r in texts] == text.tokens and len(texts) == THINKER_TOKENS
+    speech = results[-1].speech
+    assert speech.codes.shape == (FRAMES,)
+    np.testing.assert_array_equal(speech.codes, one_shot.codes)
+    chunks = [r.audio for r in results if r.token is None and len(r.audio)]
+    np.testing.assert_array_equal(np.concatenate(chunks), one_shot.audio)
+    np.testing.assert_array_equal(speech.audio, one_shot.audio)
+    # Token k (from 1) written, the rows of tokens 1 .. k-1 are heard: k-1 frames. The
+    # answer has no end of sequence within THINKER_TOKENS, so before its last token
+    # (whose row is never heard) the talker has spoken THINKER_TOKENS - 2 frames.
+    last_text = len(events) - 1 - events[::-1].index("text")
+    assert events.index("frame") < last_text
+    assert events[:last_text].count("frame") == THINKER_TOKENS - 2
+    assert events.count("frame") == FRAMES
+
+
+def test_a_seed_makes_the_sampled_talker_reproducible_interleaved_or_not(loaded):
+    """Seeded, each talker code is drawn from its own seed: the same codes whatever the
+    thinker's sampling drew between the talker's steps (interleaved with another global
+    random state, or all before them), and other codes for another seed; unseeded, the
+    global random state decides."""
+    messages = CASES["system_text"][0]
+    sampled = dict(temperature=0.8, seed=7)  # the thinker samples between the talker's steps
+    mx.random.seed(1)
+    first = streamed(loaded, messages, **sampled)
+    mx.random.seed(2)
+    again = streamed(loaded, messages, **sampled)
+    assert [r.token for r in first] == [r.token for r in again]
+    np.testing.assert_array_equal(first[-1].speech.codes, again[-1].speech.codes)
+    np.testing.assert_array_equal(first[-1].speech.audio, again[-1].speech.audio)
+    text, one_shot = spoken_after_the_answer(loaded, messages, **sampled)
+    assert text.tokens == [r.token for r in first if r.token is not None]
+    np.testing.assert_array_equal(first[-1].speech.codes, one_shot.codes)
+    other = streamed(loaded, messages, temperature=0, seed=8)[-1].speech
+    seeded = streamed(loaded, messages, temperature=0, seed=7)[-1].speech
+    assert not np.array_equal(other.codes, seeded.codes)
+    mx.random.seed(1)
+    unseeded = streamed(loaded, messages, temperature=0)[-1].speech
+    mx.random.seed(2)
+    unseeded_again = streamed(loaded, messages, temperature=0)[-1].speech
+    assert not np.array_equal(unseeded.codes, unseeded_again.codes)
+
+
 # ------------------------------------------------------------------------------ token2wav
 
 
@@ -358,7 +456,8 @@ def test_a_quantized_conversion_quantizes_the_talker_and_keeps_token2wav_float(c
     assert {"talker.model.layers.0.self_attn.q_proj", "talker.thinker_to_talker_proj",
             "talker.codec_head"} <= quantized
     assert not [path for path in quantized if path.startswith("token2wav")]
-    out = mlxvlm.generate(model, processor, "Describe a red circle.", max_tokens=4,
+    # a prompt whose first greedy code from the 4-bit random talker is not an end code
+    out = mlxvlm.generate(model, processor, "Describe a blue square.", max_tokens=4,
                           audio_output=True, talker_temperature=0, talker_max_frames=6)
     assert 0 < len(out.audio_codes) <= 6
     assert out.audio.shape == (len(out.audio_codes) * qwen2_5_omni_speech.SAMPLES_PER_CODE,)

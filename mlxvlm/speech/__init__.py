@@ -13,7 +13,9 @@ chunk, across requests):
 - ``duration``: codec frames per second of audio, the frames a bound in seconds allows;
 - ``pipeline``: an answer spoken as it is written (``AnswerSpeaker``: the talker follows
   the thinker token by token), or after (``speak``), with identical codes.
-- Qwen2.5-Omni's: ``qwen2_5_omni_prompt`` (its talker prompt, heard once the answer is
-  complete), ``qwen2_5_omni_talker`` (one code per frame), ``qwen2_5_omni_codec``
-  (token2wav over all the codes), ``spk_dict`` (its voices file, read without torch).
+- ``talker_seed``: each sampled draw of a talker seeded from the request's seed;
+- Qwen2.5-Omni's: ``qwen2_5_omni_prompt`` (its talker text, the prefill once the answer's
+  first token is fed, then one row per token), ``qwen2_5_omni_talker`` (one code per
+  frame), ``qwen2_5_omni_codec`` (token2wav over all the codes), ``spk_dict`` (its voices
+  file, read without torch).
 """

@@ -1,21 +1,25 @@
-"""Qwen2.5-Omni's talker prompt, from the thinker's ids and states, as transformers'
-``Qwen2_5OmniForConditionalGeneration.generate`` builds it for one sequence.
+"""Qwen2.5-Omni's talker text, from the thinker's ids and states as the answer is written,
+as transformers' ``Qwen2_5OmniForConditionalGeneration.generate`` builds it for one
+sequence (``TalkerText``, the family's follower of the thinker).
 
 Each position the thinker was fed is one row in the thinker's width: its last hidden
-state (after the final norm) plus its input embedding, the embedding zero at media
-placeholders. The talker's prefill is the prompt's rows, the voice's ``bos_token``
-embedding and the answer's first row, the last two with the codec embeddings of
-``codec_pad`` and ``codec_bos`` added. Then it hears one row per step: the rest of the
-answer, the embedding of ``tts_text_end`` just after the answer's last token before its
-end of sequence (rows past it: ``tts_text_pad``), and ``tts_text_pad`` once they run out.
+state (after the final norm) plus its input embedding, the embedding zero at the
+prompt's media placeholders. The talker's prefill is the prompt's rows, the voice's
+``bos_token`` embedding and the answer's first row, the last two with the codec
+embeddings of ``codec_pad`` and ``codec_bos`` added: it needs the answer's first token
+fed, no more, so the talker starts then. Then it hears one row per step: the answer's
+next rows up to its first end of sequence (transformers' ``first_eos_positions``, clamped
+to at least 1 and to the last token, which is never fed), ``tts_text_end`` in place of
+the row of that end, and ``tts_text_pad`` after. Each row is handed over once its token is
+fed; the end is known once an end of sequence is written or the answer is complete.
+Nothing the talker hears depends on a later token, so a talker following the thinker
+and one started after the whole answer hear identical rows.
 
 Positions: the thinker's (TMRoPE) for the prompt, the text ones after its largest for
 the two rows after it.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -24,88 +28,102 @@ from mlxvlm.errors import MlxvlmError
 from mlxvlm.speech.spk_dict import Voice
 
 
-@dataclass
-class TalkerPrompt:
-    embeddings: mx.array  # (1, L, hidden): the talker's prefill
-    positions: mx.array  # (3, L)
-    trailing: mx.array  # (N, hidden): one row per decode step
-    pad: mx.array  # (1, hidden): tts_text_pad, heard once the trailing rows run out
-
-
-class WholeAnswerText:
-    """The pipeline's follower of the thinker for Qwen2.5-Omni: the talker hears nothing
-    until the answer is complete (its prefill holds the answer's first row and its
-    trailing rows mark the answer's end, as transformers builds them from the whole
-    answer), then its whole text at once."""
+class TalkerText:
+    """Follows the thinker for one answer: ``follow`` hands the talker its prefill once
+    the answer's first token is fed, then each row whose token is fed and comes before
+    the answer's end, then ``tts_text_end`` and ``end_text`` (``tts_text_pad``)."""
 
     def __init__(self, model, tap, prompt_tokens: int, voice: Voice, eos_ids):
         self.model, self.tap = model, tap
         self.prompt_tokens = prompt_tokens
         self.voice = voice
-        self.eos_ids = eos_ids
+        self.eos_ids = set(eos_ids)
+        self.prefilled = False
+        self.rows_given = 0  # rows of the answer's tokens 1, 2, ... handed after the prefill
         self.ended = False
+        self._eos: int | None = None  # the index of the first end of sequence written
+        self._checked = 0  # written tokens looked at for it
 
     def follow(self, talker, generated, finished: bool) -> None:
-        if self.ended or not finished:
+        """The thinker has written ``generated`` (all of it when ``finished``): hand
+        ``talker`` what it can hear now."""
+        if self.ended:
             return
-        tap = self.tap
-        if any(ids is None for ids in tap.ids):
+        written = len(generated)
+        while self._eos is None and self._checked < written:
+            if generated[self._checked] in self.eos_ids:
+                self._eos = self._checked
+            self._checked += 1
+        # positions whose states are final: the answer's last token is never fed
+        fed = self.prompt_tokens + written - (1 if finished else 0)
+        answer_fed = min(self.tap.positions(), fed) - self.prompt_tokens
+        if not self.prefilled:
+            if answer_fed < 1:
+                if finished:
+                    raise MlxvlmError("the answer is too short to speak (Qwen2.5-Omni's talker "
+                                      "needs at least one token before its end)")
+                return
+            embeddings, positions = self._prefill()
+            talker.prefill(embeddings, positions)
+            self.prefilled = True
+        # the index of the first token whose row is not heard (tts_text_end in its place):
+        # transformers' first end of sequence, at least 1, at most the last token
+        end = (max(self._eos, 1) if self._eos is not None
+               else written - 1 if finished else None)
+        ready = answer_fed - 1 if end is None else min(answer_fed, end) - 1
+        start = self.prompt_tokens + 1
+        while self.rows_given < ready:
+            position = start + self.rows_given
+            talker.add_text(self._rows(position, position + 1))
+            self.rows_given += 1
+        if end is not None and self.rows_given == end - 1:
+            text_eos, text_pad = self._text_specials()
+            talker.add_text(text_eos)
+            talker.end_text(text_pad)
+            self.ended = True
+        elif finished:
+            raise MlxvlmError("speech output needs the thinker's states of the whole answer")
+
+    def _rows(self, start: int, stop: int) -> mx.array:
+        """The answer's rows of positions ``start`` to ``stop`` (no media among them)."""
+        return self.tap.hidden_between(start, stop) + self.tap.embeddings_between(start, stop)
+
+    def _embed(self, ids) -> mx.array:
+        return self.model.language_model.model.embed_tokens(mx.array(ids))
+
+    def _text_specials(self) -> tuple[mx.array, mx.array]:
+        config = self.model.talker.config
+        return mx.split(self._embed([config.text_eos_id, config.text_pad_id]), 2)
+
+    def _prompt_ids(self) -> np.ndarray:
+        if any(ids is None for ids in self.tap.ids):
             raise MlxvlmError("speech output needs the prompt's token ids")
-        ids = np.concatenate([np.asarray(i).reshape(-1) for i in tap.ids])
-        generated = np.asarray(list(generated), dtype=np.int64)
-        if len(generated) == 0:
-            raise MlxvlmError("there is no answer to speak (no tokens were generated)")
-        fed = self.prompt_tokens + len(generated) - 1
-        if len(ids) < fed:
+        ids = np.concatenate([np.asarray(i).reshape(-1) for i in self.tap.ids])
+        if len(ids) < self.prompt_tokens:
             raise MlxvlmError("speech output needs the thinker's states of the whole prompt "
                               "(a reused prompt cache skips them)")
-        embeddings, hidden = tap.states(fed)
-        positions = None if tap.state is None else tap.state.positions(0, self.prompt_tokens)
-        prompt = build_talker_prompt(self.model, ids[:self.prompt_tokens], generated,
-                                     embeddings, hidden, self.voice, self.eos_ids, positions)
-        talker.add_text(prompt.trailing)
-        talker.end_text(prompt.pad)
-        talker.prefill(prompt.embeddings, prompt.positions)
-        self.ended = True
+        return ids[: self.prompt_tokens]
 
-
-def build_talker_prompt(model, prompt_ids: np.ndarray, generated_ids: np.ndarray,
-                        embeddings: mx.array, hidden: mx.array, voice: Voice, eos_ids,
-                        prompt_positions: mx.array | None = None) -> TalkerPrompt:
-    """``embeddings``/``hidden``: the thinker's (T, width) states of the positions fed,
-    at least the prompt's and all generated tokens' but the last. ``prompt_positions``:
-    the thinker's (3, P) prompt positions (None: text positions)."""
-    talker = model.talker
-    config = talker.config
-    args = model.args
-    prompt_ids = np.asarray(prompt_ids).reshape(-1)
-    generated_ids = np.asarray(generated_ids).reshape(-1)
-    length, answer = len(prompt_ids), len(generated_ids)
-    if answer < 2:
-        raise MlxvlmError("the answer is too short to speak (Qwen2.5-Omni's talker needs "
-                          "at least one token before its end)")
-    fed = length + answer - 1
-    media = np.isin(prompt_ids, [args.audio_token_id, args.image_token_id, args.video_token_id])
-    keep = np.ones((fed, 1), np.float32)
-    keep[:length][media] = 0
-    rows = hidden[:fed] + embeddings[:fed] * mx.array(keep, embeddings.dtype)
-
-    embed = model.language_model.model.embed_tokens
-    codec = talker.model.embed_tokens
-    bos, text_eos, text_pad = mx.split(
-        embed(mx.array([voice.bos_token, config.text_eos_id, config.text_pad_id])), 3)
-    pad_bos = codec(mx.array([config.codec_pad_id, config.codec_bos_id]))
-    prefill = mx.concatenate([rows[:length], mx.concatenate([bos, rows[length:length + 1]]) + pad_bos])
-
-    trailing = mx.concatenate([rows[length + 1:], text_eos, text_pad])
-    # transformers puts tts_text_end after the answer's last token before its first end
-    # of sequence (the rows after it hear tts_text_pad), clamped into the answer
-    eos = np.flatnonzero(np.isin(generated_ids, list(eos_ids)))
-    first_eos = min(max(int(eos[0]) if len(eos) else answer, 1), answer - 1)
-    where = np.arange(trailing.shape[0])[:, None]
-    trailing = mx.where(mx.array(where >= first_eos), text_pad, trailing)
-    trailing = mx.where(mx.array(where == first_eos - 1), text_eos, trailing)
-    return TalkerPrompt(prefill[None], _positions(prompt_positions, length), trailing, text_pad)
+    def _prefill(self) -> tuple[mx.array, mx.array]:
+        """The talker's prefill (1, L, hidden) and its positions (3, L)."""
+        model = self.model
+        config = model.talker.config
+        args = model.args
+        prompt_ids = self._prompt_ids()
+        length = self.prompt_tokens
+        embeddings, hidden = self.tap.states(length + 1)
+        media = np.isin(prompt_ids, [args.audio_token_id, args.image_token_id,
+                                     args.video_token_id])
+        keep = np.ones((length + 1, 1), np.float32)
+        keep[:length][media] = 0
+        rows = hidden + embeddings * mx.array(keep, embeddings.dtype)
+        bos = self._embed([self.voice.bos_token])
+        pad_bos = model.talker.model.embed_tokens(mx.array([config.codec_pad_id,
+                                                            config.codec_bos_id]))
+        prefill = mx.concatenate([rows[:length], mx.concatenate([bos, rows[length:]]) + pad_bos])
+        state = self.tap.state
+        prompt_positions = None if state is None else state.positions(0, length)
+        return prefill[None], _positions(prompt_positions, length)
 
 
 def _positions(prompt_positions: mx.array | None, length: int) -> mx.array:

@@ -7,7 +7,8 @@ suppression (``codec_bos`` never spoken), with no repetition penalty; otherwise 
 transformers' ``generate`` samples by default: top-k 40, top-p 0.8, at the temperature
 given (else 0.9), repetition penalty 1.05 over every code the talker has been fed or
 spoke (its prompt's mask, pad and bos codes among them, as transformers counts its
-input ids). It stops at ``codec_pad`` or ``codec_end`` (transformers'
+input ids); a ``seed`` draws each code from its own seed (``talker_seed``), as
+Qwen3-Omni's talker does. It stops at ``codec_pad`` or ``codec_end`` (transformers'
 ``talker_eos_token_id``, which it spells as the Hub's ids 8292 and 8294), not spoken.
 """
 
@@ -20,6 +21,7 @@ from mlx_lm.models.cache import KVCache
 from mlxvlm.sampling import build_sampler
 from mlxvlm.speech.heard_text import HeardText
 from mlxvlm.speech.talker import TalkerSampling, _repetition_penalty
+from mlxvlm.speech.talker_seed import seed_draw
 
 TOP_K = 40
 TOP_P = 0.8
@@ -95,6 +97,7 @@ class TalkerStream:
         if not self.sampling.greedy:
             logits = _repetition_penalty(logits, self.seen, REPETITION_PENALTY)
         logits = logits + self._suppress
+        seed_draw(self.sampling.seed, self.sampling.greedy, "talker", self.sampled)
         code = int(self._sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item())
         self.seen[code] = True
         self.sampled += 1

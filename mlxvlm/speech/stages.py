@@ -16,7 +16,7 @@ from mlxvlm.errors import MlxvlmError
 from mlxvlm.speech import talker as qwen3_omni_talker
 from mlxvlm.speech.codec import CodecStream
 from mlxvlm.speech.qwen2_5_omni_codec import Token2WavStream
-from mlxvlm.speech.qwen2_5_omni_prompt import WholeAnswerText
+from mlxvlm.speech.qwen2_5_omni_prompt import TalkerText as Qwen25TalkerText
 from mlxvlm.speech.qwen2_5_omni_talker import TalkerStream as Qwen25TalkerStream
 from mlxvlm.speech.qwen3_omni_prompt import TalkerText
 from mlxvlm.speech.spk_dict import load_voices
@@ -53,8 +53,8 @@ class Qwen3OmniStages:
 class Qwen25OmniStages:
     """Voices from the checkpoint's ``spk_dict.pt`` (matched exactly, as transformers
     does; transformers' default Chelsie), the thinker's last hidden state, the talker
-    started once the answer is written, one code per frame, token2wav decoded at the
-    end."""
+    following the thinker token by token, one code per frame, token2wav decoded at the
+    end (its DiT is not causal)."""
 
     DEFAULT_VOICE = "Chelsie"
 
@@ -85,8 +85,8 @@ class Qwen25OmniStages:
                               f"{', '.join(sorted(voices))}")
         return name, voices[name]
 
-    def text_follower(self, tap, prompt_tokens: int, speaker, eos_ids) -> WholeAnswerText:
-        return WholeAnswerText(self.model, tap, prompt_tokens, speaker, eos_ids)
+    def text_follower(self, tap, prompt_tokens: int, speaker, eos_ids) -> Qwen25TalkerText:
+        return Qwen25TalkerText(self.model, tap, prompt_tokens, speaker, eos_ids)
 
     def talker(self, sampling) -> Qwen25TalkerStream:
         return Qwen25TalkerStream(self.model.talker, sampling)

@@ -24,8 +24,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from mlxvlm.sampling import build_sampler, step_seed
+from mlxvlm.sampling import build_sampler
 from mlxvlm.speech.heard_text import HeardText
+from mlxvlm.speech.talker_seed import seed_draw
 
 # transformers' Qwen3OmniMoeForConditionalGeneration.generate defaults
 DEFAULT_TEMPERATURE = 0.9
@@ -145,7 +146,7 @@ class TalkerStream:
         if not self.sampling.greedy and self.seen.any():
             logits = _repetition_penalty(logits, self.seen, REPETITION_PENALTY)
         logits = logits + self._suppress
-        self._seed("talker", self.sampled)
+        seed_draw(self.sampling.seed, self.sampling.greedy, "talker", self.sampled)
         code = int(self._sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item())
         self.seen[code] = True
         self.sampled += 1
@@ -163,7 +164,8 @@ class TalkerStream:
         for group in range(self.config.num_code_groups - 1):
             out = predictor.model(inputs, cache)
             logits = predictor.lm_head[group](out[:, -1]).astype(mx.float32)
-            self._seed("code predictor", self.steps * (self.config.num_code_groups - 1) + group)
+            seed_draw(self.sampling.seed, self.sampling.greedy, "code predictor",
+                      self.steps * (self.config.num_code_groups - 1) + group)
             next_code = int(self._predictor_sample(
                 logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item())
             codes.append(next_code)
@@ -171,11 +173,6 @@ class TalkerStream:
             total = total + embedded[0]
             inputs = embedded[None]
         return np.array(codes, dtype=np.int64), total
-
-
-    def _seed(self, stage: str, draw: int) -> None:
-        if self.sampling.seed is not None and not self.sampling.greedy:
-            mx.random.seed(step_seed(self.sampling.seed, draw, stage))
 
 
 def _repetition_penalty(logits: mx.array, seen: np.ndarray, penalty: float) -> mx.array:

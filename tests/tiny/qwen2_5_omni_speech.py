@@ -5,7 +5,9 @@ speech parity tests against transformers.
 float32 weights. The thinker is tests/tiny/omni.py's (2 layers, 64 wide), its tokenizer
 with the talker's text tokens (``tts_text_*``) and two voices' start tokens added. The
 talker is a 2-layer Qwen2 M-RoPE decoder 32 wide over an 80-entry codec vocabulary: 72
-codes, then codec pad, bos, end and mask (at the Hub's offsets from one another). The
+codes, then codec pad, bos, end and mask (at the Hub's offsets from one another); like
+the 7B's (12 heads of 128 over 4 KV heads in 896-wide layers) its heads are wider
+together than its layers (3 of 16 over 1 KV head: 48 against 32). The
 DiT: 2 blocks (the second looking one block ahead, the first one back) over 4-frame
 blocks, an ECAPA speaker encoder of 16 channels over an 8-bin mel; BigVGAN upsamples 3x
 then 2x: 12 samples per code.
@@ -58,7 +60,7 @@ def _config(tokenizer):
     ids = tokenizer.convert_tokens_to_ids
     talker = dict(
         vocab_size=TALKER_VOCAB, embedding_size=thinker["text_config"]["hidden_size"],
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=3,
         num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": TALKER_ROPE_THETA,
                          "mrope_section": [2, 3, 3]},

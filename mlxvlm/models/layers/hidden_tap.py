@@ -53,10 +53,17 @@ class HiddenTap:
         """The input embeddings of positions ``start`` to ``stop`` (stop - start, width),
         read from the passes that hold them only (a follower reading a few rows per step
         does not concatenate the whole record each time)."""
+        return self._between(self.embeddings, start, stop)
+
+    def hidden_between(self, start: int, stop: int) -> mx.array:
+        """The tapped layer's states of positions ``start`` to ``stop``, likewise."""
+        return self._between(self.hidden, start, stop)
+
+    def _between(self, records: list[mx.array], start: int, stop: int) -> mx.array:
         if self.positions() < stop:
             raise ValueError(f"the tap holds {self.positions()} positions, {stop} asked for")
         parts, offset = [], 0
-        for record in self.embeddings:
+        for record in records:
             length = record.shape[1]
             if offset < stop and offset + length > start:
                 parts.append(record[0, max(start - offset, 0):min(stop - offset, length)])
