@@ -32,6 +32,10 @@ from mlxvlm.errors import MlxvlmError
 
 logger = logging.getLogger(__name__)
 
+# How long close still waits for the step of an abandoned engine: one whose other ranks
+# are there ends it in a moment (and releases them); one that waits on a lost rank never.
+ABANDONED_WAIT = 2.0
+
 
 class ShardedEngine(BatchEngine):
     thread_name = "mlxvlm-sharded"
@@ -48,6 +52,8 @@ class ShardedEngine(BatchEngine):
         self._gates_lock = threading.Lock()
         self._gates: set[_Gate] = set()  # the requests not yet ended
         self._abandoned: BaseException | None = None
+        # Once every other rank took the release: from then on they leave, as they should.
+        self.released = False
 
     def submit(self, inputs: Any, options: Any, deliver: Deliver, **kwargs: Any) -> SequenceHandle:
         gate = _Gate(deliver, self._ended)
@@ -73,7 +79,7 @@ class ShardedEngine(BatchEngine):
         how many were failed. Any thread may call it."""
         with self._gates_lock:
             if self._abandoned is None:
-                self._abandoned = error
+                self._abandoned, self._abandoned_at = error, time.monotonic()
             gates, self._gates = self._gates, set()
         failed = 0
         for gate in gates:
@@ -108,21 +114,26 @@ class ShardedEngine(BatchEngine):
     def close(self, timeout: float | None = None) -> None:
         """Stop taking requests; after the step under way, fail the requests left and
         release the other ranks. By default the step is waited out, unless the engine is
-        (or gets) abandoned meanwhile: its step may never end. Past a ``timeout``
-        close returns, and the engine's thread releases the ranks when its step ends (a
-        release sent while it runs would be read into its collectives)."""
+        (or gets) abandoned meanwhile: then for ``ABANDONED_WAIT`` seconds at most, as its
+        step may never end. Past a ``timeout`` close returns, and the engine's thread
+        releases the ranks when its step ends (a release sent while it runs would be read
+        into its collectives)."""
         self._stop_thread(0)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while (self._thread is not None and self._thread.is_alive()
-               and self._abandoned is None
-               and (deadline is None or time.monotonic() < deadline)):
+        while self._thread is not None and self._thread.is_alive():
+            now = time.monotonic()
+            if self._abandoned is not None and self._abandoned_at + ABANDONED_WAIT < now:
+                break
+            if deadline is not None and deadline < now:
+                break
             self._thread.join(0.1)
         if self._thread is None:
             self._finish()
         elif self._thread.is_alive():
-            logger.warning("the engine's step did not end %s: the other ranks are released "
-                           "when it does", "before it was abandoned" if self._abandoned
-                           else f"within {timeout} s")
+            logger.warning("the engine's step did not end within %s s%s: the other ranks are "
+                           "released when it does",
+                           ABANDONED_WAIT if self._abandoned else timeout,
+                           " of its abandonment" if self._abandoned else "")
 
     def _finish(self) -> None:
         error = MlxvlmError("the engine is shutting down")
@@ -130,9 +141,11 @@ class ShardedEngine(BatchEngine):
             self._deliver(seq, error)
         if self._thread is None:
             release_steps(self.model.model)
+            self.released = True
             return
         try:
             release_steps(self.model.model)
+            self.released = True
         except MlxvlmError as exc:  # (a rank already gone: nothing waits for this one)
             logger.warning("%s", exc)
 

@@ -44,9 +44,9 @@ EventWriter = Callable[[BatchStep, TokenStream], AsyncIterator[str]]
 def server_unavailable(error: BaseException) -> BaseException | None:
     """The server's own failure in ``error`` or behind it (a rank of a sharded model lost,
     the server stopping), which no request caused: a 503."""
-    for error in (error, error.__cause__):
-        if isinstance(error, (RankLostError, ServerStopping)):
-            return error
+    for found in (error, error.__cause__):
+        if isinstance(found, (RankLostError, ServerStopping)):
+            return found
     return None
 
 

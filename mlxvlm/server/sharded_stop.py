@@ -92,8 +92,8 @@ class ShardedStop:
     def peer_lost(self, reason: str) -> None:
         """``PeerWatch``'s call (its thread), or a signal's once a peer is seen gone."""
         with self._lock:
-            if self.exit_code is not None:
-                return
+            if self.exit_code is not None or self.engine.released:
+                return  # (released ranks leave: nothing is lost)
             self.exit_code = 1
         logger.error("stopping: %s", reason)
         failed = self.engine.abandon(RankLostError(
@@ -115,8 +115,7 @@ class ShardedStop:
         reason = self._watch.lost()
         if reason is not None:
             self.peer_lost(reason)
-        else:
-            self._arm(name)
+        self._arm(name)
 
     def _arm(self, signame: str | None = None) -> None:
         """Start the timer that fails what still runs, then ends the process."""
