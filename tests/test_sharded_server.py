@@ -269,6 +269,69 @@ def test_close_releases_the_ranks_after_the_step_under_way(demo, monkeypatch, ca
     assert isinstance(got[-1], mlxvlm.errors.MlxvlmError) and "shutting down" in str(got[-1])
 
 
+def test_an_abandoned_engine_fails_its_requests_once_and_refuses_more(demo, monkeypatch):
+    """``abandon`` (a peer seen gone, from another thread): the requests running get its
+    error once and nothing after it, though the engine's thread steps on; later ones are
+    refused with it; a failure behind an engine fault is still the server's (503)."""
+    from mlxvlm.batching import EngineFault
+    from mlxvlm.distributed.group import RankLostError
+    from mlxvlm.server.answering import as_api_error, stream_failure
+
+    engine, _, _, _, _ = lockstep(demo, monkeypatch, max_batch_size=4)
+    options = SamplingOptions(max_tokens=MAX_TOKENS)
+    runs = [submit(engine, demo, q, None, options) for q in QUESTIONS[1:3]]
+    for _ in range(6):
+        engine.step()
+    assert all(got["tokens"] for _, got in runs) and engine.has_work
+    lost = RankLostError("another rank left the run: rank 1 is gone")
+    assert engine.abandon(lost) == 2
+    delivered = [len(got["tokens"]) for _, got in runs]
+    run_to_end(engine)
+    assert [len(got["tokens"]) for _, got in runs] == delivered
+    assert all(got["error"] is lost for _, got in runs)
+    assert engine.abandon(RankLostError("again")) == 0
+    with pytest.raises(RankLostError, match="rank 1 is gone"):
+        submit(engine, demo, QUESTIONS[0], None, options)
+    fault = EngineFault("the decode step failed")
+    fault.__cause__ = lost
+    assert stream_failure(fault) == (503, str(lost))
+    refused = as_api_error(fault)
+    assert (refused.status, refused.code) == (503, "rank_lost")
+    engine.close()
+
+
+def test_close_gives_up_on_an_abandoned_engine_whose_step_never_ends(demo, monkeypatch):
+    """A step that waits on a lost rank (here, a consumer that blocks it): close, which by
+    default waits the step out, returns once the engine is abandoned; the engine is
+    ``stuck`` until its step ends, and then releases the ranks."""
+    from mlxvlm.distributed.group import RankLostError
+
+    monkeypatch.setattr(sharded_engine, "ABANDONED_WAIT", 0.1)
+    engine, _, _, _, plans = lockstep(demo, monkeypatch)
+    engine.start()
+    inside, gate = threading.Event(), threading.Event()
+    got = []
+
+    def blocked(item):
+        got.append(item)
+        inside.set()
+        gate.wait(60)
+    engine.submit(inputs_of(demo, QUESTIONS[1], None), SamplingOptions(max_tokens=MAX_TOKENS),
+                  blocked)
+    assert inside.wait(60)
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    lost = RankLostError("rank 1 is gone")
+    threading.Timer(0.2, engine.abandon, args=(lost,)).start()
+    closing.join(60)
+    assert not closing.is_alive() and engine.stuck
+    assert None not in plans  # (not released under the step)
+    gate.set()
+    engine._thread.join(60)
+    assert not engine.stuck and plans[-1] is None
+    assert got[-1] is lost  # and nothing after it
+
+
 # -- through the entry point ------------------------------------------------------------
 
 @pytest.fixture(scope="module")
