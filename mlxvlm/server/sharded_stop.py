@@ -113,8 +113,9 @@ class ShardedStop:
             exit_now(1)
         logger.warning("stopping on %s", name)
         reason = self._watch.lost()
-        if reason is not None:
-            self.peer_lost(reason)
+        if reason is not None:  # (off the handler: it may have interrupted a holder of
+            # the engine's locks on this thread)
+            threading.Thread(target=self.peer_lost, args=(reason,), daemon=True).start()
         self._arm(name)
 
     def _arm(self, signame: str | None = None) -> None:
