@@ -483,7 +483,8 @@ def test_the_pipelined_server_answers_llama_3_2_vision_as_one_process(tiny_check
     """Under mlx.launch with --pipeline, Llama 3.2 Vision (a cross-attention layer on
     each rank): a question on a picture, then one without, each the one-process greedy
     answer -- the decode batch's state carries no image states, so each rank reads the
-    keys its own cross-attention layer cached."""
+    keys its own cross-attention layer cached. Then mlx.launch alone is stopped (SIGTERM):
+    both ranks, their launcher gone, stop too."""
     from tiny import make_image
 
     checkpoint = tiny_checkpoints.path("mllama", "hub")
@@ -500,6 +501,12 @@ def test_the_pipelined_server_answers_llama_3_2_vision_as_one_process(tiny_check
         answers = [answer(base, chat(QUESTIONS[0], picture)),
                    answer(base, chat(QUESTIONS[1]))]
         output = log_path.read_text()
+        # mlx.launch stopped (SIGTERM, which it does not pass on): its ranks see it gone
+        # and stop rather than serve on (their words went with its pipes).
+        ranks = [rank_pid(server.pid, rank) for rank in (0, 1)]
+        server.terminate()
+        server.wait(60)
+        assert all(gone(pid, 30) for pid in ranks)
     assert answers == expected
     assert_every_rank_ended_well(output)
 
