@@ -15,7 +15,8 @@ thread that waits), so this stops the process from outside the wait:
 - A signal starts uvicorn's graceful stop as on one machine; if requests are still
   running after ``ABANDON_SECONDS`` (just before uvicorn would cut their connections)
   they fail with a clear error, and a process still here after ``STOP_SECONDS`` ends with
-  status 1 (its engine's step never ended). A second signal ends it at once.
+  status 1 (its engine's step never ended). A second SIGINT ends it at once (a second
+  SIGTERM does not: mlx.launch sends one of its own when a rank exits).
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ class ShardedStop:
         """uvicorn's signal handler's call (the main thread), before it starts stopping."""
         name = signal.Signals(signum).name
         self._signals += 1
-        if self._signals > 1:
-            logger.error("stopping at once on a second %s", name)
+        if self._signals > 1 and signum == signal.SIGINT:  # (Ctrl-C again, as uvicorn's)
+            logger.error("stopping at once on a second SIGINT")
             exit_now(1)
         logger.warning("stopping on %s", name)
         reason = self._watch.lost()
