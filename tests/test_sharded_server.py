@@ -7,8 +7,11 @@ rank): every pass the follower runs gives bit for bit rank 0's logits, so its ca
 laid out as rank 0's through joins, leaves, a cancelled and a failing request, and
 speculation's rewinds. Through the entry point (``mlx.launch ... python -m
 mlxvlm.server``): concurrent clients get the one-process greedy answers while a long
-stream decodes beside them and is then cancelled, /metrics shows the batch, a lost rank
-is a 503; pipelined with prompt lookup, the answers are the one-process ones too."""
+stream decodes beside them and is then cancelled, /metrics shows the batch; a rank killed
+under a stream ends it with a 503's error event and rank 0 stops, saying so; pipelined
+with prompt lookup, the answers are the one-process ones too, and a rank frozen under a
+stream (rank 0 waiting in a collective that never completes) does not keep SIGINT from
+stopping rank 0."""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import mlx.core as mx
 import pytest
 from server_harness import png_data_url
 from test_distributed import (LAUNCH, REPO, assert_every_rank_ended_well,
-                              build_two_kv_heads, free_port, session_pids, stop_session)
+                              build_two_kv_heads, free_port, stop_session)
 from user_environment import user_environment
 
 import mlxvlm
@@ -266,6 +269,69 @@ def test_close_releases_the_ranks_after_the_step_under_way(demo, monkeypatch, ca
     assert isinstance(got[-1], mlxvlm.errors.MlxvlmError) and "shutting down" in str(got[-1])
 
 
+def test_an_abandoned_engine_fails_its_requests_once_and_refuses_more(demo, monkeypatch):
+    """``abandon`` (a peer seen gone, from another thread): the requests running get its
+    error once and nothing after it, though the engine's thread steps on; later ones are
+    refused with it; a failure behind an engine fault is still the server's (503)."""
+    from mlxvlm.batching import EngineFault
+    from mlxvlm.distributed.group import RankLostError
+    from mlxvlm.server.answering import as_api_error, stream_failure
+
+    engine, _, _, _, _ = lockstep(demo, monkeypatch, max_batch_size=4)
+    options = SamplingOptions(max_tokens=MAX_TOKENS)
+    runs = [submit(engine, demo, q, None, options) for q in QUESTIONS[1:3]]
+    for _ in range(6):
+        engine.step()
+    assert all(got["tokens"] for _, got in runs) and engine.has_work
+    lost = RankLostError("another rank left the run: rank 1 is gone")
+    assert engine.abandon(lost) == 2
+    delivered = [len(got["tokens"]) for _, got in runs]
+    run_to_end(engine)
+    assert [len(got["tokens"]) for _, got in runs] == delivered
+    assert all(got["error"] is lost for _, got in runs)
+    assert engine.abandon(RankLostError("again")) == 0
+    with pytest.raises(RankLostError, match="rank 1 is gone"):
+        submit(engine, demo, QUESTIONS[0], None, options)
+    fault = EngineFault("the decode step failed")
+    fault.__cause__ = lost
+    assert stream_failure(fault) == (503, str(lost))
+    refused = as_api_error(fault)
+    assert (refused.status, refused.code) == (503, "rank_lost")
+    engine.close()
+
+
+def test_close_gives_up_on_an_abandoned_engine_whose_step_never_ends(demo, monkeypatch):
+    """A step that waits on a lost rank (here, a consumer that blocks it): close, which by
+    default waits the step out, returns once the engine is abandoned; the engine is
+    ``stuck`` until its step ends, and then releases the ranks."""
+    from mlxvlm.distributed.group import RankLostError
+
+    monkeypatch.setattr(sharded_engine, "ABANDONED_WAIT", 0.1)
+    engine, _, _, _, plans = lockstep(demo, monkeypatch)
+    engine.start()
+    inside, gate = threading.Event(), threading.Event()
+    got = []
+
+    def blocked(item):
+        got.append(item)
+        inside.set()
+        gate.wait(60)
+    engine.submit(inputs_of(demo, QUESTIONS[1], None), SamplingOptions(max_tokens=MAX_TOKENS),
+                  blocked)
+    assert inside.wait(60)
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    lost = RankLostError("rank 1 is gone")
+    threading.Timer(0.2, engine.abandon, args=(lost,)).start()
+    closing.join(60)
+    assert not closing.is_alive() and engine.stuck
+    assert None not in plans  # (not released under the step)
+    gate.set()
+    engine._thread.join(60)
+    assert not engine.stuck and plans[-1] is None
+    assert got[-1] is lost  # and nothing after it
+
+
 # -- through the entry point ------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -293,7 +359,9 @@ def test_the_sharded_server_answers_concurrent_clients_as_one_process(checkpoint
     """Under mlx.launch (two ranks, tensor parallel): a long stream decodes while four
     clients (one with a picture) ask at once; each gets the one-process greedy answer;
     the long stream, cancelled mid-way, had streamed the start of its own answer and the
-    next request is answered as before; /metrics shows the batch and the cancellation."""
+    next request is answered as before; /metrics shows the batch and the cancellation.
+    Then rank 1 is killed under another long stream and rank 0 sent SIGTERM: the stream
+    ends with a 503's error event, and rank 0 exits, logging that rank 1 is gone."""
     from tiny import make_image
 
     picture = make_image(64, 48)
@@ -348,13 +416,17 @@ def test_the_sharded_server_answers_concurrent_clients_as_one_process(checkpoint
         after = answer(base, bodies[1])
         metrics = httpx.get(f"{base}/metrics", timeout=60).text
         output = log_path.read_text()
-        os.kill(rank_pid(server.pid, 1), signal.SIGKILL)
-        lost = ask_after_rank_lost(base, bodies[1])
-        # Rank 0, its peer gone, outlasts SIGTERM (seen: stop_session's 30 s grace, then
-        # its SIGKILL); how it exits is not under test here, so it is killed at once.
-        for pid in session_pids(server.pid):
+        # Rank 1 killed while a stream decodes, then rank 0 told to stop (as mlx.launch
+        # also tells it, seeing rank 1's exit): it stops, saying why.
+        rank0, rank1 = rank_pid(server.pid, 0), rank_pid(server.pid, 1)
+        with Streaming(base, long_body) as lost:
+            os.kill(rank1, signal.SIGKILL)
+            assert gone(rank1, 60)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(rank0, signal.SIGTERM)
+        assert gone(rank0, 30), log_path.read_text()
+        server.wait(60)  # (mlx.launch passes on the last of rank 0's output)
+        stopped = log_path.read_text()[len(output):]
     assert answers == expected
     assert after == expected[1]
     text = "".join(streamed)
@@ -363,15 +435,19 @@ def test_the_sharded_server_answers_concurrent_clients_as_one_process(checkpoint
     assert metric(metrics, "mlxvlm_sequences_cancelled_total") == 1
     assert metric(metrics, "mlxvlm_sequences_finished_total") == len(bodies) + 1
     assert_every_rank_ended_well(output)
-    # Rank 1 gone: the request fails with 503 rather than waiting, unless mlx.launch,
-    # seeing rank 1 exit, stopped rank 0 first.
-    assert lost is None or (lost.status_code == 503 and "another rank left the run"
-                            in lost.json()["error"]["message"]), lost
+    # Rank 1 gone: the stream in flight ends with a 503's error rather than waiting, and
+    # rank 0 exits (not 0: mlx.launch names its code) with the reason.
+    assert lost.error is not None and lost.error["type"] == "server_error", lost.lines[-3:]
+    assert "another rank left the run" in lost.error["message"]
+    assert "stopping: rank 1 is gone (its connection to rank 0 closed)" in stopped, stopped
+    assert "Node with rank 0 exited with code" in stopped, stopped
 
 
 def test_the_pipelined_server_speculates(checkpoint, tmp_path):
     """Under mlx.launch with --pipeline and prompt lookup (--max-concurrency 1): two
-    requests, each the one-process greedy answer."""
+    requests, each the one-process greedy answer. Then rank 1 is frozen (SIGSTOP) under a
+    long stream and rank 0 sent SIGINT: the stream ends with an error event saying the
+    server stops, and rank 0, its step stuck, exits with status 1 saying so."""
     prompts = ["Repeat: one two three one two three one two three", QUESTIONS[1]]
     with launched_server(checkpoint, tmp_path, "--pipeline", "--max-concurrency", "1",
                          "--prompt-lookup-num-tokens", "3") as (server, base, log_path):
@@ -381,8 +457,25 @@ def test_the_pipelined_server_speculates(checkpoint, tmp_path):
         wait_until_up(base, server, log_path)
         answers = [answer(base, chat(p)) for p in prompts]
         output = log_path.read_text()
+        # Rank 1 frozen (there, but not answering) while a stream decodes: rank 0's step
+        # waits in a collective that never completes, and SIGINT still stops it.
+        rank0, rank1 = rank_pid(server.pid, 0), rank_pid(server.pid, 1)
+        try:
+            with Streaming(base, chat("Tell me a long story.", max_tokens=400)) as cut:
+                os.kill(rank1, signal.SIGSTOP)
+                os.kill(rank0, signal.SIGINT)
+            assert gone(rank0, 30), log_path.read_text()
+        finally:
+            os.kill(rank1, signal.SIGKILL)
+        server.wait(60)  # (mlx.launch passes on the last of rank 0's output)
+        stopped = log_path.read_text()[len(output):]
     assert answers == expected
     assert_every_rank_ended_well(output)
+    assert cut.error is not None and cut.error["type"] == "server_error", cut.lines[-3:]
+    assert "the server is stopping (on SIGINT)" in cut.error["message"]
+    for line in ("stopping on SIGINT", "exiting without releasing the other ranks",
+                 "Node with rank 0 exited with code 1"):
+        assert line in stopped, stopped
 
 
 def test_the_pipelined_server_answers_llama_3_2_vision_as_one_process(tiny_checkpoints,
@@ -390,7 +483,8 @@ def test_the_pipelined_server_answers_llama_3_2_vision_as_one_process(tiny_check
     """Under mlx.launch with --pipeline, Llama 3.2 Vision (a cross-attention layer on
     each rank): a question on a picture, then one without, each the one-process greedy
     answer -- the decode batch's state carries no image states, so each rank reads the
-    keys its own cross-attention layer cached."""
+    keys its own cross-attention layer cached. Then mlx.launch alone is stopped (SIGTERM):
+    both ranks, their launcher gone, stop too."""
     from tiny import make_image
 
     checkpoint = tiny_checkpoints.path("mllama", "hub")
@@ -407,6 +501,12 @@ def test_the_pipelined_server_answers_llama_3_2_vision_as_one_process(tiny_check
         answers = [answer(base, chat(QUESTIONS[0], picture)),
                    answer(base, chat(QUESTIONS[1]))]
         output = log_path.read_text()
+        # mlx.launch stopped (SIGTERM, which it does not pass on): its ranks see it gone
+        # and stop rather than serve on (their words went with its pipes).
+        ranks = [rank_pid(server.pid, rank) for rank in (0, 1)]
+        server.terminate()
+        server.wait(60)
+        assert all(gone(pid, 30) for pid in ranks)
     assert answers == expected
     assert_every_rank_ended_well(output)
 
@@ -449,13 +549,60 @@ def rank_pid(session: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} in session {session}")
 
 
-def ask_after_rank_lost(base: str, body: dict) -> httpx.Response | None:
-    """The answer to ``body`` once a rank is gone; None where the server went too."""
-    try:
-        return httpx.post(f"{base}/v1/chat/completions", json={"model": "m", **body},
-                          timeout=120)
-    except httpx.TransportError:
-        return None
+class Streaming:
+    """``with Streaming(base, body) as stream:`` a streamed chat request, entered once its
+    first words arrived; leaving waits for its end: ``lines`` (the events' data) and
+    ``error`` (the error event's, or None)."""
+
+    def __init__(self, base: str, body: dict):
+        self.base, self.body = base, body
+        self.lines: list[str] = []
+        self.error: dict | None = None
+        self._decoding = threading.Event()
+        self._thread = threading.Thread(target=self._read)
+
+    def _read(self) -> None:
+        try:
+            with httpx.stream("POST", f"{self.base}/v1/chat/completions", timeout=120,
+                              json={"model": "m", **self.body, "stream": True}) as response:
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    self.lines.append(line[6:])
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        self.error = event["error"]
+                    elif event["choices"] and event["choices"][0]["delta"].get("content"):
+                        self._decoding.set()
+        except httpx.TransportError:
+            pass  # (no error event: asserted on by the caller)
+        finally:
+            self._decoding.set()
+
+    def __enter__(self) -> "Streaming":
+        self._thread.start()
+        assert self._decoding.wait(120)
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._thread.join(120)
+        assert not self._thread.is_alive(), "the stream did not end"
+
+
+def gone(pid: int, timeout: float) -> bool:
+    """Waits until process ``pid`` has exited (or is a zombie), for ``timeout`` s at most."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def metric(text: str, name: str) -> float:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 import mlx.core as mx
 
 from mlxvlm.batching.decode import DecodeBatch
+from mlxvlm.distributed.group import peer_lost
 from mlxvlm.distributed.jobs import PassCall, StepPlan
 from mlxvlm.generate.state_cache import cache_offset
 
@@ -81,7 +82,12 @@ class LockstepModel:
                             last_only, offset))
         out = self.model(input_ids, cache, embeddings=embeddings, state=state,
                          last_only=last_only)
-        mx.eval(out)
+        try:
+            mx.eval(out)
+        except RuntimeError as exc:
+            if str(exc).startswith(_BACKEND_ERRORS):  # a collective in the pass failed
+                raise peer_lost(exc, self.model.sharding.group) from None
+            raise
         return out
 
     def _send(self, call: PassCall | None) -> None:
@@ -101,6 +107,8 @@ class LockstepModel:
 
 
 _NOTHING = object()
+# How MLX's distributed backends begin the errors of a collective that failed.
+_BACKEND_ERRORS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")
 
 
 class LockstepBatch(DecodeBatch):

@@ -35,14 +35,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if sharded:
             single_model(args, config)
         if launched_rank() != 0:  # rank 0 serves HTTP; this rank runs its batch's passes
-            from mlxvlm.batching.sharded_follower import follow_batches
-
-            follow_batches(sharded_load(args)[0])
+            follow(args)
             return
         # Before the slow model load: without the extra, say how to install it; a port in
         # use is said at once too, and stays ours while the model loads.
         require_extra("server", "the server", ("fastapi", "uvicorn"))
-        from mlxvlm.server.listener import serve
+        from mlxvlm.server.listener import guarded_server, serve
 
         listener = open_listener(config.host, config.port)
         from mlxvlm.text.tokenization import processor_state
@@ -60,6 +58,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.info("requests that leave sampling fields out get: %s",
                         describe_sampling_defaults(processor_state(processor).sampling_defaults))
             app = create_app(model, processor, config)
+            from mlxvlm.server.sharded_stop import ShardedStop
+
+            server = guarded_server(app, config, log_level=args.log_level)
+            engine = app.state.models.service(config.model_id).engine
+            with ShardedStop(engine, server):
+                server.run(sockets=[listener])
+            return
         else:
             registry = ModelRegistry(config, checkpoint_loader(
                 config, revision=args.revision, adapter_path=args.adapter_path,
@@ -74,6 +79,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         serve(app, config, listener, log_level=args.log_level)
 
     return run_cli(serve)
+
+
+def follow(args: argparse.Namespace) -> None:
+    """A rank other than 0: run rank 0's passes until it releases this rank; a rank 0
+    gone (or the launcher) ends this one with status 1, even inside a collective that
+    would wait for it forever (see ``server.sharded_stop``)."""
+    from mlxvlm.batching.sharded_follower import follow_batches
+    from mlxvlm.distributed.peer_watch import PeerWatch
+    from mlxvlm.server.sharded_stop import exit_now
+
+    model = sharded_load(args)[0]
+
+    def lost(reason: str) -> None:
+        logger.error("stopping: %s", reason)
+        exit_now(1)
+    watch = PeerWatch(model.sharding.rank, lost).start()
+    follow_batches(model)
+    watch.stop()
 
 
 def single_model(args: argparse.Namespace, config: ServerConfig) -> None:

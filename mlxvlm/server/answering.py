@@ -22,6 +22,7 @@ from mlxvlm.sampling.constrained import ConstraintError, GrammarConstraint, json
 from mlxvlm.generate.loop import fit_to_context
 from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.distributed.group import RankLostError
+from mlxvlm.server.sharded_stop import ServerStopping
 from mlxvlm.errors import MlxvlmError, PromptTooLongError
 from mlxvlm.media import MediaError, PixelBudgetError
 from mlxvlm.sampling import SamplingOptions
@@ -40,11 +41,22 @@ BodyWriter = Callable[[BatchStep, TokenStream], Awaitable[dict]]
 EventWriter = Callable[[BatchStep, TokenStream], AsyncIterator[str]]
 
 
+def server_unavailable(error: BaseException) -> BaseException | None:
+    """The server's own failure in ``error`` or behind it (a rank of a sharded model lost,
+    the server stopping), which no request caused: a 503."""
+    for found in (error, error.__cause__):
+        if isinstance(found, (RankLostError, ServerStopping)):
+            return found
+    return None
+
+
 def as_api_error(error: Exception, param: str = "messages") -> APIError:
     """A user-input error from preparing or running a request, as a 400 (including a
     chat template that refuses the conversation, e.g. roles out of order)."""
-    if isinstance(error, RankLostError):  # the server's fault, not the request's
-        return APIError(503, str(error), code="rank_lost")
+    unavailable = server_unavailable(error)
+    if unavailable is not None:  # the server's fault, not the request's
+        code = "rank_lost" if isinstance(unavailable, RankLostError) else "server_stopping"
+        return APIError(503, str(unavailable), code=code)
     if isinstance(error, PromptTooLongError):
         return APIError(400, str(error), param=param, code="context_length_exceeded")
     if isinstance(error, PixelBudgetError) and error.shared:
@@ -224,8 +236,9 @@ async def steps(first: BatchStep, stream: TokenStream) -> AsyncIterator[BatchSte
 
 def stream_failure(error: Exception) -> tuple[int, str]:
     """The status and message of a failure once a stream's headers are sent."""
-    if isinstance(error, RankLostError):
-        return 503, str(error)
+    unavailable = server_unavailable(error)
+    if unavailable is not None:
+        return 503, str(unavailable)
     status = 400 if isinstance(error, (MlxvlmError, ValueError)) else 500
     message = str(error) if status == 400 else "generation failed; see the server log"
     return status, message

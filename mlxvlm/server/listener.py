@@ -10,19 +10,32 @@ take minutes, and nothing else can take the port while the model loads.
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import Any, Callable
+
+import uvicorn
 
 
-def guarded_server(app: Any, config: Any, **kwargs: Any):
+class SignalledServer(uvicorn.Server):
+    """uvicorn's server, which also tells ``on_signal(signum)`` of each SIGTERM or SIGINT
+    (before uvicorn starts stopping on it): a sharded rank 0 must not wait on its engine
+    forever (``sharded_stop``)."""
+
+    on_signal: Callable[[int], None] | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.on_signal is not None:
+            self.on_signal(sig)
+        super().handle_exit(sig, frame)
+
+
+def guarded_server(app: Any, config: Any, **kwargs: Any) -> SignalledServer:
     """The ``uvicorn.Server`` that serves ``app`` under ``config``'s (a ``ServerConfig``)
     connection guards (``protocol.uvicorn_config``); run it with the socket of
     ``cli.open_listener``."""
-    import uvicorn
-
     from mlxvlm.server.protocol import uvicorn_config
 
     kwargs.setdefault("timeout_graceful_shutdown", 5)
-    return uvicorn.Server(uvicorn_config(app, config, **kwargs))
+    return SignalledServer(uvicorn_config(app, config, **kwargs))
 
 
 def serve(app: Any, config: Any, listener: socket.socket, *, log_level: str = "info") -> None:

@@ -1,0 +1,88 @@
+"""A rank sees its peers go (distributed/peer_watch.py), over loopback sockets laid out as
+MLX's ring lays out rank 0's: one accepted on its own address from its left neighbour,
+one connected to its right neighbour's address, both named in ``MLX_HOSTFILE``."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import pytest
+
+from mlxvlm.distributed import peer_watch
+from mlxvlm.distributed.peer_watch import PeerWatch, ring_links
+
+
+@pytest.fixture
+def ring(tmp_path, monkeypatch):
+    """Rank 0's two ring connections to rank 1 (this process's sockets for both ends):
+    (rank 0's, rank 1's) ends."""
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    addresses = [s.getsockname() for s in listeners]
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"{host}:{port}"] for host, port in addresses]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    from_left = socket.create_connection(addresses[0])  # rank 1 -> rank 0's address
+    accepted, _ = listeners[0].accept()
+    to_right = socket.create_connection(addresses[1])  # rank 0 -> rank 1's address
+    accepted_by_1, _ = listeners[1].accept()
+    for s in listeners:
+        s.close()
+    ends = ([accepted, to_right], [from_left, accepted_by_1])
+    yield ends
+    for s in ends[0] + ends[1]:
+        s.close()
+
+
+def test_rank_0_finds_its_ring_connections_and_nothing_else(ring):
+    rank0_ends, _ = ring
+    other = socket.create_server(("127.0.0.1", 0))  # (a listening socket, as uvicorn's)
+    links = ring_links(0)
+    try:
+        found = {(peer, s.getsockname(), s.getpeername()) for peer, s in links}
+        assert found == {(1, s.getsockname(), s.getpeername()) for s in rank0_ends}
+    finally:
+        other.close()
+        for _, s in links:
+            s.close()
+    # The duplicates closed, the backend's own descriptors stay open.
+    rank0_ends[0].sendall(b"x")
+    assert ring[1][0].recv(1) == b"x"
+
+
+def test_a_peer_that_closes_either_connection_is_gone(ring):
+    rank0_ends, rank1_ends = ring
+    watch = PeerWatch(0, lambda reason: None)
+    assert "ring's connections to rank 1" in watch.watched
+    assert watch.lost() is None
+    # Data waiting is no end, and peeking at it leaves it for the backend.
+    rank1_ends[0].sendall(b"abc")
+    assert watch.lost() is None
+    assert rank0_ends[0].recv(3) == b"abc"
+    rank1_ends[1].close()
+    assert watch.lost() == "rank 1 is gone (its connection to rank 0 closed)"
+    watch.stop()
+
+
+def test_the_watch_calls_once_when_the_launcher_is_gone(ring, monkeypatch):
+    calls, called = [], threading.Event()
+
+    def on_lost(reason):
+        calls.append(reason)
+        called.set()
+    watch = PeerWatch(0, on_lost, interval=0.01)
+    parent = watch._parent
+    monkeypatch.setattr(peer_watch.os, "getppid", lambda: 1 if parent != 1 else 2)
+    watch.start()
+    assert called.wait(30)
+    watch._thread.join(30)
+    assert calls == [f"the launcher (pid {parent}) that started rank 0 is gone"]
+    watch.stop()
+
+
+def test_without_a_hostfile_only_the_launcher_is_watched(monkeypatch):
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    watch = PeerWatch(0, lambda reason: None)
+    assert ring_links(0) == [] and watch.watched.startswith("the launcher")
+    assert watch.lost() is None
