@@ -1,6 +1,7 @@
 """The text a talker hears, one row per step: rows handed over as the thinker writes them,
 then, once the text has ended, a pad row for every step after the last. Both families'
-talker streams keep theirs in one of these."""
+talker streams keep theirs in one of these, and both families' followers of the thinker
+find where the answer ends with a ``FirstEnd``."""
 
 from __future__ import annotations
 
@@ -28,3 +29,20 @@ class HeardText:
 
     def row(self, step: int) -> mx.array:
         return self.rows[step] if step < len(self.rows) else self.pad
+
+
+class FirstEnd:
+    """The index of the first end-of-sequence token in an answer being written, looked
+    for in each token once (a follower's rows stop there)."""
+
+    def __init__(self, eos_ids):
+        self.eos_ids = set(eos_ids)
+        self.index: int | None = None
+        self._checked = 0
+
+    def find(self, generated) -> int | None:
+        while self.index is None and self._checked < len(generated):
+            if generated[self._checked] in self.eos_ids:
+                self.index = self._checked
+            self._checked += 1
+        return self.index

@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.speech.heard_text import FirstEnd
 from mlxvlm.speech.spk_dict import Voice
 
 
@@ -37,12 +38,10 @@ class TalkerText:
         self.model, self.tap = model, tap
         self.prompt_tokens = prompt_tokens
         self.voice = voice
-        self.eos_ids = set(eos_ids)
         self.prefilled = False
         self.rows_given = 0  # rows of the answer's tokens 1, 2, ... handed after the prefill
         self.ended = False
-        self._eos: int | None = None  # the index of the first end of sequence written
-        self._checked = 0  # written tokens looked at for it
+        self._end = FirstEnd(eos_ids)  # where the answer's first end of sequence is
 
     def follow(self, talker, generated, finished: bool) -> None:
         """The thinker has written ``generated`` (all of it when ``finished``): hand
@@ -50,10 +49,7 @@ class TalkerText:
         if self.ended:
             return
         written = len(generated)
-        while self._eos is None and self._checked < written:
-            if generated[self._checked] in self.eos_ids:
-                self._eos = self._checked
-            self._checked += 1
+        eos = self._end.find(generated)
         # positions whose states are final: the answer's last token is never fed
         fed = self.prompt_tokens + written - (1 if finished else 0)
         answer_fed = min(self.tap.positions(), fed) - self.prompt_tokens
@@ -68,7 +64,7 @@ class TalkerText:
             self.prefilled = True
         # the index of the first token whose row is not heard (tts_text_end in its place):
         # transformers' first end of sequence, at least 1, at most the last token
-        end = (max(self._eos, 1) if self._eos is not None
+        end = (max(eos, 1) if eos is not None
                else written - 1 if finished else None)
         ready = answer_fed - 1 if end is None else min(answer_fed, end) - 1
         start = self.prompt_tokens + 1

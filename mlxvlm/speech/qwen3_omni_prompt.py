@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxvlm.errors import MlxvlmError
+from mlxvlm.speech.heard_text import FirstEnd
 
 
 class TalkerText:
@@ -37,13 +38,11 @@ class TalkerText:
         self.model, self.tap = model, tap
         self.prompt_tokens = prompt_tokens
         self.speaker_id = speaker_id
-        self.eos_ids = set(eos_ids)
         self.prefilled = False
         self.rows_given = 0  # answer rows handed to the talker after its prefill
         self.ended = False
         self._start: int | None = None  # the assistant turn's <|im_start|>
-        self._eos: int | None = None  # the index of the first end of sequence generated
-        self._checked = 0  # generated tokens looked at for it
+        self._end = FirstEnd(eos_ids)  # where the answer's first end of sequence is
 
     def follow(self, talker, generated, finished: bool) -> None:
         """The thinker has written ``generated`` (all of it when ``finished``): hand
@@ -52,10 +51,7 @@ class TalkerText:
         if self.ended:
             return
         written = len(generated)
-        while self._eos is None and self._checked < written:
-            if generated[self._checked] in self.eos_ids:
-                self._eos = self._checked
-            self._checked += 1
+        eos = self._end.find(generated)
         # positions whose embeddings are final: the answer's last token is never fed
         fed = self.prompt_tokens + written - (1 if finished else 0)
         usable = min(self.tap.positions(), fed)
@@ -71,7 +67,7 @@ class TalkerText:
             self.prefilled = True
         # transformers hears the answer up to its first end of sequence (the rows after
         # it tts_pad): rows stop there, or where the written answer stops if none is seen
-        bound = self._eos if self._eos is not None else written
+        bound = eos if eos is not None else written
         ready = max(0, min(usable - (start + 4), bound))
         projection = self.model.talker.text_projection
         while self.rows_given < ready:
