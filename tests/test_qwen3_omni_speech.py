@@ -32,18 +32,19 @@ import subprocess
 import sys
 import wave
 
+from functools import partial
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import speech_following
 from omni_parity import media_turn, reference_batch
 from tiny import make_image
 from tiny import qwen3_omni, qwen3_omni_speech
 
 import mlxvlm
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.generate.speech import thinker_states
-from mlxvlm.generate.text import eos_token_ids
 from mlxvlm.speech import pipeline
 from mlxvlm.speech.codec import FIRST_CHUNK_FRAMES
 from mlxvlm.models.layers.qwen3_omni_code2wav import Code2WavStream
@@ -181,23 +182,9 @@ def test_sampled_speech_draws_only_codes(loaded):
 # ---------------------------------------------------------------- following the thinker
 
 
-def spoken_after_the_answer(loaded, messages, **options):
-    """The answer written with the tap set (no talker running), then spoken whole: the
-    text's tokens and the one-shot speech."""
-    model, processor = loaded
-    talker_temperature = options.pop("talker_temperature", None)
-    with thinker_states(model) as tap:
-        text = mlxvlm.generate(model, processor, messages, max_tokens=THINKER_TOKENS, **options)
-    speech = pipeline.speak(model, tap, text.prompt_tokens, text.tokens,
-                            eos_token_ids(processor), max_frames=FRAMES,
-                            seed=options.get("seed"), talker_temperature=talker_temperature)
-    return text, speech
-
-
-def streamed(loaded, messages, **options):
-    model, processor = loaded
-    return list(mlxvlm.stream_generate(model, processor, messages, max_tokens=THINKER_TOKENS,
-                                       audio_output=True, talker_max_frames=FRAMES, **options))
+spoken_after_the_answer = partial(speech_following.spoken_after_the_answer,
+                                  max_tokens=THINKER_TOKENS, frames=FRAMES)
+streamed = partial(speech_following.streamed, max_tokens=THINKER_TOKENS, frames=FRAMES)
 
 
 def test_the_talker_follows_the_thinker_and_speaks_as_if_started_after_it(loaded):
