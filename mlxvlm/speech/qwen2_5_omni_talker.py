@@ -1,6 +1,7 @@
 """Qwen2.5-Omni's talker as a stream of codec codes, one per step (a frame is one code):
 the interface of ``speech.talker.TalkerStream`` (``add_text``/``end_text``, ``ready``,
-``prefill``, ``step``) over ``layers/qwen2_5_omni_talker.py``.
+``prefill``, ``step``; ``step_streams`` over several streams of one talker at once, as
+``SpeechBatch`` steps them) over ``layers/qwen2_5_omni_talker.py``.
 
 Sampling (``TalkerSampling``): ``temperature`` 0 is argmax after the model's own
 suppression (``codec_bos`` never spoken), with no repetition penalty; otherwise as

@@ -6,6 +6,11 @@ The text it hears arrives with ``add_text`` (one row per step; ``end_text`` afte
 last), so that a streaming orchestrator may hand it the thinker's answer as it is
 written; ``ready`` says whether the next step has the text it needs.
 
+``step_streams`` steps several streams of one talker at once (``SpeechBatch``, whose
+``TalkerRows`` hold their KV caches as rows of one): each pass of the code predictor and
+the talker's pass over all of them, each row's codes drawn by its own stream as it draws
+them alone; ``step`` is ``step_streams`` over the stream alone, on its own cache.
+
 Sampling (``TalkerSampling``): ``temperature`` 0 is plain argmax for the talker and the
 code predictor (after the talker's token suppression, with no repetition penalty);
 otherwise the talker samples as transformers' ``generate`` does by default (top-k 50,
