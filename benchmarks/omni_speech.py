@@ -417,7 +417,8 @@ def speakers_main(args) -> int:
     if args.output:
         for r in results:
             r.pop("codes")
-        settings = {k: v for k, v in vars(args).items() if k not in ("engine", "output", "stepping")}
+        settings = {k: v for k, v in vars(args).items()
+                    if k not in ("engine", "engines", "output", "stepping")}
         Path(args.output).write_text(json.dumps(dict(settings, results=results), indent=2))
     return 0
 
