@@ -12,15 +12,21 @@ speaking Qwen3-Omni (the session's, tests/conftest.py) and a tiny Qwen2.5-Omni:
 - one speaker cancelled mid-way (its row freed, the others' codes unchanged, its own
   codes so far its alone codes' start), and one whose codec fails (the failure its
   own);
-- the batch's rows and talkers freed once every speaker has left.
+- the batch's rows and talkers freed once every speaker has left;
+- ``TalkerRows`` on its own: rows joining shorter and longer than the batch so far, rows
+  left out of passes, a row leaving and the rest fed in another order each attend as
+  they would over their own mlx-lm ``KVCache``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
 
 from tiny import qwen2_5_omni_speech
 
@@ -241,3 +247,61 @@ def test_qwen2_5_omni_talkers_stepped_together_speak_as_each_alone(qwen2_5):
     assert 0 < len(spoken) < len(whole) and cancelled.speech is None
     np.testing.assert_array_equal(spoken, whole[:len(spoken)])
     assert max(rows for rows, _ in passes) == 3
+
+
+# ------------------------------------------------------------------------------ the rows
+
+HEADS, HEAD_DIM = 2, 8
+
+
+def attention(inputs: mx.array, positions, cache) -> mx.array:
+    """One attention layer whose queries, keys and values are its inputs (rows, 1,
+    HEADS * HEAD_DIM), through the cache and mask a talker model uses."""
+    x = inputs.reshape(inputs.shape[0], 1, HEADS, HEAD_DIM).transpose(0, 2, 1, 3)
+    mask = create_attention_mask(inputs, cache[0])
+    keys, values = cache[0].update_and_fetch(x, x)
+    return mx.fast.scaled_dot_product_attention(x, keys, values, scale=HEAD_DIM ** -0.5,
+                                                mask=mask).reshape(inputs.shape[0], -1)
+
+
+def test_talker_rows_attend_as_each_row_over_its_own_cache():
+    rng = np.random.default_rng(0)
+    own: dict[str, list[KVCache]] = {}
+    rows, order = TalkerRows(1), []
+
+    def join(name: str, length: int) -> None:
+        cache = [KVCache()]
+        prompt = mx.array(rng.standard_normal((1, HEADS, length, HEAD_DIM)), mx.float32)
+        cache[0].update_and_fetch(prompt, prompt)
+        own[name] = cache
+        rows.add(cache)
+        order.append(name)
+
+    def feed(names: list[str]) -> None:
+        inputs = mx.array(rng.standard_normal((len(names), 1, HEADS * HEAD_DIM)), mx.float32)
+        positions = mx.zeros((len(names), 3, 1), mx.int32)
+        out = rows.forward(attention, inputs, positions, [order.index(n) for n in names])
+        for i, name in enumerate(names):
+            alone = attention(inputs[i:i + 1], None, own[name])
+            np.testing.assert_allclose(np.array(out[i:i + 1]), np.array(alone), rtol=1e-5,
+                                       atol=1e-6)
+
+    join("a", 5)
+    feed(["a"])
+    join("b", 3)  # shorter than the batch: left padding
+    feed(["a", "b"])
+    feed(["b"])  # a waits
+    join("c", 11)  # longer than the batch: the others move right
+    assert rows.width == 11
+    feed(["a", "c"])
+    feed(["c", "b", "a"])
+    rows.keep([order.index("c"), order.index("a")])  # b leaves
+    order[:] = ["c", "a"]
+    assert len(rows) == 2 and rows.width == 13  # c's columns from its first
+    feed(["a", "c"])
+    rows.keep([1])
+    order[:] = ["a"]
+    assert rows.width == 11  # from a's first column (moved right by 3 as c joined) on
+    feed(["a"])
+    rows.keep([])
+    assert len(rows) == 0 and rows.width == 0 and rows.layers[0].keys is None
