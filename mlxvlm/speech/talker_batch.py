@@ -31,6 +31,8 @@ class TalkerBatch:
 
     def admit(self, key: Hashable, stream) -> None:
         """A prefilled talker's cache becomes a row; the talker keeps none of its own."""
+        if not stream.started:
+            raise RuntimeError("a talker joins the batch once its prefill is done")
         self.rows.add(stream.cache)
         stream.cache = None
         self.keys.append(key)
