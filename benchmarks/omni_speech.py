@@ -5,6 +5,7 @@ talker (with its code predictor) and code2wav, mlxvlm against transformers.
     python benchmarks/omni_speech.py --experts 128 --frames 125 --output r.json
     python benchmarks/omni_speech.py --engines mlxvlm --weights float32 bfloat16 q8 q4 --rounds 2
     python benchmarks/omni_speech.py --engines mlxvlm --weights float32 q4 --talker-only
+    python benchmarks/omni_speech.py --weights bfloat16 --talker-only --speakers 1 2 4 --rounds 2
 
 The talker and codec have Qwen/Qwen3-Omni-30B-A3B-Instruct's shapes (its config.json:
 a 20-layer 1024-wide MoE talker, 6 of its experts per token with a shared expert, 16
@@ -36,6 +37,15 @@ whole waveform, after ``generate`` and ``chunked_decode`` (its 300-frame chunks)
 real-time factor is the engine's talker + codec seconds over the audio's seconds (below 1
 is faster than real time). Both engines' codes are compared (equal for the frames both
 made).
+
+``--speakers N ...``: mlxvlm only, N talkers at once (each its own random conditioning,
+its prefill 8 positions longer than the last one's, greedy), prefilled one by one (B=1,
+as the engine does), then stepped to their end two ways, alternating run by run: through
+``SpeechBatch`` (batched: each step one pass per stage over every talker) and one after
+another (serial: each talker's ``AnswerSpeaker.frame`` in turn, as ``SpeechBatch`` did
+before). Reported: the aggregate frames per second of the N talkers, the milliseconds
+of a step (one frame of every talker: the time between a talker's frames) and whether
+both ways spoke the same codes. Prefill excluded; with ``--talker-only`` no codec.
 """
 
 from __future__ import annotations
@@ -112,11 +122,11 @@ def build(experts: int) -> Path:
     return out
 
 
-def conditioning(prompt: int, frames: int):
+def conditioning(prompt: int, frames: int, seed: int = SEED):
     """The thinker's side, random: the talker's prefill, one text row per frame, tts_pad."""
     import numpy as np
 
-    rng = np.random.default_rng(SEED)
+    rng = np.random.default_rng(seed)
     width = TALKER_TEXT["hidden_size"]
     prefill = rng.standard_normal((1, prompt, width)).astype(np.float32) * 0.5
     trailing = rng.standard_normal((frames, width)).astype(np.float32) * 0.5
@@ -153,18 +163,15 @@ def prepare_talker(talker, precision: str, fast_paths: bool):
     return ops.apply_cpu_fast_paths(talker).describe() if fast_paths else "off"
 
 
-def run_mlxvlm(directory: Path, prompt: int, frames: int, precision: str = "float32",
-               fast_paths: bool = True, codec_too: bool = True) -> dict:
+def load_mlxvlm(directory: Path, precision: str, fast_paths: bool):
+    """(talker, code2wav, what the CPU rewrite did, load seconds)."""
     import mlxvlm  # noqa: F401  (first: its CPU set-up runs before MLX loads)
     import mlx.core as mx
-    import numpy as np
 
     from mlxvlm.checkpoint.loading import load_weights_files
     from mlxvlm.models import qwen3_vl_moe
     from mlxvlm.models.layers.qwen3_omni_code2wav import Code2Wav, Code2WavConfig
     from mlxvlm.models.layers.qwen3_omni_talker import Talker, TalkerConfig
-    from mlxvlm.speech.codec import CodecStream
-    from mlxvlm.speech.talker import TalkerSampling, TalkerStream
 
     config = json.loads((directory / "config.json").read_text())
     start = time.perf_counter()
@@ -190,15 +197,26 @@ def run_mlxvlm(directory: Path, prompt: int, frames: int, precision: str = "floa
     mx.eval(talker.parameters(), code2wav.parameters())
     del weights
     cpu_paths = prepare_talker(talker, precision, fast_paths)
-    load_seconds = time.perf_counter() - start
+    return talker, code2wav, cpu_paths, time.perf_counter() - start
 
+
+def run_mlxvlm(directory: Path, prompt: int, frames: int, precision: str = "float32",
+               fast_paths: bool = True, codec_too: bool = True) -> dict:
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxvlm.speech import talker as talker_stream
+    from mlxvlm.speech.codec import CodecStream
+    from mlxvlm.speech.talker import TalkerSampling, TalkerStream
+
+    talker, code2wav, cpu_paths, load_seconds = load_mlxvlm(directory, precision, fast_paths)
     prefill, trailing, pad = conditioning(prompt, frames)
     stream = TalkerStream(talker, TalkerSampling(temperature=0.0, max_frames=frames))
     stream.add_text(mx.array(trailing))
     stream.end_text(mx.array(pad))
-    # the code predictor's share of a frame (its 15 passes end in .item(): timed whole)
+    # the code predictor's share of a frame (its 15 passes end in .tolist(): timed whole)
     predictor = {"seconds": 0.0}
-    residual_codes = stream._residual_codes
+    residual_codes = talker_stream._residual_codes
 
     def timed_residual_codes(*args):
         t = time.perf_counter()
@@ -206,7 +224,7 @@ def run_mlxvlm(directory: Path, prompt: int, frames: int, precision: str = "floa
         predictor["seconds"] += time.perf_counter() - t
         return result
 
-    stream._residual_codes = timed_residual_codes
+    talker_stream._residual_codes = timed_residual_codes
     codec = CodecStream(code2wav)
     mx.reset_peak_memory()
     started = time.perf_counter()
@@ -244,6 +262,81 @@ def run_mlxvlm(directory: Path, prompt: int, frames: int, precision: str = "floa
                 talker_seconds=talker_seconds, codec_seconds=codec_seconds, total_seconds=total,
                 peak_rss_gb=peak_rss_gb(), mlx_peak_gb=mx.get_peak_memory() / 1e9,
                 codes=np.stack(codes).tolist() if codes else [])
+
+
+def run_speakers(directory: Path, prompt: int, frames: int, precision: str, fast_paths: bool,
+                 codec_too: bool, speakers: int, batched: bool) -> dict:
+    """``speakers`` talkers prefilled one by one, then stepped to their end together
+    (``SpeechBatch``) or one after another (each ``AnswerSpeaker.frame`` in turn)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxvlm.speech.codec import CodecStream
+    from mlxvlm.speech.pipeline import AnswerSpeaker, Speech
+    from mlxvlm.speech.speech_batch import SpeechBatch
+    from mlxvlm.speech.talker import TalkerSampling, TalkerStream
+
+    class Speaker(AnswerSpeaker):
+        """An answer's talker and codec without a thinker: its text is given whole."""
+
+        def __init__(self, stream, codec):
+            self.talker, self.codec, self.text = stream, codec, None
+            self.generated, self.frames = [], []
+            self.speech = Speech(np.zeros(0, np.float32), SAMPLE_RATE,
+                                 np.zeros((0, TALKER["num_code_groups"]), np.int64), "random")
+            self._start = time.perf_counter()
+
+    class NoCodec:
+        sample_rate = SAMPLE_RATE
+
+        def push(self, frame):
+            return None
+
+        def flush(self):
+            return None
+
+    talker, code2wav, cpu_paths, load_seconds = load_mlxvlm(directory, precision, fast_paths)
+    mx.reset_peak_memory()
+    started = time.perf_counter()
+    group = []
+    for i in range(speakers):
+        prefill, trailing, pad = conditioning(prompt + 8 * i, frames, seed=SEED + i)
+        stream = TalkerStream(talker, TalkerSampling(temperature=0.0, max_frames=frames))
+        stream.add_text(mx.array(trailing))
+        stream.end_text(mx.array(pad))
+        length = prefill.shape[1]
+        stream.prefill(mx.array(prefill), mx.broadcast_to(mx.arange(length, dtype=mx.int32),
+                                                          (3, length)))
+        group.append(Speaker(stream, CodecStream(code2wav) if codec_too else NoCodec()))
+    prefill_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    steps = 0
+    if batched:
+        batch = SpeechBatch()
+        for key, speaker in enumerate(group):
+            batch.join(key, speaker)
+        while len(batch):
+            for key, spoken in batch.step().items():
+                if spoken.failure is not None:
+                    raise spoken.failure
+            steps += 1
+    else:
+        live = list(group)
+        while live:
+            for speaker in list(live):
+                if speaker.frame() is None:
+                    speaker.end()
+                    live.remove(speaker)
+            steps += 1
+    seconds = time.perf_counter() - started
+    made = sum(len(speaker.frames) for speaker in group)
+    return dict(engine="mlxvlm", weights=precision, cpu_paths=cpu_paths,
+                load_seconds=load_seconds, speakers=speakers,
+                stepping="batched" if batched else "serial", frames=made, steps=steps,
+                prefill_seconds=prefill_seconds, stepping_seconds=seconds,
+                frames_per_second=made / seconds, step_ms=1000 * seconds / max(steps, 1),
+                peak_rss_gb=peak_rss_gb(), mlx_peak_gb=mx.get_peak_memory() / 1e9,
+                codes=[np.stack(speaker.frames).tolist() for speaker in group])
 
 
 def run_transformers(directory: Path, prompt: int, frames: int) -> dict:
@@ -295,16 +388,39 @@ def run_transformers(directory: Path, prompt: int, frames: int) -> dict:
                 peak_rss_gb=peak_rss_gb(), codes=codes[0].T.numpy().tolist())
 
 
-def run_child(engine: str, args, precision: str) -> dict:
+def run_child(engine: str, args, precision: str, speakers: list[str] = ()) -> dict:
     child = subprocess.run([sys.executable, __file__, "--engine", engine, "--experts",
                             str(args.experts), "--frames", str(args.frames), "--prompt",
-                            str(args.prompt), "--weights", precision,
+                            str(args.prompt), "--weights", precision, *speakers,
                             *(["--no-cpu-fast-paths"] if args.no_cpu_fast_paths else []),
                             *(["--talker-only"] if args.talker_only else [])],
                            capture_output=True, text=True, check=True)
     result = json.loads(child.stdout.strip().splitlines()[-1])
     result["load_average"] = os.getloadavg()[0]
     return result
+
+
+def speakers_main(args) -> int:
+    """``--speakers``: batched and serial stepping alternated run by run, each size."""
+    runs = [(n, stepping) for n in args.speakers for stepping in ("serial", "batched")]
+    results = [run_child("mlxvlm", args, args.weights[0],
+                         ["--speakers", str(n), "--stepping", stepping])
+               for _ in range(args.rounds) for n, stepping in runs]
+    serial_codes = {r["speakers"]: r["codes"] for r in results if r["stepping"] == "serial"}
+    for r in results:
+        r["same_codes_as_serial"] = r["codes"] == serial_codes[r["speakers"]]
+        print(f"{r['speakers']} talkers {r['stepping']:>7} ({r['weights']}): {r['frames']} "
+              f"frames in {r['steps']} steps, {r['frames_per_second']:.1f} frames/s, "
+              f"{r['step_ms']:.0f} ms a step; prefill {r['prefill_seconds']:.2f} s; peak RSS "
+              f"{r['peak_rss_gb']:.2f} GB; load average {r['load_average']:.2f}; codes as "
+              f"serial's: {r['same_codes_as_serial']}")
+    if args.output:
+        for r in results:
+            r.pop("codes")
+        settings = {k: v for k, v in vars(args).items()
+                    if k not in ("engine", "engines", "output", "stepping")}
+        Path(args.output).write_text(json.dumps(dict(settings, results=results), indent=2))
+    return 0
 
 
 def main() -> int:
@@ -321,12 +437,20 @@ def main() -> int:
                         help="mlxvlm: the talker's frames without code2wav (no audio)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of each engine and weights, alternating round by round")
+    parser.add_argument("--speakers", type=int, nargs="+", default=None,
+                        help="mlxvlm: this many talkers stepped together through "
+                             "SpeechBatch and one after another, alternating")
+    parser.add_argument("--stepping", choices=("batched", "serial"), help=argparse.SUPPRESS)
     parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)  # a child's
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     directory = checkpoint_dir(args.experts)
     if args.engine is not None:
-        if args.engine == "mlxvlm":
+        if args.speakers:
+            result = run_speakers(directory, args.prompt, args.frames, args.weights[0],
+                                  not args.no_cpu_fast_paths, not args.talker_only,
+                                  args.speakers[0], args.stepping == "batched")
+        elif args.engine == "mlxvlm":
             result = run_mlxvlm(directory, args.prompt, args.frames, args.weights[0],
                                 not args.no_cpu_fast_paths, not args.talker_only)
         else:
@@ -335,6 +459,8 @@ def main() -> int:
         return 0
     subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); "
                     f"import omni_speech; omni_speech.build({args.experts})"], check=True)
+    if args.speakers:
+        return speakers_main(args)
     runs = [(engine, precision) for engine in args.engines
             for precision in (args.weights if engine == "mlxvlm" else ["float32"])]
     results = [run_child(engine, args, precision)

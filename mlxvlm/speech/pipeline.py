@@ -112,11 +112,12 @@ class AnswerSpeaker:
         """One frame of the talker: the chunk the codec decoded with it, if any (an empty
         array when none was decoded); None once the talker has ended."""
         started = time.perf_counter()
-        frame = self.talker.step()
-        if frame is None:
-            self.speech.seconds += time.perf_counter() - started
-            return None
-        chunk = self.took(frame)
+        return self.stepped(self.talker.step(), started)
+
+    def stepped(self, frame: np.ndarray | None, started: float) -> np.ndarray | None:
+        """The talker's step begun at ``started`` (perf_counter; its share of a batch's)
+        gave ``frame``: ``frame``'s return, the talker and codec's time counted."""
+        chunk = None if frame is None else self.took(frame)
         self.speech.seconds += time.perf_counter() - started
         return chunk
 

@@ -1,6 +1,7 @@
 """Qwen2.5-Omni's talker as a stream of codec codes, one per step (a frame is one code):
 the interface of ``speech.talker.TalkerStream`` (``add_text``/``end_text``, ``ready``,
-``prefill``, ``step``) over ``layers/qwen2_5_omni_talker.py``.
+``prefill``, ``step``; ``step_streams`` over several streams of one talker at once, as
+``SpeechBatch`` steps them) over ``layers/qwen2_5_omni_talker.py``.
 
 Sampling (``TalkerSampling``): ``temperature`` 0 is argmax after the model's own
 suppression (``codec_bos`` never spoken), with no repetition penalty; otherwise as
@@ -73,25 +74,35 @@ class TalkerStream:
     def step(self) -> np.ndarray | None:
         """The next code (a 0-d array), or None once the talker has ended (an end code,
         or ``max_frames`` codes given)."""
+        return step_streams([self], self._alone)[0]
+
+    @property
+    def started(self) -> bool:
+        return self._code is not None or self.finished
+
+    @staticmethod
+    def step_all(streams: list["TalkerStream"], forward) -> list[np.ndarray | None]:
+        """``step_streams``: one code of each of ``streams`` at once."""
+        return step_streams(streams, forward)
+
+    def _alone(self, call, streams, rows: mx.array, positions: mx.array) -> mx.array:
+        if self.cache is None:
+            raise RuntimeError("this talker's cache is a row of a batch: the batch steps it")
+        return call(rows, positions, self.cache)
+
+    def _next_frame(self) -> tuple[np.ndarray | None, bool]:
+        """(the frame the next step gives, None once ended; whether the talker runs a pass
+        for it to take the code after it)."""
         if self.finished:
-            return None
+            return None, False
         if self._code in self.eos:
             self.finished = True
-            return None
+            return None, False
         frame = np.array(self._code, dtype=np.int64)
         if self.sampled >= self.sampling.max_frames:
             self.finished = True  # transformers' max_new_tokens: this code is the last
-            return frame
-        if not self.ready():
-            raise RuntimeError("the talker's next step needs text it has not been given")
-        text = self.heard.row(self.steps)
-        row = (self.talker.model.embed_tokens(mx.array([self._code]))[0] + text)[None, None]
-        position = mx.full((3, 1), self.next_position, dtype=mx.int32)
-        logits = self.talker(row, position, self.cache)
-        self.next_position += 1
-        self.steps += 1
-        self._take(logits)
-        return frame
+            return frame, False
+        return frame, True
 
     def _take(self, logits: mx.array) -> None:
         if not self.sampling.greedy:
@@ -102,3 +113,34 @@ class TalkerStream:
         self.seen[code] = True
         self.sampled += 1
         self._code = code
+
+
+def step_streams(streams: list[TalkerStream], forward) -> list[np.ndarray | None]:
+    """One code for each of ``streams`` (talker streams of one talker) at once: one pass
+    of the talker over those that go on, through ``forward(call, streams, rows (n, 1,
+    width), positions (n, 3, 1))``, which runs ``call(rows, positions, cache)`` on the
+    cache holding those streams' rows and gives back their logits (n, vocab), then each
+    one's draw of its next code. None for a stream that has ended."""
+    frames: list[np.ndarray | None] = []
+    going: list[TalkerStream] = []
+    for stream in streams:
+        frame, runs = stream._next_frame()
+        frames.append(frame)
+        if runs:
+            going.append(stream)
+    if not going:
+        return frames
+    if not all(stream.ready() for stream in going):
+        raise RuntimeError("the talker's next step needs text it has not been given")
+    talker = going[0].talker
+    codes = mx.array([stream._code for stream in going])
+    text = mx.stack([stream.heard.row(stream.steps) for stream in going])
+    rows = (talker.model.embed_tokens(codes) + text)[:, None]
+    positions = mx.array([stream.next_position for stream in going], dtype=mx.int32)
+    positions = mx.broadcast_to(positions[:, None, None], (len(going), 3, 1))
+    logits = forward(talker, going, rows, positions)
+    for i, stream in enumerate(going):
+        stream.next_position += 1
+        stream.steps += 1
+        stream._take(logits[i:i + 1])
+    return frames
