@@ -161,26 +161,27 @@ def test_a_seed_reproduces_the_sampled_talker(client, speaking_checkpoint, loade
 
 
 def test_a_spoken_answer_failing_mid_speech_fails_alone(loaded, monkeypatch):
-    """In process (a stage made to fail): the talker raises after a few frames, while the
-    text is still being written; the stream ends with an error event, and the engine
-    serves the next text and spoken answers."""
+    """In process (a stage made to fail): the codec raises after a few frames (where
+    every talker frame goes, stepped alone or batched), while the text is still being
+    written; the stream ends with an error event, and the engine serves the next text and
+    spoken answers."""
     from server_harness import LiveServer
 
-    from mlxvlm.speech.talker import TalkerStream
+    from mlxvlm.speech.pipeline import AnswerSpeaker
 
-    step = TalkerStream.step
+    took = AnswerSpeaker.took
 
-    def failing_step(self):
-        if self.steps == 3:
-            raise RuntimeError("the talker broke")
-        return step(self)
+    def failing_took(self, frame):
+        if len(self.frames) == 3:
+            raise RuntimeError("the codec broke")
+        return took(self, frame)
 
     model, processor = loaded
     expected = reference(loaded, None)
     with LiveServer(model, processor) as live:
         client = live.client()
         with monkeypatch.context() as patch:
-            patch.setattr(TalkerStream, "step", failing_step)
+            patch.setattr(AnswerSpeaker, "took", failing_took)
             stream = chat(client, live.config.model_id, modalities=["text", "audio"],
                           audio={"format": "pcm16"}, stream=True,
                           extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})

@@ -51,7 +51,7 @@ def qwen3(speaking_checkpoint):
 
 @pytest.fixture(scope="module")
 def qwen2_5(tmp_path_factory):
-    tiny = qwen2_5_omni_speech.build_tiny_model("qwen2_5_omni_speech", seed=2)
+    tiny = qwen2_5_omni_speech.build_tiny_model("qwen2_5_omni_speech", seed=3)
     path = qwen2_5_omni_speech.save_checkpoint(tiny, tmp_path_factory.mktemp("qwen2_5-omni"), "hub")
     return mlxvlm.load(str(path))
 
@@ -229,8 +229,8 @@ def test_a_cancelled_or_failing_speaker_leaves_the_others_speaking_as_alone(qwen
 
 
 def test_qwen2_5_omni_talkers_stepped_together_speak_as_each_alone(qwen2_5):
-    """Its talker starts once the whole answer is written: speakers whose answer is still
-    being written wait outside the batch while the others step."""
+    """Its talker follows the thinker too (one code a frame): speakers joining at other
+    steps, one hearing a token every other step and one cancelled, each speak as alone."""
     written = answers(qwen2_5)
     greedy = dict(talker_temperature=0)
     plans = [Plan(written[0], greedy), Plan(written[1], dict(greedy, voice="Ethan"), joins=3),
