@@ -230,14 +230,16 @@ def test_a_cancelled_or_failing_speaker_leaves_the_others_speaking_as_alone(qwen
 
 def test_qwen2_5_omni_talkers_stepped_together_speak_as_each_alone(qwen2_5):
     """Its talker follows the thinker too (one code a frame): speakers joining at other
-    steps, one hearing a token every other step and one cancelled, each speak as alone."""
+    steps, one hearing a token every other step, one cancelled and one sampled from its
+    seed, each speak as alone."""
     written = answers(qwen2_5)
     greedy = dict(talker_temperature=0)
     plans = [Plan(written[0], greedy), Plan(written[1], dict(greedy, voice="Ethan"), joins=3),
-             Plan(written[2], greedy, joins=1, every=2, leaves=21)]
+             Plan(written[2], greedy, joins=1, every=2, leaves=21),
+             Plan(written[1], dict(seed=9), joins=2)]
     passes = []
     outcomes = together(qwen2_5, plans, passes)
-    for index in (0, 1):
+    for index in (0, 1, 3):  # greedy, and sampled from its seed
         one_shot = alone(qwen2_5, plans[index])
         assert len(one_shot.codes) > 4
         assert_spoke_alone(outcomes[index], one_shot)
@@ -246,7 +248,7 @@ def test_qwen2_5_omni_talkers_stepped_together_speak_as_each_alone(qwen2_5):
     whole = alone(qwen2_5, plans[2]).codes
     assert 0 < len(spoken) < len(whole) and cancelled.speech is None
     np.testing.assert_array_equal(spoken, whole[:len(spoken)])
-    assert max(rows for rows, _ in passes) == 3
+    assert max(rows for rows, _ in passes) == 4
 
 
 # ------------------------------------------------------------------------------ the rows
