@@ -49,9 +49,13 @@ def test_rows_tap_hands_each_row_what_it_records_alone(loaded):
     language_model = model.language_model
     decoder = language_model.model
     layer = 2
+    table = np.asarray(decoder.embed_tokens.weight)
+    # Ids the table has: MLX's gather does not check its indices, so an id past the end
+    # reads whatever memory follows the table (which earlier work in the process leaves
+    # there: zero in one pass, not in another).
     rng = np.random.default_rng(0)
-    prompts = mx.array(rng.integers(10, 1000, (3, 7)))
-    steps = mx.array(rng.integers(10, 1000, (3, 1)))
+    prompts = mx.array(rng.integers(10, table.shape[0], (3, 7)))
+    steps = mx.array(rng.integers(10, table.shape[0], (3, 1)))
 
     def record(rows, taps):
         """``prompts``' ``rows`` then one decode step, into ``taps``."""
@@ -72,6 +76,10 @@ def test_rows_tap_hands_each_row_what_it_records_alone(loaded):
         assert tap.positions() == alone.positions() == 8
         for ours, theirs in zip(tap.ids, alone.ids):
             np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+        # the records are the table's rows of the ids fed (numpy refuses an id past its end)
+        fed = np.concatenate([np.asarray(prompts[row]), np.asarray(steps[row])])
+        np.testing.assert_array_equal(
+            np.concatenate([np.asarray(e)[0] for e in alone.embeddings]), table[fed])
         for ours, theirs in [*zip(tap.embeddings, alone.embeddings),
                              *zip(tap.hidden, alone.hidden)]:
             assert ours.shape == theirs.shape
