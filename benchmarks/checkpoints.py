@@ -833,11 +833,12 @@ def speaks_until_stopped(talker, config) -> None:
     import torch
 
     generator = torch.Generator().manual_seed(1)
-    for name, param in talker.named_parameters():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight")):
-            param.copy_(config.initializer_range
-                        * torch.randn(param.shape, generator=generator, dtype=torch.float32))
-    talker.codec_head.weight[config.codec_eos_token_id] = 0
+    with torch.no_grad():
+        for name, param in talker.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight")):
+                param.copy_(config.initializer_range
+                            * torch.randn(param.shape, generator=generator, dtype=torch.float32))
+        talker.codec_head.weight[config.codec_eos_token_id] = 0
 
 
 def build(name: str, target: Path, text_layers: int | None = None,

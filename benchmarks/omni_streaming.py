@@ -31,7 +31,7 @@ audio; identical codes), not what a real model's seconds are.
 (``checkpoints.py``'s ``qwen3-omni-30b-a3b``: random bf16 weights, the experts a token
 uses, ``--text-layers`` of the thinker's 48 decoder layers, built on first use), with the
 checkpoint's picture and 80-word prompt. Each run is a fresh process (its peak RSS is its
-own), warmed up by a 2-token text-only answer of 4 frames; the answer is exactly
+own), warmed up by a 2-token answer of 4 frames to the same prompt; the answer is exactly
 ``--max-tokens`` tokens (end of sequence ignored, as ``mlxvlm.benchmark --ignore-eos``)
 and the talker speaks exactly ``--frames`` frames (the checkpoint's end-of-speech row is
 zero). ``--transformers-frames N`` adds one run of transformers' whole model (bfloat16,
@@ -163,7 +163,8 @@ def child_mlxvlm(mode: str, directory: Path, max_tokens: int, frames: int) -> di
     messages, image = real_prompt(directory)
     run = run_follow if mode == "follow" else run_after
     with eos_ignored(processor):
-        run_follow(model, processor, 2, 4)  # warm-up: kernels built, caches allocated
+        # warm-up, with the picture: kernels built, caches allocated, every weight read
+        run_follow(model, processor, 2, 4, messages, [image])
         result = run(model, processor, max_tokens, frames, messages, [image])
     return dict(result, engine="mlxvlm", load_s=load_s, peak_rss_gb=peak_rss_gb())
 
@@ -246,6 +247,23 @@ def run_child(mode: str, args) -> dict:
     return result
 
 
+def table(runs: list[dict]) -> str:
+    """The runs as a Markdown table, in the order they ran; seconds from the call's start."""
+    lines = ["| engine, speech | load average | first token s | first audio s | first audio "
+             "after first token s | tokens before it | text done s | audio done s | audio s "
+             "| real-time factor | peak RSS GB |", "|" + "---|" * 11]
+    for r in runs:
+        mode = "talker follows" if r["mode"] == "follow" else "talker after the text"
+        lines.append(
+            f"| {r['engine']}, {mode} | {r['load_average'][0]:.1f}-{r['load_average'][1]:.1f} "
+            f"| {r['first_token_s']:.1f} | {r['first_audio_s']:.1f} "
+            f"| {r['first_audio_s'] - r['first_token_s']:.1f} "
+            f"| {r.get('tokens_before_first_audio', r['tokens'])} | {r['text_done_s']:.1f} "
+            f"| {r['total_s']:.1f} | {r['audio_s']:.2f} | {r['real_time_factor']:.1f} "
+            f"| {r['peak_rss_gb']:.2f} |")
+    return "\n".join(lines)
+
+
 def real_shapes(args) -> None:
     directory = real_shapes_checkpoint(args.text_layers)
     runs = []
@@ -257,8 +275,9 @@ def real_shapes(args) -> None:
         runs.append(run_child("transformers", args))
         print(json.dumps(runs[-1]), flush=True)
     mlx_runs = [r for r in runs if r["engine"] == "mlxvlm"]
-    same = all(r["codes_sha1"] == mlx_runs[0]["codes_sha1"] for r in mlx_runs)
+    same = all(r["codes_sha1"] == mlx_runs[0]["codes_sha1"] for r in mlx_runs) if mlx_runs else None
     print(f"identical codes in every mlxvlm run: {same}")
+    print(table(runs))
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(dict(
@@ -305,14 +324,15 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=None,
                         help="talker frames (default 96, or 64 with --real-shapes)")
     parser.add_argument("--runs", type=int, default=None,
-                        help="runs of each mode (default 3, or 2 with --real-shapes)")
+                        help="runs of each mode (default 3, or 2 with --real-shapes; 0 with "
+                             "--transformers-frames: transformers only)")
     parser.add_argument("--transformers-frames", type=int, default=0,
                         help="--real-shapes: also one run of transformers with this many frames")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     real = args.real_shapes or args.child is not None
     args.frames = args.frames or (64 if real else 96)
-    args.runs = args.runs or (2 if real else 3)
+    args.runs = args.runs if args.runs is not None else (2 if real else 3)
     if args.child is not None:
         directory = real_shapes_checkpoint(args.text_layers)
         if args.child == "transformers":
