@@ -56,8 +56,9 @@ Writes under benchmarks/checkpoints/ (git-ignored):
   (``omni_speech.py``'s), bfloat16, saved by transformers in the Hub's layout (one tensor
   per expert); each MoE keeps only as many experts as a token uses (the thinker 8 of 128,
   the talker 6 of 128: a token's work is the same), and the talker's end-of-speech code
-  row is zero too, so that both greedy decodes run to their limits (about 20 GB with all
-  48 decoder layers: ``--text-layers`` keeps fewer, at least the 25 the talker taps);
+  row is zero too, so that both greedy decodes run to their limits (10.4 GB with all
+  48 decoder layers, 8.1 GB with 28: ``--text-layers`` keeps fewer, at least the 25 the
+  talker taps);
 - ``*-4bit`` and ``*-8bit`` of each, made with ``python -m mlxvlm.convert``.
 
 Each is a Hugging Face checkpoint (config.json in the Hub's layout, safetensors,
