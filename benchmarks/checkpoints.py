@@ -48,6 +48,17 @@ Writes under benchmarks/checkpoints/ (git-ignored):
   native layout (5.6B: a 27-layer 1152-wide SigLIP tower over 448-px crops, a 24-block
   1024-wide conformer audio encoder, a 32-layer 3072-wide Phi-4-mini decoder with
   LongRoPE on 3/4 of each head; no LoRA folders), bfloat16 (about 11 GB on disk);
+- ``qwen3-omni-30b-a3b-bf16``: Qwen/Qwen3-Omni-30B-A3B-Instruct's shapes, the whole
+  model that speaks (its config.json): the thinker (AuT audio encoder, 32 x 1280; a
+  27-layer 1152-wide Qwen3-VL tower of 16-px patches with DeepStack taps after blocks 8,
+  16 and 24; a 48-layer 2048-wide Qwen3-MoE decoder, 32 heads over 4 KV heads, experts of
+  768 with 8 a token, a 152064-token vocabulary, untied head), the talker and code2wav
+  (``omni_speech.py``'s), bfloat16, saved by transformers in the Hub's layout (one tensor
+  per expert); each MoE keeps only as many experts as a token uses (the thinker 8 of 128,
+  the talker 6 of 128: a token's work is the same), and the talker's end-of-speech code
+  row is zero too, so that both greedy decodes run to their limits (10.4 GB with all
+  48 decoder layers, 8.1 GB with 28: ``--text-layers`` keeps fewer, at least the 25 the
+  talker taps);
 - ``*-4bit`` and ``*-8bit`` of each, made with ``python -m mlxvlm.convert``.
 
 Each is a Hugging Face checkpoint (config.json in the Hub's layout, safetensors,
@@ -674,6 +685,88 @@ def internvl3_5_30b_a3b():
                        tied=False)
 
 
+QWEN3_OMNI_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Experts kept per MoE: the experts one token uses (its work is the same as with 128)
+QWEN3_OMNI_THINKER_EXPERTS = 8
+QWEN3_OMNI_TALKER_EXPERTS = 6
+
+
+def qwen3_omni_30b_a3b():
+    """Qwen/Qwen3-Omni-30B-A3B-Instruct's shapes (its config.json), thinker, talker and
+    code2wav, with the experts a token uses. The word-level tokenizer has the chat roles
+    and the newline at their Qwen ids (``system`` 8948, ``user`` 872, ``assistant`` 77091,
+    ``\\n`` 198), which the talker's prompt is found by."""
+    from transformers import (Qwen2VLImageProcessorPil, Qwen3OmniMoeConfig,
+                              Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExtractor)
+
+    from omni_speech import CODE_PREDICTOR, TALKER, TALKER_TEXT
+
+    ids = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+           "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|image_pad|>": 151655,
+           "<|video_pad|>": 151656, "<|audio_start|>": 151669, "<|audio_end|>": 151670,
+           "<tts_pad>": 151671, "<tts_text_bos>": 151672, "<tts_text_eod>": 151673,
+           "<|audio_pad|>": 151675}
+    # the roles and the newline after them as Qwen's tokenizer gives them: the talker's
+    # prompt is the assistant turn's first three tokens, then the answer's first
+    roles = {"system": 8948, "user": 872, "assistant": 77091, "\n": 198}
+    tokenizer = word_level_tokenizer(
+        152064, {**ids, **roles}, eos="<|im_end|>", pad="<|endoftext|>",
+        extra_special_tokens={
+            "image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>",
+            "video_token": "<|video_pad|>", "vision_bos_token": "<|vision_start|>",
+            "vision_eos_token": "<|vision_end|>", "audio_bos_token": "<|audio_start|>",
+            "audio_eos_token": "<|audio_end|>"})
+    media = dict(audio_token_id=151675, image_token_id=151655, video_token_id=151656,
+                 audio_start_token_id=151669, vision_start_token_id=151652,
+                 position_id_per_seconds=13)
+    thinker = dict(
+        **media, audio_end_token_id=151670, vision_end_token_id=151653, user_token_id=872,
+        tie_word_embeddings=False, seconds_per_chunk=2,
+        text_config=dict(hidden_size=2048, intermediate_size=768, moe_intermediate_size=768,
+                         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                         head_dim=128, num_experts=QWEN3_OMNI_THINKER_EXPERTS,
+                         num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                         mlp_only_layers=[], vocab_size=152064, max_position_embeddings=65536,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                          "mrope_section": [24, 20, 20], "interleaved": True,
+                                          "mrope_interleaved": True},
+                         bos_token_id=151643, eos_token_id=151645, pad_token_id=151643),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                           out_hidden_size=2048, patch_size=16, spatial_merge_size=2,
+                           temporal_patch_size=2, num_position_embeddings=2304,
+                           deepstack_visual_indexes=[8, 16, 24],
+                           hidden_act="gelu_pytorch_tanh"),
+        audio_config=dict(d_model=1280, encoder_layers=32, encoder_attention_heads=20,
+                          encoder_ffn_dim=5120, downsample_hidden_size=480, n_window=50,
+                          n_window_infer=800, conv_chunksize=500, num_mel_bins=128,
+                          max_source_positions=1500, output_dim=2048),
+    )
+    talker = dict(**TALKER, **media, audio_end_token_id=151670, seconds_per_chunk=2,
+                  text_config={**TALKER_TEXT, "num_experts": QWEN3_OMNI_TALKER_EXPERTS},
+                  code_predictor_config=CODE_PREDICTOR)
+    # code2wav's defaults are the 30B's (8 x 1024 transformer, 1920x upsampling)
+    config = Qwen3OmniMoeConfig(thinker_config=thinker, talker_config=talker,
+                                code2wav_config={}, enable_audio_output=True)
+    # Qwen3-Omni's image processor: 16-px patches, merged 2x2, mean and std 0.5
+    image_processor = Qwen2VLImageProcessorPil(patch_size=16, min_pixels=128 * 32 * 32,
+                                               max_pixels=16384 * 32 * 32,
+                                               image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    extractor = WhisperFeatureExtractor(feature_size=128, return_attention_mask=True)
+    parts = Parts(tokenizer, image_processor, QWEN3_OMNI_TEMPLATE,
+                  {"processor_class": "Qwen3OmniMoeProcessor"}, "Qwen2VLImageProcessor",
+                  preprocessor_extra=extractor.to_dict())
+    return Qwen3OmniMoeForConditionalGeneration, config, parts, [151645, 151643]
+
+
 BUILDERS = {
     "smolvlm-256m": smolvlm_256m, "qwen2vl-2b": qwen2vl_2b, "qwen2vl-mid": qwen2vl_mid,
     "gemma4-e2b": gemma4_e2b, "qwen3vl-embedding-2b": qwen3vl_embedding_2b,
@@ -682,6 +775,7 @@ BUILDERS = {
     "internvl3_5-1b": internvl3_5_1b, "internvl3_5-30b-a3b": internvl3_5_30b_a3b,
     "granite-docling": granite_docling, "phi4-multimodal": phi4_multimodal,
     "qwen2vl-small": qwen2vl_small, "qwen2vl-0.5b": qwen2vl_05b,
+    "qwen3-omni-30b-a3b": qwen3_omni_30b_a3b,
 }
 
 
@@ -695,9 +789,17 @@ def benchmark_image(size: int = 448) -> Image.Image:
 
 def fewer_layers(config, text_layers: int | None, vision_layers: int | None) -> None:
     """Keep the first layers of the decoder and of the vision tower, at the same widths
-    (a host without room for the whole model still times a layer of its real shape)."""
+    (a host without room for the whole model still times a layer of its real shape); an
+    omni model's are its thinker's."""
+    thinker = getattr(config, "thinker_config", config)
+    talker = getattr(config, "talker_config", None)
+    if text_layers and talker is not None and talker.accept_hidden_layer >= text_layers:
+        # the talker reads the thinker's hidden states after that many layers
+        raise SystemExit(f"error: --text-layers {text_layers} drops the layer the talker "
+                         f"reads (accept_hidden_layer {talker.accept_hidden_layer}): keep "
+                         f"at least {talker.accept_hidden_layer + 1}")
     if text_layers:
-        text = config.text_config
+        text = thinker.text_config
         cross = getattr(text, "cross_attention_layers", None)
         if cross:
             # Llama 3.2 Vision: the cross-attention layers that fall among the first
@@ -713,7 +815,7 @@ def fewer_layers(config, text_layers: int | None, vision_layers: int | None) -> 
             if getattr(text, key, None):
                 setattr(text, key, getattr(text, key)[:text_layers])
     if vision_layers:
-        vision = config.vision_config
+        vision = thinker.vision_config
         key = "depth" if hasattr(vision, "depth") else "num_hidden_layers"
         taps = getattr(vision, "intermediate_layers_indices", None) or []
         if any(index >= vision_layers for index in taps):
@@ -722,6 +824,22 @@ def fewer_layers(config, text_layers: int | None, vision_layers: int | None) -> 
             raise SystemExit(f"error: --vision-layers {vision_layers} drops the vision "
                              f"tower's tapped layers {taps}")
         setattr(vision, key, vision_layers)
+
+
+def speaks_until_stopped(talker, config) -> None:
+    """An omni talker as a trained one runs: transformers 5.25 leaves its expert banks as
+    ``torch.empty`` gives them and its routers at zero (every expert tied), so they are
+    drawn here; and its end-of-speech row is zero, so that its greedy codes never end
+    before the frame limit."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in talker.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight")):
+                param.copy_(config.initializer_range
+                            * torch.randn(param.shape, generator=generator, dtype=torch.float32))
+        talker.codec_head.weight[config.codec_eos_token_id] = 0
 
 
 def build(name: str, target: Path, text_layers: int | None = None,
@@ -733,7 +851,10 @@ def build(name: str, target: Path, text_layers: int | None = None,
     torch.manual_seed(0)
     model = model_class._from_config(config, dtype=torch.bfloat16).eval()
     with torch.no_grad():  # greedy decoding of a random model must never pick EOS
-        model.get_output_embeddings().weight[eos_ids] = 0
+        getattr(model, "thinker", model).get_output_embeddings().weight[eos_ids] = 0
+        talker = getattr(model, "talker", None)
+        if talker is not None:
+            speaks_until_stopped(talker, config.talker_config)
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target)
     parts.save(target)

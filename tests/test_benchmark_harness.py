@@ -143,6 +143,67 @@ def test_fewer_layers_keeps_the_widths_and_each_per_layer_list_in_step():
     assert llama.vision_config.num_hidden_layers == 31
 
 
+def test_the_omni_checkpoint_keeps_what_a_token_and_the_talker_use():
+    import sys
+
+    import pytest
+
+    sys.path.insert(0, str(RUN_PY.parent))
+    from checkpoints import fewer_layers, qwen3_omni_30b_a3b
+
+    _, config, parts, eos_ids = qwen3_omni_30b_a3b()
+    thinker, talker = config.thinker_config, config.talker_config
+    # as many experts as a token uses: its work is the 30B's
+    assert thinker.text_config.num_experts == thinker.text_config.num_experts_per_tok
+    assert talker.text_config.num_experts == talker.text_config.num_experts_per_tok
+    fewer_layers(config, talker.accept_hidden_layer + 1, None)
+    assert thinker.text_config.num_hidden_layers == talker.accept_hidden_layer + 1
+    assert thinker.text_config.hidden_size == talker.thinker_hidden_size  # widths kept
+    with pytest.raises(SystemExit, match="drops the layer the talker reads"):
+        fewer_layers(config, talker.accept_hidden_layer, None)
+    # the talker finds each turn by the role token after <|im_start|>, and its prompt is
+    # the assistant turn's first three tokens: Qwen's tokenizer ends each header with
+    # "\n", its id 198
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w1"}]}]
+    text = parts.tokenizer.apply_chat_template(messages, chat_template=parts.chat_template,
+                                               add_generation_prompt=True, tokenize=False)
+    ids = parts.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids[:3] == [config.im_start_token_id, config.user_token_id, 198]
+    assert ids[-3:] == [config.im_start_token_id, config.assistant_token_id, 198]
+    assert thinker.image_token_id in ids and config.im_end_token_id in eos_ids
+
+
+def test_the_omni_talker_is_drawn_and_speaks_to_the_frame_limit():
+    import sys
+
+    import torch
+    from transformers import Qwen3OmniMoeConfig
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as tm
+
+    sys.path.insert(0, str(RUN_PY.parent))
+    from checkpoints import speaks_until_stopped
+
+    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, head_dim=8,
+                 num_attention_heads=2, num_key_value_heads=1)
+    config = Qwen3OmniMoeConfig(talker_config=dict(
+        text_config=dict(small, vocab_size=64, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=8, shared_expert_intermediate_size=8),
+        code_predictor_config=dict(small, vocab_size=16, num_code_groups=2),
+        num_code_groups=2, thinker_hidden_size=16, codec_eos_token_id=40,
+        spatial_merge_size=2)).talker_config
+    talker = tm.Qwen3OmniMoeTalkerForConditionalGeneration._from_config(config)
+    speaks_until_stopped(talker, config)
+    drawn = {name: param.detach() for name, param in talker.named_parameters()
+             if name.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight"))}
+    assert len(drawn) == 3
+    for name, value in drawn.items():  # the init's normal, whatever memory held before
+        assert torch.isfinite(value).all(), name
+        assert abs(value.std().item() - config.initializer_range) < 0.3 * config.initializer_range
+    head = talker.codec_head.weight.detach()
+    assert not head[config.codec_eos_token_id].any()  # greedy never ends the speech
+    assert (head.abs().sum(dim=1) > 0).sum() == head.shape[0] - 1
+
+
 def test_each_run_records_the_load_average_it_started_under():
     import json
     import sys
