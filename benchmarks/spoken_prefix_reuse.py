@@ -4,6 +4,13 @@ batching engine (as the server and the chat UI run it).
 
     python benchmarks/spoken_prefix_reuse.py --model PATH
     python benchmarks/spoken_prefix_reuse.py --model PATH --turns 4 --runs 3 --output r.json
+    MLXVLM_ALLOW_TORCH=1 python benchmarks/spoken_prefix_reuse.py --build DIR  # then --model DIR
+
+``--build DIR`` writes a mid-sized random speaking Qwen3-Omni: the tests' tiny one
+(``tests/tiny/qwen3_omni_speech.py``, seed 2: its talker and code2wav) with a wider and
+deeper thinker (``MID_TEXT``, ``MID_VISION``: a 12-layer 1024-wide MoE of 8 experts, 2 a
+token; a 4-layer vision tower), float32, about 1 GB: big enough that a prefill's tokens
+cost what they cost, small enough for a shared 2-core machine.
 
 Variants, alternating run by run: ``reuse``, an engine with a ``PrefixCache`` (a spoken
 turn reuses the entry the previous spoken turn left, its tap's records with it);
@@ -31,6 +38,8 @@ import threading
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+
 import mlx.core as mx
 import numpy as np
 from PIL import Image
@@ -49,6 +58,38 @@ QUESTIONS = ["What do you see in this picture?", "What colours are in it?",
 # Qwen/Qwen3-Omni-30B-A3B-Instruct's thinker (its config.json's thinker_config.text_config):
 # 48 layers of 2048, 4 KV heads of 128; its talker reads layer 24 (accept_hidden_layer).
 THINKER_WIDTH, THINKER_LAYERS, KV_HEADS, HEAD_DIM = 2048, 48, 4, 128
+
+# --build's thinker, over the tiny one's config
+MID_TEXT = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=12,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768)
+MID_ROPE_SECTION = [24, 20, 20]
+MID_VISION = dict(depth=4, hidden_size=256, intermediate_size=512, num_heads=4,
+                  out_hidden_size=1024)
+
+
+def build(directory: str) -> Path:
+    """The mid-sized speaking checkpoint, written to ``directory``."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny import qwen3_omni, qwen3_omni_speech
+
+    tiny_config = qwen3_omni._config
+
+    def mid_config(tokenizer):
+        config = tiny_config(tokenizer)
+        for name, value in MID_TEXT.items():
+            setattr(config.text_config, name, value)
+        config.text_config.rope_parameters["mrope_section"] = MID_ROPE_SECTION
+        for name, value in MID_VISION.items():
+            setattr(config.vision_config, name, value)
+        return config
+
+    qwen3_omni._config = mid_config
+    try:
+        model = qwen3_omni_speech.build_tiny_model("qwen3_omni_moe_speech", seed=2)
+    finally:
+        qwen3_omni._config = tiny_config
+    return qwen3_omni_speech.save_checkpoint(model, directory, "hub")
 
 
 def picture(size: int) -> Image.Image:
@@ -135,6 +176,7 @@ def conversation(model, processor, prefix_cache: PrefixCache | None, args) -> di
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a speaking checkpoint (Qwen3-Omni, Qwen2.5-Omni)")
+    parser.add_argument("--build", metavar="DIR", help="write the mid-sized checkpoint to DIR")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=24)
@@ -143,6 +185,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-step-size", type=int, default=2048)
     parser.add_argument("--output")
     args = parser.parse_args(argv)
+    if args.build:
+        print(build(args.build))
+        return 0
     widths = [bytes_per_token(mx.bfloat16), bytes_per_token(mx.float32)]
     for row in widths:
         print(f"30B-A3B widths, {row['dtype']}: tap records {row['tap_records']:.0f} B/token, "
