@@ -7,6 +7,8 @@ read the thinker's states from position 0), greedy thinker and talker:
   took in: the prompt and the answer but its last token -- and its text, codes and audio
   equal the same request's on an engine without a prefix cache, whatever the prefill
   chunk; the entry's bytes count its tap's records;
+- a first turn whose speech ends before its text (2 talker frames; Qwen3-Omni) still
+  leaves the records of every token its cache took in;
 - a text turn reuses a spoken turn's entry and answers as cold; a spoken turn after a
   text turn reuses nothing (the text entry has no tap records) and speaks as cold;
 - ``PrefixCache``: a spoken lookup takes only entries with tap records, never the disk's;
@@ -58,7 +60,7 @@ def loaded(request):
     return request.getfixturevalue(request.param)
 
 
-def answer(engine: BatchEngine, inputs: PreparedInputs, spoken: bool):
+def answer(engine: BatchEngine, inputs: PreparedInputs, spoken: bool, frames: int = FRAMES):
     """The request's steps and (spoken) its speech, the engine running it alone."""
     items, done = [], threading.Event()
 
@@ -71,7 +73,7 @@ def answer(engine: BatchEngine, inputs: PreparedInputs, spoken: bool):
 
     engine.submit(inputs, SamplingOptions(max_tokens=THINKER_TOKENS, temperature=0.0),
                   deliver, image_hashes=[image_hash(IMAGE)] if inputs.num_images else [],
-                  speech=SpeechRequest(None, 0, FRAMES) if spoken else None)
+                  speech=SpeechRequest(None, 0, frames) if spoken else None)
     assert done.wait(300)
     assert not isinstance(items[-1], BaseException), items[-1]
     steps = [item for item in items if isinstance(item, BatchStep)]
@@ -139,6 +141,28 @@ def test_a_spoken_turn_reuses_the_last_spoken_turn_and_speaks_as_cold(loaded, en
     second = next_turn(loaded, first, [s.token for s in steps])
     reused = answer(engines.cached, second, spoken=True)
     assert reused[0][0].cached_tokens == fed
+    assert_same_speech(reused, answer(engines.cold, second, spoken=True))
+
+
+def test_a_turn_whose_speech_ends_first_still_leaves_whole_records(qwen3_omni):
+    """(Qwen3-Omni's talker follows the thinker, so its speech may end first; Qwen2.5-Omni's
+    starts once the text is written.)"""
+    engines = Engines(qwen3_omni)
+    try:
+        spoken_first(qwen3_omni, engines)
+    finally:
+        engines.close()
+
+
+def spoken_first(loaded, engines):
+    first = first_turn(loaded)
+    steps, speech = answer(engines.cached, first, spoken=True, frames=2)
+    assert len(speech.codes) == 2 and len(steps) == THINKER_TOKENS  # the text went on
+    entry, = engines.cached.prefix_cache._entries.values()
+    assert entry.tap.length == entry.key.shape[0] == first.num_tokens + len(steps) - 1
+    second = next_turn(loaded, first, [s.token for s in steps])
+    reused = answer(engines.cached, second, spoken=True)
+    assert reused[0][0].cached_tokens == entry.key.shape[0]
     assert_same_speech(reused, answer(engines.cold, second, spoken=True))
 
 
