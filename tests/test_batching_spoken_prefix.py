@@ -7,8 +7,8 @@ read the thinker's states from position 0), greedy thinker and talker:
   took in: the prompt and the answer but its last token -- and its text, codes and audio
   equal the same request's on an engine without a prefix cache, whatever the prefill
   chunk; the entry's bytes count its tap's records;
-- a first turn whose speech ends before its text (2 talker frames; Qwen3-Omni) still
-  leaves the records of every token its cache took in;
+- a first turn whose speech may end before its text (2 talker frames) still leaves the
+  records of every token its cache took in;
 - a text turn reuses a spoken turn's entry and answers as cold; a spoken turn after a
   text turn reuses nothing (the text entry has no tap records) and speaks as cold;
 - ``PrefixCache``: a spoken lookup takes only entries with tap records, never the disk's;
@@ -144,17 +144,8 @@ def test_a_spoken_turn_reuses_the_last_spoken_turn_and_speaks_as_cold(loaded, en
     assert_same_speech(reused, answer(engines.cold, second, spoken=True))
 
 
-def test_a_turn_whose_speech_ends_first_still_leaves_whole_records(qwen3_omni):
-    """(Qwen3-Omni's talker follows the thinker, so its speech may end first; Qwen2.5-Omni's
-    starts once the text is written.)"""
-    engines = Engines(qwen3_omni)
-    try:
-        spoken_first(qwen3_omni, engines)
-    finally:
-        engines.close()
-
-
-def spoken_first(loaded, engines):
+def test_a_turn_whose_speech_ends_first_still_leaves_whole_records(loaded, engines):
+    """(Where a talker follows the thinker token by token its speech may end first.)"""
     first = first_turn(loaded)
     steps, speech = answer(engines.cached, first, spoken=True, frames=2)
     assert len(speech.codes) == 2 and len(steps) == THINKER_TOKENS  # the text went on
