@@ -6,7 +6,10 @@ greedy thinker and talker (talker_temperature 0):
   asked for alone (text, audio bytes), and /metrics shows they decoded in one batch;
 - a streamed spoken answer whose client leaves mid-way is stopped (the engine counts it
   cancelled) while another spoken answer being written beside it ends unchanged;
-- /v1/audio/speech beside a chat spoken answer: each says what it says alone.
+- /v1/audio/speech beside a chat spoken answer: each says what it says alone;
+- a two-turn spoken conversation: the second turn reuses the first's prompt cache
+  (``cached_tokens`` covers the first turn's prompt) and says what the same request says
+  on a server started with the prompt cache off (``--prompt-cache-size 0``).
 
 Their own server (a fresh one: its peak batch size starts below 2).
 """
@@ -59,14 +62,17 @@ def metric(server, name: str) -> float:
     return sum(values)
 
 
-def spoken(client, messages, voice: str | None = None) -> tuple[str, bytes]:
-    """A whole spoken answer's text and pcm16 audio."""
-    answer = client.chat.completions.create(
+def spoken_completion(client, messages, voice: str | None = None):
+    return client.chat.completions.create(
         model=client.model, messages=messages, max_tokens=SPOKEN_TOKENS, temperature=0,
         modalities=["text", "audio"],
         audio={"format": "pcm16"} | ({"voice": voice} if voice else {}),
         extra_body={"talker_temperature": 0, "talker_max_frames": FRAMES})
-    message = answer.choices[0].message
+
+
+def spoken(client, messages, voice: str | None = None) -> tuple[str, bytes]:
+    """A whole spoken answer's text and pcm16 audio."""
+    message = spoken_completion(client, messages, voice).choices[0].message
     return message.content, base64.b64decode(message.audio.data)
 
 
@@ -154,3 +160,21 @@ def test_a_client_leaving_a_spoken_answer_leaves_the_one_beside_it_whole(server,
 def test_the_speech_endpoint_beside_a_spoken_chat_answer(client):
     alone = [said(client), spoken(client, DESCRIBE)]
     assert at_once(lambda: said(client), lambda: spoken(client, DESCRIBE)) == alone
+
+
+def test_a_spoken_conversation_reuses_its_prompt_cache(client, speaking_checkpoint):
+    first = spoken_completion(client, DESCRIBE)
+    conversation = [*DESCRIBE, {"role": "assistant", "content": first.choices[0].message.content},
+                    *SQUARE]
+    second = spoken_completion(client, conversation)
+    # the second turn's prompt starts with the first's
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    with ServerProcess("--model", speaking_checkpoint, "--prompt-cache-size", "0") as cold:
+        cold_client = cold.openai_client()
+        cold_client.model = speaking_checkpoint
+        expected = spoken_completion(cold_client, conversation)
+    assert expected.usage.prompt_tokens_details.cached_tokens == 0
+    assert expected.usage.prompt_tokens == second.usage.prompt_tokens
+    assert len(expected.choices[0].message.audio.data) > 0
+    assert second.choices[0].message.content == expected.choices[0].message.content
+    assert second.choices[0].message.audio.data == expected.choices[0].message.audio.data

@@ -22,9 +22,12 @@ it: the shared prefix is neither prefilled nor are its images encoded again.
 
 A spoken request (``submit(speech=)``, a model with a talker) is a row like the others;
 its talker follows its thinker token by token, every talker that can take a frame takes
-one per iteration, and its audio is delivered between its steps (``spoken_rows``). It
-reuses and stores no prefix and never speculates; its speaker's failure ends it alone, and
-a fault of the talkers' step fails the spoken requests, not the text rows.
+one per iteration, and its audio is delivered between its steps (``spoken_rows``). Its
+prefix-cache entry carries what its tap recorded (its talker reads the whole prompt's
+thinker states), so a later spoken turn reuses it and records only its new positions; a
+spoken turn after a text turn prefills whole. It never speculates; its speaker's failure
+ends it alone, and a fault of the talkers' step fails the spoken requests, not the text
+rows.
 
 ``BatchEngine`` is the reusable core (the server runs it on a thread);
 ``mlxvlm.batching.api.batch_generate`` is the one-call Python API.
@@ -159,6 +162,8 @@ class _Sequence:
     # A spoken request's: what to say, and the tap recording its thinker states.
     speech: SpeechRequest | None = None
     tap: Any = None
+    # what its tap held once its text was written (its prefix-cache entry's records)
+    tap_records: Any = None
     written: bool = False  # its text is complete
     failed: bool = False  # its failure is delivered (a speaker's may come between steps)
 
@@ -307,7 +312,6 @@ class BatchEngine(EngineThread):
         if speech is not None:
             # a model that does not speak, a voice it lacks, a sharded model
             check_speech_request(self.model, speech, {})
-            image_hashes = None  # the talker reads the whole prompt's thinker states
         max_tokens = options.max_tokens
         max_kv_size = self.cache_options.max_kv_size
         if max_kv_size is None:
@@ -516,7 +520,9 @@ class BatchEngine(EngineThread):
         """Encode the prompt (reusing a cached prefix when one matches) and set up the
         chunked prefill of the rest."""
         model, ids = self.model, seq.inputs.input_ids
-        hit = self.prefix_cache.lookup(seq.key, seq.namespace) if seq.key is not None else None
+        hit = None
+        if seq.key is not None:  # a spoken request's entry must carry its tap's records
+            hit = self.prefix_cache.lookup(seq.key, seq.namespace, spoken=seq.speech is not None)
         state = None
         if hit is not None:
             try:  # the family may refuse a prefix (e.g. one ending inside a bidirectional span)
@@ -543,7 +549,7 @@ class BatchEngine(EngineThread):
         if self.speculation is not None and seq.speech is None:  # a spoken row never drafts
             seq.drafter = self.speculation.watching_drafter(model, seq.options, start,
                                                             self.prefill_step_size)
-        seq.tap = SpokenRows.tap_for(seq.speech, model)
+        seq.tap = SpokenRows.tap_for(seq.speech, model, hit.tap if hit is not None else None)
         seq.prefill = prefill_chunks(
             self._target_of(seq),
             ids[:, start:],
@@ -832,6 +838,9 @@ class BatchEngine(EngineThread):
                 logprobs, token, seq.options.top_logprobs)
         self.stats.generated_tokens += 1
         self._deliver(seq, step)
+        if finish_reason is not None and seq.tap is not None and seq.key is not None:
+            # taken now: its speaker may end (and its tap go) as it hears this token
+            seq.tap_records = seq.tap.records()
         if seq.speech is not None and not self._heard(seq, token, finish_reason is not None):
             return _FAILED
         if finish_reason is not None:
@@ -841,16 +850,17 @@ class BatchEngine(EngineThread):
 
     def _finished(self, seq: _Sequence, cache: list[Any] | None,
                   fed: list[int] | None = None) -> None:
-        if seq.speech is not None:  # its text only: it finishes when its speech ends
-            return
-        self.stats.requests_finished += 1
+        if seq.speech is None:  # a spoken one's text only: it finishes when its speech ends
+            self.stats.requests_finished += 1
         if cache is not None and self.prefix_cache is not None and seq.key is not None:
             # The cache holds the prompt and every generated token fed back: all but the
             # last sampled one (a speculating request's: the tokens it took in).
             fed = seq.generated[: seq.row.sampled - 1] if fed is None else fed
             key = np.concatenate([seq.key, np.asarray(fed, dtype=np.int64)])
             self.prefix_cache.insert(key, cache, self.model.stored_state(seq.state),
-                                     seq.snapshots, namespace=seq.namespace)
+                                     seq.snapshots, namespace=seq.namespace,
+                                     tap=seq.tap_records)
+            seq.tap_records = None
 
     def _update_throughput(self, tokens: int, seconds: float) -> None:
         if seconds <= 0:

@@ -23,9 +23,16 @@ A prefix hit shows in ``usage.prompt_tokens_details.cached_tokens``, which would
 client what another sent before; a server with API keys therefore keys every prompt by
 its client's namespace as well, so that reuse stays within one API key.
 
+A spoken request's entry also holds what its thinker tap recorded for the entry's tokens
+(``TapRecords``: ids, input embeddings, the talker's layer's hidden states), counted in
+the entry's bytes: its talker reads the whole prompt's states, so a spoken lookup
+(``lookup(spoken=True)``) takes only entries with records, from memory only, and its hit
+hands them on cut to the prefix. A text turn reuses a spoken turn's entry like any other.
+
 Beneath the memory a ``DiskPrefixCache`` (``disk_prefix_cache``) may keep finished
 entries across restarts: a lookup asks memory first, then the disk, whose entry joins
-the memory when it gives back a longer prefix.
+the memory when it gives back a longer prefix. The disk keeps no tap records: a spoken
+entry is written as a text one (a text turn after a restart resumes from it).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from mlxvlm.generate.state_cache import (
 
 if TYPE_CHECKING:
     from mlxvlm.batching.disk_prefix_cache import DiskPrefixCache
+    from mlxvlm.models.layers.hidden_tap import TapRecords
 
 
 def image_hash(image: Image.Image) -> str:
@@ -153,6 +161,8 @@ class _Entry:
     # A layer cache that cannot be trimmed (a rotating window that has wrapped): the entry
     # is reusable only whole, by a prompt that extends all of it (a chat's next turn).
     whole_only: bool = False
+    # A spoken request's: its thinker tap's records of the key's tokens (None: a text one's).
+    tap: "TapRecords | None" = None
 
     def reusable_length(self, length: int) -> int:
         """The longest prefix of at most ``length`` tokens this entry can give back."""
@@ -185,6 +195,7 @@ class PrefixHit:
     state: Any
     length: int
     snapshots: StateSnapshots = field(default_factory=StateSnapshots)
+    tap: "TapRecords | None" = None  # a spoken lookup's: the first ``length`` positions'
 
 
 class PrefixCache:
@@ -212,14 +223,19 @@ class PrefixCache:
         return sum(e.nbytes for e in self._entries.values())
 
     def insert(self, key: np.ndarray, cache: list[Any], state: Any,
-               snapshots: StateSnapshots | None = None, namespace: str | None = None) -> None:
+               snapshots: StateSnapshots | None = None, namespace: str | None = None,
+               tap: "TapRecords | None" = None) -> None:
         """Keep ``cache`` (holding the tokens ``key`` names) for later prompts. A cache with
         state layers is reusable only at the lengths ``snapshots`` recorded and at its
         own end; without snapshots, only whole. A cache with a layer that is neither
         trimmable nor a state (a rotating KV cache past its window) is reusable only
         whole. ``namespace`` (the API key's, already part of ``key``) labels the entry's
-        file on disk."""
+        file on disk. ``tap``: a spoken request's records, of at least the key's tokens
+        (fewer: the entry is kept without them)."""
         entry = self._entry(key, cache, state, snapshots)
+        if tap is not None and tap.length >= entry.key.shape[0]:
+            entry.tap = tap.cut(entry.key.shape[0])
+            entry.nbytes += entry.tap.nbytes
         if self.disk is not None:
             self.disk.save(entry.key, namespace, entry.cache, entry.state, entry.snapshots,
                            entry.whole_only)
@@ -256,14 +272,18 @@ class PrefixCache:
                 self._entries.popitem(last=False)
         return entry_id
 
-    def lookup(self, key: np.ndarray, namespace: str | None = None) -> PrefixHit | None:
+    def lookup(self, key: np.ndarray, namespace: str | None = None,
+               spoken: bool = False) -> PrefixHit | None:
         """The entry sharing the longest prefix with ``key``, cut to leave at least the
         last token of ``key`` to be computed (it gives the first new token's logits):
         memory's, or the disk's where it gives back more (``namespace``: the API key's,
-        which a file must carry)."""
+        which a file must carry). ``spoken``: only an entry with tap records (memory's),
+        its records in the hit."""
         with self._lock:
             best_id, best_length = None, 0
             for entry_id, entry in self._entries.items():
+                if spoken and entry.tap is None:
+                    continue
                 length = min(common_prefix_length(entry.key, key), key.shape[0] - 1)
                 length = entry.reusable_length(length)
                 if length > best_length:
@@ -272,7 +292,7 @@ class PrefixCache:
             if best_id is not None:
                 self._entries.move_to_end(best_id)
                 best = self._entries[best_id]
-        if self.disk is not None:
+        if self.disk is not None and not spoken:
             found = self.disk.best(key, namespace)
             if found is not None and found[1] > best_length:
                 loaded = self.disk.load(found[0], namespace)
@@ -284,7 +304,8 @@ class PrefixCache:
             return None
         # Entries are never changed once inserted, so the copy needs no lock.
         snapshots = best.snapshots.up_to(best_length) if best.snapshots else StateSnapshots()
-        return PrefixHit(best.cut(best_length), best.state, best_length, snapshots)
+        tap = best.tap.cut(best_length) if spoken else None
+        return PrefixHit(best.cut(best_length), best.state, best_length, snapshots, tap)
 
     def close(self) -> None:
         """Finish the disk tier's writes."""

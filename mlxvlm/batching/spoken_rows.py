@@ -8,8 +8,9 @@ ready talker once per engine iteration; what a speaker says reaches its request 
 once both its text and its speech are done.
 
 The tap is per request because the talker needs the whole prompt's states: a spoken
-request neither reuses nor stores a prefix-cache entry, and it never speculates (its
-thinker decodes a plain row)."""
+request's prefix-cache entry keeps what its tap recorded (``TapRecords``), and a later
+spoken request reusing that entry starts its tap from them (``tap_for``), recording only
+its new positions. It never speculates (its thinker decodes a plain row)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from mlxvlm.generate.speech import SpeechRequest
-from mlxvlm.models.layers.hidden_tap import HiddenTap, RowsTap
+from mlxvlm.models.layers.hidden_tap import HiddenTap, RowsTap, TapRecords
 from mlxvlm.speech.pipeline import AnswerSpeaker, Speech, hidden_tap
 from mlxvlm.speech.speech_batch import SpeechBatch, SpokenStep
 
@@ -49,8 +50,18 @@ class SpokenRows:
         return bool(self.requests)
 
     @staticmethod
-    def tap_for(request: SpeechRequest | None, model: Any) -> HiddenTap | None:
-        return None if request is None else hidden_tap(model)
+    def tap_for(request: SpeechRequest | None, model: Any,
+                reused: TapRecords | None = None) -> HiddenTap | None:
+        """A spoken request's tap: from the records of the prefix it reuses, if any."""
+        if request is None:
+            return None
+        tap = hidden_tap(model)
+        if reused is None:
+            return tap
+        if reused.layer != tap.layer:
+            raise ValueError(f"the reused records are of layer {reused.layer}, "
+                             f"the talker reads layer {tap.layer}")
+        return HiddenTap.resuming(reused)
 
     @contextmanager
     def recording(self, tap: HiddenTap | RowsTap | None) -> Iterator[None]:
@@ -102,7 +113,8 @@ class SpokenRows:
             self.forget(seq)
             return speech
         self._ended[seq.handle.id] = speech
-        seq.tap = None  # its row records no more
+        if seq.key is None:  # else its prefix-cache entry takes the records of all it feeds
+            seq.tap = None  # its row records no more
         return None
 
     def written(self, seq: Any) -> Speech | None:

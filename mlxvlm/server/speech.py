@@ -7,8 +7,9 @@ its thinker decodes in the batch beside the others, a tap of its own records the
 its talker reads, and the talker follows the thinker token by token, stepping once per
 engine iteration with the other answers being spoken. Its stream holds the text's steps
 and the codec's chunks in the order they were made (a streamed answer's text and audio
-deltas interleave), and ends with its whole speech. It reuses no prompt prefix (the talker
-reads the whole prompt's states) and never speculates.
+deltas interleave), and ends with its whole speech. It reuses the prompt prefix an
+earlier spoken answer left (whose cache entry keeps the thinker states its talker reads;
+a text answer's entry does not) and never speculates.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ closed); answers are serialized by a lock (the engine owns the one model; the pa
 other users wait their turn), and ``respond`` is the
 generator Gradio's ``ChatInterface`` streams from: when Gradio closes it (the stop
 button), the request is cancelled and the engine stops computing it at its next step.
-A model that speaks answers aloud through the same engine (``spoken_answers``), reusing
-no prefix for a spoken turn.
+A model that speaks answers aloud through the same engine (``spoken_answers``); a spoken
+turn reuses an earlier spoken turn's prefix (its entry keeps the thinker states the
+talker reads), not a text turn's.
 """
 
 from __future__ import annotations
@@ -234,7 +235,8 @@ class ChatSession:
         try:
             reply = ThoughtsAndAnswer(self.thinks, inputs.prompt_text)
             if spoken is not None:
-                yield from self._answer_aloud(inputs, settings, spoken, reply)
+                yield from self._answer_aloud(inputs, settings, spoken,
+                                              conversation.image_hashes, reply)
             else:
                 yield from self._answer(inputs, settings, conversation.image_hashes, reply)
         finally:
@@ -267,13 +269,14 @@ class ChatSession:
         mx.eval(inputs.input_ids, list(inputs.features.values()))
         return settings, conversation, inputs, spoken
 
-    def _answer_aloud(self, inputs, settings: Settings, spoken,
+    def _answer_aloud(self, inputs, settings: Settings, spoken, image_hashes,
                       reply: ThoughtsAndAnswer) -> Iterator[tuple[Any, str]]:
         """A spoken answer (``spoken_answers``), a failure shown after what was said."""
         options = settings.sampling_options()
         options.kept_token_ids = self.kept_token_ids
         try:
-            yield from spoken_turn(self, inputs, options, spoken, reply, YIELD_EVERY_S)
+            yield from spoken_turn(self, inputs, options, spoken, image_hashes, reply,
+                                   YIELD_EVERY_S)
         except Exception as e:  # noqa: BLE001 -- the chat shows it; the app goes on
             reply.finish()
             yield [*messages_of(reply.reply()), notice(_readable(e))], \

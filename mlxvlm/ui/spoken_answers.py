@@ -4,8 +4,9 @@ The chat's speech controls (``SpeechSettings``: speak answers or not, the voice,
 talker's temperature) are shown only for a model that speaks. A spoken turn goes through
 the session's batching engine as the server's spoken answers do (``submit(speech=)``:
 the talker follows the thinker token by token on the engine's thread); the stop button
-cancels it, and the engine stops its row and its talker at its next step. It reuses no
-prompt prefix (the talker reads the whole prompt's thinker states). The text streams
+cancels it, and the engine stops its row and its talker at its next step. It reuses the
+prefix an earlier spoken turn left (that entry keeps the thinker states the talker
+reads; a text turn's does not, and a spoken turn after one prefills whole). The text streams
 into the chat as it is written; then the audio comes as a message of its own: a 24 kHz
 16-bit WAV written in the app's private folder (``Uploads.keep_answer_audio``), which
 Gradio's Chatbot plays with its audio player and the /chat API hands out as a file.
@@ -102,16 +103,18 @@ def speaking_box() -> dict:
 
 
 def spoken_turn(session: "ChatSession", inputs, options: SamplingOptions,
-                request: SpeechRequest, reply: ThoughtsAndAnswer,
-                every: float) -> Iterator[tuple[Any, str]]:
+                request: SpeechRequest, image_hashes: list[str] | None,
+                reply: ThoughtsAndAnswer, every: float) -> Iterator[tuple[Any, str]]:
     """Yield ``(reply, stats_markdown)`` as ``session.respond`` does, at least every
     ``every`` seconds: the text as it is written, then the text with its audio and the
     new figures. A failure is raised, ``reply`` holding what was said before it. Closed
-    by Gradio (the stop button, the page gone), it cancels the request in the engine."""
+    by Gradio (the stop button, the page gone), it cancels the request in the engine.
+    ``image_hashes``: the conversation's (None: no prefix reuse), as a text turn's."""
     items: queue.SimpleQueue = queue.SimpleQueue()
     mx.reset_peak_memory()  # here: just before this answer runs
     submitted = time.perf_counter()
-    handle = session.engine.submit(inputs, options, items.put, speech=request)
+    handle = session.engine.submit(inputs, options, items.put, image_hashes=image_hashes,
+                                   speech=request)
     last = speech = first_at = written_at = None
     over = False  # the request has ended in the engine (its speech came, or its failure)
     try:

@@ -9,7 +9,39 @@ order, so the records cover the positions fed so far.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class TapRecords:
+    """What a tap recorded for a prompt's first positions, kept whole (one array each)
+    with the prefix-cache entry of those positions: a later spoken turn sharing them
+    starts its tap from these (``HiddenTap.resuming``) instead of prefilling them again.
+    The position state is not among them: the reusing request's own state (the entry's
+    state cut to the prefix, or its prompt's) covers every position from 0."""
+
+    layer: int
+    ids: mx.array  # (1, n)
+    embeddings: mx.array  # (1, n, width)
+    hidden: mx.array | None  # (1, n, width); None when ``layer`` is 0 (the embeddings)
+
+    @property
+    def length(self) -> int:
+        return self.embeddings.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        hidden = 0 if self.hidden is None else self.hidden.nbytes
+        return self.ids.nbytes + self.embeddings.nbytes + hidden
+
+    def cut(self, length: int) -> "TapRecords":
+        """The records of the first ``length`` positions."""
+        if length == self.length:
+            return self
+        hidden = None if self.hidden is None else self.hidden[:, :length]
+        return TapRecords(self.layer, self.ids[:, :length], self.embeddings[:, :length], hidden)
 
 
 class HiddenTap:
@@ -23,6 +55,27 @@ class HiddenTap:
         self.embeddings: list[mx.array] = []
         self.hidden: list[mx.array] = []
         self.state = None  # the prompt's position state (an MRopeState), when it has one
+
+    @classmethod
+    def resuming(cls, records: TapRecords) -> "HiddenTap":
+        """A tap holding ``records`` as its first positions, recording the rest as a tap
+        does (its position state: the first one its passes give)."""
+        tap = cls(records.layer)
+        tap.ids.append(records.ids)
+        tap.embeddings.append(records.embeddings)
+        tap.hidden.append(records.embeddings if records.hidden is None else records.hidden)
+        return tap
+
+    def records(self) -> TapRecords | None:
+        """Every position recorded so far, evaluated into one array each (None when a pass
+        gave no ids: a prompt key names tokens)."""
+        if not self.embeddings or any(ids is None for ids in self.ids):
+            return None
+        ids = mx.concatenate(self.ids, axis=1)
+        embeddings = mx.concatenate(self.embeddings, axis=1)
+        hidden = None if self.layer == 0 else mx.concatenate(self.hidden, axis=1)
+        mx.eval(ids, embeddings, *([] if hidden is None else [hidden]))
+        return TapRecords(self.layer, ids, embeddings, hidden)
 
     def record_input(self, ids: mx.array | None, embeddings: mx.array, state=None) -> None:
         if state is not None and self.state is None:
