@@ -290,7 +290,8 @@ def test_a_draft_model_drafts_every_row_as_it_drafts_one(family_models, family, 
     rows = embedding_rows(loaded[0])
     options = SamplingOptions(max_tokens=NEW, **({"temperature": 1.0} if sampled else {}))
     inputs = [inputs_of(loaded, t, i) for t, i in zip(TEXTS[:3], IMAGES)]
-    alone = [DraftModelDrafter(other, x, options, target_rows=rows, seed=7 + i) for i, x in enumerate(inputs)]
+    alone = [DraftModelDrafter(other, x, options, target_rows=rows, seed=7 + i)
+             for i, x in enumerate(inputs)]
     batch = DraftBatch(other)
     rng = np.random.default_rng(0)
     for i, x in enumerate(inputs):

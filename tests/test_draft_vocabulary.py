@@ -251,3 +251,17 @@ def test_the_server_stops_drafting_at_an_id_the_draft_lacks(tiny_checkpoints,
     assert before > 0
     assert after == before  # its first token is one the draft lacks: nothing drafted
     assert forced["usage"]["completion_tokens"] == 12
+
+
+def test_a_draft_id_the_target_has_no_logit_for_is_never_accepted():
+    """A target whose head is narrower than its table (Mllama's 8 image rows) lets such
+    ids through the cut; the speculative-sampling rule rejects them."""
+    import numpy as np
+
+    from mlxvlm.generate.acceptance import accept_sampled
+    from mlxvlm.generate.speculative import fit_draft
+
+    p = np.full((2, 4), 0.25)
+    q = np.eye(1, 6, 5)  # the draft drew id 5 with certainty; the target has 4 logits
+    accepted, token = accept_sampled(p, [5], fit_draft(q, 4), np.random.default_rng(0))
+    assert accepted == 0 and 0 <= token < 4

@@ -32,8 +32,9 @@ from mlxvlm.generate.loop import generation_stream
 def batchable(drafter: Any) -> bool:
     """Whether a row's drafter can draft in a batch here (a draft model whose cache can be
     taken back row by row)."""
-    return type(drafter) is DraftModelDrafter and not drafter.stopped and rewindable(drafter.cache) and (
-        not drafter.is_vlm or hasattr(drafter.model, "batch_states"))
+    return (type(drafter) is DraftModelDrafter and not drafter.stopped
+            and rewindable(drafter.cache)
+            and (not drafter.is_vlm or hasattr(drafter.model, "batch_states")))
 
 
 class DraftBatch:
