@@ -143,6 +143,23 @@ def test_a_smaller_draft_stops_before_an_id_it_lacks(target, temperature):
         assert FORCED in tokens and len(tokens) == NEW
 
 
+def test_a_vision_language_draft_lacking_a_prompt_id_never_drafts(target, tiny_checkpoints):
+    """A Qwen2-VL draft whose table stops below the prompt's <|image_pad|> is never fed
+    the prompt (its prefill would look the placeholders up too)."""
+    model, processor, _ = target
+    draft = mlxvlm.load(tiny_checkpoints.path("qwen2_vl", "hub"))[0]
+    text = draft.language_model.model
+    table = nn.Embedding(SMALL_ROWS, text.embed_tokens.weight.shape[1])
+    table.weight = text.embed_tokens.weight[:SMALL_ROWS]
+    text.embed_tokens = table
+    seen = spied(text)
+    plain, _ = run(model, processor)
+    tokens, last = run(model, processor, draft_model=draft)
+    assert tokens == plain
+    assert last.speculation.drafted == 0 and last.speculation.stopped_drafting == 1
+    assert not seen.ids
+
+
 def test_a_wider_draft_is_cut_before_the_verify_pass(target):
     model, processor, target_seen = target
     rows = embedding_rows(model)

@@ -111,12 +111,9 @@ class DraftModelDrafter:
             self._prefill_text(mx.array([inputs]), prefill_step_size)
 
     def _prompt_ids(self, inputs: PreparedInputs | list[int]) -> list[int]:
-        """The prompt's ids the draft's table is read at (a vision-language draft embeds
-        its media placeholders its own way, as it does alone)."""
-        if not self.is_vlm:
-            return inputs
-        placeholders = set(getattr(self.model, "placeholder_token_ids", ()))
-        return [t for t in inputs.input_ids[0].tolist() if t not in placeholders]
+        """The prompt's ids the draft is fed (a vision-language draft's media
+        placeholders included: its ``embed`` looks them up too)."""
+        return inputs.input_ids[0].tolist() if self.is_vlm else inputs
 
     def _holds(self, ids: Sequence[int]) -> bool:
         return in_table(ids, self.rows) == len(ids)
