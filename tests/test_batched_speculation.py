@@ -283,16 +283,19 @@ def test_a_draft_model_drafts_every_row_as_it_drafts_one(family_models, family, 
     import numpy as np
 
     from mlxvlm.batching.draft_batch import DraftBatch
+    from mlxvlm.generate.draft_vocab import embedding_rows
     from mlxvlm.generate.drafters import DraftModelDrafter
 
     loaded, other, _ = family_models(family)
+    rows = embedding_rows(loaded[0])
     options = SamplingOptions(max_tokens=NEW, **({"temperature": 1.0} if sampled else {}))
     inputs = [inputs_of(loaded, t, i) for t, i in zip(TEXTS[:3], IMAGES)]
-    alone = [DraftModelDrafter(other, x, options, seed=7 + i) for i, x in enumerate(inputs)]
+    alone = [DraftModelDrafter(other, x, options, target_rows=rows, seed=7 + i)
+             for i, x in enumerate(inputs)]
     batch = DraftBatch(other)
     rng = np.random.default_rng(0)
     for i, x in enumerate(inputs):
-        drafter = DraftModelDrafter(other, x, options, seed=7 + i)
+        drafter = DraftModelDrafter(other, x, options, target_rows=rows, seed=7 + i)
         first = int(rng.integers(0, 100))
         drafter.update(0, first)
         alone[i].update(0, first)

@@ -100,11 +100,12 @@ TEXT_DRAFT = dict(model_type="llama", hidden_size=32, num_hidden_layers=2,
 
 
 def text_draft(vocab_size: int):
-    """A random mlx-lm Llama over the target's ids (5 fewer: a draft's vocabulary may
-    lack the target's last ids)."""
+    """A random mlx-lm Llama over the target's ids (3 fewer: a draft's vocabulary may
+    lack the target's last ids; the tiny Qwen2-VL's are its media placeholders, which a
+    text-only draft is not fed, and padding)."""
     from mlx_lm.models import llama
 
-    draft = llama.Model(llama.ModelArgs(**TEXT_DRAFT, vocab_size=vocab_size - 5))
+    draft = llama.Model(llama.ModelArgs(**TEXT_DRAFT, vocab_size=vocab_size - 3))
     mx.eval(draft.parameters())
     return draft
 
@@ -126,7 +127,7 @@ def test_a_text_only_draft_sees_the_prompt_without_media(models, tmp_path):
     assert last.speculation.drafted > 0
 
     save_model(tmp_path, draft)
-    save_config({**TEXT_DRAFT, "vocab_size": vocab - 5}, tmp_path / "config.json")
+    save_config({**TEXT_DRAFT, "vocab_size": vocab - 3}, tmp_path / "config.json")
     processor.tokenizer.save_pretrained(tmp_path)
     loaded, draft_processor = load_draft(str(tmp_path))
     assert draft_processor is None and type(loaded).__module__ == "mlx_lm.models.llama"

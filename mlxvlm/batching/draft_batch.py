@@ -10,7 +10,9 @@ further pass feeds each row its previous draft. A row that may draft fewer token
 the most (its budget, or nothing this step) rides along and has the extra steps taken
 back. After the target's verdict each row keeps its accepted drafts in the draft cache
 (``row_rewind``; a recurrent draft layer that cannot keeps none, and they are fed again
-with the next step's pending tokens).
+with the next step's pending tokens). Each row's drafts are cut at the first id the
+target's table lacks, and a row whose sequence comes to hold an id the draft's table lacks
+stops drafting (``DraftModelDrafter.stopped``; the speculating batch takes it out).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from mlxvlm.generate.loop import generation_stream
 def batchable(drafter: Any) -> bool:
     """Whether a row's drafter can draft in a batch here (a draft model whose cache can be
     taken back row by row)."""
-    return type(drafter) is DraftModelDrafter and rewindable(drafter.cache) and (
-        not drafter.is_vlm or hasattr(drafter.model, "batch_states"))
+    return (type(drafter) is DraftModelDrafter and not drafter.stopped
+            and rewindable(drafter.cache)
+            and (not drafter.is_vlm or hasattr(drafter.model, "batch_states")))
 
 
 class DraftBatch:
@@ -87,7 +90,7 @@ class DraftBatch:
         fed = BatchCheckpoint(self.cache, lengths)
         with mx.stream(generation_stream):
             logits = self._logits(mx.array([p + [0] * (width - len(p)) for p in pending]))
-            logits = logits[mx.arange(len(self.rows)), mx.array(lengths) - 1]
+            logits = self.rows[0].fitted(logits[mx.arange(len(self.rows)), mx.array(lengths) - 1])
         fed.rewind(self.cache, lengths)  # the pads out; every row keeps its pending tokens
         for row in self.rows:
             row.pending = []
@@ -97,14 +100,14 @@ class DraftBatch:
         chain = [tokens]
         for step in range(1, most):
             with mx.stream(generation_stream):
-                logits = self._logits(chain[-1][:, None])[:, -1, :]
+                logits = self.rows[0].fitted(self._logits(chain[-1][:, None])[:, -1, :])
             chain.append(self._draw(logits, dists, [room > step for room in rooms]))
         self.chained = most - 1
         drafted = mx.stack(chain, axis=1).tolist()
         proposals = []
         for i, (row, room) in enumerate(zip(self.rows, rooms)):
-            self.drafts[i] = drafted[i][:room]
             q = np.stack(dists[i][:room]) if room and not row.greedy else None
+            self.drafts[i], q = row.within_target(drafted[i][:room], q)
             proposals.append((self.drafts[i], q))
         return proposals
 
@@ -140,8 +143,8 @@ class DraftBatch:
                 continue
             accepted, next_token = verdict
             if not self.drafts[i]:  # nothing drafted: the token waits for the next step
-                row.pending.append(next_token)
+                row.take([*row.pending, next_token])
                 continue
-            row.pending = [*self.drafts[i][held[i]:accepted], next_token]
+            row.take([*self.drafts[i][held[i]:accepted], next_token])
         self.checkpoint, self.drafts, self.chained = None, [], 0
 

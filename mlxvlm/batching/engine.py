@@ -191,6 +191,8 @@ class EngineStats:
     # Speculative decoding, over the requests that finished speculating.
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # requests whose draft model stopped drafting at an id its embedding table lacks
+    stopped_drafts: int = 0
 
 
 # What ``_emit`` reports about a request (_FAILED: its failure is delivered).
@@ -654,8 +656,7 @@ class BatchEngine(EngineThread):
         self._speculating = None
         seq.speculative.close()
         seq.drafter = None
-        self.stats.drafted_tokens += seq.speculation_stats.drafted
-        self.stats.accepted_draft_tokens += seq.speculation_stats.accepted
+        self._count_speculation(seq.speculation_stats)
         if outcome is _FINISHED:
             self._finished(seq, seq.cache if self._keeps_cache(seq) else None, fed=seq.held)
         else:
@@ -679,6 +680,7 @@ class BatchEngine(EngineThread):
     def _count_speculation(self, stats: SpeculationStats) -> None:
         self.stats.drafted_tokens += stats.drafted
         self.stats.accepted_draft_tokens += stats.accepted
+        self.stats.stopped_drafts += stats.stopped_drafting
 
     def _speculative_batch_step(self) -> None:
         """One batched verify pass; each row's tokens delivered, rows that end leave."""

@@ -76,6 +76,7 @@ class SpeculativeBatch:
                              np.random.default_rng(None if seed is None else step_seed(seed, 0)),
                              stats)
         drafter.update(0, first)
+        stats.note(drafter)
         if batchable(drafter):
             if self.draft_batch is None:
                 self.draft_batch = DraftBatch(drafter.model)
@@ -143,6 +144,9 @@ class SpeculativeBatch:
                 judged.append(outcome)
         if self.draft_batch:
             self.draft_batch.update(judged)
+            self._drop_stopped_drafts()
+        for row in self.rows:
+            row.stats.note(row.drafter)
         held = checkpoint.rewind(self.cache, keep)
         for row, verdict, feed, kept, now in zip(self.rows, verdicts, feeds, keep, held):
             row.held.extend(feed[:now])
@@ -151,6 +155,17 @@ class SpeculativeBatch:
                 row.pending = feed[now:kept] + verdict.tokens[-1:]
                 row.emitted.extend(verdict.tokens)
         return verdicts
+
+    def _drop_stopped_drafts(self) -> None:
+        """Rows whose draft stopped (their sequence holds an id the draft's table lacks)
+        leave the draft batch; they go on without drafts."""
+        stopped = [row for row in self.rows if row.in_draft_batch and row.drafter.stopped]
+        if not stopped:
+            return
+        self.draft_batch.keep([i for i, drafter in enumerate(self.draft_batch.rows)
+                               if not drafter.stopped])
+        for row in stopped:
+            row.in_draft_batch = False
 
     def _pass(self, ids: mx.array, lengths: list[int]) -> mx.array:
         watching = [row for row in self.rows if isinstance(row.drafter, MtpDrafter)]

@@ -316,7 +316,7 @@ def _answer(args: argparse.Namespace, model, processor, media) -> None:
     if args.draft_model is not None:
         from mlxvlm.generate.drafters import load_draft
 
-        draft = load_draft(args.draft_model)
+        draft = load_draft(args.draft_model, processor)
     if args.verbose:
         from mlxvlm.checkpoint.disk_tables import describe as describe_disk_tables
 

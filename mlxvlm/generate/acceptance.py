@@ -48,9 +48,10 @@ def residual_distribution(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 
 def acceptance_probability(p: np.ndarray, q: np.ndarray, token: int) -> float:
-    """``min(1, p(token) / q(token))``; a token the draft could not have drawn (q = 0) is
-    never accepted."""
-    if q[token] <= 0:
+    """``min(1, p(token) / q(token))``; a token the draft could not have drawn (q = 0), or
+    one the target has no logit for (a draft head wider than the target's), is never
+    accepted."""
+    if token >= p.shape[-1] or q[token] <= 0:
         return 0.0
     return min(1.0, p[token] / q[token])
 

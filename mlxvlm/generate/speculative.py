@@ -62,6 +62,9 @@ class SpeculationStats:
     accepted: int = 0  # of those, kept
     target_passes: int = 0  # decoding passes of the target (the prompt's not counted)
     decoded: int = 0  # tokens emitted by those passes
+    # 1 once the draft model stopped drafting: the sequence holds an id its embedding
+    # table lacks (``draft_vocab``); the sequence decodes plainly from there.
+    stopped_drafting: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -71,10 +74,16 @@ class SpeculationStats:
     def tokens_per_pass(self) -> float:
         return self.decoded / self.target_passes if self.target_passes else 0.0
 
+    def note(self, drafter: Any) -> None:
+        """Count a drafter that stopped drafting (a draft model's ``stopped``)."""
+        self.stopped_drafting = int(bool(getattr(drafter, "stopped", False)))
+
     def describe(self) -> str:
+        stopped = ("; the draft model stopped drafting at a token its vocabulary lacks"
+                   if self.stopped_drafting else "")
         return (f"{self.accepted}/{self.drafted} drafted tokens accepted "
                 f"({100 * self.acceptance_rate:.1f}%), {self.tokens_per_pass:.2f} tokens "
-                f"per target pass ({self.target_passes} passes)")
+                f"per target pass ({self.target_passes} passes){stopped}")
 
 
 @dataclass(frozen=True)
@@ -190,6 +199,7 @@ def speculative_decode(
     held = [] if held is None else held
     emitted = [first]
     drafter.update(0, first)
+    stats.note(drafter)
     greedy = is_greedy(options)
     rng_seed = None if options.seed is None else step_seed(options.seed, 0)
     rng = np.random.default_rng(rng_seed)
@@ -231,6 +241,7 @@ def speculative_decode(
         else:
             pending = feed[:kept] + [next_token]
         drafter.update(accepted, next_token)
+        stats.note(drafter)
         new_tokens = [*drafts[:accepted], next_token]
         for i, token in enumerate(new_tokens):
             emitted.append(token)

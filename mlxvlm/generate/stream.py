@@ -308,7 +308,7 @@ def _written(
             model, inputs, options, draft_model=speculation.draft_model,
             prompt_lookup=speculation.prompt_lookup_num_tokens is not None,
             mtp=speculation.mtp, prepare_draft_inputs=prepare_draft_inputs,
-            prefill_step_size=prefill_step_size,
+            prefill_step_size=prefill_step_size, target_processor=processor,
         )
         stats = SpeculationStats()
         tokens = speculative_tokens(model, inputs, options=options, drafter=drafter,
