@@ -8,6 +8,9 @@ tokenizer is refused at load; a mere padding difference is not."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -22,6 +25,7 @@ from mlxvlm.generate.speculative import Speculation
 from mlxvlm.prompt import prepare_inputs
 from parity import user
 from tiny import make_image
+from user_environment import user_environment
 
 IMAGE = make_image(112, 84, seed=1)
 PROMPT = "Describe this image."
@@ -236,6 +240,13 @@ def test_a_draft_with_another_tokenizer_is_refused_at_load(target, tiny_checkpoi
                              "--draft-model", other]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: the draft model's tokenizer differs from the model's")
+    served = subprocess.run([sys.executable, "-m", "mlxvlm.server", "--model", path,
+                             "--draft-model", other, "--port", "0"],
+                            capture_output=True, text=True, timeout=300,
+                            env=user_environment())  # a user's process: torch-free
+    assert served.returncode == 2, served.stderr
+    assert served.stderr.strip().splitlines()[-1].startswith(
+        "error: the draft model's tokenizer differs from the model's")
 
 
 def test_the_server_stops_drafting_at_an_id_the_draft_lacks(tiny_checkpoints,

@@ -132,6 +132,9 @@ def render_metrics(models: ModelRegistry, app_state) -> str:
            "drafted_tokens")
     engine("mlxvlm_draft_tokens_accepted_total", "counter",
            "Drafted tokens the model accepted", "accepted_draft_tokens")
+    engine("mlxvlm_stopped_drafts_total", "counter",
+           "Requests whose draft model stopped drafting at a token its embedding table lacks",
+           "stopped_drafts")
     m("mlxvlm_decode_tokens_per_second", "gauge",
       "Decode throughput of the whole batch, smoothed over recent steps",
       per_model(lambda s: round(s.engine.stats.decode_tokens_per_second, 3)))

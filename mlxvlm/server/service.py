@@ -95,9 +95,9 @@ def disk_prefix_cache(model: Any, config: ServerConfig) -> DiskPrefixCache | Non
                           f"{config.prompt_cache_dir!r}: {e.strerror or e}") from e
 
 
-def speculation_of(config: ServerConfig, model: Any) -> Speculation | None:
-    """The engine's speculative decoding from ``--draft-model`` (loaded here; it takes
-    the model's prompts as they are), ``--prompt-lookup-num-tokens`` or ``--mtp`` (the
+def speculation_of(config: ServerConfig, model: Any, processor: Any) -> Speculation | None:
+    """The engine's speculative decoding from ``--draft-model`` (loaded here, refused
+    if its tokenizer is not the model's; it takes the model's prompts as they are), ``--prompt-lookup-num-tokens`` or ``--mtp`` (the
     model's head, checked here)."""
     if config.mtp:
         if model.sharding is not None:
@@ -111,7 +111,7 @@ def speculation_of(config: ServerConfig, model: Any) -> Speculation | None:
         return None
     from mlxvlm.generate.drafters import load_draft
 
-    return Speculation(draft_model=load_draft(config.draft_model)[0],
+    return Speculation(draft_model=load_draft(config.draft_model, processor)[0],
                        num_draft_tokens=config.num_draft_tokens)
 
 
@@ -142,7 +142,7 @@ class GenerationService:
             max_batch_size=config.max_concurrency,
             prefill_step_size=config.prefill_step_size,
             prefix_cache=prefix_cache,
-            speculation=speculation_of(config, model),
+            speculation=speculation_of(config, model, processor),
         )
         # Decoded pixels of each request and of all being prepared, charged from image
         # and video headers before decoding (see media.PixelBudget).
