@@ -444,6 +444,36 @@ def session_pids(session: int) -> list[int]:
     return pids
 
 
+def rank_pid(session: int, rank: int, module: str = "mlxvlm.server") -> int:
+    """The process of ``rank`` (running ``python -m module``) among those mlx.launch
+    started in ``session``."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or os.getsid(int(entry.name)) != session:
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ProcessLookupError):
+            continue
+        if f"MLX_RANK={rank}".encode() in environ and module.encode() in cmdline:
+            return int(entry.name)
+    raise AssertionError(f"no rank {rank} in session {session}")
+
+
+def gone(pid: int, timeout: float) -> bool:
+    """Waits until process ``pid`` has exited (or is a zombie), for ``timeout`` s at most."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def stop_session(server: subprocess.Popen) -> None:
     """mlx.launch and every rank it started: a rank in a process group of its own
     outlives a signal to the launcher's group (seen: rank 0 left serving, reparented)."""
@@ -563,6 +593,42 @@ def test_a_rank_that_fails_on_the_release_fails_rank_0(tmp_path):
     # rank 0, having reported the lost rank, exits 1 while rank 1 is still shutting down.
     assert ("rank 1 exited with code 1" in output
             or (reported and "rank 0 exited with code 1" in output)), output
+
+
+def test_the_generate_command_stops_when_a_rank_is_gone(checkpoints):
+    """``python -m mlxvlm.generate`` on two ranks, twice at once, each writing a long
+    answer: rank 1 killed under one, rank 0 under the other, their launcher frozen
+    meanwhile (mlx.launch would otherwise stop the rank left itself, with SIGTERM): the
+    rank left sees its peer gone and ends promptly, status 1, with a one-line error
+    naming the rank gone -- rather than wait inside a collective that never completes."""
+    paths, _ = checkpoints
+    args = ["-m", "mlxvlm.generate", "--model", str(paths["qwen2_vl"]), "--prompt",
+            "Tell me a long story.", "--max-tokens", "100000", "--temperature", "0"]
+    with Launched(*args) as lose_1, Launched(*args) as lose_0:
+        for launched, killed in ((lose_1, 1), (lose_0, 0)):
+            deadline = time.monotonic() + 240
+            while os.fstat(launched.stdout.fileno()).st_size < 100:  # (answering)
+                assert launched.process.poll() is None, launched.finish()
+                assert time.monotonic() < deadline, "no answer came"
+                time.sleep(0.1)
+            session = launched.process.pid
+            killed_pid = rank_pid(session, killed, "mlxvlm.generate")
+            left_pid = rank_pid(session, 1 - killed, "mlxvlm.generate")
+            os.kill(session, signal.SIGSTOP)
+            try:
+                os.kill(killed_pid, signal.SIGKILL)
+                assert gone(left_pid, 60), f"rank {1 - killed} did not stop"
+            finally:
+                os.kill(session, signal.SIGCONT)
+        runs = {killed: launched.finish() for launched, killed in ((lose_1, 1), (lose_0, 0))}
+    for killed, run in runs.items():
+        left = 1 - killed
+        errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+        assert errors == [f"error: rank {killed} is gone (its connection to rank {left} "
+                          "closed)"], run.stderr
+        assert f"Node with rank {left} exited with code 1" in run.stderr, run.stderr
+        assert "Traceback" not in run.stderr, run.stderr
+    assert runs[1].stdout.strip()  # rank 0's answer so far came out
 
 
 def test_broadcast_carries_arrays_and_objects():

@@ -265,9 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> int:
         if launched_rank() != 0:  # rank 0 prints the answer; this rank follows it
+            from mlxvlm.distributed.rank_stop import say_error, watched_run
             from mlxvlm.generate.follower import follow
 
-            follow(*sharded_load(args))
+            model, processor = sharded_load(args)
+            with watched_run(model, say_error):  # (a rank 0 gone ends this one)
+                follow(model, processor)
             return 0
         _generate_on_rank0(args)
         return 0
@@ -297,13 +300,17 @@ def _load_and_answer(args: argparse.Namespace, media) -> None:
         print(f"[mlxvlm] device: {mx.default_device()}", file=sys.stderr)
         for what, status in ops.process_status():
             print(f"[mlxvlm] {what}: {status}", file=sys.stderr)
-    model, processor = sharded_load(args)
-    try:
-        _answer(args, model, processor, media)
-    finally:  # the other ranks return, whether the answer came or not
-        from mlxvlm.distributed.jobs import release
+    from mlxvlm.distributed.jobs import release
+    from mlxvlm.distributed.rank_stop import say_error, watched_run
 
-        release(model)
+    model, processor = sharded_load(args)
+    # Sharded, a rank gone (or a signal inside a collective that waits for it forever)
+    # ends this one at once, saying so.
+    with watched_run(model, say_error, signals=True):
+        try:
+            _answer(args, model, processor, media)
+        finally:  # the other ranks return, whether the answer came or not
+            release(model)
 
 
 def _answer(args: argparse.Namespace, model, processor, media) -> None:
