@@ -157,10 +157,12 @@ class RankStop:
             if self._finished:
                 return
             reason = self._watch.lost()
-            if reason is not None:
-                self._end(reason)
-            self._end(f"stopped on {name}" + (f" ({why}: a rank does not answer)" if why
-                                               else ""), code)
+            if reason is None:
+                reason = f"stopped on {name}" + (f" ({why}: a rank does not answer)"
+                                                 if why else "")
+            else:
+                code = 1
+            self._end(reason, code)
 
 
 def watched_run(model, say: Callable[[str], None], signals: bool = False):
