@@ -440,6 +440,9 @@ def test_the_sharded_server_answers_concurrent_clients_as_one_process(checkpoint
     assert lost.error is not None and lost.error["type"] == "server_error", lost.lines[-3:]
     assert "another rank left the run" in lost.error["message"]
     assert "stopping: rank 1 is gone (its connection to rank 0 closed)" in stopped, stopped
+    # (expected operation: one warning, no traceback)
+    assert "a streamed answer ended with a 503: another rank left the run" in stopped, stopped
+    assert "Traceback" not in stopped, stopped
     assert "Node with rank 0 exited with code" in stopped, stopped
 
 
@@ -474,8 +477,10 @@ def test_the_pipelined_server_speculates(checkpoint, tmp_path):
     assert cut.error is not None and cut.error["type"] == "server_error", cut.lines[-3:]
     assert "the server is stopping (on SIGINT)" in cut.error["message"]
     for line in ("stopping on SIGINT", "exiting without releasing the other ranks",
-                 "Node with rank 0 exited with code 1"):
+                 "Node with rank 0 exited with code 1",
+                 "a streamed answer ended with a 503: the server is stopping (on SIGINT)"):
         assert line in stopped, stopped
+    assert "Traceback" not in stopped, stopped
 
 
 def test_the_pipelined_server_answers_llama_3_2_vision_as_one_process(tiny_checkpoints,
