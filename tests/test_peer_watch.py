@@ -148,7 +148,7 @@ def test_sigterm_on_rank_0_ends_it_from_a_thread_naming_the_rank_gone(ring, monk
 def test_sigint_ends_rank_0_whose_step_does_not_end(ring, monkeypatch):
     """Ctrl-C raises KeyboardInterrupt as usual; a main thread that does not get out of
     its step (as one inside a collective that never completes) is ended from the
-    signal's thread, status 130."""
+    signal's thread, status 130, after the grace or at once at a second Ctrl-C."""
     monkeypatch.setattr(rank_stop, "SIGINT_GRACE", 0.2)
     ended = Ended(monkeypatch)
     with rank_stop.RankStop(0, ended.said.append, signals=True):
@@ -164,3 +164,12 @@ def test_sigint_ends_rank_0_whose_step_does_not_end(ring, monkeypatch):
             os.kill(os.getpid(), signal.SIGINT)
             ended.event.wait(30)
     assert not ended.event.wait(0.5)  # a step that ended in time: nothing more
+    monkeypatch.setattr(rank_stop, "SIGINT_GRACE", 600)
+    with rank_stop.RankStop(0, ended.said.append, signals=True):
+        for _ in range(2):
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                ended.event.wait(30)
+        assert ended.event.wait(30)
+    assert ended.said[1:] == ["stopped at once on a second SIGINT"]
+    assert ended.codes == [130, 130]

@@ -12,7 +12,7 @@ its thread). So the process ends from another thread, by ``os._exit`` (``exit_no
   but saying so, and naming the rank that is gone when one is: mlx.launch sends it to
   the other ranks when one exits); SIGINT raises ``KeyboardInterrupt`` as usual, and ends
   the rank from the thread if its main thread is still inside a step ``SIGINT_GRACE``
-  seconds later.
+  seconds later, or at a second SIGINT.
 
 The server's rank 0 stops through uvicorn instead (``server.sharded_stop``), with
 ``exit_now`` and ``PeerWatch`` from here.
@@ -99,11 +99,11 @@ class RankStop:
                 self._end(reason)
 
     def _end(self, reason: str, code: int = 1) -> None:
-        # (Ctrl-C in a terminal interrupts every rank: the others leaving is its doing)
         try:
             self.say(reason)
         except (OSError, ValueError):  # (the launcher gone, its pipes went with it)
             pass
+        # (Ctrl-C in a terminal interrupts every rank: the others leaving is its doing)
         exit_now(130 if self._interrupted and code == 1 else code)
 
     # Signals, seen from a thread: the interpreter writes each one's number to the wakeup
@@ -133,12 +133,13 @@ class RankStop:
         interrupted: float | None = None
         with reader:
             while True:
-                if interrupted is not None:
-                    reader.settimeout(max(0.0, interrupted + SIGINT_GRACE - time.monotonic()))
+                if interrupted is not None:  # (a timeout of 0 would make it non-blocking)
+                    reader.settimeout(max(0.01, interrupted + SIGINT_GRACE - time.monotonic()))
                 try:
                     received = reader.recv(64)
                 except TimeoutError:
-                    self._signalled("SIGINT", 130, "its step did not end")
+                    self._signalled("stopped on SIGINT (its step did not end: a rank does "
+                                    "not answer)", 130)
                     return
                 except OSError:
                     return
@@ -146,23 +147,26 @@ class RankStop:
                     return
                 for signum in received:
                     if signum == signal.SIGTERM:
-                        self._signalled("SIGTERM", 143)
+                        self._signalled("stopped on SIGTERM", 143)
                         return
-                    if signum == signal.SIGINT and interrupted is None:
+                    if signum == signal.SIGINT and interrupted is not None:
+                        self._signalled("stopped at once on a second SIGINT", 130)
+                        return
+                    if signum == signal.SIGINT:
                         interrupted = time.monotonic()
                         self._interrupted = True
 
-    def _signalled(self, name: str, code: int, why: str = "") -> None:
+    def _signalled(self, stopped: str, code: int) -> None:
+        """Ends the rank on a signal, naming the peer gone where one is (mlx.launch sends
+        SIGTERM to the other ranks when one exits)."""
         with self._lock:
             if self._finished:
                 return
             reason = self._watch.lost()
             if reason is None:
-                reason = f"stopped on {name}" + (f" ({why}: a rank does not answer)"
-                                                 if why else "")
+                self._end(stopped, code)
             else:
-                code = 1
-            self._end(reason, code)
+                self._end(reason)
 
 
 def watched_run(model, say: Callable[[str], None], signals: bool = False):
