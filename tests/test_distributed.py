@@ -623,9 +623,11 @@ def test_the_generate_command_stops_when_a_rank_is_gone(checkpoints):
         runs = {killed: launched.finish() for launched, killed in ((lose_1, 1), (lose_0, 0))}
     for killed, run in runs.items():
         left = 1 - killed
-        errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-        assert errors == [f"error: rank {killed} is gone (its connection to rank {left} "
-                          "closed)"], run.stderr
+        # (one error, said once; the ring backend's own complaints, written by the same
+        # process from another thread, can share its line)
+        assert run.stderr.count("error: ") == 1, run.stderr
+        assert (f"error: rank {killed} is gone (its connection to rank {left} closed)"
+                in run.stderr), run.stderr
         assert f"Node with rank {left} exited with code 1" in run.stderr, run.stderr
         assert "Traceback" not in run.stderr, run.stderr
     assert runs[1].stdout.strip()  # rank 0's answer so far came out
