@@ -597,40 +597,46 @@ def test_a_rank_that_fails_on_the_release_fails_rank_0(tmp_path):
 
 def test_the_generate_command_stops_when_a_rank_is_gone(checkpoints):
     """``python -m mlxvlm.generate`` on two ranks, twice at once, each writing a long
-    answer: rank 1 killed under one, rank 0 under the other, their launcher frozen
-    meanwhile (mlx.launch would otherwise stop the rank left itself, with SIGTERM): the
-    rank left sees its peer gone and ends promptly, status 1, with a one-line error
-    naming the rank gone -- rather than wait inside a collective that never completes."""
+    answer, their launcher frozen meanwhile (mlx.launch would otherwise stop the rank
+    left itself, with SIGTERM). Rank 1 killed under one: rank 0 sees it gone and ends
+    promptly, status 1, with a one-line error naming it -- rather than wait inside a
+    collective that never completes. Rank 0 alone interrupted (SIGINT) under the other:
+    it ends at once, `interrupted` (status 130; no release the other rank, inside the
+    answer's collectives, could not take), and rank 1 sees it gone and ends, status 1."""
     paths, _ = checkpoints
     args = ["-m", "mlxvlm.generate", "--model", str(paths["qwen2_vl"]), "--prompt",
             "Tell me a long story.", "--max-tokens", "100000", "--temperature", "0"]
-    with Launched(*args) as lose_1, Launched(*args) as lose_0:
-        for launched, killed in ((lose_1, 1), (lose_0, 0)):
+    with Launched(*args) as lose_1, Launched(*args) as interrupt_0:
+        for launched, rank, sent in ((lose_1, 1, signal.SIGKILL),
+                                     (interrupt_0, 0, signal.SIGINT)):
             deadline = time.monotonic() + 240
             while os.fstat(launched.stdout.fileno()).st_size < 100:  # (answering)
                 assert launched.process.poll() is None, launched.finish()
                 assert time.monotonic() < deadline, "no answer came"
                 time.sleep(0.1)
             session = launched.process.pid
-            killed_pid = rank_pid(session, killed, "mlxvlm.generate")
-            left_pid = rank_pid(session, 1 - killed, "mlxvlm.generate")
+            pids = [rank_pid(session, r, "mlxvlm.generate") for r in (0, 1)]
             os.kill(session, signal.SIGSTOP)
             try:
-                os.kill(killed_pid, signal.SIGKILL)
-                assert gone(left_pid, 60), f"rank {1 - killed} did not stop"
+                os.kill(pids[rank], sent)
+                for r in (0, 1):
+                    assert gone(pids[r], 60), f"rank {r} did not stop"
             finally:
                 os.kill(session, signal.SIGCONT)
-        runs = {killed: launched.finish() for launched, killed in ((lose_1, 1), (lose_0, 0))}
-    for killed, run in runs.items():
-        left = 1 - killed
-        # (one error, said once; the ring backend's own complaints, written by the same
-        # process from another thread, can share its line)
-        assert run.stderr.count("error: ") == 1, run.stderr
-        assert (f"error: rank {killed} is gone (its connection to rank {left} closed)"
-                in run.stderr), run.stderr
-        assert f"Node with rank {left} exited with code 1" in run.stderr, run.stderr
-        assert "Traceback" not in run.stderr, run.stderr
-    assert runs[1].stdout.strip()  # rank 0's answer so far came out
+        lost, interrupted = lose_1.finish(), interrupt_0.finish()
+    # (each error said once; the ring backend's own complaints, written by the same
+    # process from another thread, can share its line)
+    assert lost.stderr.count("error: ") == 1, lost.stderr
+    assert "error: rank 1 is gone (its connection to rank 0 closed)" in lost.stderr
+    assert "Node with rank 0 exited with code 1" in lost.stderr, lost.stderr
+    assert lost.stdout.strip()  # rank 0's answer so far came out
+    assert interrupted.stderr.count("error: ") == 1, interrupted.stderr
+    assert "error: rank 0 is gone (its connection to rank 1 closed)" in interrupted.stderr
+    assert "interrupted" in interrupted.stderr, interrupted.stderr  # (its line can be shared)
+    for line in ("Node with rank 0 exited with code 130", "Node with rank 1 exited with code 1"):
+        assert line in interrupted.stderr, interrupted.stderr
+    for run in (lost, interrupted):
+        assert "Traceback" not in run.stderr and "was killed" not in run.stderr, run.stderr
 
 
 def test_broadcast_carries_arrays_and_objects():

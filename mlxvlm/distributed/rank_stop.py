@@ -184,5 +184,18 @@ def say_error(reason: str) -> None:
     print(f"error: {reason}", file=sys.stderr, flush=True)
 
 
+def end_mid_answer(error: BaseException) -> None:
+    """Rank 0 of a command, stopped inside a run the other ranks are still in (Ctrl-C, a
+    failed write): as ``run_cli`` would say it (status 130 on Ctrl-C), then at once."""
+    try:
+        if isinstance(error, KeyboardInterrupt):
+            print("interrupted", file=sys.stderr, flush=True)
+        else:
+            say_error(str(error))
+    except (OSError, ValueError):  # (stderr gone too)
+        pass
+    exit_now(130 if isinstance(error, KeyboardInterrupt) else 1)
+
+
 def _ignore(signum, frame) -> None:
     """SIGTERM's Python handler: nothing (the signal thread ends the process)."""

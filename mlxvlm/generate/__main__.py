@@ -301,7 +301,7 @@ def _load_and_answer(args: argparse.Namespace, media) -> None:
         for what, status in ops.process_status():
             print(f"[mlxvlm] {what}: {status}", file=sys.stderr)
     from mlxvlm.distributed.jobs import release
-    from mlxvlm.distributed.rank_stop import say_error, watched_run
+    from mlxvlm.distributed.rank_stop import end_mid_answer, say_error, watched_run
 
     model, processor = sharded_load(args)
     # Sharded, a rank gone (or a signal inside a collective that waits for it forever)
@@ -309,8 +309,18 @@ def _load_and_answer(args: argparse.Namespace, media) -> None:
     with watched_run(model, say_error, signals=True):
         try:
             _answer(args, model, processor, media)
-        finally:  # the other ranks return, whether the answer came or not
+        except (KeyboardInterrupt, OSError) as error:
+            if model.sharding is None:
+                raise
+            # Mid-answer, where these come (Ctrl-C, the output's reader gone), the other
+            # ranks wait inside the answer's collectives, which a release would not match
+            # (seen: a rank crashed on it): this rank ends at once (its exit would wait on
+            # those collectives), and they see it gone.
+            end_mid_answer(error)
+        except BaseException:  # (a user's error, before the answer: they take a release)
             release(model)
+            raise
+        release(model)  # the other ranks return
 
 
 def _answer(args: argparse.Namespace, model, processor, media) -> None:
