@@ -444,6 +444,36 @@ def session_pids(session: int) -> list[int]:
     return pids
 
 
+def rank_pid(session: int, rank: int, module: str = "mlxvlm.server") -> int:
+    """The process of ``rank`` (running ``python -m module``) among those mlx.launch
+    started in ``session``."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or os.getsid(int(entry.name)) != session:
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ProcessLookupError):
+            continue
+        if f"MLX_RANK={rank}".encode() in environ and module.encode() in cmdline:
+            return int(entry.name)
+    raise AssertionError(f"no rank {rank} in session {session}")
+
+
+def gone(pid: int, timeout: float) -> bool:
+    """Waits until process ``pid`` has exited (or is a zombie), for ``timeout`` s at most."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def stop_session(server: subprocess.Popen) -> None:
     """mlx.launch and every rank it started: a rank in a process group of its own
     outlives a signal to the launcher's group (seen: rank 0 left serving, reparented)."""
@@ -563,6 +593,50 @@ def test_a_rank_that_fails_on_the_release_fails_rank_0(tmp_path):
     # rank 0, having reported the lost rank, exits 1 while rank 1 is still shutting down.
     assert ("rank 1 exited with code 1" in output
             or (reported and "rank 0 exited with code 1" in output)), output
+
+
+def test_the_generate_command_stops_when_a_rank_is_gone(checkpoints):
+    """``python -m mlxvlm.generate`` on two ranks, twice at once, each writing a long
+    answer, their launcher frozen meanwhile (mlx.launch would otherwise stop the rank
+    left itself, with SIGTERM). Rank 1 killed under one: rank 0 sees it gone and ends
+    promptly, status 1, with a one-line error naming it -- rather than wait inside a
+    collective that never completes. Rank 0 alone interrupted (SIGINT) under the other:
+    it ends at once, `interrupted` (status 130; no release the other rank, inside the
+    answer's collectives, could not take), and rank 1 sees it gone and ends, status 1."""
+    paths, _ = checkpoints
+    args = ["-m", "mlxvlm.generate", "--model", str(paths["qwen2_vl"]), "--prompt",
+            "Tell me a long story.", "--max-tokens", "100000", "--temperature", "0"]
+    with Launched(*args) as lose_1, Launched(*args) as interrupt_0:
+        for launched, rank, sent in ((lose_1, 1, signal.SIGKILL),
+                                     (interrupt_0, 0, signal.SIGINT)):
+            deadline = time.monotonic() + 240
+            while os.fstat(launched.stdout.fileno()).st_size < 100:  # (answering)
+                assert launched.process.poll() is None, launched.finish()
+                assert time.monotonic() < deadline, "no answer came"
+                time.sleep(0.1)
+            session = launched.process.pid
+            pids = [rank_pid(session, r, "mlxvlm.generate") for r in (0, 1)]
+            os.kill(session, signal.SIGSTOP)
+            try:
+                os.kill(pids[rank], sent)
+                for r in (0, 1):
+                    assert gone(pids[r], 60), f"rank {r} did not stop"
+            finally:
+                os.kill(session, signal.SIGCONT)
+        lost, interrupted = lose_1.finish(), interrupt_0.finish()
+    # (each error said once; the ring backend's own complaints, written by the same
+    # process from another thread, can share its line)
+    assert lost.stderr.count("error: ") == 1, lost.stderr
+    assert "error: rank 1 is gone (its connection to rank 0 closed)" in lost.stderr
+    assert "Node with rank 0 exited with code 1" in lost.stderr, lost.stderr
+    assert lost.stdout.strip()  # rank 0's answer so far came out
+    assert interrupted.stderr.count("error: ") == 1, interrupted.stderr
+    assert "error: rank 0 is gone (its connection to rank 1 closed)" in interrupted.stderr
+    assert "interrupted" in interrupted.stderr, interrupted.stderr  # (its line can be shared)
+    for line in ("Node with rank 0 exited with code 130", "Node with rank 1 exited with code 1"):
+        assert line in interrupted.stderr, interrupted.stderr
+    for run in (lost, interrupted):
+        assert "Traceback" not in run.stderr and "was killed" not in run.stderr, run.stderr
 
 
 def test_broadcast_carries_arrays_and_objects():

@@ -5,12 +5,15 @@ one connected to its right neighbour's address, both named in ``MLX_HOSTFILE``."
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 
 import pytest
 
-from mlxvlm.distributed import peer_watch
+from mlxvlm.distributed import peer_watch, rank_stop
+from mlxvlm.distributed.group import RankLostError
 from mlxvlm.distributed.peer_watch import PeerWatch, ring_links
 
 
@@ -86,3 +89,87 @@ def test_without_a_hostfile_only_the_launcher_is_watched(monkeypatch):
     watch = PeerWatch(0, lambda reason: None)
     assert ring_links(0) == [] and watch.watched.startswith("the launcher")
     assert watch.lost() is None
+
+
+class Ended:
+    """``rank_stop.exit_now`` for a test: records (what was said, the status); on the
+    main thread it ends the ``with`` block."""
+
+    def __init__(self, monkeypatch):
+        self.said: list[str] = []
+        self.codes: list[int] = []
+        self.event = threading.Event()
+        monkeypatch.setattr(rank_stop, "exit_now", self.exit_now)
+
+    def exit_now(self, code):
+        self.codes.append(code)
+        self.event.set()
+        if threading.current_thread() is threading.main_thread():
+            raise SystemExit(code)
+
+
+def test_an_error_while_a_peer_is_gone_ends_the_rank_as_the_watch_would(ring, monkeypatch):
+    """A collective failing on the main thread (before the watch looked) ends the rank
+    with the watch's words; a run that ended before its peer left ends well."""
+    rank0_ends, rank1_ends = ring
+    ended = Ended(monkeypatch)
+    with rank_stop.RankStop(0, ended.said.append):
+        pass
+    rank1_ends[0].close()
+    with pytest.raises(SystemExit):
+        with rank_stop.RankStop(0, ended.said.append):
+            raise RankLostError("rank 0 of 2: another rank left the run")
+    assert ended.said == ["rank 1 is gone (its connection to rank 0 closed)"]
+    assert ended.codes == [1]
+
+
+def test_sigterm_on_rank_0_ends_it_from_a_thread_naming_the_rank_gone(ring, monkeypatch):
+    """SIGTERM (mlx.launch's, once a rank exited) while the main thread is busy: the
+    signal's thread ends the rank, naming the rank gone; with every peer there, it says
+    it stopped on SIGTERM (status 143). The handlers are restored after."""
+    rank0_ends, rank1_ends = ring
+    ended = Ended(monkeypatch)
+    before = signal.getsignal(signal.SIGTERM)
+    with rank_stop.RankStop(0, ended.said.append, signals=True):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ended.event.wait(30)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.set_wakeup_fd(-1) == -1  # (none left behind)
+    ended.event.clear()
+    rank1_ends[1].close()
+    with rank_stop.RankStop(0, ended.said.append, signals=True):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ended.event.wait(30)
+    assert ended.said == ["stopped on SIGTERM",
+                          "rank 1 is gone (its connection to rank 0 closed)"]
+    assert ended.codes == [143, 1]
+
+
+def test_sigint_ends_rank_0_whose_step_does_not_end(ring, monkeypatch):
+    """Ctrl-C raises KeyboardInterrupt as usual; a main thread that does not get out of
+    its step (as one inside a collective that never completes) is ended from the
+    signal's thread, status 130, after the grace or at once at a second Ctrl-C."""
+    monkeypatch.setattr(rank_stop, "SIGINT_GRACE", 0.2)
+    ended = Ended(monkeypatch)
+    with rank_stop.RankStop(0, ended.said.append, signals=True):
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            ended.event.wait(30)  # (interrupted before it returns)
+        assert ended.event.wait(30)  # the step "still running"
+    assert ended.said == ["stopped on SIGINT (its step did not end: a rank does not answer)"]
+    assert ended.codes == [130]
+    ended.event.clear()
+    with rank_stop.RankStop(0, ended.said.append, signals=True):
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            ended.event.wait(30)
+    assert not ended.event.wait(0.5)  # a step that ended in time: nothing more
+    monkeypatch.setattr(rank_stop, "SIGINT_GRACE", 600)
+    with rank_stop.RankStop(0, ended.said.append, signals=True):
+        for _ in range(2):
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                ended.event.wait(30)
+        assert ended.event.wait(30)
+    assert ended.said[1:] == ["stopped at once on a second SIGINT"]
+    assert ended.codes == [130, 130]

@@ -265,9 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> int:
         if launched_rank() != 0:  # rank 0 prints the answer; this rank follows it
+            from mlxvlm.distributed.rank_stop import say_error, watched_run
             from mlxvlm.generate.follower import follow
 
-            follow(*sharded_load(args))
+            model, processor = sharded_load(args)
+            with watched_run(model, say_error):  # (a rank 0 gone ends this one)
+                follow(model, processor)
             return 0
         _generate_on_rank0(args)
         return 0
@@ -297,13 +300,27 @@ def _load_and_answer(args: argparse.Namespace, media) -> None:
         print(f"[mlxvlm] device: {mx.default_device()}", file=sys.stderr)
         for what, status in ops.process_status():
             print(f"[mlxvlm] {what}: {status}", file=sys.stderr)
-    model, processor = sharded_load(args)
-    try:
-        _answer(args, model, processor, media)
-    finally:  # the other ranks return, whether the answer came or not
-        from mlxvlm.distributed.jobs import release
+    from mlxvlm.distributed.jobs import release
+    from mlxvlm.distributed.rank_stop import end_mid_answer, say_error, watched_run
 
-        release(model)
+    model, processor = sharded_load(args)
+    # Sharded, a rank gone (or a signal inside a collective that waits for it forever)
+    # ends this one at once, saying so.
+    with watched_run(model, say_error, signals=True):
+        try:
+            _answer(args, model, processor, media)
+        except (KeyboardInterrupt, OSError) as error:
+            if model.sharding is None:
+                raise
+            # Mid-answer, where these come (Ctrl-C, the output's reader gone), the other
+            # ranks wait inside the answer's collectives, which a release would not match
+            # (seen: a rank crashed on it): this rank ends at once (its exit would wait on
+            # those collectives), and they see it gone.
+            end_mid_answer(error)
+        except BaseException:  # (a user's error, before the answer: they take a release)
+            release(model)
+            raise
+        release(model)  # the other ranks return
 
 
 def _answer(args: argparse.Namespace, model, processor, media) -> None:

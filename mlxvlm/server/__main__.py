@@ -84,19 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def follow(args: argparse.Namespace) -> None:
     """A rank other than 0: run rank 0's passes until it releases this rank; a rank 0
     gone (or the launcher) ends this one with status 1, even inside a collective that
-    would wait for it forever (see ``server.sharded_stop``)."""
+    would wait for it forever (see ``distributed.rank_stop``)."""
     from mlxvlm.batching.sharded_follower import follow_batches
-    from mlxvlm.distributed.peer_watch import PeerWatch
-    from mlxvlm.server.sharded_stop import exit_now
+    from mlxvlm.distributed.rank_stop import RankStop
 
     model = sharded_load(args)[0]
-
-    def lost(reason: str) -> None:
-        logger.error("stopping: %s", reason)
-        exit_now(1)
-    watch = PeerWatch(model.sharding.rank, lost).start()
-    follow_batches(model)
-    watch.stop()
+    with RankStop(model.sharding.rank, lambda reason: logger.error("stopping: %s", reason)):
+        follow_batches(model)
 
 
 def single_model(args: argparse.Namespace, config: ServerConfig) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
@@ -39,6 +40,8 @@ from mlxvlm.text.tokenization import processor_state, tokenizer_of
 
 BodyWriter = Callable[[BatchStep, TokenStream], Awaitable[dict]]
 EventWriter = Callable[[BatchStep, TokenStream], AsyncIterator[str]]
+
+logger = logging.getLogger("mlxvlm.server")
 
 
 def server_unavailable(error: BaseException) -> BaseException | None:
@@ -241,4 +244,17 @@ def stream_failure(error: Exception) -> tuple[int, str]:
         return 503, str(unavailable)
     status = 400 if isinstance(error, (MlxvlmError, ValueError)) else 500
     message = str(error) if status == 400 else "generation failed; see the server log"
+    return status, message
+
+
+def logged_stream_failure(error: Exception) -> tuple[int, str]:
+    """``stream_failure``'s status and message, logged (called where the stream caught
+    ``error``): a stream the server's own stop ended (a rank lost, the server stopping:
+    expected, and its cause is logged where it was seen) as one warning line; any other
+    failure with its traceback."""
+    status, message = stream_failure(error)
+    if server_unavailable(error) is not None:
+        logger.warning("a streamed answer ended with a %d: %s", status, message)
+    else:
+        logger.error("generation failed while streaming", exc_info=error)
     return status, message

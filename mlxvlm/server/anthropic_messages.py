@@ -5,12 +5,11 @@ its stream of named events (``message_start`` ... ``message_stop``)."""
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from typing import Any, AsyncIterator
 
 from mlxvlm.batching import BatchStep
-from mlxvlm.server.answering import split_steps, stream_failure, whole_answer
+from mlxvlm.server.answering import logged_stream_failure, split_steps, whole_answer
 from mlxvlm.text.answer_parts import Part, ToolCall
 from mlxvlm.server.chat_completions import as_chat_request
 from mlxvlm.server.errors import ANTHROPIC_PATH, error_body
@@ -18,9 +17,6 @@ from mlxvlm.server.anthropic_schemas import MessagesRequest
 from mlxvlm.server.schemas import ChatCompletionRequest
 from mlxvlm.server.service import TokenStream
 from mlxvlm.server.tools import AnswerPlan
-
-logger = logging.getLogger("mlxvlm.server")
-
 
 
 def _part(block: Any) -> dict[str, Any]:
@@ -218,8 +214,8 @@ class MessageWriter:
                     yield _event("content_block_delta", {
                         "type": "content_block_delta", "index": index, "delta": delta})
         except Exception as error:  # headers are sent: the failure goes as an error event
-            logger.exception("generation failed while streaming")
-            yield _event("error", error_body(*stream_failure(error), path=ANTHROPIC_PATH))
+            yield _event("error", error_body(*logged_stream_failure(error),
+                                             path=ANTHROPIC_PATH))
             return
         if open_kind is None:  # an empty answer still has its text block
             for event in start("text", {"type": "text", "text": ""}):

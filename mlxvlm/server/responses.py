@@ -6,14 +6,13 @@ answered conversations that ``previous_response_id`` continues (``response_store
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from typing import Any, AsyncIterator
 
 from mlxvlm.batching import BatchStep
 from mlxvlm.text.answer_parts import Part, ToolCall
-from mlxvlm.server.answering import split_steps, stream_failure, whole_answer
+from mlxvlm.server.answering import logged_stream_failure, split_steps, whole_answer
 from mlxvlm.server.chat_completions import as_chat_request
 from mlxvlm.server.errors import APIError, error_body
 from mlxvlm.server.response_store import ResponseStore
@@ -22,7 +21,6 @@ from mlxvlm.server.schemas import ChatCompletionRequest
 from mlxvlm.server.service import TokenStream
 from mlxvlm.server.tools import AnswerPlan
 
-logger = logging.getLogger("mlxvlm.server")
 
 Conversation = list[dict[str, Any]]
 
@@ -234,8 +232,7 @@ class ResponseWriter:
                     for event in items.add(part):
                         yield event
         except Exception as error:  # headers are sent: the failure goes as an error event
-            logger.exception("generation failed while streaming")
-            status, message = stream_failure(error)
+            status, message = logged_stream_failure(error)
             yield self._event("error", **error_body(status, message)["error"])
             return
         status = "incomplete" if step.finish_reason == "length" else "completed"

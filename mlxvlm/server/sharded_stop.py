@@ -22,15 +22,14 @@ thread that waits), so this stops the process from outside the wait:
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import sys
 import threading
 import time
 from typing import Any
 
 from mlxvlm.distributed.group import RankLostError
 from mlxvlm.distributed.peer_watch import PeerWatch
+from mlxvlm.distributed.rank_stop import exit_now
 from mlxvlm.errors import MlxvlmError
 
 logger = logging.getLogger("mlxvlm.server")
@@ -43,19 +42,6 @@ STOP_SECONDS = 10.0
 
 class ServerStopping(MlxvlmError):
     """The server stops before a request's answer ended (a 503)."""
-
-
-def exit_now(code: int) -> None:
-    """End the process at once (no exit handlers: they could wait on a stuck collective),
-    after flushing what it logged."""
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
 
 
 class ShardedStop:

@@ -4,7 +4,6 @@ the engine to OpenAI's body or its stream of chunks, within one ``RequestLifetim
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Annotated, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
@@ -14,10 +13,10 @@ from mlxvlm.batching import BatchStep
 from mlxvlm.text.answer_parts import AnswerSplitter, Part
 from mlxvlm.server.answering import (
     answer,
+    logged_stream_failure,
     plan_answer,
     split_steps,
     steps,
-    stream_failure,
 )
 from mlxvlm.server.chat_completions import (
     SSE_DONE,
@@ -39,7 +38,6 @@ from mlxvlm.text.doctags import (
 )
 from mlxvlm.text.doctags import convert as convert_doctags
 
-logger = logging.getLogger("mlxvlm.server")
 
 router = APIRouter()
 
@@ -141,8 +139,7 @@ async def _stream_events(token_bytes: TokenBytes, writer: CompletionWriter, plan
                 yield writer.chunk(delta, logprobs=logprobs if n == 0 else None,
                                    include_usage=include_usage)
     except Exception as error:  # headers are sent: the failure goes as an error event
-        logger.exception("generation failed while streaming")
-        yield sse(error_body(*stream_failure(error)))
+        yield sse(error_body(*logged_stream_failure(error)))
         return
     yield writer.chunk({}, finish_reason=_finish_reason(step, splitter),
                        include_usage=include_usage)
