@@ -184,11 +184,16 @@ def test_the_speech_endpoint_is_behind_the_key_and_the_body_limit(bounded,
     assert as_form.status_code == 415, as_form.text
 
 
-def cancelled(server) -> float:
+def metric(server, name: str) -> float:
     for line in httpx.get(server.base_url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("mlxvlm_preparations_cancelled_total"):
+        if line.startswith(name):
             return float(line.split()[-1])
-    raise AssertionError("no mlxvlm_preparations_cancelled_total in /metrics")
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def cancelled(server) -> float:
+    """Spoken answers are rows of the engine: a client's leaving stops its row."""
+    return metric(server, "mlxvlm_sequences_cancelled_total")
 
 
 def wait_until(condition, what: str) -> None:
@@ -201,15 +206,14 @@ def wait_until(condition, what: str) -> None:
 def test_a_client_leaving_while_its_answer_is_spoken_stops_it(busy, speaking_checkpoint,
                                                                loaded):
     before = cancelled(busy)
-    spoken_before = busy.log().count("speaking a ")
     # 4096 frames: seconds of speech the tiny talker would go on with, never ending
     body = json.dumps(speech_body(speaking_checkpoint, talker_max_frames=4096)).encode()
     client = raw_socket(busy.port, b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                         b"Content-Type: application/json\r\nContent-Length: "
                         + str(len(body)).encode() + b"\r\n\r\n" + body)
     try:
-        wait_until(lambda: busy.log().count("speaking a ") > spoken_before,
-                   "the answer to be spoken")
+        wait_until(lambda: metric(busy, "mlxvlm_active_sequences") >= 1,
+                   "the answer to be written and spoken")
         # the one admission slot is taken: the speech endpoint is refused as others are
         refused = post(busy, "/v1/audio/speech", speech_body(speaking_checkpoint), key=None)
         assert refused.status_code == 429, refused.text
@@ -217,7 +221,8 @@ def test_a_client_leaving_while_its_answer_is_spoken_stops_it(busy, speaking_che
     finally:
         client.close()
     wait_until(lambda: cancelled(busy) > before, "the spoken answer to be stopped")
-    assert "stopped speaking the answer: the client went away" in busy.log()
+    wait_until(lambda: metric(busy, "mlxvlm_active_sequences") == 0,
+               "the engine to free its row and its talker")
     # the model is free again: the next spoken answer is whole
     np.testing.assert_array_equal(
         spoken_samples(post(busy, "/v1/chat/completions",
