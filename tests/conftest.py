@@ -55,3 +55,15 @@ def speaking_checkpoint(tmp_path_factory):
     tiny = qwen3_omni_speech.build_tiny_model("qwen3_omni_moe_speech", seed=2)
     return str(qwen3_omni_speech.save_checkpoint(
         tiny, tmp_path_factory.mktemp("qwen3-omni-speech"), "hub"))
+
+
+@pytest.fixture(scope="session")
+def speaking_qwen2_5_checkpoint(tmp_path_factory):
+    """A tiny Qwen2.5-Omni that speaks (thinker, talker, token2wav), built once for the
+    tests of answers spoken together (its seed: one whose greedy talker speaks more than
+    a few codes for their prompts)."""
+    from tiny import qwen2_5_omni_speech
+
+    tiny = qwen2_5_omni_speech.build_tiny_model("qwen2_5_omni_speech", seed=3)
+    return str(qwen2_5_omni_speech.save_checkpoint(
+        tiny, tmp_path_factory.mktemp("qwen2_5-omni-speech"), "hub"))

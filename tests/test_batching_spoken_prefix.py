@@ -33,7 +33,7 @@ from mlxvlm.generate.speech import SpeechRequest
 from mlxvlm.models.layers.hidden_tap import HiddenTap, TapRecords
 from mlxvlm.prompt import PreparedInputs, prepare_inputs
 from omni_parity import media_turn
-from tiny import make_image, qwen2_5_omni_speech
+from tiny import make_image
 
 pytest.importorskip("torch")  # the tiny checkpoint is built with transformers' classes
 
@@ -49,10 +49,8 @@ def qwen3_omni(speaking_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def qwen2_5_omni(tmp_path_factory):
-    tiny = qwen2_5_omni_speech.build_tiny_model("qwen2_5_omni_speech", seed=2)
-    return mlxvlm.load(str(qwen2_5_omni_speech.save_checkpoint(
-        tiny, tmp_path_factory.mktemp("qwen2_5-omni-speech"), "hub")))
+def qwen2_5_omni(speaking_qwen2_5_checkpoint):
+    return mlxvlm.load(speaking_qwen2_5_checkpoint)
 
 
 @pytest.fixture(params=["qwen3_omni", "qwen2_5_omni"])

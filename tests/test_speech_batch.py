@@ -28,7 +28,6 @@ import pytest
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from tiny import qwen2_5_omni_speech
 
 import mlxvlm
 from mlxvlm.generate.speech import thinker_states
@@ -50,10 +49,8 @@ def qwen3(speaking_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def qwen2_5(tmp_path_factory):
-    tiny = qwen2_5_omni_speech.build_tiny_model("qwen2_5_omni_speech", seed=3)
-    path = qwen2_5_omni_speech.save_checkpoint(tiny, tmp_path_factory.mktemp("qwen2_5-omni"), "hub")
-    return mlxvlm.load(str(path))
+def qwen2_5(speaking_qwen2_5_checkpoint):
+    return mlxvlm.load(speaking_qwen2_5_checkpoint)
 
 
 @dataclass
