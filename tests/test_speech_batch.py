@@ -28,7 +28,6 @@ import pytest
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-
 import mlxvlm
 from mlxvlm.generate.speech import thinker_states
 from mlxvlm.generate.text import eos_token_ids
