@@ -16,6 +16,17 @@ peak decode batch (``/metrics``). The load average is written beside each run (t
 machine may be shared). Every tree must make the same text and audio (greedy): the
 benchmark checks it.
 
+With ``--together-vs-one-by-one`` (one tree), one server sends ``--spoken`` spoken answers
+at once and the same answers one after another, alternating which goes first run by run,
+and records each answer's first text delta, first audio delta, last text delta and end
+from its own send, and the wall time of all; each answer sent at once must make the same
+text and audio as when sent alone (greedy). ``--ignore-eos`` puts a logit bias of -100 on
+the checkpoint's end-of-answer ids, so that a random checkpoint writes ``--max-tokens``::
+
+    flock /work/notes/bigmem.lock python benchmarks/spoken_batching.py --model REAL \
+        --tree new=. --together-vs-one-by-one --spoken 2 --runs 2 --max-tokens 24 \
+        --frames 32 --ignore-eos --output r.json
+
 ``results/2026-12-06-intel-xeon-2c/spoken-batching-tiny.json`` was taken on the tests'
 tiny random checkpoint (``tests/tiny/qwen3_omni_speech.py``, seed 2, saved in the Hub's
 layout): at its widths every step is overhead, so it shows how the requests wait for one
