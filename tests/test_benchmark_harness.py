@@ -1,4 +1,5 @@
-"""benchmarks/run.py's run order and table (the engines themselves run in benchmarks/)."""
+"""benchmarks/run.py's run order and table, and helpers of other benchmark scripts (the
+engines themselves run in benchmarks/)."""
 
 from __future__ import annotations
 
@@ -308,3 +309,16 @@ def test_gemma4_table_checkpoint_at_full_depth_keeps_the_real_layer_pattern(tmp_
     assert reduced["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention",
                                       "sliding_attention", "full_attention"]
     assert reduced["num_kv_shared_layers"] == 2
+
+
+def test_spoken_batching_ignores_the_end_ids_mlxvlm_load_stops_at(speaking_checkpoint):
+    import sys
+
+    from mlxvlm import load
+    from mlxvlm.text.tokenization import processor_state
+
+    sys.path.insert(0, str(RUN_PY.parent))
+    from spoken_batching import eos_ids
+
+    _, processor = load(speaking_checkpoint)
+    assert eos_ids(speaking_checkpoint) == sorted(processor_state(processor).eos_token_ids)
