@@ -85,6 +85,7 @@ TALKER = dict(
     codec_think_bos_id=2156, codec_think_eos_id=2157, spatial_merge_size=2,
     speaker_id={"chelsie": 2301, "ethan": 2302, "aiden": 2303},
 )
+CODE2WAV = {}  # transformers' defaults are Qwen3-Omni-30B-A3B's code2wav
 
 
 def checkpoint_dir(experts: int) -> Path:
@@ -110,7 +111,7 @@ def build(experts: int) -> Path:
     text = {**TALKER_TEXT, "num_experts": experts}
     config = Qwen3OmniMoeConfig(talker_config={**TALKER, "text_config": text,
                                                "code_predictor_config": CODE_PREDICTOR},
-                                code2wav_config={}, enable_audio_output=True)
+                                code2wav_config=CODE2WAV, enable_audio_output=True)
     state = {}
     with torch.device("cpu"):
         talker = tm.Qwen3OmniMoeTalkerForConditionalGeneration._from_config(
