@@ -12,7 +12,9 @@ a 20-layer 1024-wide MoE talker, 6 of its experts per token with a shared expert
 heads over 2 KV heads; a 5-layer 1024-wide code predictor for the other 15 of 16 code
 groups; code2wav's 8-layer transformer and 1920x upsampling decoder) with random weights
 (bfloat16 on disk, float32 compute on both engines), built once under
-``benchmarks/checkpoints/``. ``--experts`` keeps fewer of the 128 experts (at least the 6
+``benchmarks/checkpoints/``: transformers' init with the talker's expert banks and
+routers drawn and its end-of-speech row zeroed (``checkpoints.speaks_until_stopped``), so
+that it speaks every frame asked. ``--experts`` keeps fewer of the 128 experts (at least the 6
 a token uses): a token's work is the same (6 experts of 384), only memory shrinks (128
 experts in float32 are 12 GB; with 6, both engines hold about 2.5 GB).
 The thinker (30B) is left out: the talker is given random conditioning of the thinker's
@@ -83,10 +85,13 @@ TALKER = dict(
     codec_think_bos_id=2156, codec_think_eos_id=2157, spatial_merge_size=2,
     speaker_id={"chelsie": 2301, "ethan": 2302, "aiden": 2303},
 )
+CODE2WAV = {}  # transformers' defaults are Qwen3-Omni-30B-A3B's code2wav
 
 
 def checkpoint_dir(experts: int) -> Path:
-    return CHECKPOINTS / f"qwen3-omni-30b-a3b-speech-e{experts}"
+    # "-drawn": checkpoints built before the talker's experts were drawn had them as
+    # ``torch.empty`` left them (zeros and float32 denormals); a new name leaves them unused
+    return CHECKPOINTS / f"qwen3-omni-30b-a3b-speech-e{experts}-drawn"
 
 
 def build(experts: int) -> Path:
@@ -96,6 +101,8 @@ def build(experts: int) -> Path:
     from transformers import Qwen3OmniMoeConfig
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as tm
 
+    from checkpoints import speaks_until_stopped
+
     out = checkpoint_dir(experts)
     if (out / "model.safetensors").exists():
         return out
@@ -104,11 +111,12 @@ def build(experts: int) -> Path:
     text = {**TALKER_TEXT, "num_experts": experts}
     config = Qwen3OmniMoeConfig(talker_config={**TALKER, "text_config": text,
                                                "code_predictor_config": CODE_PREDICTOR},
-                                code2wav_config={}, enable_audio_output=True)
+                                code2wav_config=CODE2WAV, enable_audio_output=True)
     state = {}
     with torch.device("cpu"):
         talker = tm.Qwen3OmniMoeTalkerForConditionalGeneration._from_config(
             config.talker_config, dtype=torch.bfloat16)
+        speaks_until_stopped(talker, config.talker_config)
         state.update({f"talker.{k}": v.contiguous() for k, v in talker.state_dict().items()})
         del talker
         code2wav = tm.Qwen3OmniMoeCode2Wav._from_config(config.code2wav_config,

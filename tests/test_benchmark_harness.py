@@ -322,3 +322,48 @@ def test_spoken_batching_ignores_the_end_ids_mlxvlm_load_stops_at(speaking_check
 
     _, processor = load(speaking_checkpoint)
     assert eos_ids(speaking_checkpoint) == sorted(processor_state(processor).eos_token_ids)
+
+
+def test_the_speech_benchmark_checkpoint_has_its_talker_drawn(tmp_path, monkeypatch):
+    """omni_speech.py's own build (at small widths): the talker's experts and routers drawn
+    as transformers' init draws the other weights, and its speech never ending early."""
+    import json
+    import sys
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(RUN_PY.parent))
+    import omni_speech
+
+    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, head_dim=8,
+                 num_attention_heads=2, num_key_value_heads=1)
+    monkeypatch.setattr(omni_speech, "CHECKPOINTS", tmp_path)
+    monkeypatch.setattr(omni_speech, "TALKER_TEXT", dict(
+        omni_speech.TALKER_TEXT, **small, moe_intermediate_size=8,
+        shared_expert_intermediate_size=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                         "mrope_section": [2, 1, 1], "interleaved": True}))
+    monkeypatch.setattr(omni_speech, "CODE_PREDICTOR", dict(omni_speech.CODE_PREDICTOR, **small))
+    monkeypatch.setattr(omni_speech, "TALKER", dict(omni_speech.TALKER, thinker_hidden_size=16))
+    monkeypatch.setattr(omni_speech, "CODE2WAV", dict(
+        codebook_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, decoder_dim=16,
+        upsample_rates=[2, 2, 2, 2], upsampling_ratios=[2, 2]))
+    directory = omni_speech.build(6)
+    config = json.loads((directory / "config.json").read_text())["talker_config"]
+    weights = {k: v.float().numpy() for k, v in
+               load_file(str(directory / "model.safetensors")).items()}
+    drawn = [k for k in weights
+             if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"))
+             and k.startswith("talker.model.layers.")]
+    assert len(drawn) == 3 * small["num_hidden_layers"]
+    # the same spread as the weights transformers' init draws, in every layer
+    reference = weights["talker.model.layers.0.mlp.shared_expert.gate_proj.weight"].std()
+    assert abs(reference - config["initializer_range"]) < 0.2 * config["initializer_range"]
+    for name in drawn:
+        assert np.isfinite(weights[name]).all(), name
+        assert abs(weights[name].std() - reference) < 0.3 * reference, name
+    head = weights["talker.codec_head.weight"]
+    assert not head[config["codec_eos_token_id"]].any()
+    assert np.count_nonzero(np.abs(head).sum(axis=1)) == head.shape[0] - 1
