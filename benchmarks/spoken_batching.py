@@ -171,28 +171,35 @@ def streamed(url: str, model: str, prompt: str, max_tokens: int, frames: int | N
                 audio_bytes=len(b"".join(audio)), audio=b"".join(audio))
 
 
-def one_run(server: Server, model: str, args, bias: dict | None) -> dict:
-    spoken = [PROMPTS[i % len(PROMPTS)] for i in range(args.spoken)]
-    results: list = [None] * (len(spoken) + 1)
-    barrier = threading.Barrier(len(results) + 1)
+def at_once(calls: list) -> list:
+    """Each ``call(start)`` on a thread of its own, all let go together (``start``: the
+    perf_counter time they were let go); their results, None for one that raised."""
+    results: list = [None] * len(calls)
+    barrier = threading.Barrier(len(calls) + 1)
     start_box: list[float] = []
 
     def run(i: int) -> None:
         barrier.wait()
-        if i < len(spoken):
-            results[i] = streamed(server.url, model, spoken[i], args.max_tokens, args.frames,
-                                  start_box[0], bias)
-        else:
-            results[i] = streamed(server.url, model, TEXT_PROMPT, args.text_tokens, None,
-                                  start_box[0], bias)
+        results[i] = calls[i](start_box[0])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(results))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
     for thread in threads:
         thread.start()
     start_box.append(time.perf_counter())
     barrier.wait()
     for thread in threads:
         thread.join()
+    return results
+
+
+def one_run(server: Server, model: str, args, bias: dict | None) -> dict:
+    spoken = [PROMPTS[i % len(PROMPTS)] for i in range(args.spoken)]
+    calls = [lambda start, prompt=prompt: streamed(server.url, model, prompt, args.max_tokens,
+                                                   args.frames, start, bias)
+             for prompt in spoken]
+    calls.append(lambda start: streamed(server.url, model, TEXT_PROMPT, args.text_tokens,
+                                        None, start, bias))
+    results = at_once(calls)
     wall = max(r["end_s"] for r in results)
     return dict(load_average=os.getloadavg(), wall_s=wall, peak_batch=server.peak_batch(),
                 spoken=results[:-1], text=results[-1])
@@ -200,22 +207,9 @@ def one_run(server: Server, model: str, args, bias: dict | None) -> dict:
 
 def spoken_together(server: Server, model: str, args, bias: dict | None) -> list[dict]:
     """``--spoken`` spoken answers sent at once."""
-    results: list = [None] * args.spoken
-    barrier = threading.Barrier(args.spoken + 1)
-    start_box: list[float] = []
-
-    def run(i: int) -> None:
-        barrier.wait()
-        results[i] = streamed(server.url, model, PROMPTS[i % len(PROMPTS)], args.max_tokens,
-                              args.frames, start_box[0], bias)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(args.spoken)]
-    for thread in threads:
-        thread.start()
-    start_box.append(time.perf_counter())
-    barrier.wait()
-    for thread in threads:
-        thread.join()
+    results = at_once([lambda start, i=i: streamed(server.url, model, PROMPTS[i % len(PROMPTS)],
+                                                   args.max_tokens, args.frames, start, bias)
+                       for i in range(args.spoken)])
     if any(r is None for r in results):
         raise RuntimeError("a spoken answer sent at once failed (see above)")
     return results
