@@ -176,6 +176,12 @@ def load_mlxvlm(directory: Path, precision: str, fast_paths: bool):
     import mlxvlm  # noqa: F401  (first: its CPU set-up runs before MLX loads)
     import mlx.core as mx
 
+    from mlxvlm.cpu import blas
+
+    # MLX loaded before mlxvlm binds its products to its own BLAS: float32 products and
+    # convolutions 4-10x slower, figures off without a sign (code2wav 41-54 s, not 4-13)
+    if blas.openblas_status.startswith("skipped"):
+        raise SystemExit(f"error: mlxvlm's CPU set-up did not run ({blas.openblas_status})")
     from mlxvlm.checkpoint.loading import load_weights_files
     from mlxvlm.models import qwen3_vl_moe
     from mlxvlm.models.layers.qwen3_omni_code2wav import Code2Wav, Code2WavConfig
@@ -454,6 +460,8 @@ def main() -> int:
     args = parser.parse_args()
     directory = checkpoint_dir(args.experts)
     if args.engine is not None:
+        if args.engine == "mlxvlm":
+            import mlxvlm  # noqa: F401  (before the runs import MLX: see load_mlxvlm)
         if args.speakers:
             result = run_speakers(directory, args.prompt, args.frames, args.weights[0],
                                   not args.no_cpu_fast_paths, not args.talker_only,

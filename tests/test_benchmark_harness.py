@@ -367,3 +367,30 @@ def test_the_speech_benchmark_checkpoint_has_its_talker_drawn(tmp_path, monkeypa
     head = weights["talker.codec_head.weight"]
     assert not head[config["codec_eos_token_id"]].any()
     assert np.count_nonzero(np.abs(head).sum(axis=1)) == head.shape[0] - 1
+
+
+def test_the_speech_benchmark_times_mlxvlm_with_its_cpu_set_up(tmp_path):
+    """omni_speech.py's mlxvlm child imports mlxvlm before MLX (MLX loaded first keeps its
+    own BLAS: float32 products and code2wav's convolutions several times slower), and its
+    loader refuses to time a process where MLX was loaded first."""
+    import os
+    import subprocess
+    import sys
+
+    script = RUN_PY.parent / "omni_speech.py"
+    env = {k: v for k, v in os.environ.items() if k != "MLXVLM_NO_OPENBLAS"}
+    # no checkpoint of that many experts: the child gets past the set-up check to its config
+    child = subprocess.run([sys.executable, str(script), "--engine", "mlxvlm", "--experts",
+                            "987654"], capture_output=True, text=True, env=env, timeout=300)
+    assert child.returncode != 0
+    assert "config.json" in child.stderr, child.stderr
+    assert "set-up did not run" not in child.stderr
+    mlx_first = ("import sys; import mlx.core; sys.path.insert(0, sys.argv[1]); "
+                 "import omni_speech; omni_speech.load_mlxvlm(omni_speech.Path(sys.argv[2]), "
+                 "'float32', True)")
+    loaded_first = subprocess.run([sys.executable, "-c", mlx_first, str(RUN_PY.parent),
+                                   str(tmp_path)], capture_output=True, text=True, env=env,
+                                  timeout=300)
+    assert loaded_first.returncode != 0
+    assert loaded_first.stderr.strip().splitlines()[-1] == (
+        "error: mlxvlm's CPU set-up did not run (skipped: mlx.core was imported before mlxvlm)")
