@@ -16,9 +16,9 @@ import time
 
 sys.modules["torch"] = None  # as a user's install: transformers without torch
 
-import mlx.core as mx  # noqa: E402
+from mlxvlm import load  # noqa: E402  (first: it sets up the CPU backend before MLX loads)
 
-from mlxvlm import load  # noqa: E402
+import mlx.core as mx  # noqa: E402
 
 
 def timed(timings: dict, name: str, fn, *args):

@@ -28,11 +28,10 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
 
+    import mlxvlm  # noqa: F401  (first: it sets up the CPU backend before MLX loads)
     import mlx.core as mx
     import numpy as np
     import torch
-
-    import mlxvlm  # noqa: F401  (sets up the CPU backend)
     from mlxvlm.cpu import kernels
 
     weight = (mx.random.normal((args.n, args.k), key=mx.random.key(0)) * 0.02).astype(mx.bfloat16)

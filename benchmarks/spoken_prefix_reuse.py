@@ -40,11 +40,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+import mlxvlm  # first: it sets up the CPU backend before MLX loads
+
 import mlx.core as mx
 import numpy as np
 from PIL import Image
 
-import mlxvlm
 from mlxvlm.batching import BatchAudio, BatchEngine, BatchStep, SamplingOptions
 from mlxvlm.batching.prefix_cache import PrefixCache, image_hash
 from mlxvlm.generate.speech import SpeechRequest

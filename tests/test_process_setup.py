@@ -14,12 +14,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_python(script: str, tmp_path, **env_extra) -> dict:
+    """What ``script`` printed last (JSON), and under ``"stderr"`` what it wrote there."""
     env = {k: v for k, v in os.environ.items() if k != "MLXVLM_ALLOW_TORCH"}
     env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=REPO, **env_extra)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "stderr": out.stderr}
 
 
 def test_import_loads_nothing_and_builds_nothing(tmp_path):
@@ -33,7 +34,7 @@ def test_import_loads_nothing_and_builds_nothing(tmp_path):
         "                  'version': mlxvlm.__version__}))\n",
         tmp_path,
     )
-    assert seen == {"heavy": [], "environ_same": True, "version": "0.1.0"}
+    assert seen == {"heavy": [], "environ_same": True, "version": "0.1.0", "stderr": ""}
     # the BLAS shim is compiled into the cache on MLX's first import, not on mlxvlm's
     assert not (tmp_path / "cache").exists()
 
@@ -52,6 +53,7 @@ def test_the_program_importing_mlx_after_mlxvlm_gets_the_set_up(tmp_path):
     assert seen["blas"].startswith("loaded"), seen
     assert "sgemv" in seen["shim"], seen
     assert seen["torch_seen"] is False
+    assert "imported after mlx.core" not in seen["stderr"]
 
 
 def test_mlx_imported_first_is_left_alone_and_said(tmp_path):
@@ -64,6 +66,8 @@ def test_mlx_imported_first_is_left_alone_and_said(tmp_path):
     expected = ("not used on macOS (Accelerate/Metal)" if sys.platform == "darwin"
                 else "skipped: mlx.core was imported before mlxvlm")
     assert seen["blas"] == expected
+    if sys.platform == "linux":  # said once, as a warning the script's author sees
+        assert seen["stderr"].count("RuntimeWarning: mlxvlm was imported after mlx.core") == 1
 
 
 def test_public_names_resolve_on_first_use(tmp_path):
