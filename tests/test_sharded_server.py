@@ -441,7 +441,11 @@ def test_the_sharded_server_answers_concurrent_clients_as_one_process(checkpoint
     assert "another rank left the run" in lost.error["message"]
     assert "stopping: rank 1 is gone (its connection to rank 0 closed)" in stopped, stopped
     # (expected operation: one warning, no traceback)
-    assert "a streamed answer ended with a 503: another rank left the run" in stopped, stopped
+    # the stream's end is seen either by the failed collective ("rank 0 of 2: another rank
+    # left the run ...") or by the peer watch first ("another rank left the run: ...")
+    assert any(line.startswith("WARNING mlxvlm.server: a streamed answer ended with a 503: ")
+               and "another rank left the run" in line
+               for line in stopped.splitlines()), stopped
     assert "Traceback" not in stopped, stopped
     assert "Node with rank 0 exited with code" in stopped, stopped
 
