@@ -165,6 +165,7 @@ def main() -> None:
     parser.add_argument("--output", default=None, help="also write the raw runs as JSON")
     args = parser.parse_args()
 
+    import mlxvlm  # noqa: F401  (first: it sets up the CPU backend before MLX loads)
     import mlx.core as mx
     import numpy as np
 
