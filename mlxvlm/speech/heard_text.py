@@ -1,11 +1,15 @@
 """The text a talker hears, one row per step: rows handed over as the thinker writes them,
 then, once the text has ended, a pad row for every step after the last. Both families'
 talker streams keep theirs in one of these, and both families' followers of the thinker
-find where the answer ends with a ``FirstEnd``."""
+find where the answer ends with a ``FirstEnd`` and read the prompt's ids with
+``read_prompt_ids``."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
+
+from mlxvlm.errors import MlxvlmError
 
 
 class HeardText:
@@ -46,3 +50,15 @@ class FirstEnd:
                 self.index = self._checked
             self._checked += 1
         return self.index
+
+
+def read_prompt_ids(tap, prompt_tokens: int) -> np.ndarray:
+    """The prompt's token ids as the thinker's tap recorded them (a follower builds the
+    talker's prefill from them); refused where the tap lacks them."""
+    if any(ids is None for ids in tap.ids):
+        raise MlxvlmError("speech output needs the prompt's token ids")
+    ids = np.concatenate([np.asarray(i).reshape(-1) for i in tap.ids])
+    if len(ids) < prompt_tokens:
+        raise MlxvlmError("speech output needs the thinker's states of the whole prompt "
+                          "(a reused prompt cache skips them)")
+    return ids[:prompt_tokens]

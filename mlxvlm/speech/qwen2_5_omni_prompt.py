@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.speech.heard_text import FirstEnd
+from mlxvlm.speech.heard_text import FirstEnd, read_prompt_ids
 from mlxvlm.speech.spk_dict import Voice
 
 
@@ -91,21 +91,12 @@ class TalkerText:
         config = self.model.talker.config
         return mx.split(self._embed([config.text_eos_id, config.text_pad_id]), 2)
 
-    def _prompt_ids(self) -> np.ndarray:
-        if any(ids is None for ids in self.tap.ids):
-            raise MlxvlmError("speech output needs the prompt's token ids")
-        ids = np.concatenate([np.asarray(i).reshape(-1) for i in self.tap.ids])
-        if len(ids) < self.prompt_tokens:
-            raise MlxvlmError("speech output needs the thinker's states of the whole prompt "
-                              "(a reused prompt cache skips them)")
-        return ids[: self.prompt_tokens]
-
     def _prefill(self) -> tuple[mx.array, mx.array]:
         """The talker's prefill (1, L, hidden) and its positions (3, L)."""
         model = self.model
         config = model.talker.config
         args = model.args
-        prompt_ids = self._prompt_ids()
+        prompt_ids = read_prompt_ids(self.tap, self.prompt_tokens)
         length = self.prompt_tokens
         embeddings, hidden = self.tap.states(length + 1)
         media = np.isin(prompt_ids, [args.audio_token_id, args.image_token_id,

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxvlm.errors import MlxvlmError
-from mlxvlm.speech.heard_text import FirstEnd
+from mlxvlm.speech.heard_text import FirstEnd, read_prompt_ids
 
 
 class TalkerText:
@@ -83,7 +83,7 @@ class TalkerText:
     def _assistant_start(self) -> int:
         if self._start is None:
             speech = self.model.speech_config
-            prompt_ids = self._prompt_ids()
+            prompt_ids = read_prompt_ids(self.tap, self.prompt_tokens)
             assistant = np.flatnonzero((prompt_ids[:-1] == speech.im_start_token_id)
                                        & (prompt_ids[1:] == speech.assistant_token_id))
             if not len(assistant):
@@ -91,15 +91,6 @@ class TalkerText:
                                   "(no <|im_start|>assistant)")
             self._start = int(assistant[-1])
         return self._start
-
-    def _prompt_ids(self) -> np.ndarray:
-        if any(ids is None for ids in self.tap.ids):
-            raise MlxvlmError("speech output needs the prompt's token ids")
-        ids = np.concatenate([np.asarray(i).reshape(-1) for i in self.tap.ids])
-        if len(ids) < self.prompt_tokens:
-            raise MlxvlmError("speech output needs the thinker's states of the whole prompt "
-                              "(a reused prompt cache skips them)")
-        return ids[: self.prompt_tokens]
 
     def _specials(self) -> tuple[mx.array, mx.array, mx.array]:
         speech = self.model.speech_config
@@ -115,7 +106,7 @@ class TalkerText:
         talker = model.talker
         talker_config = speech.talker
         args = model.args
-        prompt_ids = self._prompt_ids()
+        prompt_ids = read_prompt_ids(self.tap, self.prompt_tokens)
         length = len(prompt_ids)
         embeddings, hidden = self.tap.states(start + 4)
 
